@@ -1,0 +1,33 @@
+"""The ``dlmix`` command line (typer). Each sub-command lives in its own module; this file only wires them."""
+from __future__ import annotations
+
+import typer
+
+app = typer.Typer(no_args_is_help=True, add_completion=False, help="dlmix: heterogeneous LLM serving.")
+models_app = typer.Typer(no_args_is_help=True, help="Prepare the models dlmix tests and demos use.")
+app.add_typer(models_app, name="models")
+
+
+@models_app.command("prepare")
+def models_prepare(
+    name: str = typer.Argument(..., help="smollm2 (real SmolLM2-135M-Instruct) or tiny-llama (random weights)"),
+    cache_dir: str = typer.Option(None, "--cache-dir", help="Cache root (default $DLMIX_CACHE or ~/.cache/dlmix)"),
+) -> None:
+    """Build the model's Hugging Face folder once (cached) and print its path."""
+    from dlmix import models
+
+    try:
+        path = models.prepare(name, cache_dir=cache_dir)
+    except models.ModelError as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(2)
+    typer.echo(str(path))
+
+
+def main() -> None:
+    """Console-script entry point."""
+    app()
+
+
+if __name__ == "__main__":
+    main()

