@@ -1,0 +1,194 @@
+"""Policy interface: filter -> score -> pick, as pure objects over plain state.
+
+A policy is a small object with no I/O: it reads :class:`~dlmix.router.state.InstanceState` objects (load, health,
+chip, role), a :class:`~dlmix.router.state.RouteRequest`, and prefix hits through a :class:`ClusterView`, and returns a
+:class:`~dlmix.router.state.Decision`. The live router and the simulator (``dlmix.sim``) both drive policies the same
+way::
+
+    view = ClusterView(instances, index=prefix_index, cost=cost_model)
+    decision = policy.choose(req, view)          # raises NoInstanceError if nothing can serve
+    begin(decision, req)                         # router/simulator: count the request in the load
+    policy.on_dispatch(req, decision, view)      # policy-private state (round-robin cursor, approximate index)
+    ... prefill finishes ...  prefill_done(decision, req)
+    ... request finishes ...  end(decision, req)
+
+Writing a policy (one file in ``dlmix/router/policies/``): subclass :class:`Policy`, set ``name``, override
+``score`` (lower is better) and optionally ``filter``/``pick``/``choose``, then add it to ``POLICIES`` in
+``dlmix/router/policies/__init__.py``.
+
+PD disaggregation for the baseline policies: if the view has available ``prefill``-role instances, the base
+``choose`` picks the decode instance from decode-capable instances and, independently, a prefill instance from the
+``prefill``-role instances with the same filter/score/pick (what vLLM's and SGLang's PD routers do). The ``cost``
+policy overrides ``choose`` to pick the pair jointly.
+"""
+from __future__ import annotations
+
+from typing import Dict, List, Optional, Sequence
+
+from dlmix.router.state import Decision, InstanceState, NoInstanceError, RouteRequest
+
+
+class ClusterView:
+    """Snapshot handle a policy decides on: instances plus prefix-hit lookups. No I/O.
+
+    Args:
+        instances: all registered instances (the view filters availability itself).
+        index: a prefix index with ``match(hashes: Sequence[int]) -> dict[slot, blocks]`` (see
+            :class:`dlmix.router.prefix_index.PrefixIndex`), or None (no prefix information).
+        cost: a :class:`dlmix.hw.cost.CostModel` or None (only the ``cost`` policy needs one).
+        approx_index: optional second index (router-recorded prefixes) consulted when ``index`` has no hit for an
+            instance; hits from it count the same.
+    """
+
+    __slots__ = ("instances", "index", "approx_index", "cost", "_hits")
+
+    def __init__(self, instances: Sequence[InstanceState], index=None, cost=None, approx_index=None):
+        self.instances = instances
+        self.index = index
+        self.approx_index = approx_index
+        self.cost = cost
+        self._hits: Dict[int, Dict[int, int]] = {}
+
+    def hit_tokens(self, req: RouteRequest, inst: InstanceState) -> int:
+        """Prefix-hit tokens of ``req`` on ``inst``: leading consecutive cached blocks × block size (tokens).
+
+        Looks up the exact (KV-event fed) index first, then the approximate one; results are cached per block size
+        for the life of this view (one view per request).
+        """
+        if self.index is None and self.approx_index is None:
+            return 0
+        bs = inst.block_size
+        per_slot = self._hits.get(bs)
+        if per_slot is None:
+            hashes = req.block_hashes(bs)
+            per_slot = {}
+            if hashes:
+                if self.approx_index is not None:
+                    per_slot.update(self.approx_index.match(hashes))
+                if self.index is not None:
+                    for s, n in self.index.match(hashes).items():
+                        if n > per_slot.get(s, 0):
+                            per_slot[s] = n
+            self._hits[bs] = per_slot
+        return per_slot.get(inst.slot, 0) * bs
+
+    def decode_candidates(self, req: RouteRequest) -> List[InstanceState]:
+        """Available instances serving ``req.model`` whose role is ``decode`` or ``both``."""
+        m = req.model
+        return [i for i in self.instances if i.healthy and not i.draining and i.role != "prefill" and i.serves(m)]
+
+    def prefill_candidates(self, req: RouteRequest) -> List[InstanceState]:
+        """Available ``prefill``-role instances serving ``req.model`` (empty: no PD disaggregation)."""
+        m = req.model
+        return [i for i in self.instances if i.healthy and not i.draining and i.role == "prefill" and i.serves(m)]
+
+
+class Policy:
+    """Base policy. Subclasses override :meth:`score` (and optionally the other steps).
+
+    Class attributes:
+        name: registry name (``--policy NAME``).
+        needs_prompt: True if the policy uses prefix hits; the router then extracts/tokenizes the prompt and builds
+            block hashes (costly), otherwise it only reads ``model``/``stream`` from the body.
+    """
+
+    name = "base"
+    needs_prompt = False
+
+    def filter(self, req: RouteRequest, cands: List[InstanceState], view: ClusterView) -> List[InstanceState]:
+        """Drop candidates that must not be used. Default: keep all."""
+        return cands
+
+    def score(self, req: RouteRequest, cands: List[InstanceState], view: ClusterView) -> List[float]:
+        """One score per candidate, lower is better. Default: router-counted in-flight requests."""
+        return [float(c.load.inflight) for c in cands]
+
+    def pick(self, req: RouteRequest, cands: List[InstanceState], scores: List[float]) -> InstanceState:
+        """Pick the lowest score; ties broken by fewest processed requests, then list order."""
+        best = 0
+        for i in range(1, len(cands)):
+            if scores[i] < scores[best] or (
+                scores[i] == scores[best] and cands[i].load.processed < cands[best].load.processed
+            ):
+                best = i
+        return cands[best]
+
+    def select(self, req: RouteRequest, cands: List[InstanceState], view: ClusterView) -> InstanceState:
+        """filter → score → pick over ``cands``. Raises NoInstanceError when nothing is left."""
+        cands = self.filter(req, cands, view)
+        if not cands:
+            raise NoInstanceError(f"no available instance for model {req.model!r}")
+        if len(cands) == 1:
+            return cands[0]
+        return self.pick(req, cands, self.score(req, cands, view))
+
+    def choose(self, req: RouteRequest, view: ClusterView) -> Decision:
+        """Place ``req``: decode instance from decode-capable instances, plus an independent prefill instance when
+        ``prefill``-role instances exist. Raises NoInstanceError."""
+        d = self.select(req, view.decode_candidates(req), view)
+        pcands = view.prefill_candidates(req)
+        if not pcands:
+            return Decision(decode=d, hit_tokens=view.hit_tokens(req, d), reason=self.name)
+        p = self.select(req, pcands, view)
+        return Decision(decode=d, prefill=p, hit_tokens=view.hit_tokens(req, p), reason=self.name + ":pd")
+
+    def on_dispatch(self, req: RouteRequest, decision: Decision, view: ClusterView) -> None:
+        """Called after a decision was dispatched (update policy-private state). Default: nothing."""
+
+    def on_remove(self, inst: InstanceState) -> None:
+        """Called when an instance leaves the registry (drop policy-private state). Default: nothing."""
+
+
+# ---- load bookkeeping shared by the router and the simulator -------------------------------------------------
+
+def begin(decision: Decision, req: RouteRequest) -> None:
+    """Count a dispatched request in the instances' load (router-side counters of :class:`InstanceLoad`)."""
+    uncached = max(req.prompt_len - decision.hit_tokens, 0)
+    d = decision.decode.load
+    d.inflight += 1
+    d.processed += 1
+    if decision.prefill is not None:
+        p = decision.prefill.load
+        p.inflight += 1
+        p.processed += 1
+        p.inflight_prefill_tokens += uncached
+    else:
+        d.inflight_prefill_tokens += uncached
+
+
+def prefill_done(decision: Decision, req: RouteRequest) -> None:
+    """The prefill finished (prefill leg returned, or first token of a local prefill): move the request from the
+    prefill queue to the decode batch."""
+    uncached = max(req.prompt_len - decision.hit_tokens, 0)
+    if decision.prefill is not None:
+        p = decision.prefill.load
+        p.inflight = max(p.inflight - 1, 0)
+        p.inflight_prefill_tokens = max(p.inflight_prefill_tokens - uncached, 0)
+    else:
+        d0 = decision.decode.load
+        d0.inflight_prefill_tokens = max(d0.inflight_prefill_tokens - uncached, 0)
+    d = decision.decode.load
+    d.inflight_decode += 1
+    d.decode_ctx_tokens += req.prompt_len
+
+
+def end(decision: Decision, req: RouteRequest, prefilled: bool = True) -> None:
+    """The request finished (or failed). ``prefilled`` says whether :func:`prefill_done` ran for it."""
+    d = decision.decode.load
+    d.inflight = max(d.inflight - 1, 0)
+    if prefilled:
+        d.inflight_decode = max(d.inflight_decode - 1, 0)
+        d.decode_ctx_tokens = max(d.decode_ctx_tokens - req.prompt_len, 0)
+    else:
+        uncached = max(req.prompt_len - decision.hit_tokens, 0)
+        if decision.prefill is not None:
+            p = decision.prefill.load
+            p.inflight = max(p.inflight - 1, 0)
+            p.inflight_prefill_tokens = max(p.inflight_prefill_tokens - uncached, 0)
+        else:
+            d.inflight_prefill_tokens = max(d.inflight_prefill_tokens - uncached, 0)
+
+
+__all__ = ["ClusterView", "Policy", "begin", "prefill_done", "end", "Decision", "RouteRequest", "NoInstanceError"]
+
+_Opt = Optional

@@ -1,0 +1,174 @@
+"""Plain, I/O-free state the routing policies operate on.
+
+These types are shared by the live router (:mod:`dlmix.router.server`) and the simulator (``dlmix.sim``): a policy
+sees only :class:`InstanceState` objects, a :class:`RouteRequest`, and a prefix-hit lookup, and returns a
+:class:`Decision`. Nothing here opens a socket, reads a clock, or logs.
+
+Units: tokens are token counts, times are seconds, bandwidths bytes/second, sizes bytes.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional, Sequence
+
+ROLES = ("prefill", "decode", "both")
+
+
+@dataclass
+class InstanceLoad:
+    """Load of one engine instance.
+
+    Two sources are merged: counters the router keeps itself (updated at dispatch/completion, always fresh) and the
+    figures the engine reports in its heartbeat (``waiting``, ``running``, ``kv_usage``; possibly a second old).
+
+    Attributes:
+        inflight: requests the router has sent to this instance and not seen finish (any leg).
+        inflight_prefill_tokens: uncached prompt tokens the router has sent for prefill and whose prefill has not
+            finished yet (tokens); the policy's prefill-queue term.
+        inflight_decode: decoding requests (router-counted) -- the decode batch size B.
+        decode_ctx_tokens: sum of context lengths of those decoding requests (tokens), Σctx of the decode step.
+        waiting: engine-reported waiting requests (heartbeat), 0 if unknown.
+        running: engine-reported running requests (heartbeat), 0 if unknown.
+        kv_usage: engine-reported KV cache usage in [0, 1] (heartbeat), 0.0 if unknown.
+        processed: requests ever dispatched to the instance (tie-break, as SGLang's router).
+    """
+
+    inflight: int = 0
+    inflight_prefill_tokens: int = 0
+    inflight_decode: int = 0
+    decode_ctx_tokens: int = 0
+    waiting: int = 0
+    running: int = 0
+    kv_usage: float = 0.0
+    processed: int = 0
+
+    def queue_len(self) -> int:
+        """Requests queued or running as best known: max of the router's own count and the engine's report."""
+        return max(self.inflight, self.waiting + self.running)
+
+
+@dataclass
+class InstanceState:
+    """One engine instance as the router and the policies see it.
+
+    Attributes:
+        id: unique name (defaults to the URL).
+        url: base URL, e.g. ``http://10.0.0.5:8000`` (no trailing slash).
+        engine: engine adapter name (``vllm``).
+        role: ``prefill``, ``decode`` or ``both``.
+        model: served model name(s) as the engine reports them in ``/v1/models``; the first is the primary.
+        cluster: cluster name (free text; cross-cluster mode balances across clusters of different chips).
+        chip: chip profile name in the catalog (:mod:`dlmix.hw.profiles`), e.g. ``H100``; ``cpu-x86`` default.
+        num_chips: chips the instance spans (TP*PP); scales the cost model linearly.
+        block_size: engine KV block size in tokens (vLLM ``--block-size``), used for block hashes.
+        kv_layout: KV layout descriptor as a plain dict (``dlmix.kv.layout`` format when available).
+        transport: transport descriptor dict, e.g. ``{"name": "nixl", "bandwidth_gbps": 100, "setup_ms": 1}``.
+        kv_events: ZMQ endpoint of the engine's KV events publisher (``tcp://host:port``) or None.
+        api_key: bearer key the router presents to this backend, or None.
+        healthy: passes health checks / heartbeats and its circuit breaker is closed.
+        draining: admin-drained: takes no new requests, finishes the running ones.
+        slot: small integer the prefix index uses as this instance's bit (assigned by the registry).
+        load: :class:`InstanceLoad`.
+        ttft_ratio / itl_ratio: online calibration, EWMA of measured/predicted TTFT and ITL (1.0 = model exact).
+        extra: free-form metadata (e.g. the engine's registration payload).
+    """
+
+    id: str
+    url: str
+    engine: str = "vllm"
+    role: str = "both"
+    model: Sequence[str] = ()
+    cluster: str = "default"
+    chip: str = "cpu-x86"
+    num_chips: int = 1
+    block_size: int = 16
+    kv_layout: Optional[dict] = None
+    transport: Optional[dict] = None
+    kv_events: Optional[str] = None
+    api_key: Optional[str] = None
+    healthy: bool = True
+    draining: bool = False
+    slot: int = -1
+    load: InstanceLoad = field(default_factory=InstanceLoad)
+    ttft_ratio: float = 1.0
+    itl_ratio: float = 1.0
+    extra: dict = field(default_factory=dict)
+
+    def serves(self, model: Optional[str]) -> bool:
+        """True if ``model`` is None/empty (any) or one of this instance's served model names."""
+        return not model or not self.model or model in self.model
+
+    def can_prefill(self) -> bool:
+        """Role allows prefill legs (``prefill`` or ``both``)."""
+        return self.role in ("prefill", "both")
+
+    def can_decode(self) -> bool:
+        """Role allows decode legs or whole requests (``decode`` or ``both``)."""
+        return self.role in ("decode", "both")
+
+    def available(self) -> bool:
+        """Healthy and not draining."""
+        return self.healthy and not self.draining
+
+
+@dataclass
+class RouteRequest:
+    """What a policy knows about one request.
+
+    Attributes:
+        model: requested model name (may be None).
+        prompt_len: prompt length in tokens (exact with a tokenizer, estimated as chars/4 otherwise).
+        max_tokens: requested output tokens (None = unknown; the cost model then uses ``default_output_tokens``).
+        stream: whether the client streams.
+        block_hashes: callable ``block_size -> list[int]`` giving the request's chained block hashes (64-bit ints) for
+            an engine block size; cached by the caller. Empty list when no prompt text could be extracted.
+        key: affinity key (optional), e.g. a session id.
+    """
+
+    model: Optional[str] = None
+    prompt_len: int = 0
+    max_tokens: Optional[int] = None
+    stream: bool = False
+    block_hashes: Callable[[int], Sequence[int]] = field(default=lambda bs: ())
+    key: Optional[str] = None
+
+
+@dataclass
+class Decision:
+    """A policy's placement.
+
+    Attributes:
+        decode: instance that produces the answer (whole request when ``prefill`` is None).
+        prefill: instance that runs the prefill leg (PD disaggregation) or None (no disaggregation).
+        predicted_ttft: the policy's TTFT estimate in seconds, if it made one (else None).
+        hit_tokens: prefix-hit tokens expected on the instance that prefills.
+        reason: short machine-readable reason, e.g. ``"local:short"``, ``"pd"``, ``"rr"``; goes to metrics labels.
+    """
+
+    decode: InstanceState
+    prefill: Optional[InstanceState] = None
+    predicted_ttft: Optional[float] = None
+    hit_tokens: int = 0
+    reason: str = ""
+
+
+class NoInstanceError(Exception):
+    """No healthy instance can serve the request (the router answers 503)."""
+
+
+def prompt_len_from_hashes(req: RouteRequest, block_size: int) -> int:
+    """Helper: number of tokens covered by full blocks of the request at ``block_size`` (tokens)."""
+    return len(req.block_hashes(block_size)) * block_size
+
+
+__all__ = [
+    "ROLES",
+    "InstanceLoad",
+    "InstanceState",
+    "RouteRequest",
+    "Decision",
+    "NoInstanceError",
+    "prompt_len_from_hashes",
+]
+
+_ = Any  # re-exported typing helper for policy authors
