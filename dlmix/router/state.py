@@ -94,6 +94,9 @@ class InstanceState:
     itl_ratio: float = 1.0
     extra: dict = field(default_factory=dict)
 
+    def __repr__(self) -> str:
+        return f"InstanceState({self.id!r}, role={self.role}, chip={self.chip}, healthy={self.healthy})"
+
     def serves(self, model: Optional[str]) -> bool:
         """True if ``model`` is None/empty (any) or one of this instance's served model names."""
         return not model or not self.model or model in self.model

@@ -1,0 +1,22 @@
+"""Routing policies: one small file each, registered by name in :data:`POLICIES`.
+
+Interface and bookkeeping: :mod:`dlmix.router.policies.base`. Build one with :func:`make_policy`.
+"""
+from __future__ import annotations
+
+from dlmix.router.policies.base import ClusterView, Policy, begin, end, prefill_done  # noqa: F401
+from dlmix.router.policies.cost import CostPolicy
+from dlmix.router.policies.least_load import LeastLoad
+from dlmix.router.policies.prefix import PrefixAware
+from dlmix.router.policies.round_robin import RoundRobin
+
+POLICIES = {p.name: p for p in (RoundRobin, LeastLoad, PrefixAware, CostPolicy)}
+
+
+def make_policy(name: str, **params) -> Policy:
+    """Policy instance by registry name with its keyword parameters. Raises ValueError for an unknown name."""
+    try:
+        cls = POLICIES[name]
+    except KeyError:
+        raise ValueError(f"unknown policy {name!r}; choose one of {', '.join(POLICIES)}") from None
+    return cls(**params)

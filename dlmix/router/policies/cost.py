@@ -1,0 +1,107 @@
+"""``cost`` (default): joint prefill/decode placement by predicted TTFT on heterogeneous chips.
+
+For a request of N prompt tokens (h_X = prefix-hit tokens on instance X, from the KV-event index or the approximate
+index), every decode-capable instance D is scored for two plans (Mooncake FAST'25 Alg. 1 "Conductor", DistServe
+OSDI'24 placement, Splitwise ISCA'24 phase split; formulas in :mod:`dlmix.hw.cost`):
+
+* local (no disaggregation): ``TTFT = Q_D + T_pre_D(N, h_D)·r_D``; ``Q_X`` = prefill time of the uncached tokens
+  already queued on X (router-counted), ``r_X`` = X's online TTFT calibration ratio;
+* PD with each prefill-role instance P: ``TTFT = Q_P + T_pre_P(N, h_P)·r_P + T_xfer(P→D, N − h_D) + t1``.
+
+Constraint: D must keep its ITL target after admitting the request, ``T_step_D(B_D+1, Σctx_D+N)·r_itl_D ≤ itl_target``;
+instances breaking it get a penalty of ``penalty_s`` per 100 % excess, so they are used only if all break it.
+Local prefill stalls D's running batch; that costs ``interference × T_pre_D`` when D has running decodes.
+Disaggregate only if it beats local by ``pd_margin_s`` and D lacks more than ``local_max_uncached`` tokens
+(short or mostly cached prompts prefill on the decode instance, as Dynamo's ``isl_bounding``).
+
+Without prefill-role instances (aggregated or cross-cluster mode, ``both`` instances on different chips) the objective
+is the predicted completion time ``TTFT + out · T_step_D`` (out = max_tokens or ``default_output_tokens``), which
+balances per-chip speed against queueing.
+
+Pure object: reads instance state and the view, no I/O. Needs a :class:`dlmix.hw.cost.CostModel` on the view (else it
+falls back to least-load scoring).
+"""
+from __future__ import annotations
+
+from typing import List, Optional
+
+from dlmix.router.policies.base import ClusterView, Policy
+from dlmix.router.state import Decision, InstanceState, NoInstanceError, RouteRequest
+
+
+class CostPolicy(Policy):
+    """Args (seconds unless noted): itl_target (decode ITL SLO), local_max_uncached (tokens), pd_margin_s,
+    interference (fraction of a local prefill charged to a busy D), penalty_s, default_output_tokens (tokens)."""
+
+    name = "cost"
+    needs_prompt = True
+
+    def __init__(self, itl_target: float = 0.05, local_max_uncached: int = 256, pd_margin_s: float = 0.002,
+                 interference: float = 0.5, penalty_s: float = 10.0, default_output_tokens: int = 256, **_):
+        self.itl_target = float(itl_target)
+        self.local_max_uncached = int(local_max_uncached)
+        self.pd_margin_s = float(pd_margin_s)
+        self.interference = float(interference)
+        self.penalty_s = float(penalty_s)
+        self.default_output_tokens = int(default_output_tokens)
+
+    # --- pieces, public for the simulator and tests -------------------------------------------------------------
+    def queue_time(self, cost, inst: InstanceState) -> float:
+        """Seconds of prefill work already queued on ``inst`` (router-counted uncached tokens, linear part)."""
+        q = inst.load.inflight_prefill_tokens
+        if q <= 0:
+            return 0.0
+        return (cost.prefill_time(inst.chip, q, 0, inst.num_chips) - cost.t0) * inst.ttft_ratio
+
+    def itl_penalty(self, cost, d: InstanceState, n: int) -> float:
+        """Penalty (s) if admitting ``n`` more context tokens breaks D's ITL target, else 0."""
+        step = cost.decode_step_time(d.chip, d.load.inflight_decode + 1, d.load.decode_ctx_tokens + n,
+                                     d.num_chips) * d.itl_ratio
+        if step <= self.itl_target:
+            return 0.0
+        return self.penalty_s * (step / self.itl_target - 1.0)
+
+    def choose(self, req: RouteRequest, view: ClusterView) -> Decision:
+        """Best (P, D) or local plan. Raises NoInstanceError when no decode-capable instance is available."""
+        dcands = view.decode_candidates(req)
+        if not dcands:
+            raise NoInstanceError(f"no available instance for model {req.model!r}")
+        cost = view.cost
+        if cost is None:
+            d = min(dcands, key=lambda c: (c.load.queue_len(), c.load.processed))
+            return Decision(decode=d, hit_tokens=view.hit_tokens(req, d), reason="cost:noload")
+        pcands = view.prefill_candidates(req)
+        n = req.prompt_len
+        out = req.max_tokens or self.default_output_tokens
+        # prefill-side figures, computed once per P
+        pplans = []
+        for p in pcands:
+            hp = min(view.hit_tokens(req, p), n)
+            tp = self.queue_time(cost, p) + cost.prefill_time(p.chip, n, hp, p.num_chips) * p.ttft_ratio
+            pplans.append((tp, p, hp))
+        best: Optional[tuple] = None
+        for d in dcands:
+            hd = min(view.hit_tokens(req, d), n)
+            pen = self.itl_penalty(cost, d, n)
+            t_local = self.queue_time(cost, d) + cost.prefill_time(d.chip, n, hd, d.num_chips) * d.ttft_ratio
+            obj_local = t_local + pen
+            if d.load.inflight_decode > 0:
+                obj_local += self.interference * (t_local - self.queue_time(cost, d))
+            if not pplans:
+                step = cost.decode_step_time(d.chip, d.load.inflight_decode + 1, d.load.decode_ctx_tokens + n,
+                                             d.num_chips) * d.itl_ratio
+                obj_local += out * step
+            cand = (obj_local, t_local, d, None, hd, "cost:local")
+            if pplans and n - hd > self.local_max_uncached:
+                for tp, p, hp in pplans:
+                    link = cost.link_between(p.transport, d.transport)
+                    t = tp + cost.transfer_time(n - hd, link) + cost.t1
+                    if t + pen + self.pd_margin_s < cand[0]:
+                        cand = (t + pen, t, d, p, hp, "cost:pd")
+            if best is None or cand[0] < best[0] or (cand[0] == best[0] and
+                                                     cand[2].load.processed < best[2].load.processed):
+                best = cand
+        _, ttft, d, p, hit, why = best
+        if p is None and pplans:
+            why = "cost:local:short" if n - best[4] <= self.local_max_uncached else "cost:local"
+        return Decision(decode=d, prefill=p, predicted_ttft=ttft, hit_tokens=hit, reason=why)
