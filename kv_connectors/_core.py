@@ -1,0 +1,969 @@
+"""The shared endpoint of every dlmix transport: authenticated TCP links, grants, notifications, timeouts, and the
+built-in TCP data path. Adapters and the same-host path subclass :class:`Endpoint` and override its data-path hooks.
+
+Threads (all daemons, owned by the endpoint):
+
+* one acceptor (listener on ``host:port``, 127.0.0.1 by default) that authenticates each inbound connection on its
+  own short-lived thread;
+* one reader per connection. On an *inbound* connection (a peer → us) it serves the peer's one-sided requests: checks
+  the grant, then receives a write's payload straight into the region (``recvmsg_into`` on memoryviews of the region)
+  or sends a read's bytes straight from the region (``sendmsg`` of memoryviews). On an *outbound* connection (us → the
+  peer) it receives responses, a read's payload straight into the destination views;
+* one sender per outbound connection for large write payloads (small ones are sent inline by the caller);
+* one reaper that fails transfers past their deadline (:class:`TransferTimeout`) and purges expired grants.
+
+A link to a peer is ``stripes`` outbound connections; a transfer is cut into chunks of at most ``chunk_bytes`` bytes
+and ``segs_per_frame`` segments (many small KV blocks travel in one frame), spread over the stripes.
+"""
+from __future__ import annotations
+
+import bisect
+import hashlib
+import hmac
+import itertools
+import logging
+import os
+import queue
+import socket
+import threading
+import time
+import uuid
+from typing import Any, Callable, Iterable, Mapping, Sequence
+
+import msgspec
+
+from . import _wire as W
+from .base import (
+    AuthError,
+    GrantError,
+    Notification,
+    PeerError,
+    ProtocolError,
+    Region,
+    Segment,
+    TransferCancelled,
+    TransferHandle,
+    TransferTimeout,
+    Transport,
+    TransportError,
+    UnsupportedMemoryError,
+    region_memory,
+)
+
+log = logging.getLogger("dlmix_kv_connectors")
+
+
+def _host_id() -> str:
+    """Identifies 'same host, same PID namespace' (boot id + pid-namespace inode)."""
+    try:
+        boot = open("/proc/sys/kernel/random/boot_id").read().strip()
+    except OSError:
+        boot = socket.gethostname()
+    try:
+        ns = str(os.stat("/proc/self/ns/pid").st_ino)
+    except OSError:
+        ns = "?"
+    return hashlib.sha256(f"{boot}|{ns}".encode()).hexdigest()[:16]
+
+
+HOST_ID = _host_id()
+
+
+class _Grant:
+    __slots__ = ("peer", "expires", "table")
+
+    def __init__(self, peer: str):
+        self.peer = peer
+        self.expires: float | None = None
+        # mode letter -> region -> (starts, ends) of sorted disjoint merged intervals
+        self.table: dict[str, dict[str, tuple[list[int], list[int]]]] = {"r": {}, "w": {}}
+
+    def add(self, mode: str, region: str, off: int, ln: int) -> None:
+        starts, ends = self.table[mode].get(region, ([], []))
+        ivs = sorted(list(zip(starts, ends)) + [(off, off + ln)])
+        ms: list[int] = []
+        me: list[int] = []
+        for s, e in ivs:
+            if ms and s <= me[-1]:
+                me[-1] = max(me[-1], e)
+            else:
+                ms.append(s)
+                me.append(e)
+        self.table[mode][region] = (ms, me)
+
+
+class _Chunk:
+    __slots__ = ("id", "xfer", "op", "dp", "segs", "views", "nbytes", "iov", "lock", "receiving", "recv_done",
+                 "discard", "conn", "extra")
+
+    def __init__(self, xfer: "_Xfer", op: str, dp: str, segs: list, views: list, nbytes: int, iov=None):
+        self.id = 0
+        self.xfer = xfer
+        self.op = op
+        self.dp = dp
+        self.segs = segs
+        self.views = views
+        self.nbytes = nbytes
+        self.iov = iov or []
+        self.lock = threading.Lock()
+        self.receiving = False
+        self.recv_done = threading.Event()
+        self.recv_done.set()
+        self.discard = False
+        self.conn: _Conn | None = None
+        self.extra: Any = None
+
+
+class _Xfer:
+    __slots__ = ("handle", "peer", "op", "chunks", "remaining", "moved", "lock", "deadline", "key")
+
+    def __init__(self, handle: TransferHandle, peer: str, op: str, deadline: float):
+        self.handle = handle
+        self.peer = peer
+        self.op = op
+        self.chunks: list[_Chunk] = []
+        self.remaining = 0
+        self.moved = 0
+        self.lock = threading.Lock()
+        self.deadline = deadline
+        self.key = id(handle)
+
+    def chunk_done(self, n: int) -> bool:
+        with self.lock:
+            self.remaining -= 1
+            self.moved += n
+            last = self.remaining == 0
+        if last:
+            self.handle._set_result(self.moved)
+        return last
+
+    def fail(self, err: BaseException) -> None:
+        for c in self.chunks:
+            c.discard = True
+        self.handle._set_exception(err)
+
+
+class _Conn:
+    def __init__(self, sock: socket.socket, peer: str, outbound: bool, info: dict):
+        self.sock = sock
+        self.peer = peer
+        self.outbound = outbound
+        self.info = info
+        self.send_lock = threading.Lock()
+        self.pending: dict[int, _Chunk] = {}
+        self.alive = True
+        self.sendq: queue.SimpleQueue | None = None
+        self.queued_bytes = 0
+
+    def shutdown(self) -> None:
+        self.alive = False
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+
+
+def _norm_segments(segments) -> list[Segment]:
+    out = []
+    for s in segments:
+        s = Segment(*s)
+        if not isinstance(s.local_region, str) or not isinstance(s.remote_region, str):
+            raise ValueError(f"segment {s}: region names must be str")
+        for v in (s.local_offset, s.remote_offset, s.length):
+            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+                raise ValueError(f"segment {s}: offsets and length must be non-negative ints")
+        out.append(s)
+    return out
+
+
+class Endpoint(Transport):
+    """Base endpoint with the built-in TCP data path (registered as kind ``"tcp"`` in :mod:`.tcp`).
+
+    Keywords (besides the common ``name``, ``secret``, ``host``, ``port``, ``timeout_s`` of :class:`Transport`):
+
+    * ``stripes`` (int, 2): outbound TCP connections per peer; chunks are spread over them.
+    * ``chunk_bytes`` (int, 8 MiB): at most this many payload bytes per frame.
+    * ``segs_per_frame`` (int, 4096): at most this many segments (KV blocks) per frame.
+    * ``max_payload`` (int, 256 MiB) / ``max_body`` (int, 4 MiB) / ``max_segs`` (int, 65536): limits this endpoint
+      enforces on frames it receives; a frame over a limit closes that connection (logged).
+    * ``handshake_timeout_s`` (float, 10): time allowed for a peer to authenticate.
+    * ``inline_bytes`` (int, 256 KiB): writes up to this size are sent by the calling thread.
+    """
+
+    DP = "tcp"
+    COMPATIBLE_KINDS: frozenset = frozenset({"tcp", "shm"})
+
+    def __init__(
+        self,
+        *,
+        name: str | None = None,
+        secret: str | bytes | None = None,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        timeout_s: float = 30.0,
+        stripes: int = 2,
+        chunk_bytes: int = 8 << 20,
+        segs_per_frame: int = 4096,
+        max_payload: int = 256 << 20,
+        max_body: int = 4 << 20,
+        max_segs: int = 65536,
+        handshake_timeout_s: float = 10.0,
+        inline_bytes: int = 256 << 10,
+    ):
+        secret = secret if secret is not None else os.environ.get("DLMIX_KV_SECRET")
+        if not secret:
+            raise ValueError("a shared secret is required (secret=... or $DLMIX_KV_SECRET)")
+        self._secret = secret.encode() if isinstance(secret, str) else bytes(secret)
+        self._name = name or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+        if len(self._name) > W.MAX_NAME:
+            raise ValueError(f"name longer than {W.MAX_NAME} characters")
+        self.timeout_s = float(timeout_s)
+        self.stripes = max(1, int(stripes))
+        self.chunk_bytes = max(4096, int(chunk_bytes))
+        self.segs_per_frame = max(1, int(segs_per_frame))
+        self.max_payload = int(max_payload)
+        self.max_body = int(max_body)
+        self.max_segs = int(max_segs)
+        self.handshake_timeout_s = float(handshake_timeout_s)
+        self.inline_bytes = int(inline_bytes)
+        if self.chunk_bytes > self.max_payload:
+            self.chunk_bytes = self.max_payload
+
+        self._lock = threading.RLock()
+        self._regions: dict[str, Region] = {}
+        self._grants: dict[str, _Grant] = {}
+        self._out: dict[str, list[_Conn]] = {}
+        self._in: dict[str, list[_Conn]] = {}
+        self._desc: dict[str, dict] = {}
+        self._xfers: dict[int, _Xfer] = {}
+        self._ids = itertools.count(1)
+        self._rr = itertools.count()
+        self._notes: queue.Queue = queue.Queue()
+        self._handler: Callable[[Notification], None] | None = None
+        self._closed = False
+        #: counters for tests and benchmarks
+        self.stats = {"protocol_errors": 0, "auth_failures": 0, "refused_ops": 0, "served_ops": 0}
+
+        self._lsock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+        self._lsock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self._lsock.bind((host, port))
+        self._lsock.listen(128)
+        self.host, self.port = self._lsock.getsockname()[:2]
+        self._threads = [
+            threading.Thread(target=self._accept_loop, name=f"dlmix-kv-accept-{self._name}", daemon=True),
+            threading.Thread(target=self._reaper_loop, name=f"dlmix-kv-reaper-{self._name}", daemon=True),
+        ]
+        for t in self._threads:
+            t.start()
+
+    # ------------------------------------------------------------------ lifecycle
+    @property
+    def name(self) -> str:
+        return self._name
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            conns = [c for cs in list(self._out.values()) + list(self._in.values()) for c in cs]
+            xfers = list(self._xfers.values())
+        try:
+            self._lsock.close()
+        except OSError:
+            pass
+        for c in conns:
+            self._drop_conn(c, "transport closed")
+        for x in xfers:
+            x.fail(PeerError("transport closed"))
+        self._dp_close()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass
+
+    # ------------------------------------------------------------------ memory
+    def register(self, name: str, mem: Any) -> Region:
+        if not isinstance(name, str) or not name or len(name) > W.MAX_NAME:
+            raise ValueError("region name must be a non-empty str of at most 256 characters")
+        ptr, length, device, ro, view, keep = region_memory(mem)
+        if device != "cpu" and not self.supports_device_memory:
+            raise UnsupportedMemoryError(f"{self.kind or type(self).__name__} transport supports host memory only "
+                                         f"(got {device}); stage through a host buffer")
+        reg = Region(name=name, ptr=ptr, length=length, device=device, readonly=ro, view=view,
+                     keepalive=keep if keep is not None else mem)
+        with self._lock:
+            if name in self._regions:
+                raise ValueError(f"region {name!r} already registered")
+            self._dp_register(reg)
+            self._regions[name] = reg
+        return reg
+
+    def unregister(self, name: str) -> None:
+        with self._lock:
+            reg = self._regions.pop(name)
+            for g in self._grants.values():
+                for t in g.table.values():
+                    t.pop(name, None)
+        self._dp_unregister(reg)
+
+    def regions(self) -> dict[str, Region]:
+        with self._lock:
+            return dict(self._regions)
+
+    # ------------------------------------------------------------------ grants
+    def grant(self, peer_id, transfer_id, ranges, mode="r", expires_s=300.0) -> None:
+        if mode not in ("r", "w", "rw"):
+            raise ValueError(f"mode must be 'r', 'w' or 'rw', not {mode!r}")
+        if not isinstance(transfer_id, str) or not isinstance(peer_id, str):
+            raise ValueError("peer_id and transfer_id must be str")
+        with self._lock:
+            checked = []
+            for r in ranges:
+                region, off, ln = r
+                reg = self._regions[region]
+                if not all(isinstance(v, int) and not isinstance(v, bool) for v in (off, ln)) or off < 0 or ln < 0:
+                    raise ValueError(f"range {tuple(r)}: offset and length must be non-negative ints")
+                if off + ln > reg.length:
+                    raise ValueError(f"range {tuple(r)} ends past region {region!r} ({reg.length} B)")
+                if "w" in mode and reg.readonly:
+                    raise GrantError(f"region {region!r} is read-only; cannot grant write")
+                checked.append((region, off, ln))
+            g = self._grants.get(transfer_id)
+            if g is not None and g.peer != peer_id:
+                raise ValueError(f"transfer {transfer_id!r} is already granted to {g.peer!r}")
+            if g is None:
+                g = self._grants[transfer_id] = _Grant(peer_id)
+            for region, off, ln in checked:
+                if ln:
+                    for m in mode:
+                        g.add(m, region, off, ln)
+            g.expires = None if expires_s is None else time.monotonic() + float(expires_s)
+
+    def revoke(self, transfer_id: str) -> bool:
+        with self._lock:
+            return self._grants.pop(transfer_id, None) is not None
+
+    def _check_grant(self, peer: str, req: W.Req) -> list[tuple[Region, int, int]]:
+        """Return ``(region, offset, length)`` per segment of ``req`` or raise GrantError."""
+        op = "read" if req.op == "r" else "write"
+        with self._lock:
+            g = self._grants.get(req.tid)
+            if g is None:
+                raise GrantError(f"no active grant for transfer {req.tid!r}")
+            if g.peer != peer:
+                raise GrantError(f"transfer {req.tid!r} is not granted to peer {peer!r}")
+            if g.expires is not None and time.monotonic() > g.expires:
+                del self._grants[req.tid]
+                raise GrantError(f"grant for transfer {req.tid!r} expired")
+            table = g.table[req.op]
+            if not table:
+                raise GrantError(f"grant for transfer {req.tid!r} does not allow {op}")
+            out = []
+            regions = self._regions
+            for region, off, ln in req.segs:
+                reg = regions.get(region)
+                if reg is None:
+                    raise GrantError(f"unknown region {region!r}")
+                if off < 0 or ln < 0 or off + ln > reg.length:
+                    raise GrantError(f"segment ({region!r}, {off}, {ln}) is outside region ({reg.length} B)")
+                iv = table.get(region)
+                if iv is None:
+                    raise GrantError(f"transfer {req.tid!r} grants no {op} access to region {region!r}")
+                starts, ends = iv
+                i = bisect.bisect_right(starts, off) - 1
+                if i < 0 or off + ln > ends[i]:
+                    raise GrantError(f"segment ({region!r}, {off}, {ln}) is outside the {op} grant of {req.tid!r}")
+                out.append((reg, off, ln))
+            return out
+
+    # ------------------------------------------------------------------ peers / handshake
+    def descriptor(self) -> dict:
+        with self._lock:
+            regs = {n: {"length": r.length, "device": r.device, "readonly": r.readonly}
+                    for n, r in self._regions.items()}
+        d = {"kind": self.kind, "proto": "dlmix-kv/1", "name": self._name, "host": self.host, "port": self.port,
+             "pid": os.getpid(), "host_id": HOST_ID, "regions": regs}
+        d.update(self._dp_descriptor())
+        return d
+
+    def connect(self, descriptor: Mapping[str, Any], timeout_s: float | None = None) -> str:
+        if not isinstance(descriptor, Mapping):
+            raise ValueError("descriptor must be a dict")
+        try:
+            kind, peer, host, port = (descriptor["kind"], descriptor["name"], descriptor["host"],
+                                      descriptor["port"])
+        except KeyError as e:
+            raise ValueError(f"descriptor lacks {e}") from None
+        if kind not in self.COMPATIBLE_KINDS:
+            raise ValueError(f"cannot connect a {self.kind!r} transport to a {kind!r} peer")
+        if not isinstance(peer, str) or not isinstance(host, str) or not isinstance(port, int):
+            raise ValueError("descriptor name/host must be str and port int")
+        timeout = self.timeout_s if timeout_s is None else timeout_s
+        with self._lock:
+            self._desc[peer] = dict(descriptor)
+            live = [c for c in self._out.get(peer, []) if c.alive]
+        if not live:
+            self._open_link(peer, timeout)
+        return peer
+
+    def _open_link(self, peer: str, timeout: float) -> list[_Conn]:
+        desc = self._desc[peer]
+        conns = []
+        try:
+            for _ in range(self.stripes):
+                conns.append(self._dial(desc, timeout))
+        except BaseException:
+            for c in conns:
+                self._drop_conn(c, "link setup failed")
+            raise
+        self._dp_link_up(peer, desc, conns)
+        with self._lock:
+            self._out[peer] = [c for c in self._out.get(peer, []) if c.alive] + conns
+        return conns
+
+    def _dial(self, desc: Mapping, timeout: float) -> _Conn:
+        host, port, peer = desc["host"], desc["port"], desc["name"]
+        deadline = time.monotonic() + timeout
+        try:
+            sock = socket.create_connection((host, port), timeout=timeout)
+        except socket.timeout:
+            raise TransferTimeout(f"connect to {peer} at {host}:{port} timed out after {timeout:.1f} s") from None
+        except OSError as e:
+            raise PeerError(f"cannot connect to {peer} at {host}:{port}: {e}") from None
+        try:
+            sock.settimeout(max(0.1, min(self.handshake_timeout_s, deadline - time.monotonic())))
+            info = self._handshake_client(sock, peer)
+            sock.settimeout(None)
+        except socket.timeout:
+            sock.close()
+            raise TransferTimeout(f"{peer} at {host}:{port} did not complete the handshake") from None
+        except (OSError, ProtocolError) as e:
+            sock.close()
+            if isinstance(e, AuthError):
+                raise
+            raise PeerError(f"handshake with {peer} at {host}:{port} failed: {e}") from None
+        except BaseException:
+            sock.close()
+            raise
+        self._tune(sock)
+        conn = _Conn(sock, peer, True, info)
+        conn.sendq = queue.SimpleQueue()
+        threading.Thread(target=self._reader_loop, args=(conn,), name=f"dlmix-kv-rd-{peer}", daemon=True).start()
+        threading.Thread(target=self._sender_loop, args=(conn,), name=f"dlmix-kv-tx-{peer}", daemon=True).start()
+        return conn
+
+    @staticmethod
+    def _tune(sock: socket.socket) -> None:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+    def _handshake_client(self, sock: socket.socket, expect: str) -> dict:
+        hdr = memoryview(bytearray(W.HEADER_SIZE))
+        nc = W.new_nonce()
+        sock.sendall(W.pack(W.HELLO, W.Hello(W.VERSION, self._name, nc.hex())))
+        ftype, blen, _ = W.read_frame_header(sock, hdr, W.PREAUTH_MAX_BODY, 0)
+        body = W.read_body(sock, ftype, blen)
+        if ftype == W.ERROR:
+            raise AuthError(f"peer refused: {body.reason}")
+        if ftype != W.CHALLENGE:
+            raise ProtocolError(f"expected CHALLENGE, got {W.FRAME_NAMES[ftype]}")
+        ns = _nonce(body.nonce)
+        if not hmac.compare_digest(W.mac(self._secret, b"server", nc, ns, body.name, self._name), body.mac):
+            raise AuthError(f"peer at {sock.getpeername()} failed authentication (wrong shared secret?)")
+        if body.name != expect:
+            raise AuthError(f"peer authenticated as {body.name!r}, descriptor says {expect!r}")
+        sock.sendall(W.pack(W.AUTH, W.Auth(W.mac(self._secret, b"client", nc, ns, self._name, body.name),
+                                           self._client_info())))
+        ftype, blen, _ = W.read_frame_header(sock, hdr, W.PREAUTH_MAX_BODY, 0)
+        body = W.read_body(sock, ftype, blen)
+        if ftype == W.ERROR:
+            raise AuthError(f"peer refused: {body.reason}")
+        if ftype != W.AUTH_OK:
+            raise ProtocolError(f"expected AUTH_OK, got {W.FRAME_NAMES[ftype]}")
+        return body.info
+
+    def _accept_loop(self) -> None:
+        while not self._closed:
+            try:
+                sock, addr = self._lsock.accept()
+            except OSError:
+                if self._closed:
+                    return
+                time.sleep(0.01)
+                continue
+            threading.Thread(target=self._serve_new, args=(sock, addr), daemon=True,
+                             name=f"dlmix-kv-hs-{self._name}").start()
+
+    def _serve_new(self, sock: socket.socket, addr) -> None:
+        hdr = memoryview(bytearray(W.HEADER_SIZE))
+        try:
+            sock.settimeout(self.handshake_timeout_s)
+            ftype, blen, plen = W.read_frame_header(sock, hdr, W.PREAUTH_MAX_BODY, 0)
+            if ftype != W.HELLO:
+                raise ProtocolError(f"expected HELLO, got {W.FRAME_NAMES[ftype]}")
+            hello = W.read_body(sock, ftype, blen)
+            if hello.v != W.VERSION or not hello.name or len(hello.name) > W.MAX_NAME:
+                raise ProtocolError("bad HELLO (version or name)")
+            nc = _nonce(hello.nonce)
+            ns = W.new_nonce()
+            sock.sendall(W.pack(W.CHALLENGE, W.Challenge(
+                self._name, ns.hex(), W.mac(self._secret, b"server", nc, ns, self._name, hello.name))))
+            ftype, blen, plen = W.read_frame_header(sock, hdr, W.PREAUTH_MAX_BODY, 0)
+            if ftype != W.AUTH:
+                raise ProtocolError(f"expected AUTH, got {W.FRAME_NAMES[ftype]}")
+            auth = W.read_body(sock, ftype, blen)
+            if not hmac.compare_digest(W.mac(self._secret, b"client", nc, ns, hello.name, self._name), auth.mac):
+                self.stats["auth_failures"] += 1
+                log.warning("dlmix-kv %s: connection from %s claiming %r failed authentication", self._name, addr,
+                            hello.name)
+                _try_send(sock, W.pack(W.ERROR, W.Error("authentication failed")))
+                sock.close()
+                return
+            conn = _Conn(sock, hello.name, False, auth.info)
+            info = self._server_info(conn, auth.info)
+            sock.sendall(W.pack(W.AUTH_OK, W.AuthOk(info)))
+            sock.settimeout(None)
+        except (ProtocolError, PeerError, OSError) as e:
+            self.stats["protocol_errors"] += isinstance(e, ProtocolError)
+            log.warning("dlmix-kv %s: closing unauthenticated connection from %s: %s", self._name, addr, e)
+            _try_send(sock, W.pack(W.ERROR, W.Error(str(e)[:200])))
+            sock.close()
+            return
+        except Exception as e:  # never let a peer kill the acceptor
+            log.exception("dlmix-kv %s: handshake error from %s: %s", self._name, addr, e)
+            sock.close()
+            return
+        self._tune(sock)
+        with self._lock:
+            if self._closed:
+                sock.close()
+                return
+            self._in.setdefault(conn.peer, []).append(conn)
+        self._reader_loop(conn)
+
+    def peers(self) -> list[str]:
+        with self._lock:
+            names = {p for p, cs in self._out.items() if any(c.alive for c in cs)}
+            names |= {p for p, cs in self._in.items() if any(c.alive for c in cs)}
+        return sorted(names)
+
+    def _conns_for(self, peer: str) -> list[_Conn]:
+        with self._lock:
+            if self._closed:
+                raise PeerError("transport closed")
+            live = [c for c in self._out.get(peer, []) if c.alive]
+            known = peer in self._desc
+        if live:
+            return live
+        if not known:
+            raise PeerError(f"not connected to peer {peer!r}; call connect(descriptor) first")
+        return self._open_link(peer, self.timeout_s)
+
+    # ------------------------------------------------------------------ connection I/O
+    def _reader_loop(self, conn: _Conn) -> None:
+        hdr = memoryview(bytearray(W.HEADER_SIZE))
+        sock = conn.sock
+        reason = "closed"
+        try:
+            while conn.alive:
+                ftype, blen, plen = W.read_frame_header(sock, hdr, self.max_body, self.max_payload)
+                body = W.read_body(sock, ftype, blen)
+                if ftype == W.REQ and not conn.outbound:
+                    self._serve_req(conn, body, plen)
+                elif ftype == W.RESP and conn.outbound:
+                    self._on_resp(conn, body, plen)
+                elif ftype == W.NOTIFY and plen == 0:
+                    self._deliver(Notification(conn.peer, body.msg))
+                elif ftype == W.ERROR and plen == 0:
+                    reason = f"peer error: {body.reason}"
+                    log.warning("dlmix-kv %s: %s sent ERROR: %s", self._name, conn.peer, body.reason)
+                    break
+                else:
+                    raise ProtocolError(f"unexpected {W.FRAME_NAMES[ftype]} frame (payload {plen} B) on "
+                                        f"{'outbound' if conn.outbound else 'inbound'} connection")
+        except ProtocolError as e:
+            self.stats["protocol_errors"] += 1
+            reason = f"protocol error: {e}"
+            log.warning("dlmix-kv %s: closing connection with %s: %s", self._name, conn.peer, e)
+            _try_send(sock, W.pack(W.ERROR, W.Error(str(e)[:200])))
+        except (PeerError, OSError) as e:
+            reason = f"connection lost: {e}"
+        except Exception as e:  # a bug, or a peer-triggered corner case: drop this connection, keep serving
+            reason = f"internal error: {e!r}"
+            log.exception("dlmix-kv %s: connection with %s failed", self._name, conn.peer)
+        finally:
+            self._drop_conn(conn, reason)
+
+    def _drop_conn(self, conn: _Conn, reason: str) -> None:
+        conn.shutdown()
+        try:
+            conn.sock.close()
+        except OSError:
+            pass
+        with self._lock:
+            for table in (self._out, self._in):
+                cs = table.get(conn.peer)
+                if cs and conn in cs:
+                    cs.remove(conn)
+                    if not cs:
+                        del table[conn.peer]
+            pending = list(conn.pending.values())
+            conn.pending.clear()
+        if conn.sendq is not None:
+            conn.sendq.put(None)
+        for ch in pending:
+            ch.recv_done.set()
+            ch.xfer.fail(PeerError(f"connection to {conn.peer!r} lost ({reason}) during transfer "
+                                   f"{ch.xfer.handle.transfer_id!r}"))
+
+    def _serve_req(self, conn: _Conn, req: W.Req, plen: int) -> None:
+        sock = conn.sock
+        if req.op not in ("r", "w"):
+            raise ProtocolError(f"bad op {req.op!r}")
+        if len(req.segs) > self.max_segs:
+            raise ProtocolError(f"{len(req.segs)} segments exceed the {self.max_segs} limit")
+        total = 0
+        for _, off, ln in req.segs:
+            if ln < 0 or off < 0:
+                raise ProtocolError("negative offset or length")
+            total += ln
+        if req.dp == "tcp":
+            if plen != (total if req.op == "w" else 0):
+                raise ProtocolError(f"payload of {plen} B does not match the request ({total} B, op {req.op})")
+        elif plen:
+            raise ProtocolError(f"unexpected payload for data path {req.dp!r}")
+        try:
+            checked = self._check_grant(conn.peer, req)
+        except GrantError as e:
+            self.stats["refused_ops"] += 1
+            log.info("dlmix-kv %s: refused %s from %s: %s", self._name, req.op, conn.peer, e)
+            if plen:
+                W.drain(sock, plen)
+            self._send(conn, [W.pack(W.RESP, W.Resp(req.id, False, code="grant", err=str(e)))])
+            return
+        self.stats["served_ops"] += 1
+        if req.dp == "tcp":
+            views = [reg.view[off:off + ln] for reg, off, ln in checked]
+            if req.op == "w":
+                W.recv_views(sock, views)
+                self._send(conn, [W.pack(W.RESP, W.Resp(req.id, True, n=total))])
+            else:
+                self._send(conn, [W.pack(W.RESP, W.Resp(req.id, True, n=total), total)] + views)
+            return
+        resp = self._dp_serve(conn, req, checked, total)
+        self._send(conn, [W.pack(W.RESP, resp)])
+
+    def _send(self, conn: _Conn, views: list) -> None:
+        with conn.send_lock:
+            W.send_views(conn.sock, views)
+
+    def _on_resp(self, conn: _Conn, resp: W.Resp, plen: int) -> None:
+        with self._lock:
+            ch = conn.pending.pop(resp.id, None)
+        if ch is None:  # cancelled/timed out: throw the bytes away
+            if plen:
+                W.drain(conn.sock, plen)
+            return
+        if not resp.ok:
+            if plen:
+                W.drain(conn.sock, plen)
+            cls = GrantError if resp.code == "grant" else TransportError
+            ch.xfer.fail(cls(f"peer {conn.peer!r} refused {'read' if ch.op == 'r' else 'write'} of transfer "
+                             f"{ch.xfer.handle.transfer_id!r}: {resp.err}"))
+            return
+        if ch.op == "r" and ch.dp == "tcp":
+            if plen != ch.nbytes:
+                raise ProtocolError(f"read response carries {plen} B, expected {ch.nbytes} B")
+            with ch.lock:
+                discard = ch.discard
+                if not discard:
+                    ch.receiving = True
+                    ch.recv_done.clear()
+            if discard:
+                W.drain(conn.sock, plen)
+                return
+            try:
+                W.recv_views(conn.sock, list(ch.views))
+            finally:
+                ch.receiving = False
+                ch.recv_done.set()
+        elif plen:
+            raise ProtocolError("unexpected payload in response")
+        self._chunk_ok(ch, resp)
+
+    def _chunk_ok(self, ch: _Chunk, resp: W.Resp) -> None:
+        if ch.xfer.chunk_done(ch.nbytes):
+            with self._lock:
+                self._xfers.pop(ch.xfer.key, None)
+
+    def _sender_loop(self, conn: _Conn) -> None:
+        q = conn.sendq
+        while True:
+            ch = q.get()
+            if ch is None:
+                return
+            conn.queued_bytes -= ch.nbytes
+            if ch.discard:
+                with self._lock:
+                    conn.pending.pop(ch.id, None)
+                continue
+            try:
+                self._send(conn, self._frame(ch))
+            except OSError as e:
+                self._drop_conn(conn, f"send failed: {e}")
+                return
+
+    def _frame(self, ch: _Chunk) -> list:
+        plen = ch.nbytes if (ch.op == "w" and ch.dp == "tcp") else 0
+        req = W.Req(ch.id, ch.op, ch.xfer.handle.transfer_id, ch.dp, ch.segs, ch.iov, os.getpid() if ch.iov else 0)
+        head = W.pack(W.REQ, req, plen)
+        return [head] + (ch.views if plen else [])
+
+    def _dispatch(self, conn: _Conn, ch: _Chunk) -> None:
+        """Register ``ch`` as pending on ``conn`` and send its request (inline if small, else via the sender)."""
+        ch.id = next(self._ids)
+        ch.conn = conn
+        with self._lock:
+            if not conn.alive:
+                raise PeerError(f"connection to {conn.peer!r} is closed")
+            conn.pending[ch.id] = ch
+        payload = ch.nbytes if (ch.op == "w" and ch.dp == "tcp") else 0
+        if payload <= self.inline_bytes and conn.queued_bytes == 0 and conn.send_lock.acquire(blocking=False):
+            try:
+                W.send_views(conn.sock, self._frame(ch))
+            except OSError as e:
+                conn.send_lock.release()
+                self._drop_conn(conn, f"send failed: {e}")
+                return
+            conn.send_lock.release()
+            return
+        conn.queued_bytes += ch.nbytes
+        conn.sendq.put(ch)
+
+    # ------------------------------------------------------------------ data
+    def write(self, peer_id, segments, transfer_id, timeout_s=None) -> TransferHandle:
+        return self._start("w", peer_id, segments, transfer_id, timeout_s)
+
+    def read(self, peer_id, segments, transfer_id, timeout_s=None) -> TransferHandle:
+        return self._start("r", peer_id, segments, transfer_id, timeout_s)
+
+    def _start(self, op: str, peer: str, segments, tid: str, timeout_s) -> TransferHandle:
+        if not isinstance(tid, str):
+            raise ValueError("transfer_id must be a str")
+        segs = _norm_segments(segments)
+        with self._lock:
+            for s in segs:
+                reg = self._regions.get(s.local_region)
+                if reg is None:
+                    raise KeyError(f"unknown local region {s.local_region!r}")
+                if s.local_offset + s.length > reg.length:
+                    raise ValueError(f"segment {tuple(s)} ends past local region {s.local_region!r} ({reg.length} B)")
+                if op == "r" and reg.readonly:
+                    raise ValueError(f"cannot read into read-only region {s.local_region!r}")
+        conns = self._conns_for(peer)
+        total = sum(s.length for s in segs)
+        timeout = self.timeout_s if timeout_s is None else float(timeout_s)
+        h = TransferHandle(tid, total, canceller=self._cancel)
+        x = _Xfer(h, peer, op, time.monotonic() + timeout)
+        h._xfer = x  # type: ignore[attr-defined]
+        with self._lock:
+            self._xfers[x.key] = x
+        try:
+            self._submit(x, op, peer, conns, segs)
+        except TransportError as e:
+            x.fail(e)
+        if not x.chunks and not h.done():
+            h._set_result(0)
+        if h.done():
+            with self._lock:
+                self._xfers.pop(x.key, None)
+        return h
+
+    def _split(self, segs: list[Segment], max_bytes: int, max_segs: int) -> list[list[tuple[Segment, int, int]]]:
+        """Cut segments into groups of at most ``max_bytes`` bytes and ``max_segs`` pieces."""
+        groups: list[list] = []
+        cur: list = []
+        cur_b = 0
+        for s in segs:
+            off = 0
+            while off < s.length:
+                n = min(s.length - off, max_bytes - cur_b)
+                cur.append((s, off, n))
+                cur_b += n
+                off += n
+                if cur_b >= max_bytes or len(cur) >= max_segs:
+                    groups.append(cur)
+                    cur, cur_b = [], 0
+        if cur:
+            groups.append(cur)
+        return groups
+
+    def _submit(self, x: _Xfer, op: str, peer: str, conns: list[_Conn], segs: list[Segment]) -> None:
+        """Built-in TCP data path: chunks carry the payload in frames, spread over the stripes."""
+        groups = self._split(segs, self.chunk_bytes, self.segs_per_frame)
+        regions = self._regions
+        chunks = []
+        for g in groups:
+            wire = [(s.remote_region, s.remote_offset + o, n) for s, o, n in g]
+            views = [regions[s.local_region].view[s.local_offset + o: s.local_offset + o + n] for s, o, n in g]
+            chunks.append(_Chunk(x, op, "tcp", wire, views, sum(n for _, _, n in g)))
+        self._launch(x, conns, chunks)
+
+    def _launch(self, x: _Xfer, conns: list[_Conn], chunks: list[_Chunk]) -> None:
+        x.chunks = chunks
+        x.remaining = len(chunks)
+        start = next(self._rr)
+        for i, ch in enumerate(chunks):
+            if x.handle.done():
+                break
+            live = [c for c in conns if c.alive]
+            if not live:
+                x.fail(PeerError(f"all connections to {x.peer!r} closed"))
+                break
+            self._dispatch(live[(start + i) % len(live)], ch)
+
+    def _cancel(self, h: TransferHandle) -> None:
+        x: _Xfer | None = getattr(h, "_xfer", None)
+        if x is None:
+            return
+        for ch in x.chunks:
+            with ch.lock:
+                ch.discard = True
+        for ch in x.chunks:
+            if not ch.recv_done.wait(5.0) and ch.conn is not None:
+                self._drop_conn(ch.conn, "cancelled transfer stalled mid-payload")
+                ch.recv_done.wait(2.0)
+        self._dp_cancel(x)
+        with self._lock:
+            self._xfers.pop(x.key, None)
+
+    def _reaper_loop(self) -> None:
+        while not self._closed:
+            time.sleep(0.02)
+            now = time.monotonic()
+            with self._lock:
+                late = [x for x in self._xfers.values() if now > x.deadline and not x.handle.done()]
+                for k in [k for k, x in self._xfers.items() if x.handle.done()]:
+                    del self._xfers[k]
+                for tid in [t for t, g in self._grants.items() if g.expires is not None and now > g.expires]:
+                    del self._grants[tid]
+            for x in late:
+                self._expire(x)
+
+    def _expire(self, x: _Xfer) -> None:
+        for ch in x.chunks:
+            with ch.lock:
+                ch.discard = True
+        stalled = {id(ch.conn): ch.conn for ch in x.chunks
+                   if ch.conn is not None and ch.id in ch.conn.pending or ch.receiving}
+        for conn in stalled.values():
+            if conn is not None:
+                self._drop_conn(conn, f"transfer {x.handle.transfer_id!r} timed out")
+        for ch in x.chunks:
+            ch.recv_done.wait(2.0)
+        self._dp_cancel(x)
+        x.handle._set_exception(TransferTimeout(
+            f"transfer {x.handle.transfer_id!r} with {x.peer!r} did not complete within its timeout "
+            f"({x.handle.elapsed_s:.1f} s); peer dead or stalled"))
+        with self._lock:
+            self._xfers.pop(x.key, None)
+
+    # ------------------------------------------------------------------ notifications
+    def notify(self, peer_id, msg, timeout_s=None) -> None:
+        if not isinstance(msg, Mapping):
+            raise ValueError("notification must be a dict")
+        try:
+            frame = W.pack(W.NOTIFY, W.Notify(dict(msg)))
+        except (TypeError, msgspec.EncodeError) as e:
+            raise ValueError(f"notification is not JSON-able: {e}") from None
+        if len(frame) - W.HEADER_SIZE > self.max_body:
+            raise ValueError(f"notification of {len(frame)} B exceeds the {self.max_body} B control-frame limit")
+        with self._lock:
+            conns = [c for c in self._out.get(peer_id, []) if c.alive] + \
+                    [c for c in self._in.get(peer_id, []) if c.alive]
+        if not conns:
+            conns = self._conns_for(peer_id)
+        for c in conns:
+            try:
+                self._send(c, [frame])
+                return
+            except OSError as e:
+                self._drop_conn(c, f"send failed: {e}")
+        raise PeerError(f"could not deliver notification to {peer_id!r}")
+
+    def _deliver(self, n: Notification) -> None:
+        h = self._handler
+        if h is None:
+            self._notes.put(n)
+            return
+        try:
+            h(n)
+        except Exception:
+            log.exception("dlmix-kv %s: notification handler failed", self._name)
+
+    def get_notification(self, timeout: float | None = 0.0) -> Notification | None:
+        try:
+            if timeout == 0:
+                return self._notes.get_nowait()
+            return self._notes.get(timeout=timeout)
+        except queue.Empty:
+            return None
+
+    def on_notify(self, handler) -> None:
+        self._handler = handler
+        if handler is not None:
+            while (n := self.get_notification(0)) is not None:
+                self._deliver(n)
+
+    # ------------------------------------------------------------------ data-path hooks (subclasses)
+    def _client_info(self) -> dict:
+        """Extra info sent in AUTH (after the peer proved the secret)."""
+        return {"pid": os.getpid(), "host_id": HOST_ID}
+
+    def _server_info(self, conn: _Conn, info: dict) -> dict:
+        """Check an authenticated client's AUTH info; return the AUTH_OK info."""
+        return {"pid": os.getpid(), "host_id": HOST_ID}
+
+    def _dp_descriptor(self) -> dict:
+        return {}
+
+    def _dp_register(self, reg: Region) -> None:
+        pass
+
+    def _dp_unregister(self, reg: Region) -> None:
+        pass
+
+    def _dp_link_up(self, peer: str, desc: Mapping, conns: list[_Conn]) -> None:
+        pass
+
+    def _dp_serve(self, conn: _Conn, req: W.Req, checked: list, total: int) -> W.Resp:
+        """Serve a non-TCP data-path request whose grant check passed. Base: ``authz`` = grant check only."""
+        if req.dp == "authz":
+            return W.Resp(req.id, True, n=total)
+        raise ProtocolError(f"unsupported data path {req.dp!r}")
+
+    def _dp_cancel(self, x: _Xfer) -> None:
+        pass
+
+    def _dp_close(self) -> None:
+        pass
+
+
+def _nonce(hexstr: str) -> bytes:
+    try:
+        b = bytes.fromhex(hexstr)
+    except ValueError:
+        raise ProtocolError("nonce is not hex") from None
+    if len(b) != 32:
+        raise ProtocolError("nonce must be 32 bytes")
+    return b
+
+
+def _try_send(sock: socket.socket, data: bytes) -> None:
+    try:
+        sock.settimeout(0.5)
+        sock.sendall(data)
+    except OSError:
+        pass

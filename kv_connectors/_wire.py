@@ -1,0 +1,207 @@
+"""Wire format of dlmix's control/data channel: a fixed binary header, a msgspec-JSON body, an optional raw payload.
+
+Frame = header (16 bytes, ``struct "!2sBBIQ"``: magic ``b"DX"``, version, frame type, body length in bytes, payload
+length in bytes) + body (JSON object, at most ``max_body`` bytes) + payload (raw bytes, at most ``max_payload``).
+Nothing is ever unpickled. Bodies are decoded straight into typed msgspec Structs, so a wrong type or a missing field
+is a :class:`ProtocolError`.
+
+Authentication (both directions, secret never sent): client → HELLO{name, nonce_c}; server → CHALLENGE{name, nonce_s,
+mac_s = HMAC-SHA256(secret, "dlmix-kv-server" | nonce_c | nonce_s | server | client)}; client checks mac_s, then →
+AUTH{mac_c = HMAC(secret, "dlmix-kv-client" | nonce_c | nonce_s | client | server), info}; server checks mac_c →
+AUTH_OK{info}. Both nonces are 32 random bytes, so a recorded exchange cannot be replayed.
+"""
+from __future__ import annotations
+
+import hashlib
+import hmac
+import os
+import socket
+import struct
+
+import msgspec
+
+from .base import PeerError, ProtocolError
+
+MAGIC = b"DX"
+VERSION = 1
+HEADER = struct.Struct("!2sBBIQ")
+HEADER_SIZE = HEADER.size  # 16
+
+# frame types
+HELLO, CHALLENGE, AUTH, AUTH_OK, REQ, RESP, NOTIFY, ERROR = range(1, 9)
+FRAME_NAMES = {HELLO: "HELLO", CHALLENGE: "CHALLENGE", AUTH: "AUTH", AUTH_OK: "AUTH_OK", REQ: "REQ", RESP: "RESP",
+               NOTIFY: "NOTIFY", ERROR: "ERROR"}
+
+PREAUTH_MAX_BODY = 64 * 1024
+MAX_NAME = 256
+IOV_BATCH = 512  # buffers per sendmsg/recvmsg_into call (below IOV_MAX = 1024)
+
+
+class Hello(msgspec.Struct):
+    v: int
+    name: str
+    nonce: str
+
+
+class Challenge(msgspec.Struct):
+    name: str
+    nonce: str
+    mac: str
+
+
+class Auth(msgspec.Struct):
+    mac: str
+    info: dict = {}
+
+
+class AuthOk(msgspec.Struct):
+    info: dict = {}
+
+
+class Req(msgspec.Struct):
+    """A one-sided op request. ``segs`` are the owner's ``(region, offset, length)``; ``dp`` the data path
+    (``"tcp"``: payload in the frames, ``"cma"``: owner copies with process_vm_*, ``"authz"``: grant check only, the
+    adapter library moves the bytes); ``iov`` the initiator's ``(address, length)`` per segment for ``"cma"``."""
+
+    id: int
+    op: str
+    tid: str
+    dp: str
+    segs: list[tuple[str, int, int]]
+    iov: list[tuple[int, int]] = []
+    pid: int = 0
+
+
+class Resp(msgspec.Struct):
+    id: int
+    ok: bool
+    n: int = 0
+    code: str = ""
+    err: str = ""
+
+
+class Notify(msgspec.Struct):
+    msg: dict
+
+
+class Error(msgspec.Struct):
+    reason: str
+
+
+DECODERS = {
+    HELLO: msgspec.json.Decoder(Hello),
+    CHALLENGE: msgspec.json.Decoder(Challenge),
+    AUTH: msgspec.json.Decoder(Auth),
+    AUTH_OK: msgspec.json.Decoder(AuthOk),
+    REQ: msgspec.json.Decoder(Req),
+    RESP: msgspec.json.Decoder(Resp),
+    NOTIFY: msgspec.json.Decoder(Notify),
+    ERROR: msgspec.json.Decoder(Error),
+}
+ENC = msgspec.json.Encoder()
+
+
+def pack(ftype: int, body, payload_len: int = 0) -> bytes:
+    """Header + encoded body for frame type ``ftype`` (the payload, if any, is sent after it)."""
+    b = ENC.encode(body)
+    return HEADER.pack(MAGIC, VERSION, ftype, len(b), payload_len) + b
+
+
+def mac(secret: bytes, role: bytes, nonce_c: bytes, nonce_s: bytes, a: str, b: str) -> str:
+    """HMAC-SHA256 hex of the handshake transcript (see module docstring)."""
+    msg = b"dlmix-kv-" + role + b"|" + nonce_c + b"|" + nonce_s + b"|" + a.encode() + b"|" + b.encode()
+    return hmac.new(secret, msg, hashlib.sha256).hexdigest()
+
+
+def new_nonce() -> bytes:
+    return os.urandom(32)
+
+
+# ---- socket helpers: zero-copy from / into memoryviews ----
+
+
+def recv_exact_into(sock: socket.socket, view: memoryview) -> None:
+    """Fill ``view`` from ``sock`` (``recv_into`` loop). Raises PeerError on EOF."""
+    pos, n = 0, len(view)
+    while pos < n:
+        got = sock.recv_into(view[pos:], n - pos)
+        if got == 0:
+            raise PeerError("connection closed by peer")
+        pos += got
+
+
+def recv_views(sock: socket.socket, views: list[memoryview]) -> None:
+    """Scatter-receive exactly ``sum(len(v))`` bytes into ``views`` (``recvmsg_into``, up to IOV_BATCH at once)."""
+    views = [v for v in views if len(v)]
+    i = 0
+    while i < len(views):
+        if len(views) - i == 1:
+            recv_exact_into(sock, views[i])
+            return
+        got = sock.recvmsg_into(views[i:i + IOV_BATCH])[0]
+        if got == 0:
+            raise PeerError("connection closed by peer")
+        while got:
+            v = views[i]
+            if got >= len(v):
+                got -= len(v)
+                i += 1
+            else:
+                views[i] = v[got:]
+                got = 0
+
+
+def send_views(sock: socket.socket, views: list) -> None:
+    """Gather-send all ``views`` (bytes/memoryviews) with ``sendmsg`` (no copy), handling partial sends."""
+    views = [v if isinstance(v, memoryview) else memoryview(v) for v in views if len(v)]
+    i = 0
+    while i < len(views):
+        sent = sock.sendmsg(views[i:i + IOV_BATCH])
+        while sent:
+            v = views[i]
+            if sent >= len(v):
+                sent -= len(v)
+                i += 1
+            else:
+                views[i] = v[sent:]
+                sent = 0
+
+
+_DRAIN = bytearray(1 << 20)
+
+
+def drain(sock: socket.socket, n: int) -> None:
+    """Read and discard ``n`` bytes (payload of a refused or cancelled op)."""
+    mv = memoryview(_DRAIN)
+    while n > 0:
+        got = sock.recv_into(mv, min(n, len(mv)))
+        if got == 0:
+            raise PeerError("connection closed by peer")
+        n -= got
+
+
+def read_frame_header(sock: socket.socket, hdr: memoryview, max_body: int, max_payload: int) -> tuple[int, int, int]:
+    """Read and validate one header; returns ``(ftype, body_len, payload_len)``. Raises ProtocolError / PeerError."""
+    recv_exact_into(sock, hdr)
+    magic, ver, ftype, blen, plen = HEADER.unpack(hdr)
+    if magic != MAGIC:
+        raise ProtocolError(f"bad magic {bytes(magic)!r}")
+    if ver != VERSION:
+        raise ProtocolError(f"unsupported protocol version {ver}")
+    if ftype not in DECODERS:
+        raise ProtocolError(f"unknown frame type {ftype}")
+    if blen > max_body:
+        raise ProtocolError(f"{FRAME_NAMES[ftype]} body of {blen} B exceeds the {max_body} B limit")
+    if plen > max_payload:
+        raise ProtocolError(f"{FRAME_NAMES[ftype]} payload of {plen} B exceeds the {max_payload} B limit")
+    return ftype, blen, plen
+
+
+def read_body(sock: socket.socket, ftype: int, blen: int):
+    """Read ``blen`` body bytes and decode them as frame type ``ftype``. Raises ProtocolError on bad JSON/schema."""
+    buf = bytearray(blen)
+    recv_exact_into(sock, memoryview(buf))
+    try:
+        return DECODERS[ftype].decode(buf)
+    except (msgspec.DecodeError, msgspec.ValidationError) as e:
+        raise ProtocolError(f"malformed {FRAME_NAMES[ftype]} body: {e}") from None
