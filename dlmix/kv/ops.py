@@ -99,7 +99,8 @@ def _check_tensor(layout: KVLayout, t: Any, what: str) -> torch.Tensor:
     ok = t.dtype == dt or (layout.is_fp8 and t.dtype in (torch.uint8, torch.int8))
     if not ok:
         raise ValueError(f"{what} has dtype {t.dtype}, layout says {layout.dtype}")
-    return t
+    # fp8 is moved as uint8: index_select/index_copy_ have no fp8 kernels on CPU
+    return t.view(torch.uint8) if layout.is_fp8 else t
 
 
 def plane_views(layout: KVLayout, layer_cache: Any) -> tuple[torch.Tensor, ...]:
@@ -168,10 +169,11 @@ def _raw_blocks(layout: KVLayout, layer_cache: Any) -> list[torch.Tensor]:
     if a == "sglang_nhd":
         return list(plane_views(layout, layer_cache))
     if layout.separate_kv:
-        return [layer_cache[0], layer_cache[1]]
+        return [_check_tensor(layout, layer_cache[0], "K cache"), _check_tensor(layout, layer_cache[1], "V cache")]
+    t = _check_tensor(layout, layer_cache, "layer cache")
     if a in ("vllm_flash_nhd", "vllm_flash_hnd"):
-        return [layer_cache[0], layer_cache[1]]
-    return [layer_cache]
+        return [t[0], t[1]]
+    return [t]
 
 
 def _num_blocks(views: Sequence[torch.Tensor]) -> int:

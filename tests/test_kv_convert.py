@@ -1,0 +1,352 @@
+"""KV conversion between layouts: property tests against the per-token oracle, sentinel checks, wire form."""
+
+from __future__ import annotations
+
+import math
+from contextlib import contextmanager
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from dlmix.kv import (  # noqa: E402
+    ARRANGEMENTS,
+    KVLayout,
+    ModelIdentity,
+    allocate,
+    cast_plane,
+    convert,
+    convert_from_ranks,
+    pack,
+    plan_heads,
+    read_kv,
+    unpack,
+    wire_chunks,
+    write_kv,
+)
+from dlmix.kv import ops  # noqa: E402
+
+MHA_ARRS = [a for a in ARRANGEMENTS if a != "mla"]
+DTYPES = ["fp32", "bf16", "fp16", "fp8_e4m3", "fp8_e5m2"]
+SENTINEL = 7.0  # exactly representable in every dtype
+
+
+@contextmanager
+def chunk_bytes(n: int):
+    old = dict(ops.CHUNK_BYTES)
+    ops.CHUNK_BYTES.update(cpu=n, cuda=n)
+    try:
+        yield
+    finally:
+        ops.CHUNK_BYTES.clear()
+        ops.CHUNK_BYTES.update(old)
+
+
+def tensors(caches):
+    for c in caches:
+        yield from (c if isinstance(c, tuple) else (c,))
+
+
+def fill_random(layout: KVLayout, caches, gen: torch.Generator) -> None:
+    for t in tensors(caches):
+        vals = torch.randn(t.shape, generator=gen) * 2.0
+        t.copy_(vals.to(ops.torch_dtype(layout)).view(t.dtype))
+
+
+def snapshot(caches) -> list[torch.Tensor]:
+    return [t.clone() for t in tensors(caches)]
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.uint8)
+
+
+def rel_tol(dtype: str) -> float:
+    return {"fp32": 0.0, "bf16": 2**-8, "fp16": 2**-11, "fp8_e4m3": 2**-4, "fp8_e5m2": 2**-3}[dtype]
+
+
+def expected_after(dst: KVLayout, before: list[torch.Tensor], dst_bids, skip: int, n: int, truth) -> list:
+    """Oracle: the destination caches as they must be: ``before`` plus ``truth(token, layer)`` written per token."""
+    exp = [t.clone() for t in before]
+    # rebuild the per-layer structure of the cache list
+    it = iter(exp)
+    caches = [(next(it), next(it)) if dst.separate_kv else next(it) for _ in range(dst.model.num_layers)]
+    for layer in range(dst.model.num_layers):
+        for tok in range(skip, n):
+            k, v = truth(tok, layer)
+            write_kv(dst, caches, dst_bids, tok, layer, k, v)
+    return list(tensors(caches))
+
+
+@st.composite
+def scenario(draw: st.DrawFn, mla: bool = False):
+    if mla:
+        model = ModelIdentity("DeepseekV2", draw(st.integers(1, 2)), 1, 12, "mla", 8, 4)
+        sa = da = "mla"
+    else:
+        model = ModelIdentity("Llama", draw(st.integers(1, 2)), draw(st.sampled_from([1, 2, 4])),
+                              draw(st.sampled_from([4, 8])), "gqa")
+        sa, da = draw(st.sampled_from(MHA_ARRS)), draw(st.sampled_from(MHA_ARRS))
+
+    def lay(arr: str) -> KVLayout:
+        bs = draw(st.sampled_from([32, 64])) if arr == "vllm_cpu" else draw(st.sampled_from([1, 3, 4, 16, 32]))
+        dt = draw(st.sampled_from(DTYPES))
+        fp8 = dt.startswith("fp8")
+        ks = draw(st.sampled_from([1.0, 0.5, 2.0])) if fp8 else 1.0
+        vs = draw(st.sampled_from([1.0, 0.25])) if fp8 else 1.0
+        if mla:
+            tps = [1, 2]
+        else:
+            tps = [t for t in (1, 2, 4) if model.num_kv_heads % t == 0 or t % model.num_kv_heads == 0]
+            if arr == "lmdeploy":
+                tps = [t for t in tps if t <= model.num_kv_heads]
+        tp = draw(st.sampled_from(tps))
+        return KVLayout(model, bs, dt, arr, tp, 0, ks, vs)
+
+    src, dst = lay(sa), lay(da)
+    dst = dst.with_rank(draw(st.integers(0, dst.tp_size - 1)))
+    n = draw(st.integers(1, 70))
+    skip = draw(st.integers(0, n))
+    sblocks = math.ceil(n / src.block_size)
+    dblocks = math.ceil(n / dst.block_size)
+    spool = sblocks + draw(st.integers(0, 3))
+    dpool = dblocks + draw(st.integers(0, 3))
+    sbids = draw(st.permutations(range(spool)))[:sblocks]
+    dbids = draw(st.permutations(range(dpool)))[:dblocks]
+    seed = draw(st.integers(0, 2**31 - 1))
+    chunk = draw(st.sampled_from([64, 1024, 4 << 20]))
+    uint8 = draw(st.booleans())
+    return src, dst, n, skip, spool, dpool, sbids, dbids, seed, chunk, uint8
+
+
+def run_scenario(sc) -> None:
+    src, dst, n, skip, spool, dpool, sbids, dbids, seed, chunk, uint8 = sc
+    gen = torch.Generator().manual_seed(seed)
+    # every source rank, each filled with its own random values (garbage outside the request blocks too)
+    sources = []
+    for r in range(src.tp_size):
+        lay = src.with_rank(r)
+        caches = allocate(lay, spool, storage_uint8=uint8)
+        fill_random(lay, caches, gen)
+        sources.append((lay, caches, sbids))
+    dst_caches = allocate(dst, dpool, fill=SENTINEL, storage_uint8=uint8)
+    before = snapshot(dst_caches)
+    plan = plan_heads([s[0] for s in sources], dst)
+    owner = {h: i for i, hs in plan for h in hs}
+    dheads = dst.heads_for_rank()
+
+    def truth(tok: int, layer: int):
+        ks, vs = [], []
+        for h in dheads:
+            lay, caches, bids = sources[owner[h]]
+            k, v = read_kv(lay, caches, bids, tok, layer)
+            i = lay.heads_for_rank().index(h)
+            ks.append(cast_plane(k[i:i + 1], lay, dst, 0))
+            if v is not None:
+                vs.append(cast_plane(v[i:i + 1], lay, dst, 1))
+        return torch.cat(ks), (torch.cat(vs) if vs else None)
+
+    with chunk_bytes(chunk):
+        written = convert_from_ranks(sources, dst, dst_caches, dbids, n, skip)
+    assert written == dst.wire_bytes(n - skip)
+    exp = expected_after(dst, before, dbids, skip, n, truth)
+    after = list(tensors(dst_caches))
+    for e, a in zip(exp, after):
+        assert torch.equal(bits(e), bits(a)), "destination differs from the per-token oracle (or wrote outside)"
+
+    # values read back equal the source values within the cast's rounding
+    for layer in range(dst.model.num_layers):
+        for tok in range(skip, n):
+            got = read_kv(dst, dst_caches, dbids, tok, layer, dequantize=True)
+            for p, g in enumerate(got):
+                if g is None:
+                    continue
+                for j, h in enumerate(dheads):
+                    lay, caches, bids = sources[owner[h]]
+                    ref = read_kv(lay, caches, bids, tok, layer, dequantize=True)[p][lay.heads_for_rank().index(h)]
+                    tol = max(rel_tol(dst.dtype), 0.0)
+                    scale = (dst.k_scale if p == 0 else dst.v_scale) if dst.is_fp8 else 1.0
+                    atol = 2**-6 * scale if dst.is_fp8 else 1e-4 * (dst.dtype == "fp16")
+                    assert torch.allclose(g[j], ref, rtol=tol, atol=atol), (tok, layer, h, p)
+
+    # the wire form, streamed in small chunks, writes exactly the same bytes
+    dst2 = allocate(dst, dpool, fill=SENTINEL, storage_uint8=uint8)
+    with chunk_bytes(chunk):
+        for i, hs in plan:
+            lay, caches, bids = sources[i]
+            budget = max(dst.wire_bytes(1, hs), dst.wire_bytes(7, hs))
+            staging = torch.empty(budget, dtype=torch.uint8)
+            for a, b in wire_chunks(dst, skip, n, budget, hs):
+                w = pack(lay, caches, bids, dst, a, b, heads=hs, out=staging)
+                assert w.numel() == dst.wire_bytes(b - a, hs) <= budget
+                assert unpack(dst, dst2, dbids, w, a, b, heads=hs) == w.numel()
+    for e, a in zip(after, tensors(dst2)):
+        assert torch.equal(bits(e), bits(a)), "pack/unpack differs from convert"
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(scenario())
+def test_convert_any_pair_matches_oracle(sc) -> None:
+    run_scenario(sc)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(scenario(mla=True))
+def test_convert_mla_latent(sc) -> None:
+    run_scenario(sc)
+
+
+@pytest.mark.parametrize("src_tp,dst_tp,heads", [(2, 1, 4), (2, 4, 4), (4, 2, 2), (1, 4, 2), (2, 4, 1)])
+def test_tp_resharding_against_global_truth(src_tp: int, dst_tp: int, heads: int) -> None:
+    """Prefill at TP=src_tp, decode at TP=dst_tp: every decode rank reads the model's true K/V of its heads."""
+    model = ModelIdentity("Llama", 2, heads, 8)
+    n, bs_s, bs_d = 45, 16, 32
+    gen = torch.Generator().manual_seed(1)
+    truth_k = torch.randn(2, n, heads, 8, generator=gen)
+    truth_v = torch.randn(2, n, heads, 8, generator=gen)
+    src = [KVLayout(model, bs_s, "fp32", "vllm_flash_nhd", src_tp, r) for r in range(src_tp)]
+    sb = [5, 0, 3]
+    sources = []
+    for lay in src:
+        c = allocate(lay, 6, fill=-1.0)
+        hs = list(lay.heads_for_rank())
+        for layer in range(2):
+            for t in range(n):
+                write_kv(lay, c, sb, t, layer, truth_k[layer, t, hs], truth_v[layer, t, hs])
+        sources.append((lay, c, sb))
+    for r in range(dst_tp):
+        dst = KVLayout(model, bs_d, "bf16", "vllm_cpu", dst_tp, r)
+        dc = allocate(dst, 4, fill=SENTINEL)
+        db = [2, 0]
+        convert_from_ranks(sources, dst, dc, db, n, skip_tokens=9)
+        hs = list(dst.heads_for_rank())
+        for layer in range(2):
+            for t in range(n):
+                k, v = read_kv(dst, dc, db, t, layer)
+                if t < 9:
+                    assert (k.float() == SENTINEL).all() and (v.float() == SENTINEL).all()
+                else:
+                    assert torch.equal(k, truth_k[layer, t, hs].to(torch.bfloat16))
+                    assert torch.equal(v, truth_v[layer, t, hs].to(torch.bfloat16))
+        # blocks outside the request (1, 3) keep the sentinel
+        for blk in (1, 3):
+            assert (dc[0][blk].float() == SENTINEL).all()
+
+
+def test_incompatible_pairs_refused() -> None:
+    pre = KVLayout(ModelIdentity("Llama", 2, 4, 8), 16, "bf16", "vllm_flash_nhd")
+    dec = KVLayout(ModelIdentity("Llama", 2, 8, 8), 32, "bf16", "vllm_cpu")
+    sc, dc = allocate(pre, 4), allocate(dec, 4, fill=SENTINEL)
+    with pytest.raises(ValueError, match="decode has 8 KV heads, prefill 4: different models"):
+        convert(pre, sc, [0, 1], dec, dc, [0], 20)
+    with pytest.raises(ValueError, match="different models"):
+        pack(pre, sc, [0, 1], dec, 0, 20)
+    assert all((t.float() == SENTINEL).all() for t in tensors(dc))
+    # fingerprints: refused unless relaxed (negative control only)
+    a = KVLayout(ModelIdentity("Llama", 1, 2, 8, weights_fingerprint="A"), 4, "fp32", "lmdeploy")
+    b = KVLayout(ModelIdentity("Llama", 1, 2, 8, weights_fingerprint="B"), 4, "fp32", "lmdeploy")
+    ac, bc = allocate(a, 2, fill=1.0), allocate(b, 2, fill=0.0)
+    with pytest.raises(ValueError, match="fingerprint"):
+        convert(a, ac, [0], b, bc, [1], 4)
+    assert convert(a, ac, [0], b, bc, [1], 4, relax_fingerprint=True) == 4 * 2 * 2 * 8 * 4
+    assert (bc[0][0][1] == 1.0).all() and (bc[0][0][0] == 0.0).all()
+
+
+def test_bad_inputs_give_clear_errors() -> None:
+    m = ModelIdentity("Llama", 2, 2, 8)
+    s = KVLayout(m, 4, "fp32", "lmdeploy")
+    d = KVLayout(m, 4, "fp32", "vllm_flash_nhd")
+    sc, dc = allocate(s, 4), allocate(d, 4)
+    with pytest.raises(ValueError, match="need 3"):
+        convert(s, sc, [0, 1], d, dc, [0, 1, 2], 10)
+    with pytest.raises(ValueError, match=r"0\.\.3"):
+        convert(s, sc, [0, 1, 9], d, dc, [0, 1, 2], 10)
+    with pytest.raises(ValueError, match="repeats"):
+        convert(s, sc, [0, 1, 2], d, dc, [0, 1, 1], 10)
+    with pytest.raises(ValueError, match="skip_tokens"):
+        convert(s, sc, [0, 1, 2], d, dc, [0, 1, 2], 10, skip_tokens=11)
+    with pytest.raises(ValueError, match=r"\(K, V\) tuple"):
+        convert(s, [t[0] for t in sc], [0, 1, 2], d, dc, [0, 1, 2], 10)
+    with pytest.raises(ValueError, match="dtype"):
+        convert(s, sc, [0], d, [t.half() for t in dc], [0], 4)
+    with pytest.raises(ValueError, match="2 per-layer"):
+        convert(s, sc[:1], [0], d, dc, [0], 4)
+    with pytest.raises(ValueError, match="wire buffer must be"):
+        unpack(d, dc, [0], torch.zeros(5, dtype=torch.uint8), 0, 4)
+    tp2 = KVLayout(m, 4, "fp32", "lmdeploy", tp_size=2, tp_rank=1)
+    with pytest.raises(ValueError, match="needs KV heads"):
+        convert_from_ranks([(tp2, allocate(tp2, 4), [0])], d, dc, [0], 4)
+    with pytest.raises(ValueError, match="one token needs"):
+        wire_chunks(d, 0, 10, 16)
+
+
+def test_wire_order_is_canonical() -> None:
+    """Wire = [layers, planes(K, V), tokens, heads, head_size] in the destination dtype."""
+    m = ModelIdentity("Llama", 2, 2, 4)
+    s = KVLayout(m, 4, "fp32", "vllm_flash_hnd")
+    d = KVLayout(m, 8, "fp16", "sglang_nhd")
+    sc = allocate(s, 3)
+    bids = [2, 0]
+    for layer in range(2):
+        for t in range(8):
+            k = torch.tensor([[1000 * layer + 10 * t + h + 0.0] * 4 for h in range(2)])
+            write_kv(s, sc, bids, t, layer, k, -k)
+    w = pack(s, sc, bids, d, 3, 7)
+    assert w.numel() == d.wire_bytes(4) == 2 * 2 * 4 * 2 * 4 * 2
+    arr = w.view(torch.float16).view(2, 2, 4, 2, 4)
+    for layer in range(2):
+        for i, t in enumerate(range(3, 7)):
+            for h in range(2):
+                assert (arr[layer, 0, i, h] == 1000 * layer + 10 * t + h).all()
+                assert (arr[layer, 1, i, h] == -(1000 * layer + 10 * t + h)).all()
+    # unpack from plain bytes (what a socket delivers)
+    dc = allocate(d, 4, fill=SENTINEL)
+    unpack(d, dc, [3, 1], bytes(w.numpy().tobytes()), 3, 7)
+    k, v = read_kv(d, dc, [3, 1], 5, 1)
+    assert (k[:, 0] == torch.tensor([1050.0, 1051.0], dtype=torch.float16)).all()
+    assert (read_kv(d, dc, [3, 1], 2, 1)[0] == SENTINEL).all()
+
+
+def test_fp8_scales_round_trip() -> None:
+    m = ModelIdentity("Llama", 1, 1, 4)
+    src = KVLayout(m, 4, "fp32", "lmdeploy")
+    dst = KVLayout(m, 4, "fp8_e4m3", "vllm_flash_nhd", k_scale=0.5, v_scale=4.0)
+    sc = allocate(src, 1)
+    write_kv(src, sc, [0], 0, 0, torch.tensor([[1.0, -2.0, 0.75, 1000.0]]), torch.tensor([[8.0, 16.0, -4.0, 1.0]]))
+    dc = allocate(dst, 1, storage_uint8=True)
+    convert(src, sc, [0], dst, dc, [0], 1)
+    k, v = read_kv(dst, dc, [0], 0, 0)
+    # stored = x / scale, saturated to the e4m3 maximum 448
+    assert k.float().tolist() == [[2.0, -4.0, 1.5, 448.0]]
+    assert v.float().tolist() == [[2.0, 4.0, -1.0, 0.25]]
+    kd, vd = read_kv(dst, dc, [0], 0, 0, dequantize=True)
+    assert kd.tolist() == [[1.0, -2.0, 0.75, 224.0]] and vd.tolist() == [[8.0, 16.0, -4.0, 1.0]]
+    # back to bf16 with the fp8 scale applied
+    back = KVLayout(m, 2, "bf16", "sglang_hnd")
+    bc = allocate(back, 2)
+    convert(dst, dc, [0], back, bc, [1, 0], 1)
+    assert read_kv(back, bc, [1, 0], 0, 0)[1].float().tolist() == [[8.0, 16.0, -4.0, 1.0]]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_convert_on_cuda_matches_cpu() -> None:
+    m = ModelIdentity("Llama", 2, 4, 16)
+    src = KVLayout(m, 16, "bf16", "vllm_flash_nhd", 2, 0)
+    dst = KVLayout(m, 32, "fp8_e4m3", "vllm_flashinfer_hnd", 1, 0, k_scale=0.5)
+    gen = torch.Generator().manual_seed(3)
+    sources_cpu, sources_gpu = [], []
+    for r in range(2):
+        lay = src.with_rank(r)
+        c = allocate(lay, 10)
+        fill_random(lay, c, gen)
+        sources_cpu.append((lay, c, [9, 2, 4, 7, 1]))
+        sources_gpu.append((lay, [t.cuda() for t in c], [9, 2, 4, 7, 1]))
+    dcpu = allocate(dst, 5, fill=SENTINEL)
+    dgpu = [t.cuda() for t in allocate(dst, 5, fill=SENTINEL)]
+    convert_from_ranks(sources_cpu, dst, dcpu, [4, 0, 2], 77, 13)
+    convert_from_ranks(sources_gpu, dst, dgpu, [4, 0, 2], 77, 13)
+    for a, b in zip(dcpu, dgpu):
+        assert torch.equal(bits(a), bits(b.cpu()))
