@@ -32,6 +32,11 @@ def demo() -> None:
     raise typer.Exit(run_single())
 
 
+from dlmix.bench.cli import bench as _bench  # noqa: E402
+
+app.command("bench")(_bench)
+
+
 def main() -> None:
     """Console-script entry point."""
     app()

@@ -1,0 +1,225 @@
+"""Benchmark workloads (prompts as token ids) and arrival schedules, all seeded and deterministic.
+
+Prompts are lists of token ids sent through the OpenAI completions API (``prompt: [ids]``), so the engine sees
+exactly the tokens we chose and prefix sharing is exact (no tokenizer round trip). Token ids are drawn uniformly from
+``[token_lo, token_hi)``; the default ``[10, 256)`` is valid for both dlmix models (tiny-llama has 320 ids,
+SmolLM2 49,152) and avoids the low special ids.
+
+Workloads:
+
+* :func:`shared_prefix` -- N groups; every prompt of a group starts with the group's shared prefix
+  (``prefix_len`` tokens) followed by a unique suffix (``suffix_len`` tokens). Like SGLang's
+  ``generated-shared-prefix`` dataset (``--gsp-num-groups``, ``--gsp-prompts-per-group``,
+  ``--gsp-system-prompt-len``, ``--gsp-question-len``, ``--gsp-output-len``). Prompts are shuffled (seeded) so
+  groups interleave.
+* :func:`random_prompts` -- independent random prompts (``vllm bench serve --dataset-name random`` style, fixed
+  lengths).
+* :func:`load_mooncake_trace` -- Mooncake trace replay (JSON lines ``{"timestamp": ms, "input_length": tokens,
+  "output_length": tokens, "hash_ids": [int, ...]}``; one hash id per 512-token block, chained, so equal leading
+  ids mean an equal prefix). Each hash id maps to a deterministic block of ``block_tokens`` token ids
+  (:func:`hash_block`), so equal ids give equal blocks and prefix sharing is real. ``block_tokens`` < 512 scales
+  the trace down (input length scaled by ``block_tokens / 512``) so it fits small models.
+
+Arrivals (:func:`arrival_times`): ``vllm bench serve`` semantics. ``request_rate = inf`` sends everything at
+t=0; otherwise inter-arrival gaps are Gamma(shape=burstiness, scale=1/(rate*burstiness)) seconds, which is a
+Poisson process for ``burstiness = 1``; seeded with ``numpy.random.default_rng(seed)``.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional, Sequence
+
+import numpy as np
+
+__all__ = ["BenchRequest", "shared_prefix", "random_prompts", "hash_block", "load_mooncake_trace",
+           "arrival_times", "WorkloadError", "MOONCAKE_BLOCK_TOKENS", "ideal_prefix_reuse"]
+
+MOONCAKE_BLOCK_TOKENS = 512
+DEFAULT_TOKEN_LO = 10
+DEFAULT_TOKEN_HI = 256
+
+
+class WorkloadError(ValueError):
+    """Invalid workload parameters or an unreadable / malformed trace (the message names file and line)."""
+
+
+@dataclass
+class BenchRequest:
+    """One request of a workload.
+
+    Attributes:
+        prompt: prompt token ids.
+        output_len: tokens to generate (sent as ``max_tokens``, with ``ignore_eos`` so the length is exact).
+        arrival_s: scheduled send time from the start of the run (seconds), or None to use the arrival process.
+        group: shared-prefix group (or -1).
+    """
+
+    prompt: list[int]
+    output_len: int
+    arrival_s: Optional[float] = None
+    group: int = -1
+
+
+def _check_range(token_lo: int, token_hi: int) -> None:
+    if not 0 <= token_lo < token_hi:
+        raise WorkloadError(f"token id range must satisfy 0 <= lo < hi, got [{token_lo}, {token_hi})")
+
+
+def shared_prefix(num_groups: int, prompts_per_group: int, prefix_len: int, suffix_len: int, output_len: int,
+                  seed: int = 0, token_lo: int = DEFAULT_TOKEN_LO, token_hi: int = DEFAULT_TOKEN_HI,
+                  shuffle: bool = True) -> list[BenchRequest]:
+    """Synthetic shared-prefix workload: ``num_groups * prompts_per_group`` prompts of ``prefix_len + suffix_len``
+    tokens; prompts of one group share their first ``prefix_len`` tokens exactly.
+
+    Raises:
+        WorkloadError: non-positive counts/lengths or a bad token range.
+    """
+    _check_range(token_lo, token_hi)
+    if num_groups < 1 or prompts_per_group < 1 or output_len < 1 or prefix_len < 0 or suffix_len < 0 \
+            or prefix_len + suffix_len < 1:
+        raise WorkloadError("shared-prefix needs groups >= 1, prompts per group >= 1, output_len >= 1 and "
+                            "prefix_len + suffix_len >= 1")
+    rng = np.random.default_rng(seed)
+    reqs = []
+    for g in range(num_groups):
+        prefix = rng.integers(token_lo, token_hi, size=prefix_len).tolist()
+        for _ in range(prompts_per_group):
+            suffix = rng.integers(token_lo, token_hi, size=suffix_len).tolist()
+            reqs.append(BenchRequest(prompt=prefix + suffix, output_len=output_len, group=g))
+    if shuffle:
+        order = rng.permutation(len(reqs))
+        reqs = [reqs[i] for i in order]
+    return reqs
+
+
+def random_prompts(num_prompts: int, input_len: int, output_len: int, seed: int = 0,
+                   token_lo: int = DEFAULT_TOKEN_LO, token_hi: int = DEFAULT_TOKEN_HI) -> list[BenchRequest]:
+    """``num_prompts`` independent random prompts of ``input_len`` tokens, each generating ``output_len`` tokens."""
+    _check_range(token_lo, token_hi)
+    if num_prompts < 1 or input_len < 1 or output_len < 1:
+        raise WorkloadError("random workload needs num_prompts, input_len and output_len >= 1")
+    rng = np.random.default_rng(seed)
+    return [BenchRequest(prompt=rng.integers(token_lo, token_hi, size=input_len).tolist(), output_len=output_len)
+            for _ in range(num_prompts)]
+
+
+def hash_block(hash_id: int, block_tokens: int = MOONCAKE_BLOCK_TOKENS, seed: int = 0,
+               token_lo: int = DEFAULT_TOKEN_LO, token_hi: int = DEFAULT_TOKEN_HI) -> list[int]:
+    """Deterministic block of ``block_tokens`` token ids for a trace hash id.
+
+    The ids come from a generator seeded by SHA-256 of ``(seed, hash_id)``, so the same hash id always yields the
+    same block (across processes and machines) and different ids yield independent blocks.
+    """
+    _check_range(token_lo, token_hi)
+    digest = hashlib.sha256(f"dlmix-mooncake:{seed}:{int(hash_id)}".encode()).digest()
+    rng = np.random.default_rng(int.from_bytes(digest[:8], "little"))
+    return rng.integers(token_lo, token_hi, size=block_tokens).tolist()
+
+
+def load_mooncake_trace(path: str | Path, block_tokens: int = MOONCAKE_BLOCK_TOKENS, seed: int = 0,
+                        max_requests: Optional[int] = None, time_scale: float = 1.0,
+                        max_input_len: Optional[int] = None, max_output_len: Optional[int] = None,
+                        token_lo: int = DEFAULT_TOKEN_LO, token_hi: int = DEFAULT_TOKEN_HI) -> list[BenchRequest]:
+    """Read a Mooncake trace (JSON lines) into requests with token-id prompts and scheduled arrivals.
+
+    Each line's ``hash_ids[i]`` becomes :func:`hash_block` (``block_tokens`` ids); the prompt is the concatenation,
+    cut to ``input_length * block_tokens / 512`` tokens (at least 1), then to ``max_input_len``. Blocks missing
+    from ``hash_ids`` (shorter list than the length needs) are filled with blocks unique to the request.
+    ``arrival_s = timestamp_ms / 1000 * time_scale`` relative to the first line's timestamp.
+
+    Raises:
+        WorkloadError: unreadable file, invalid JSON or missing/invalid field (message names file and line).
+    """
+    p = Path(path)
+    try:
+        lines = p.read_text().splitlines()
+    except OSError as e:
+        raise WorkloadError(f"cannot read trace {p}: {e}") from None
+    if block_tokens < 1:
+        raise WorkloadError("block_tokens must be >= 1")
+    scale = block_tokens / MOONCAKE_BLOCK_TOKENS
+    cache: dict[int, list[int]] = {}
+    reqs: list[BenchRequest] = []
+    t0: Optional[float] = None
+    for lineno, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+            ts = float(rec["timestamp"])
+            ilen = int(rec["input_length"])
+            olen = int(rec["output_length"])
+            ids = [int(h) for h in rec.get("hash_ids", [])]
+        except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
+            raise WorkloadError(f"{p}:{lineno}: invalid Mooncake record ({type(e).__name__}: {e}); expected "
+                                "timestamp, input_length, output_length, hash_ids") from None
+        if ilen < 1 or olen < 1:
+            raise WorkloadError(f"{p}:{lineno}: input_length and output_length must be >= 1")
+        n = max(1, int(math.ceil(ilen * scale)))
+        if max_input_len:
+            n = min(n, max_input_len)
+        prompt: list[int] = []
+        nblocks = -(-n // block_tokens)
+        for i in range(nblocks):
+            if i < len(ids):
+                h = ids[i]
+                if h not in cache:
+                    cache[h] = hash_block(h, block_tokens, seed, token_lo, token_hi)
+                prompt.extend(cache[h])
+            else:  # trace has fewer ids than blocks: unique filler, never shared
+                prompt.extend(hash_block(-(lineno * 1_000_003 + i), block_tokens, seed, token_lo, token_hi))
+        t0 = ts if t0 is None else t0
+        out = min(olen, max_output_len) if max_output_len else olen
+        reqs.append(BenchRequest(prompt=prompt[:n], output_len=out, arrival_s=(ts - t0) / 1000.0 * time_scale))
+        if max_requests and len(reqs) >= max_requests:
+            break
+    if not reqs:
+        raise WorkloadError(f"{p}: no requests in trace")
+    return reqs
+
+
+def ideal_prefix_reuse(reqs: Sequence[BenchRequest], block_tokens: int) -> float:
+    """Fraction of prompt tokens an infinite prefix cache with ``block_tokens``-token blocks would hit.
+
+    Counts, per request, the leading full blocks already seen (as chained prefixes) -- the routing-anchors
+    definition of ideal reuse, applied to the token ids actually sent.
+    """
+    seen: set = set()
+    hit = total = 0
+    for r in reqs:
+        total += len(r.prompt)
+        k = 0
+        prefix_hit = True
+        key: object = None
+        for i in range(len(r.prompt) // block_tokens):
+            key = hash((key, tuple(r.prompt[i * block_tokens: (i + 1) * block_tokens])))  # chained block key
+            if prefix_hit and key in seen:
+                k += 1
+            else:
+                prefix_hit = False
+            seen.add(key)
+        hit += k * block_tokens
+    return hit / total if total else 0.0
+
+
+def arrival_times(n: int, request_rate: float, burstiness: float = 1.0, seed: int = 0) -> list[float]:
+    """Send times (seconds from start) of ``n`` requests.
+
+    ``request_rate`` in requests/second; ``inf`` -> all 0. Gaps are Gamma(shape=burstiness,
+    scale=1/(request_rate*burstiness)) (mean ``1/request_rate``); ``burstiness=1`` is Poisson. The first request
+    is sent after the first gap, as in vLLM. Deterministic for a given seed.
+
+    Raises:
+        WorkloadError: non-positive rate or burstiness.
+    """
+    if request_rate <= 0 or burstiness <= 0:
+        raise WorkloadError(f"request rate and burstiness must be > 0 (got {request_rate}, {burstiness})")
+    if math.isinf(request_rate):
+        return [0.0] * n
+    rng = np.random.default_rng(seed)
+    gaps = rng.gamma(shape=burstiness, scale=1.0 / (request_rate * burstiness), size=n)
+    return np.cumsum(gaps).tolist()
