@@ -1,0 +1,169 @@
+"""Router configuration: a YAML file (``dlmix router --config router.yaml``) whose every key is also a flag
+(``--key value``; ``-`` and ``_`` interchangeable; a flag wins over the file).
+
+Example::
+
+    host: 0.0.0.0
+    port: 8000
+    policy: cost                     # round_robin | least_load | prefix | cost
+    policy_params: {itl_target: 0.05, local_max_uncached: 256}
+    model_spec: llama-3.1-8b         # preset, HF folder with config.json, or a dict of ModelSpec fields
+    chips: [my_chips.yaml]           # extra chip catalogs (add / override profiles)
+    tokenizer: null                  # HF tokenizer path/id, "bytes" (tests), or null (approximate char chunks)
+    hash_algo: sha256_cbor           # engines' --prefix-caching-hash-algo
+    hash_seed: null                  # engines' PYTHONHASHSEED (null = unset there)
+    api_keys: []                     # client keys (empty = open)
+    admin_key: null                  # admin/registration key (null = admin API from loopback only)
+    instances:
+      - {url: "http://10.0.0.1:8000", role: prefill, chip: H100, model: llama, cluster: a,
+         transport: {link: rdma-100g}, kv_events: "tcp://10.0.0.1:5557", kv_layout: {...}}
+      - {url: "http://10.0.0.2:8000", role: decode, chip: H20, model: llama, cluster: b}
+
+Flags for list keys repeat: ``--instance "url=http://h:8000,role=decode,chip=H20"`` (``instances``),
+``--chips FILE``, ``--api-keys KEY``; ``--policy-param key=value``.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """Invalid configuration (message names the key)."""
+
+
+@dataclass
+class RouterConfig:
+    """All router settings; see the module docstring. Times in seconds."""
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    policy: str = "cost"
+    policy_params: Dict[str, Any] = field(default_factory=dict)
+    instances: List[Dict[str, Any]] = field(default_factory=list)
+    model_spec: Any = "llama-3.1-8b"
+    chips: List[str] = field(default_factory=list)
+    tokenizer: Optional[str] = None
+    hash_algo: str = "sha256_cbor"
+    hash_seed: Optional[str] = None
+    api_keys: List[str] = field(default_factory=list)
+    admin_key: Optional[str] = None
+    health_interval_s: float = 2.0
+    health_timeout_s: float = 1.0
+    health_failures: int = 2
+    heartbeat_ttl_s: float = 6.0
+    breaker_failures: int = 3
+    breaker_cooldown_s: float = 5.0
+    prefill_timeout_s: float = 60.0
+    connect_timeout_s: float = 3.0
+    retries: int = 2
+    approx_index_capacity: int = 1 << 20
+    default_block_size: int = 16
+    metrics: bool = True
+    max_body_mb: int = 64
+
+    @classmethod
+    def from_yaml(cls, path: str | Path) -> "RouterConfig":
+        """Load a YAML file. Raises ConfigError for unreadable files or unknown keys."""
+        try:
+            data = yaml.safe_load(Path(path).read_text()) or {}
+        except (OSError, yaml.YAMLError) as ex:
+            raise ConfigError(f"cannot read router config {path}: {ex}") from None
+        if not isinstance(data, dict):
+            raise ConfigError(f"{path}: top level must be a mapping")
+        return cls.from_dict(data)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "RouterConfig":
+        """From a mapping. Raises ConfigError for unknown keys or bad values."""
+        names = {f.name: f for f in dataclasses.fields(cls)}
+        unknown = [k for k in data if k.replace("-", "_") not in names]
+        if unknown:
+            raise ConfigError(f"unknown router config key(s): {', '.join(unknown)}; known: {', '.join(names)}")
+        cfg = cls()
+        for k, v in data.items():
+            setattr(cfg, k.replace("-", "_"), _coerce(names[k.replace("-", "_")], v))
+        return cfg
+
+    def apply_flags(self, args: List[str]) -> "RouterConfig":
+        """Apply ``--key value`` / ``--key=value`` flags. Raises ConfigError for unknown flags or missing values."""
+        names = {f.name: f for f in dataclasses.fields(self)}
+        alias = {"instance": "instances", "policy_param": "policy_params", "chip": "chips", "api_key": "api_keys"}
+        i = 0
+        while i < len(args):
+            a = args[i]
+            if not a.startswith("--"):
+                raise ConfigError(f"unexpected argument {a!r}")
+            k, eq, v = a[2:].partition("=")
+            k = k.replace("-", "_")
+            k = alias.get(k, k)
+            if k not in names:
+                raise ConfigError(f"unknown flag --{a[2:]}; known: " + ", ".join("--" + n.replace("_", "-")
+                                                                                  for n in names))
+            f = names[k]
+            if not eq:
+                if f.type in ("bool",) and (i + 1 == len(args) or args[i + 1].startswith("--")):
+                    v = "true"
+                else:
+                    i += 1
+                    if i == len(args):
+                        raise ConfigError(f"flag --{k} needs a value")
+                    v = args[i]
+            if k == "instances":
+                self.instances.append(parse_kv_list(v))
+            elif k == "policy_params":
+                self.policy_params.update(parse_kv_list(v))
+            elif k in ("chips", "api_keys"):
+                getattr(self, k).append(v)
+            else:
+                setattr(self, k, _coerce(f, yaml.safe_load(v) if v else v))
+            i += 1
+        return self
+
+
+def parse_kv_list(s: str) -> Dict[str, Any]:
+    """``"url=http://h:1,role=decode"`` → dict (values YAML-parsed: numbers, booleans). A bare value is the url."""
+    out: Dict[str, Any] = {}
+    for part in s.split(","):
+        if not part:
+            continue
+        k, eq, v = part.partition("=")
+        if not eq:
+            if not out and "://" in part:
+                out["url"] = part
+                continue
+            raise ConfigError(f"expected key=value in {s!r}")
+        if k == "url":
+            out[k] = v
+        else:
+            try:
+                out[k.strip()] = yaml.safe_load(v)
+            except yaml.YAMLError:
+                out[k.strip()] = v
+    return out
+
+
+def _coerce(f, v):
+    t = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", "")
+    try:
+        if v is None:
+            return None
+        if t == "int":
+            return int(v)
+        if t == "float":
+            return float(v)
+        if t == "bool":
+            return v if isinstance(v, bool) else str(v).lower() in ("1", "true", "yes", "on")
+        if t == "str":
+            return str(v)
+    except (TypeError, ValueError):
+        raise ConfigError(f"router config key {f.name}: expected {t}, got {v!r}") from None
+    if t.startswith("List") and not isinstance(v, list):
+        raise ConfigError(f"router config key {f.name}: expected a list, got {v!r}")
+    if t.startswith("Dict") and not isinstance(v, dict):
+        raise ConfigError(f"router config key {f.name}: expected a mapping, got {v!r}")
+    return v

@@ -1,0 +1,69 @@
+"""vLLM adapter: PD request rewriting with ``kv_transfer_params`` (vLLM's disaggregated-serving proxy convention;
+see /work/shared/notes/vllm-cpu.md §6 and ``vllm/distributed/kv_transfer/kv_connector/v1/nixl_connector.py``).
+
+* Prefill leg: the client's request with ``max_tokens=1`` (and ``max_completion_tokens=1`` for chat),
+  ``stream=false``, no ``stream_options``/``min_tokens`` (they would be rejected with max_tokens=1), and
+  ``kv_transfer_params = {"do_remote_decode": true, "do_remote_prefill": false, "remote_engine_id": null,
+  "remote_block_ids": null, "remote_host": null, "remote_port": null}``.
+* Decode leg: the client's original bytes with the prefill response's top-level ``kv_transfer_params`` added.
+"""
+from __future__ import annotations
+
+import msgspec
+
+HEALTH_PATH = b"/health"
+MODELS_PATH = b"/v1/models"
+
+PREFILL_KV_PARAMS = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
+                     "remote_block_ids": None, "remote_host": None, "remote_port": None}
+
+_enc = msgspec.json.Encoder()
+
+
+class _PrefillResp(msgspec.Struct):
+    kv_transfer_params: dict | None = None
+
+
+_dec_prefill = msgspec.json.Decoder(_PrefillResp)
+
+
+def prefill_body(body: dict, chat: bool) -> bytes:
+    """JSON bytes of the prefill-leg request built from the client's parsed ``body`` (not modified)."""
+    b = dict(body)
+    b["max_tokens"] = 1
+    if chat:
+        b["max_completion_tokens"] = 1
+    b["stream"] = False
+    b.pop("stream_options", None)
+    b.pop("min_tokens", None)
+    b["kv_transfer_params"] = PREFILL_KV_PARAMS
+    return _enc.encode(b)
+
+
+def decode_body(raw: bytes, kvp: dict, parsed: dict | None = None) -> bytes:
+    """The client's original bytes with ``"kv_transfer_params": kvp`` added as a last top-level key.
+
+    The bytes are spliced (no re-encoding) unless the client already sent ``kv_transfer_params`` (then ``parsed`` or
+    a fresh decode is re-encoded with the key replaced). Raises ValueError if ``raw`` is not a JSON object.
+    """
+    if b'"kv_transfer_params"' in raw:
+        d = dict(parsed) if parsed is not None else msgspec.json.decode(raw)
+        d["kv_transfer_params"] = kvp
+        return _enc.encode(d)
+    s = raw.rstrip()
+    if not s.endswith(b"}"):
+        raise ValueError("request body is not a JSON object")
+    head = s[:-1].rstrip()
+    sep = b"" if head.endswith(b"{") else b","
+    return head + sep + b'"kv_transfer_params":' + _enc.encode(kvp) + b"}"
+
+
+def kv_transfer_params(resp_body: bytes) -> dict:
+    """Top-level ``kv_transfer_params`` of a prefill response. Raises ValueError if absent or malformed."""
+    try:
+        r = _dec_prefill.decode(resp_body)
+    except (msgspec.DecodeError, msgspec.ValidationError) as ex:
+        raise ValueError(f"prefill response is not valid JSON: {ex}") from None
+    if not r.kv_transfer_params:
+        raise ValueError("prefill response has no kv_transfer_params (is a kv_producer connector configured?)")
+    return r.kv_transfer_params

@@ -1,0 +1,113 @@
+"""Prompt extraction and tokenization as the engine does it, for prefix-aware placement.
+
+Modes (router config ``tokenizer``):
+
+* a Hugging Face tokenizer folder or hub id: loaded lazily with ``transformers.AutoTokenizer`` (fast tokenizer).
+  Chat requests: ``apply_chat_template(messages, tokenize=False, add_generation_prompt=...)`` then
+  ``encode(text, add_special_tokens=False)`` (vLLM's chat path: the template already carries BOS); completions:
+  ``encode(prompt)`` with special tokens (vLLM default ``add_special_tokens=True``); a token-id list prompt is used as
+  is. Results are cached by text (bounded). Exact block hashes → hits against engine KV events.
+* ``bytes``: token ids = UTF-8 bytes of the text (test mode; the mock engines use the same rule).
+* ``None`` (default): no tokenizer; the text is hashed in character chunks (4 chars ≈ 1 token, see
+  :func:`dlmix.router.hashing.char_chunk_keys`), which only feeds the approximate index. Cheap (a few µs per KB).
+
+Chat text without a tokenizer is ``"<|role|>\\n" + content + "\\n"`` per message (an approximation of a template;
+stable per conversation prefix, which is all the approximate index needs).
+"""
+from __future__ import annotations
+
+from typing import Any, List, Optional, Sequence, Tuple
+
+
+def _content_text(c: Any) -> str:
+    if isinstance(c, str):
+        return c
+    if isinstance(c, list):  # OpenAI content parts
+        return "".join(p.get("text", "") for p in c if isinstance(p, dict) and p.get("type") == "text")
+    return "" if c is None else str(c)
+
+
+def chat_text(messages: Sequence[dict]) -> str:
+    """Template-free text of a chat conversation (approximate mode)."""
+    parts = []
+    for m in messages:
+        if isinstance(m, dict):
+            parts.append(f"<|{m.get('role', '')}|>\n{_content_text(m.get('content'))}\n")
+    return "".join(parts)
+
+
+class PromptExtractor:
+    """Turns a parsed request body into (token ids or None, text or None).
+
+    Args:
+        tokenizer: HF tokenizer path/id, ``"bytes"``, or None (approximate).
+        cache_size: texts whose token ids are cached.
+    Raises (on first use) RuntimeError when the tokenizer cannot be loaded.
+    """
+
+    def __init__(self, tokenizer: Optional[str] = None, cache_size: int = 4096):
+        self.spec = tokenizer
+        self._tok = None
+        self._cache: dict = {}
+        self.cache_size = cache_size
+
+    @property
+    def exact(self) -> bool:
+        """True when token ids (not character chunks) are produced."""
+        return bool(self.spec)
+
+    def _hf(self):
+        if self._tok is None:
+            try:
+                from transformers import AutoTokenizer
+
+                self._tok = AutoTokenizer.from_pretrained(self.spec)
+            except Exception as ex:  # noqa: BLE001 - report any loading failure clearly
+                raise RuntimeError(f"cannot load tokenizer {self.spec!r}: {ex}") from ex
+        return self._tok
+
+    def _encode(self, text: str, special: bool) -> List[int]:
+        key = (text, special)
+        ids = self._cache.get(key)
+        if ids is None:
+            if self.spec == "bytes":
+                ids = list(text.encode("utf-8"))
+            else:
+                ids = self._hf().encode(text, add_special_tokens=special)
+            if len(self._cache) >= self.cache_size:
+                self._cache.pop(next(iter(self._cache)))
+            self._cache[key] = ids
+        return ids
+
+    def extract(self, chat: bool, body: dict) -> Tuple[Optional[List[int]], str]:
+        """(token ids or None, text) of the prompt in ``body`` (a chat or completions request).
+
+        Unknown shapes give ``(None, "")`` (no prefix information; the request is still routed).
+        """
+        if chat:
+            msgs = body.get("messages")
+            if not isinstance(msgs, list):
+                return None, ""
+            if not self.spec:
+                return None, chat_text(msgs)
+            if self.spec == "bytes":
+                t = chat_text(msgs)
+                return self._encode(t, False), t
+            tok = self._hf()
+            norm = [dict(m, content=_content_text(m.get("content"))) for m in msgs if isinstance(m, dict)]
+            kw = body.get("chat_template_kwargs") or {}
+            text = tok.apply_chat_template(norm, tokenize=False,
+                                           add_generation_prompt=body.get("add_generation_prompt", True), **kw)
+            return self._encode(text, bool(body.get("add_special_tokens", False))), text
+        p = body.get("prompt")
+        if isinstance(p, list) and p:
+            if all(isinstance(x, int) for x in p):
+                return list(p), ""
+            p = p[0]
+            if isinstance(p, list):
+                return (list(p) if all(isinstance(x, int) for x in p) else None), ""
+        if not isinstance(p, str):
+            return None, ""
+        if not self.spec:
+            return None, p
+        return self._encode(p, bool(body.get("add_special_tokens", True))), p
