@@ -37,6 +37,11 @@ from dlmix.bench.cli import bench as _bench  # noqa: E402
 app.command("bench")(_bench)
 
 
+from dlmix.router.cli import register as _register_router  # noqa: E402
+
+_register_router(app)
+
+
 def main() -> None:
     """Console-script entry point."""
     app()
