@@ -1,0 +1,181 @@
+"""Deployment and model configuration of a simulated cluster.
+
+Deployment YAML (a file, or a built-in name: ``dlmix/data/sim_deploy_<name>.yaml``)::
+
+    name: hetero-pd                 # free text
+    block_size: 64                  # engine KV block size, tokens (must divide the trace block, 512)
+    max_num_batched_tokens: 8192    # chunked-prefill token budget per iteration (vLLM V1)
+    max_num_seqs: 256               # running sequences per instance
+    gpu_memory_utilization: 0.9     # fraction of chip memory for weights + KV cache
+    t_step: 0.002                   # fixed overhead per engine iteration, s
+    r0: 0.0                         # fixed overhead per request added to TTFT, s
+    link: rdma-100g                 # default KV link (catalog name, or {bandwidth_gbps, setup_ms, eff})
+    instances:
+      - {chip: H100, count: 2, role: prefill}
+      - {chip: H20, count: 2, role: decode, num_chips: 1, link: rdma-100g}
+      # optional per group: timing: <calibration profile name or JSON path> (replaces the roofline),
+      # num_gpu_blocks: <int> (KV capacity override), router_chip: <chip the router believes it is>,
+      # block_size / max_num_batched_tokens / max_num_seqs / t_step overrides.
+
+Roles: ``both`` (aggregated), ``prefill`` (kv_producer), ``decode`` (kv_consumer). KV capacity per instance, when
+not given: ``(mem_gb·1e9·num_chips·gpu_memory_utilization − params·dtype_bytes) / (block_size · kv_bytes_per_token)``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import List, Optional, Union
+
+import yaml
+
+from dlmix.hw.cost import PRESETS, ModelSpec
+from dlmix.hw.profiles import Catalog, load_catalog
+from dlmix.router.state import ROLES
+
+MODEL_ALIASES = {"smollm2": "smollm2-135m", "llama3.1-8b": "llama-3.1-8b", "llama-8b": "llama-3.1-8b",
+                 "qwen2.5": "qwen2.5-7b", "qwen3": "qwen3-8b"}
+
+
+class ConfigError(ValueError):
+    """A deployment or model config is missing or invalid (the message names the file and field)."""
+
+
+def load_model(name_or_path: Union[str, ModelSpec]) -> ModelSpec:
+    """Model shape: a preset name (``llama-3.1-8b``, ``qwen2.5-7b``, ``qwen3-8b``, ``smollm2``/``smollm2-135m``)
+    or a Hugging Face ``config.json`` (file or folder). Raises ConfigError."""
+    if isinstance(name_or_path, ModelSpec):
+        return name_or_path
+    key = MODEL_ALIASES.get(str(name_or_path).lower(), str(name_or_path).lower())
+    if key in PRESETS:
+        return PRESETS[key]
+    p = Path(str(name_or_path))
+    if p.exists():
+        try:
+            return ModelSpec.from_hf_config(p)
+        except (ValueError, OSError) as ex:
+            raise ConfigError(f"model config {p}: {ex}") from None
+    raise ConfigError(f"unknown model {name_or_path!r}; presets: {', '.join(PRESETS)} or a config.json path")
+
+
+@dataclass
+class InstanceSpec:
+    """One simulated engine instance (after expanding ``count``)."""
+
+    id: str
+    chip: str
+    role: str = "both"
+    num_chips: int = 1
+    link: Union[None, str, dict] = None
+    block_size: int = 64
+    max_num_batched_tokens: int = 8192
+    max_num_seqs: int = 256
+    num_gpu_blocks: Optional[int] = None
+    timing: Optional[str] = None
+    router_chip: Optional[str] = None
+    t_step: float = 0.002
+    r0: float = 0.0
+
+
+@dataclass
+class Deployment:
+    """A cluster: instances plus defaults. ``gpu_memory_utilization`` sizes KV capacity."""
+
+    name: str
+    instances: List[InstanceSpec]
+    gpu_memory_utilization: float = 0.9
+    catalog: Catalog = field(default_factory=load_catalog, repr=False)
+
+    @property
+    def disaggregated(self) -> bool:
+        """True if any instance has role ``prefill``."""
+        return any(i.role == "prefill" for i in self.instances)
+
+    def kv_blocks(self, inst: InstanceSpec, model: ModelSpec) -> int:
+        """KV capacity of ``inst`` in blocks (explicit ``num_gpu_blocks`` or from chip memory). Raises ConfigError
+        when the weights do not fit."""
+        if inst.num_gpu_blocks:
+            return int(inst.num_gpu_blocks)
+        chip = self.catalog.chip(inst.chip)
+        free = chip.mem_gb * 1e9 * inst.num_chips * self.gpu_memory_utilization - model.params * model.dtype_bytes
+        n = int(free // (inst.block_size * model.kv_bytes_per_token))
+        if n < 1:
+            raise ConfigError(f"instance {inst.id}: {model.name or 'model'} weights do not fit on "
+                              f"{inst.num_chips}× {inst.chip}")
+        return n
+
+
+_GROUP_KEYS = {"chip", "count", "role", "num_chips", "link", "block_size", "max_num_batched_tokens",
+               "max_num_seqs", "num_gpu_blocks", "timing", "router_chip", "t_step", "r0", "name"}
+
+
+def deployment_from_dict(d: dict, origin: str = "<dict>", catalog: Optional[Catalog] = None) -> Deployment:
+    """Build a :class:`Deployment` from a parsed YAML mapping. Raises ConfigError naming ``origin`` and the field."""
+    if not isinstance(d, dict) or not isinstance(d.get("instances"), list) or not d["instances"]:
+        raise ConfigError(f"{origin}: needs a non-empty 'instances' list")
+    cat = catalog or load_catalog()
+    defaults = {k: d[k] for k in ("block_size", "max_num_batched_tokens", "max_num_seqs", "t_step", "r0", "link")
+                if k in d}
+    out: List[InstanceSpec] = []
+    for gi, g in enumerate(d["instances"]):
+        if not isinstance(g, dict) or "chip" not in g:
+            raise ConfigError(f"{origin}: instances[{gi}] must be a mapping with 'chip'")
+        bad = set(g) - _GROUP_KEYS
+        if bad:
+            raise ConfigError(f"{origin}: instances[{gi}] has unknown keys {sorted(bad)}")
+        try:
+            cat.chip(g["chip"])
+            if g.get("router_chip"):
+                cat.chip(g["router_chip"])
+        except KeyError as ex:
+            raise ConfigError(f"{origin}: instances[{gi}]: {ex.args[0]}") from None
+        role = g.get("role", "both")
+        if role not in ROLES:
+            raise ConfigError(f"{origin}: instances[{gi}]: role must be one of {ROLES}, got {role!r}")
+        try:
+            count = int(g.get("count", 1))
+            merged = dict(defaults)
+            merged.update({k: v for k, v in g.items() if k not in ("count", "name")})
+            for k in ("num_chips", "block_size", "max_num_batched_tokens", "max_num_seqs"):
+                if k in merged:
+                    merged[k] = int(merged[k])
+                    if merged[k] < 1:
+                        raise ValueError(f"{k} must be >= 1")
+            for k in ("t_step", "r0"):
+                if k in merged:
+                    merged[k] = float(merged[k])
+        except (TypeError, ValueError) as ex:
+            raise ConfigError(f"{origin}: instances[{gi}]: {ex}") from None
+        if count < 1:
+            raise ConfigError(f"{origin}: instances[{gi}]: count must be >= 1")
+        if merged.get("link") is not None:
+            try:
+                cat.link(merged["link"])
+            except KeyError as ex:
+                raise ConfigError(f"{origin}: instances[{gi}]: {ex.args[0]}") from None
+        base = g.get("name") or f"{g['chip']}-{role}"
+        for k in range(count):
+            out.append(InstanceSpec(id=f"{base}-{len(out)}", **merged))
+    if any(i.role == "prefill" for i in out) and not any(i.role != "prefill" for i in out):
+        raise ConfigError(f"{origin}: prefill-role instances need at least one decode/both instance")
+    try:
+        gmu = float(d.get("gpu_memory_utilization", 0.9))
+    except (TypeError, ValueError):
+        raise ConfigError(f"{origin}: gpu_memory_utilization must be a number") from None
+    return Deployment(str(d.get("name", origin)), out, gmu, cat)
+
+
+def load_deployment(name_or_path: Union[str, dict], catalog: Optional[Catalog] = None) -> Deployment:
+    """From a YAML file, a built-in name (``dlmix/data/sim_deploy_<name>.yaml``) or a dict. Raises ConfigError."""
+    if isinstance(name_or_path, dict):
+        return deployment_from_dict(name_or_path, "<dict>", catalog)
+    p = Path(str(name_or_path))
+    if not p.exists():
+        p = Path(str(resources.files("dlmix").joinpath(f"data/sim_deploy_{name_or_path}.yaml")))
+    if not p.exists():
+        raise ConfigError(f"deployment {name_or_path!r} not found (file or built-in name)")
+    try:
+        data = yaml.safe_load(p.read_text())
+    except yaml.YAMLError as ex:
+        raise ConfigError(f"{p}: invalid YAML: {ex}") from None
+    return deployment_from_dict(data, str(p), catalog)

@@ -1,0 +1,303 @@
+"""Discrete-event simulator of a heterogeneous serving cluster driven by the router's own policy objects.
+
+Event loop: one ``heapq`` of ``(time, seq, kind, obj)``; kinds are request arrivals, engine-iteration ends (one
+event per iteration of one instance, see :mod:`dlmix.sim.engine`) and KV-transfer completions. Per arrival the
+simulator does what the live router does (:mod:`dlmix.router.policies.base`)::
+
+    view = ClusterView(instance_states, index=prefix_index, cost=cost_model)
+    decision = policy.choose(route_request, view)
+    begin(decision, rr); policy.on_dispatch(rr, decision, view)   ... prefill_done(...) ... end(...)
+
+``prefix_index`` is a :class:`dlmix.router.prefix_index.PrefixIndex` fed by the simulated engines' KV events
+(BlockStored when a full prompt block is computed or received, BlockRemoved on LRU eviction), optionally delayed by
+``kv_event_delay`` seconds. The router's ``InstanceState.load`` carries its own counters (``begin``/``end``) plus an
+instant heartbeat (waiting, running, KV usage) refreshed after each iteration.
+
+PD disaggregation: a request with ``decision.prefill`` is prefilled on P (blocks for the prompt only); when its
+prefill completes the KV of the tokens the decode instance D does not already cache (``N − h_D``) is sent over the
+P→D link, a FIFO per P's egress: ``T_xfer = setup + bytes / (eff · bandwidth)`` (the slower end's bandwidth, the
+larger setup, as :meth:`dlmix.hw.cost.CostModel.link_between`). On arrival D admits it like vLLM's KV consumer
+(blocks for prompt + output, prompt blocks registered), and it produces its first token in D's next iteration
+(TTFT ends there, as with vLLM's disaggregated proxy where the client's first token comes from D).
+
+Units: seconds, tokens, bytes.
+"""
+from __future__ import annotations
+
+import heapq
+import random
+from typing import List, Optional, Sequence, Union
+
+from dlmix.hw.cost import CostModel, ModelSpec
+from dlmix.router.policies.base import ClusterView, Policy, begin, end, prefill_done
+from dlmix.router.prefix_index import PrefixIndex
+from dlmix.router.state import InstanceState, NoInstanceError, RouteRequest
+from dlmix.sim.config import Deployment, load_deployment, load_model
+from dlmix.sim.engine import FULL, PREFILL, RECV, Seq, SimInstance
+from dlmix.sim.metrics import SimResult, summarize
+from dlmix.sim.timing import LinearTiming, RooflineTiming
+from dlmix.sim.workload import SimRequest
+
+ARRIVE, STEP, XFER, KVEV = 0, 1, 2, 3
+
+
+class ReqRecord:
+    """Per-request outcome: times (s), placement and prefix hit (tokens at the instance that prefilled)."""
+
+    __slots__ = ("req", "rr", "decision", "first_token", "finish", "hit", "prefill_inst", "decode_inst",
+                 "failed", "pseq", "xfer_s", "prefilled")
+
+    def __init__(self, req: SimRequest, rr: RouteRequest):
+        self.req = req
+        self.rr = rr
+        self.decision = None
+        self.first_token: Optional[float] = None
+        self.finish: Optional[float] = None
+        self.hit = 0
+        self.prefill_inst: Optional[SimInstance] = None
+        self.decode_inst: Optional[SimInstance] = None
+        self.failed = False
+        self.pseq: Optional[Seq] = None
+        self.xfer_s = 0.0
+        self.prefilled = False
+
+    def on_admit(self, inst: SimInstance, seq: Seq) -> None:
+        """Called by the instance when the prefill leg is admitted (records the true prefix hit)."""
+        self.hit = seq.hit
+
+
+class SimRouteRequest(RouteRequest):
+    """A :class:`RouteRequest` that also exposes the simulated request (``sim``) and its pseudo-text (``text``,
+    for text-keyed baselines such as DLRouter's ``prefix_cache``)."""
+
+    @property
+    def text(self) -> str:
+        """Deterministic pseudo-text of the prompt's first 100 characters (:meth:`SimRequest.text`)."""
+        return self.sim.text(100)
+
+
+class Simulator:
+    """Simulate one deployment under one policy.
+
+    Args:
+        deployment: :class:`Deployment`, a YAML path or a built-in name.
+        model: :class:`ModelSpec` or a preset name / config path.
+        policy: a :class:`Policy` object or a registry name (:func:`dlmix.sim.registry.make_sim_policy`).
+        cost_model: the router's :class:`CostModel` (default: built from ``model`` and the deployment's catalog with
+            ``t0 = r0 + t_step`` and ``t1 = t_step`` of the first instance).
+        seed: seeds the policies' random tie-breaks.
+        kv_event_delay: seconds between an engine's cache change and the router's index update (0 = instant).
+        know_output_len: tell the router each request's output length as ``max_tokens`` (default: unknown).
+        policy_params: keyword arguments for a policy given by name.
+    """
+
+    def __init__(self, deployment: Union[Deployment, str, dict], model: Union[ModelSpec, str],
+                 policy: Union[Policy, str] = "cost", cost_model: Optional[CostModel] = None, seed: int = 0,
+                 kv_event_delay: float = 0.0, know_output_len: bool = False, policy_params: Optional[dict] = None):
+        self.dep = deployment if isinstance(deployment, Deployment) else load_deployment(deployment)
+        self.model = load_model(model)
+        cat = self.dep.catalog
+        self.index = PrefixIndex()
+        self.kv_event_delay = float(kv_event_delay)
+        self.know_output_len = know_output_len
+        self.seed = seed
+        self.instances: List[SimInstance] = []
+        self.states: List[InstanceState] = []
+        for i, spec in enumerate(self.dep.instances):
+            if spec.timing:
+                timing = LinearTiming.load(spec.timing)
+            else:
+                timing = RooflineTiming(cat.chip(spec.chip), self.model, spec.num_chips, spec.t_step, spec.r0)
+            inst = SimInstance(i, spec, timing, self.dep.kv_blocks(spec, self.model), self._on_store,
+                               self._on_remove)
+            inst.link = cat.link(spec.link)
+            inst.link_free = 0.0
+            self.instances.append(inst)
+            transport = spec.link if isinstance(spec.link, dict) else ({"link": spec.link} if spec.link else None)
+            self.states.append(InstanceState(id=spec.id, url=f"sim://{spec.id}", role=spec.role,
+                                             chip=spec.router_chip or spec.chip, num_chips=spec.num_chips,
+                                             block_size=spec.block_size, transport=transport, slot=i))
+        s0 = self.dep.instances[0]
+        self.cost = cost_model or CostModel(self.model, cat, t0=s0.r0 + s0.t_step, t1=s0.t_step)
+        if isinstance(policy, str):
+            from dlmix.sim.registry import make_sim_policy
+
+            policy = make_sim_policy(policy, seed=seed, **(policy_params or {}))
+        self.policy = policy
+        if hasattr(policy, "bind_simulator"):
+            policy.bind_simulator(self)
+        self.now = 0.0
+        self._heap: list = []
+        self._n = 0
+        self.step_dt: List[float] = []
+        self.step_w: List[int] = []
+        self.transfers: List[tuple] = []  # (tokens, bytes, seconds)
+
+    # ---- KV events -------------------------------------------------------------------------------------------
+    def _on_store(self, slot: int, keys) -> None:
+        if self.kv_event_delay > 0:
+            self._push(self.now + self.kv_event_delay, KVEV, (True, slot, list(keys)))
+        else:
+            self.index.store(slot, keys)
+
+    def _on_remove(self, slot: int, keys) -> None:
+        if self.kv_event_delay > 0:
+            self._push(self.now + self.kv_event_delay, KVEV, (False, slot, list(keys)))
+        else:
+            self.index.remove(slot, keys)
+
+    def _push(self, t: float, kind: int, obj) -> None:
+        self._n += 1
+        heapq.heappush(self._heap, (t, self._n, kind, obj))
+
+    # ---- helpers -----------------------------------------------------------------------------------------------
+    def link_time(self, p: SimInstance, d: SimInstance, tokens: int) -> float:
+        """Seconds to move the KV of ``tokens`` tokens from ``p`` to ``d`` on an idle link:
+        ``setup + tokens · kv_bytes_per_token / (eff · bandwidth)``; 0 for 0 tokens."""
+        if tokens <= 0:
+            return 0.0
+        link = self.cost.link_between(p.spec.link if isinstance(p.spec.link, dict) else
+                                      ({"link": p.spec.link} if p.spec.link else None),
+                                      d.spec.link if isinstance(d.spec.link, dict) else
+                                      ({"link": d.spec.link} if d.spec.link else None))
+        return link.setup_ms * 1e-3 + tokens * self.model.kv_bytes_per_token / link.bytes_per_s
+
+    def _kick(self, inst: SimInstance) -> None:
+        if inst.busy or not inst.has_work():
+            return
+        w = inst.B
+        dt = inst.plan_step()
+        for s in inst.take_rejected():
+            self._fail(s.req)
+        if dt > 0:
+            inst.busy = True
+            if w:
+                self.step_dt.append(dt)
+                self.step_w.append(w)
+            self._push(self.now + dt, STEP, inst)
+
+    def _fail(self, rec: ReqRecord) -> None:
+        if rec.failed or rec.finish is not None:
+            return
+        rec.failed = True
+        rec.finish = self.now
+        end(rec.decision, rec.rr, prefilled=rec.prefilled)
+        rec.req.drop_keys()
+
+    def _route(self, rec: ReqRecord) -> None:
+        view = ClusterView(self.states, index=self.index, cost=self.cost)
+        try:
+            dec = self.policy.choose(rec.rr, view)
+        except NoInstanceError:
+            rec.failed = True
+            rec.finish = self.now
+            return
+        rec.decision = dec
+        begin(dec, rec.rr)
+        self.policy.on_dispatch(rec.rr, dec, view)
+        req = rec.req
+        d = self.instances[dec.decode.slot]
+        rec.decode_inst = d
+        if dec.prefill is not None:
+            p = self.instances[dec.prefill.slot]
+            rec.prefill_inst = p
+            s = Seq(rec, PREFILL, req.block_keys(p.bs), req.input_len, 0, dest=d)
+            rec.pseq = s
+            p.enqueue(s, self.now)
+            self._kick(p)
+        else:
+            rec.prefill_inst = d
+            d.enqueue(Seq(rec, FULL, req.block_keys(d.bs), req.input_len, req.output_len), self.now)
+            self._kick(d)
+
+    def _after_step(self, inst: SimInstance) -> None:
+        prefilled, firsts, finished = inst.finish_step()
+        now = self.now
+        r0 = inst.timing.r0
+        for s in prefilled:
+            rec = s.req
+            rec.prefilled = True
+            prefill_done(rec.decision, rec.rr)
+            if s.kind == FULL:
+                rec.first_token = now + r0
+            else:  # PD prefill leg done: send the KV
+                d = s.dest
+                keys_d = rec.req.block_keys(d.bs)
+                h_d = min(d.kv.match(keys_d) * d.bs, s.n)
+                tok = s.n - h_d
+                dur = self.link_time(inst, d, tok)
+                start = max(now, inst.link_free)
+                inst.link_free = start + dur
+                rec.xfer_s = inst.link_free - now
+                self.transfers.append((tok, tok * self.model.kv_bytes_per_token, dur))
+                self._push(start + dur, XFER, rec)
+        for s in firsts:
+            s.req.first_token = now + r0
+        for s in finished:
+            rec = s.req
+            rec.finish = now + r0
+            end(rec.decision, rec.rr, prefilled=True)
+            rec.req.drop_keys()
+        st = self.states[inst.idx].load
+        st.waiting = len(inst.waiting)
+        st.running = inst.running()
+        st.kv_usage = inst.kv.usage()
+
+    # ---- main loop -------------------------------------------------------------------------------------------
+    def run(self, requests: Sequence[SimRequest], slo_ttft: float = 2.0, slo_itl: float = 0.025,
+            label: str = "") -> SimResult:
+        """Simulate ``requests`` (arrival-sorted or not) to completion and summarise.
+
+        Args:
+            slo_ttft: TTFT target, s. slo_itl: per-request mean inter-token latency (TPOT) target, s.
+        Returns a :class:`SimResult` (``summary`` dict + per-request records).
+        """
+        recs = []
+        for r in requests:
+            rr = SimRouteRequest(prompt_len=r.input_len,
+                                 max_tokens=r.output_len if self.know_output_len else None,
+                                 block_hashes=r.block_keys, key=None)
+            rr.sim = r
+            rec = ReqRecord(r, rr)
+            recs.append(rec)
+            self._push(r.arrival, ARRIVE, rec)
+        heap = self._heap
+        pop = heapq.heappop
+        insts = self.instances
+        while heap:
+            t, _, kind, obj = pop(heap)
+            self.now = t
+            if kind == STEP:
+                obj.busy = False
+                self._after_step(obj)
+                self._kick(obj)
+            elif kind == ARRIVE:
+                self._route(obj)
+            elif kind == XFER:
+                rec = obj
+                p = rec.prefill_inst
+                p.release(rec.pseq)
+                rec.pseq = None
+                d = rec.decode_inst
+                d.enqueue(Seq(rec, RECV, rec.req.block_keys(d.bs), rec.req.input_len, rec.req.output_len),
+                          self.now)
+                self._kick(d)
+                self._kick(p)
+            else:
+                stored, slot, keys = obj
+                (self.index.store if stored else self.index.remove)(slot, keys)
+        for inst in insts:  # anything stuck (cannot happen unless capacity is 0) counts as failed
+            for s in list(inst.waiting):
+                self._fail(s.req)
+        return summarize(recs, insts, self.step_dt, self.step_w, slo_ttft, slo_itl,
+                         label=label or getattr(self.policy, "name", "policy"), transfers=self.transfers)
+
+
+def simulate(deployment, model, policy, requests, seed: int = 0, slo_ttft: float = 2.0, slo_itl: float = 0.025,
+             **kw) -> SimResult:
+    """One-shot helper: ``Simulator(deployment, model, policy, seed=seed, **kw).run(requests, ...)``.
+    ``requests`` are not modified except for their cached block keys."""
+    return Simulator(deployment, model, policy, seed=seed, **kw).run(requests, slo_ttft, slo_itl)
+
+
+_ = random

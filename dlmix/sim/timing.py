@@ -1,0 +1,117 @@
+"""Engine-iteration timing for the simulator: roofline from a chip profile, or a linear fit calibrated on measurements.
+
+One engine iteration (vLLM V1 continuous batching with chunked prefill) runs, in one forward pass:
+
+* prefill chunks: chunk ``k`` computes prompt positions ``[a_k, b_k)`` (``T_p = Σ (b_k − a_k)`` new tokens,
+  attention work ``Q = Σ (b_k² − a_k²)``);
+* ``B`` decode sequences, one token each, over ``S = Σ ctx`` context tokens.
+
+:class:`RooflineTiming` (DistServe OSDI'24 §3, Splitwise ISCA'24 §3, Vidur MLSys'24; the same formulas as
+:mod:`dlmix.hw.cost`, P params, L layers, n_q query heads, d head dim, b bytes/element, F peak FLOP/s, BW bytes/s)::
+
+    compute = (2·P·(T_p + B) + 2·L·n_q·d·Q + 4·L·n_q·d·S) / (MFU · F · chips)
+    memory  = (P·b + (S + Σ b_k) · kv_bpt) / (η · BW · chips)
+    T_iter  = t_step + max(compute, memory)
+
+Prefill is compute-bound (large ``T_p``), decode bandwidth-bound (weights and KV read once per step for all ``B``).
+``t_step`` is the fixed per-iteration overhead (scheduler, sampling, kernel launches).
+
+:class:`LinearTiming` is the calibratable form (routing-anchors notes §2, "fitted forms per chip")::
+
+    T_iter = c0 + c_tok·T_p + c_quad·Q + c_seq·B + c_ctx·S
+
+plus ``r0``, a fixed per-request overhead added to TTFT (API server, tokenisation, detokenisation). Its coefficients
+come from :func:`dlmix.sim.calibrate.fit` over real measurements (e.g. vLLM CPU, ``dlmix/data/sim_calib_*.json``).
+Units: seconds, tokens.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from importlib import resources
+from pathlib import Path
+from typing import Union
+
+from dlmix.hw.cost import ModelSpec
+from dlmix.hw.profiles import ChipProfile
+
+
+class RooflineTiming:
+    """Iteration time from peak figures (see module docstring).
+
+    Args:
+        chip: :class:`ChipProfile` (peak FLOP/s, bandwidth, MFU, η). model: :class:`ModelSpec`.
+        num_chips: chips per instance (TP); compute and bandwidth scale linearly.
+        t_step: fixed overhead per iteration, s. r0: fixed overhead per request added to TTFT, s.
+    """
+
+    kind = "roofline"
+
+    def __init__(self, chip: ChipProfile, model: ModelSpec, num_chips: int = 1, t_step: float = 0.002,
+                 r0: float = 0.0):
+        self.chip = chip
+        self.model = model
+        self.t_step = float(t_step)
+        self.r0 = float(r0)
+        f = chip.mfu * chip.flops * num_chips
+        bw = chip.bw_eff * chip.mem_bw * num_chips
+        m = model
+        self._lin = 2.0 * m.params / f
+        self._quad = 2.0 * m.layers * m.q_heads * m.head_dim / f
+        self._ctxf = 4.0 * m.layers * m.q_heads * m.head_dim / f
+        self._w = m.params * m.dtype_bytes / bw
+        self._kv = m.kv_bytes_per_token / bw
+
+    def iteration(self, t_prefill: int, quad: float, prefill_end_sum: int, batch: int, sum_ctx: int) -> float:
+        """Seconds for one iteration: ``t_prefill`` new prefill tokens with attention work ``quad`` (Σ b²−a²) whose
+        chunks end at positions summing to ``prefill_end_sum``, plus ``batch`` decode tokens over ``sum_ctx``."""
+        comp = self._lin * (t_prefill + batch) + self._quad * quad + self._ctxf * sum_ctx
+        mem = self._w + self._kv * (sum_ctx + prefill_end_sum)
+        return self.t_step + (comp if comp > mem else mem)
+
+    def describe(self) -> dict:
+        """Plain dict of the model's parameters (for reports)."""
+        return {"kind": self.kind, "chip": self.chip.name, "t_step": self.t_step, "r0": self.r0}
+
+
+@dataclass
+class LinearTiming:
+    """Calibrated linear iteration time (see module docstring). Coefficients in seconds, per token / per token²."""
+
+    c0: float
+    c_tok: float
+    c_quad: float
+    c_seq: float
+    c_ctx: float
+    r0: float = 0.0
+    name: str = "linear"
+    source: str = ""
+
+    kind = "linear"
+
+    def iteration(self, t_prefill: int, quad: float, prefill_end_sum: int, batch: int, sum_ctx: int) -> float:
+        """As :meth:`RooflineTiming.iteration`."""
+        return self.c0 + self.c_tok * t_prefill + self.c_quad * quad + self.c_seq * batch + self.c_ctx * sum_ctx
+
+    def describe(self) -> dict:
+        """Plain dict of the coefficients."""
+        d = asdict(self)
+        d["kind"] = self.kind
+        return d
+
+    @classmethod
+    def load(cls, path_or_name: Union[str, Path]) -> "LinearTiming":
+        """From a calibration JSON file (``{"coefficients": {...}}``) or a built-in name such as
+        ``smollm2_vllm_cpu`` (``dlmix/data/sim_calib_<name>.json``). Raises FileNotFoundError / ValueError."""
+        p = Path(str(path_or_name))
+        if not p.exists():
+            p = Path(str(resources.files("dlmix").joinpath(f"data/sim_calib_{path_or_name}.json")))
+        if not p.exists():
+            raise FileNotFoundError(f"calibration profile {path_or_name!r} not found")
+        d = json.loads(p.read_text())
+        c = d.get("coefficients", d)
+        try:
+            return cls(float(c["c0"]), float(c["c_tok"]), float(c["c_quad"]), float(c["c_seq"]), float(c["c_ctx"]),
+                       float(c.get("r0", 0.0)), str(d.get("name", p.stem)), str(d.get("source", "")))
+        except KeyError as ex:
+            raise ValueError(f"{p}: calibration lacks coefficient {ex}") from None
