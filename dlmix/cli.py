@@ -36,6 +36,10 @@ from dlmix.bench.cli import bench as _bench  # noqa: E402
 
 app.command("bench")(_bench)
 
+from dlmix.launch.cli import launch_cmd as _launch  # noqa: E402
+
+app.command("launch")(_launch)
+
 
 from dlmix.router.cli import register as _register_router  # noqa: E402
 

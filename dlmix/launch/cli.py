@@ -1,0 +1,89 @@
+"""``dlmix launch DEPLOYMENT.yaml``: command-line front end of :mod:`dlmix.launch` (registered in dlmix.cli)."""
+from __future__ import annotations
+
+import shlex
+import signal
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+__all__ = ["launch_cmd"]
+
+
+def _raise_interrupt(signum, frame):  # SIGTERM/SIGHUP -> same clean stop as Ctrl-C
+    raise KeyboardInterrupt
+
+
+def launch_cmd(
+    deployment: Path = typer.Argument(..., help="deployment YAML (see examples/*.yaml)"),
+    follow_logs: bool = typer.Option(False, "--follow-logs", "-f", help="stream every log, prefixed [name]"),
+    log_dir: Optional[Path] = typer.Option(None, "--log-dir", help="log folder (default: a new temp folder)"),
+    check: bool = typer.Option(False, "--check", help="validate the file and exit"),
+    dry_run: bool = typer.Option(False, "--dry-run", help="print the command lines without starting anything"),
+    grace: float = typer.Option(10.0, "--grace", help="seconds between SIGINT and SIGKILL when stopping"),
+) -> None:
+    """Start engines and the router of a deployment file, wait until all are ready, print where to send
+    requests, and stop every process on Ctrl-C or when one of them fails."""
+    import tempfile
+
+    from rich.console import Console
+
+    from dlmix.launch.config import ConfigError, Deployment
+    from dlmix.launch.runner import LaunchError, plan, start
+
+    console = Console()
+    try:
+        dep = Deployment.from_file(deployment)
+    except ConfigError as e:
+        console.print(f"[red]error in deployment file[/]\n{e}", highlight=False)
+        raise typer.Exit(2)
+    if check:
+        console.print(f"{deployment}: ok ({len(dep.instances)} instance(s), router: "
+                      f"{'yes' if dep.router_enabled() else 'no'})")
+        return
+    if dry_run:
+        ldir = log_dir or Path(tempfile.mkdtemp(prefix="dlmix-dry-run-"))
+        models = {i: (dep.model_of(i) or "") for i in range(len(dep.instances))}
+        for pl in plan(dep, "<generated-secret>", Path(ldir), models=models):
+            env = " ".join(f"{k}={shlex.quote(v)}" for k, v in pl.env.items()
+                           if k not in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "VLLM_NO_USAGE_STATS", "DO_NOT_TRACK"))
+            console.print(f"[bold]{pl.name}[/] ({pl.url}):\n  {env + ' ' if env else ''}"
+                          f"{' '.join(shlex.quote(a) for a in pl.argv)}", highlight=False, soft_wrap=True)
+        return
+    old = {s: signal.signal(s, _raise_interrupt) for s in (signal.SIGTERM, signal.SIGHUP)}
+    running = None
+    try:
+        running = start(dep, log_dir=log_dir, console=console, follow_logs=follow_logs, grace_s=grace)
+        model = running.instances[0].served_model_name
+        console.print(f"\n[bold green]ready[/]: send OpenAI requests to [bold]{running.url}[/]  (model {model!r})")
+        if running.router_url:
+            console.print(f"  router admin: {running.router_url}/admin/instances (Bearer key in "
+                          f"{running.log_dir / 'router.yaml'}), metrics: {running.router_url}/metrics")
+        for inst in running.instances:
+            console.print(f"  {inst.name}: {inst.role} {inst.engine} {inst.url}  log {inst.log_path}")
+        console.print(f"  try: curl -s {running.url}/v1/completions -H 'Content-Type: application/json' "
+                      f"-d '{{\"model\": \"{model}\", \"prompt\": \"Hello\", \"max_tokens\": 16}}'", highlight=False,
+                      soft_wrap=True)
+        console.print("Ctrl-C stops everything.")
+        running.wait()
+    except KeyboardInterrupt:
+        console.print("\n[yellow]stopping every process...[/]")
+        if running is not None:
+            running.stop(grace)
+        console.print("stopped.")
+        raise typer.Exit(130)
+    except LaunchError as e:
+        if running is not None:
+            running.stop(grace)
+        console.print(f"[red]launch failed:[/] {e}\nEvery process that was started has been stopped.",
+                      highlight=False)
+        raise typer.Exit(1)
+    except Exception as e:  # model preparation and other failures
+        if running is not None:
+            running.stop(grace)
+        console.print(f"[red]launch failed:[/] {type(e).__name__}: {e}", highlight=False)
+        raise typer.Exit(1)
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)

@@ -1,0 +1,431 @@
+"""Deployment files of ``dlmix launch``: schema (pydantic), YAML parsing with line numbers, cross-field checks.
+
+A deployment file describes engine instances and, optionally, a dlmix router in front of them::
+
+    name: cpu-pd
+    model: smollm2                 # default model of every instance: dlmix model name, local path or hub id
+    router:                        # optional; omit for engines alone
+      port: 8000
+      policy: prefix               # round_robin | least_load | prefix | cost
+    instances:
+      - name: prefill
+        role: prefill              # prefill | decode | both
+        port: 8100
+        chip: cpu-x86              # chip profile (dlmix/data/chips.yaml or router.chips files)
+        cpus: "0"                  # CPU cores to pin (vLLM CPU: VLLM_CPU_OMP_THREADS_BIND; other devices: taskset)
+        kv: {block_size: 32, dtype: bfloat16}
+      - name: decode
+        role: decode
+        port: 8200
+        cpus: "1"
+        kv: {block_size: 128, dtype: float32}
+
+Every error names the field path and the YAML line: ``cpu-pd.yaml:14:9: instances[1].kv.block_size: ...``.
+Unknown keys are errors (a typo never falls back to a default). See ``examples/*.yaml`` and docs.
+"""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any, Dict, List, Literal, Optional, Tuple
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+__all__ = ["ConfigError", "Deployment", "Instance", "KVSettings", "RouterSettings", "ConnectorSettings",
+           "DEVICE_VISIBILITY_ENV", "parse_deployment"]
+
+# Environment variable that restricts the visible devices of an engine, per device kind.
+DEVICE_VISIBILITY_ENV = {
+    "cuda": "CUDA_VISIBLE_DEVICES",
+    "rocm": "HIP_VISIBLE_DEVICES",
+    "npu": "ASCEND_RT_VISIBLE_DEVICES",
+    "xpu": "ZE_AFFINITY_MASK",
+    "musa": "MUSA_VISIBLE_DEVICES",
+    "mlu": "MLU_VISIBLE_DEVICES",
+    "gcu": "TOPS_VISIBLE_DEVICES",
+    "maca": "CUDA_VISIBLE_DEVICES",
+}
+DEVICES = ("cpu",) + tuple(DEVICE_VISIBILITY_ENV)
+_CPUS_RE = re.compile(r"^\s*\d+(\s*-\s*\d+)?(\s*,\s*\d+(\s*-\s*\d+)?)*\s*$")
+
+
+class ConfigError(ValueError):
+    """Invalid deployment file. ``str(e)`` is ``FILE:LINE:COL: field.path: message`` (one line per problem)."""
+
+    def __init__(self, problems: List[str]):
+        super().__init__("\n".join(problems))
+        self.problems = problems
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class KVSettings(_Strict):
+    """KV cache layout and size of one instance.
+
+    Attributes:
+        block_size: KV block size in tokens (``--block-size``); vLLM CPU needs a multiple of 32.
+        dtype: model/activation dtype (``--dtype``); the KV cache has this dtype unless ``cache_dtype`` is set.
+        cache_dtype: ``--kv-cache-dtype`` (``auto``, ``fp8``, ``fp8_e4m3``, ``fp8_e5m2``, ...).
+        cache_bytes: ``--kv-cache-memory-bytes`` (bytes). Default 128 MiB on CPU; on accelerators None lets
+            ``gpu_memory_utilization`` size it.
+        gpu_memory_utilization: ``--gpu-memory-utilization`` fraction (accelerators only).
+    """
+
+    block_size: Optional[int] = Field(default=None, ge=1, le=4096)
+    dtype: Optional[Literal["auto", "bfloat16", "float16", "float32", "half", "float"]] = None
+    cache_dtype: Optional[str] = None
+    cache_bytes: Optional[int] = Field(default=None, ge=1 << 20)
+    gpu_memory_utilization: Optional[float] = Field(default=None, gt=0, le=1)
+
+
+class ConnectorSettings(_Strict):
+    """KV connector of an instance (vLLM ``--kv-transfer-config``).
+
+    Attributes:
+        name: ``kv_connector`` (default ``DLMixConnector``; e.g. ``NixlConnector`` for vLLM's own).
+        module_path: ``kv_connector_module_path`` (optional).
+        extra_config: merged into ``kv_connector_extra_config``. For ``DLMixConnector`` launch fills
+            ``router_url``, ``router_admin_key``, ``public_url``, ``chip_profile``, ``model_name``,
+            ``shared_secret`` and a free side-channel ``port``; keys given here win.
+        kv_role: override of the role-derived ``kv_role`` (``kv_producer`` for prefill, ``kv_consumer`` for decode,
+            ``kv_both`` for both).
+    """
+
+    name: str = "DLMixConnector"
+    module_path: Optional[str] = None
+    extra_config: Dict[str, Any] = Field(default_factory=dict)
+    kv_role: Optional[Literal["kv_producer", "kv_consumer", "kv_both"]] = None
+
+
+class Instance(_Strict):
+    """One engine instance. See the module docstring for an example.
+
+    Attributes:
+        name: unique name (default ``ROLE-INDEX``); prefixes its log lines.
+        engine: ``vllm``, or ``mock`` (dlmix's test engine :mod:`dlmix.bench.mock_server`).
+        model: dlmix model name (``smollm2``, ``tiny-llama``; built by :func:`dlmix.models.prepare`), a local folder,
+            or a hub id; default: the deployment's ``model``.
+        served_model_name: name clients use (default: deployment's ``served_model_name``, else the model name).
+        role: ``prefill``, ``decode`` or ``both``.
+        host / port: bind address (default loopback) and port of the OpenAI API.
+        chip: chip profile name (catalog of :mod:`dlmix.hw.profiles`), announced to the router.
+        device: ``cpu`` or an accelerator kind (``cuda``, ``rocm``, ``npu``, ``xpu``, ``musa``, ``mlu``, ...).
+        devices: visible accelerator ids (``"0"``, ``"0,1"``), set through the device kind's visibility variable.
+        cpus: CPU cores to pin (``"0"``, ``"0-3"``, ``"0,2"``).
+        tensor_parallel_size: ``--tensor-parallel-size``.
+        max_model_len: ``--max-model-len`` tokens.
+        enforce_eager: ``--enforce-eager`` (default: on for CPU, off otherwise).
+        kv: :class:`KVSettings`.
+        connector: :class:`ConnectorSettings`; default ``DLMixConnector`` for prefill/decode roles, none for both.
+        python: interpreter that runs the engine (e.g. another venv's ``bin/python``); default: this one.
+        extra_args: further engine flags, passed as they are.
+        env: extra environment variables.
+        ready_timeout_s: seconds to wait for ``/health``.
+    """
+
+    name: Optional[str] = None
+    engine: Literal["vllm", "mock"] = "vllm"
+    model: Optional[str] = None
+    served_model_name: Optional[str] = None
+    role: Literal["prefill", "decode", "both"] = "both"
+    host: str = "127.0.0.1"
+    port: int = Field(ge=1, le=65535)
+    chip: str = "cpu-x86"
+    device: str = "cpu"
+    devices: Optional[str] = None
+    cpus: Optional[str] = None
+    tensor_parallel_size: int = Field(default=1, ge=1)
+    max_model_len: int = Field(default=2048, ge=16)
+    enforce_eager: Optional[bool] = None
+    kv: KVSettings = Field(default_factory=KVSettings)
+    connector: Optional[ConnectorSettings] = None
+    python: Optional[str] = None
+    extra_args: List[str] = Field(default_factory=list)
+    env: Dict[str, str] = Field(default_factory=dict)
+    ready_timeout_s: float = Field(default=600.0, gt=0)
+
+    @field_validator("device")
+    @classmethod
+    def _device(cls, v: str) -> str:
+        if v not in DEVICES:
+            raise ValueError(f"unknown device {v!r}; choose one of {', '.join(DEVICES)}")
+        return v
+
+    @field_validator("cpus")
+    @classmethod
+    def _cpus(cls, v: Optional[str]) -> Optional[str]:
+        if v is not None and not _CPUS_RE.match(str(v)):
+            raise ValueError(f"cpus must be a core list like '0', '0-3' or '0,2-3', got {v!r}")
+        return None if v is None else str(v).replace(" ", "")
+
+    @field_validator("extra_args", mode="before")
+    @classmethod
+    def _args(cls, v: Any) -> Any:
+        if isinstance(v, str):
+            import shlex
+
+            return shlex.split(v)
+        return [str(x) for x in v] if isinstance(v, list) else v
+
+    @property
+    def url(self) -> str:
+        """``http://host:port`` of the OpenAI API."""
+        return f"http://{self.host}:{self.port}"
+
+
+class RouterSettings(_Strict):
+    """The dlmix router in front of the instances (:mod:`dlmix.router`).
+
+    Attributes:
+        enabled: start it (default true when the section is present).
+        host / port: bind address and port (the deployment's entry point).
+        policy / policy_params: routing policy (``round_robin``, ``least_load``, ``prefix``, ``cost``) and its
+            parameters.
+        model_spec: the router's cost-model spec (preset name, HF folder or dict); default: the model folder
+            of the first instance when it is local.
+        tokenizer: HF tokenizer path for exact block hashes of text prompts (``model`` = the instances' model
+            folder), ``bytes``, or null (approximate).
+        chips: extra chip catalog YAML files.
+        kv_events: start vLLM KV-event publishers (ZMQ on loopback) and let the router subscribe.
+        config: further router config keys (see :class:`dlmix.router.config.RouterConfig`), passed as they are.
+        ready_timeout_s: seconds to wait for the router and for every instance to appear in it.
+    """
+
+    enabled: bool = True
+    host: str = "127.0.0.1"
+    port: int = Field(default=8000, ge=1, le=65535)
+    policy: str = "prefix"
+    policy_params: Dict[str, Any] = Field(default_factory=dict)
+    model_spec: Any = None
+    tokenizer: Optional[str] = None
+    chips: List[str] = Field(default_factory=list)
+    kv_events: bool = False
+    config: Dict[str, Any] = Field(default_factory=dict)
+    ready_timeout_s: float = Field(default=120.0, gt=0)
+
+    @property
+    def url(self) -> str:
+        """``http://host:port`` of the router."""
+        return f"http://{self.host}:{self.port}"
+
+
+class Deployment(_Strict):
+    """A whole local deployment (see the module docstring). Build with :meth:`from_file` or :meth:`from_yaml`.
+
+    Attributes:
+        name: deployment name (log folder name).
+        model: default model of the instances.
+        served_model_name: default served model name.
+        secret: shared secret (router admin key, connector HMAC); ``null``/``auto`` = generated at each launch.
+        router: :class:`RouterSettings` or None (engines alone).
+        instances: the engine instances (at least one).
+        env: environment variables for every process.
+        source: file the deployment came from (set by :meth:`from_file`).
+    """
+
+    name: str = "dlmix"
+    model: Optional[str] = None
+    served_model_name: Optional[str] = None
+    secret: Optional[str] = None
+    router: Optional[RouterSettings] = None
+    instances: List[Instance] = Field(min_length=1)
+    env: Dict[str, str] = Field(default_factory=dict)
+    source: Optional[str] = Field(default=None, exclude=True)
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def from_file(cls, path: str | Path) -> "Deployment":
+        """Read and validate a deployment file. Raises :class:`ConfigError` (file, line, field, message)."""
+        p = Path(path)
+        try:
+            text = p.read_text()
+        except OSError as e:
+            raise ConfigError([f"{p}: cannot read deployment file: {e}"]) from None
+        dep = parse_deployment(text, str(p))
+        dep.source = str(p)
+        return dep
+
+    @classmethod
+    def from_yaml(cls, text: str, origin: str = "<deployment>") -> "Deployment":
+        """Validate deployment YAML text (``origin`` names it in errors). Raises :class:`ConfigError`."""
+        return parse_deployment(text, origin)
+
+    # ------------------------------------------------------------------ derived values
+    def router_enabled(self) -> bool:
+        """True when a router is configured and enabled."""
+        return self.router is not None and self.router.enabled
+
+    def entry_url(self) -> str:
+        """Where clients send requests: the router, else the first instance."""
+        return self.router.url if self.router_enabled() else self.instances[0].url
+
+    def instance_name(self, i: int) -> str:
+        """Name of instance ``i`` (explicit or ``ROLE-INDEX``)."""
+        inst = self.instances[i]
+        return inst.name or f"{inst.role}-{i}"
+
+    def model_of(self, i: int) -> Optional[str]:
+        """Model reference of instance ``i`` (its own or the deployment default)."""
+        return self.instances[i].model or self.model
+
+    def served_name_of(self, i: int) -> str:
+        """Served model name of instance ``i``: explicit, deployment default, else the model reference's last
+        path component."""
+        inst = self.instances[i]
+        if inst.served_model_name or self.served_model_name:
+            return inst.served_model_name or self.served_model_name  # type: ignore[return-value]
+        m = self.model_of(i) or ("mock" if inst.engine == "mock" else "model")
+        return Path(m).name if ("/" in m and Path(m).exists()) else m
+
+    def connector_of(self, i: int) -> Optional[ConnectorSettings]:
+        """Connector of instance ``i``: explicit, else ``DLMixConnector`` for prefill/decode roles (vLLM only)."""
+        inst = self.instances[i]
+        if inst.connector is not None or inst.engine != "vllm":
+            return inst.connector if inst.engine == "vllm" else None
+        return ConnectorSettings() if inst.role in ("prefill", "decode") else None
+
+
+# ---------------------------------------------------------------------- YAML with line numbers
+Path_ = Tuple[Any, ...]
+
+
+def _marks(node: yaml.Node, path: Path_, out: Dict[Path_, Tuple[int, int]], problems: List[str],
+           origin: str) -> None:
+    """Record (line, column), 1-based, of every node by its path; report duplicate mapping keys."""
+    out[path] = (node.start_mark.line + 1, node.start_mark.column + 1)
+    if isinstance(node, yaml.MappingNode):
+        seen: Dict[Any, int] = {}
+        for k, v in node.value:
+            key = k.value if isinstance(k, yaml.ScalarNode) else str(k)
+            if key in seen:
+                problems.append(f"{origin}:{k.start_mark.line + 1}:{k.start_mark.column + 1}: "
+                                f"{_fmt(path + (key,))}: duplicate key (first on line {seen[key]})")
+            seen[key] = k.start_mark.line + 1
+            out[path + (key, "__key__")] = (k.start_mark.line + 1, k.start_mark.column + 1)
+            _marks(v, path + (key,), out, problems, origin)
+    elif isinstance(node, yaml.SequenceNode):
+        for i, v in enumerate(node.value):
+            _marks(v, path + (i,), out, problems, origin)
+
+
+def _fmt(path: Path_) -> str:
+    s = ""
+    for p in path:
+        if p == "__key__":
+            continue
+        s += f"[{p}]" if isinstance(p, int) else (f".{p}" if s else str(p))
+    return s or "(top level)"
+
+
+def _where(marks: Dict[Path_, Tuple[int, int]], path: Path_, unknown_key: bool = False) -> Tuple[int, int]:
+    if unknown_key and path + ("__key__",) in marks:
+        return marks[path + ("__key__",)]
+    p = tuple(path)
+    while p and p not in marks:
+        p = p[:-1]
+    return marks.get(p, (1, 1))
+
+
+def parse_deployment(text: str, origin: str = "<deployment>") -> Deployment:
+    """Parse and validate deployment YAML. Raises :class:`ConfigError` naming file, line, column and field."""
+    try:
+        node = yaml.compose(text, Loader=yaml.SafeLoader)
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f"{origin}:{mark.line + 1}:{mark.column + 1}" if mark else origin
+        msg = getattr(e, "problem", None) or str(e)
+        raise ConfigError([f"{where}: invalid YAML: {msg}"]) from None
+    if node is None or not isinstance(data, dict):
+        raise ConfigError([f"{origin}:1:1: the file must be a YAML mapping with an 'instances' list"])
+    marks: Dict[Path_, Tuple[int, int]] = {}
+    problems: List[str] = []
+    _marks(node, (), marks, problems, origin)
+    if problems:
+        raise ConfigError(problems)
+    try:
+        dep = Deployment.model_validate(data)
+    except ValidationError as e:
+        for err in e.errors():
+            loc = tuple(err["loc"])
+            line, col = _where(marks, loc, unknown_key=err["type"] == "extra_forbidden")
+            msg = err["msg"]
+            if err["type"] == "extra_forbidden":
+                msg = "unknown key"
+            elif err["type"] == "missing":
+                msg = "required field missing"
+            problems.append(f"{origin}:{line}:{col}: {_fmt(loc)}: {msg}")
+        raise ConfigError(problems) from None
+    _cross_checks(dep, marks, origin)
+    return dep
+
+
+def _cross_checks(dep: Deployment, marks: Dict[Path_, Tuple[int, int]], origin: str) -> None:
+    problems: List[str] = []
+
+    def bad(path: Path_, msg: str) -> None:
+        line, col = _where(marks, path)
+        problems.append(f"{origin}:{line}:{col}: {_fmt(path)}: {msg}")
+
+    ports: Dict[Tuple[str, int], str] = {}
+    if dep.router_enabled():
+        ports[("*", dep.router.port)] = "router.port"  # type: ignore[union-attr]
+    names: Dict[str, int] = {}
+    roles = [i.role for i in dep.instances]
+    catalog = None
+    try:
+        from dlmix.hw.profiles import CatalogError, load_catalog
+
+        catalog = load_catalog(dep.router.chips if dep.router else None)
+    except Exception as e:  # catalog file problems are reported on router.chips
+        if dep.router and dep.router.chips:
+            bad(("router", "chips"), f"cannot load chip catalog: {e}")
+    for i, inst in enumerate(dep.instances):
+        name = dep.instance_name(i)
+        if name in names:
+            bad(("instances", i, "name"), f"duplicate instance name {name!r} (also instances[{names[name]}])")
+        names[name] = i
+        key = ("*", inst.port)
+        if key in ports:
+            bad(("instances", i, "port"), f"port {inst.port} is also used by {ports[key]}")
+        ports[key] = f"instances[{i}].port"
+        if inst.engine == "vllm" and not dep.model_of(i):
+            bad(("instances", i, "model"), "no model: set it here or as the top-level 'model'")
+        if catalog is not None:
+            try:
+                catalog.chip(inst.chip)
+            except KeyError as e:
+                bad(("instances", i, "chip"), str(e.args[0]))
+        if inst.device == "cpu" and inst.engine == "vllm":
+            bs = inst.kv.block_size
+            if bs is not None and bs % 32:
+                bad(("instances", i, "kv", "block_size"),
+                    f"vLLM CPU needs a block size that is a multiple of 32, got {bs}")
+            if inst.devices:
+                bad(("instances", i, "devices"), "devices is for accelerators; use cpus to pin a CPU engine")
+            if inst.kv.gpu_memory_utilization is not None:
+                bad(("instances", i, "kv", "gpu_memory_utilization"), "only for accelerator devices")
+        conn = dep.connector_of(i)
+        if conn is not None and conn.name == "DLMixConnector" and "port" in conn.extra_config:
+            cp = conn.extra_config["port"]
+            if ("*", cp) in ports:
+                bad(("instances", i, "connector", "extra_config", "port"),
+                    f"port {cp} is also used by {ports[('*', cp)]}")
+            ports[("*", cp)] = f"instances[{i}].connector.extra_config.port"
+    if "prefill" in roles or "decode" in roles:
+        if "prefill" in roles and "decode" not in roles:
+            bad(("instances",), "a prefill instance needs at least one decode instance")
+        if "decode" in roles and "prefill" not in roles and "both" not in roles:
+            bad(("instances",), "a decode instance needs a prefill (or both) instance")
+        if not dep.router_enabled():
+            bad(("router",), "prefill/decode instances need the router (add a 'router:' section)")
+    if dep.router is not None and dep.router.enabled:
+        from dlmix.router.policies import POLICIES
+
+        if dep.router.policy not in POLICIES:
+            bad(("router", "policy"), f"unknown policy {dep.router.policy!r}; choose one of {', '.join(POLICIES)}")
+    if problems:
+        raise ConfigError(problems)

@@ -1,0 +1,640 @@
+"""Start, watch and stop a whole local deployment (engines + router) described by a :class:`Deployment`.
+
+Every child runs in its own process group (``start_new_session``) with its log in ``LOG_DIR/NAME.log``; stopping
+sends SIGINT to every group at once, waits up to ``grace_s`` seconds, then SIGKILLs the groups, so engine
+sub-processes (vLLM's EngineCore and workers) never outlive the launcher -- also when a group leader has already
+exited and left children behind.
+
+Python API (used by ``dlmix demo``)::
+
+    from dlmix.launch import Deployment, launch
+    dep = Deployment.from_file("examples/cpu-pd.yaml")
+    with launch(dep) as running:           # returns when everything is ready; stops everything on exit
+        print(running.url)                 # where clients send requests (router, else the first engine)
+        for inst in running.instances:     # RunningInstance: name, role, url, served_model_name, log_path, pid
+            ...
+
+Errors (all subclasses of :class:`LaunchError`; every started process is stopped before they propagate):
+:class:`PortInUseError` (a port of the file is taken; nothing is started), :class:`ProcessFailedError` (a process
+exited or did not become ready in time; the message carries its log tail).
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Dict, Iterator, List, Optional
+
+import httpx
+
+from dlmix.engine_process import EngineProcess, VLLMServerSpec, free_port
+from dlmix.launch.config import DEVICE_VISIBILITY_ENV, Deployment, Instance
+
+__all__ = ["LaunchError", "PortInUseError", "ProcessFailedError", "RunningInstance", "RunningDeployment", "launch",
+           "start", "plan"]
+
+CPU_DEFAULT_KV_BYTES = 128 * 1024 * 1024
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+class LaunchError(RuntimeError):
+    """The deployment could not be started; every process it had started is stopped."""
+
+
+class PortInUseError(LaunchError):
+    """A port named in the deployment file is already taken (nothing was started)."""
+
+
+class ProcessFailedError(LaunchError):
+    """A process exited, or did not become ready in time; the message carries the tail of its log."""
+
+
+@dataclass
+class _Spec:
+    """Duck-typed spec for :class:`EngineProcess`: a command line, its environment and the port it serves."""
+
+    cmd: List[str]
+    host: str
+    port: int
+    env: Dict[str, str] = field(default_factory=dict)
+
+    def argv(self) -> List[str]:
+        return list(self.cmd)
+
+    def child_env(self) -> Dict[str, str]:
+        e = dict(os.environ)
+        if "--kv-cache-memory-bytes" in self.cmd:
+            e.pop("VLLM_CPU_KVCACHE_SPACE", None)  # it would override the flag (shared notes, vllm-cpu.md)
+        e.setdefault("PYTHONUNBUFFERED", "1")
+        e.update(self.env)
+        return e
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+
+@dataclass
+class ProcessPlan:
+    """What launch will start for one process: name, kind (``router``/``engine``), command line, environment
+    additions, URL, and for engines the instance index and whether it self-registers with the router."""
+
+    name: str
+    kind: str
+    argv: List[str]
+    env: Dict[str, str]
+    host: str
+    port: int
+    index: int = -1
+    self_registers: bool = False
+    ready_timeout_s: float = 600.0
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+
+@dataclass
+class RunningInstance:
+    """A started engine instance.
+
+    Attributes: name, role, engine, url (OpenAI API root), model (resolved path or id), served_model_name,
+    log_path, process (:class:`EngineProcess`), config (:class:`Instance`).
+    """
+
+    name: str
+    role: str
+    engine: str
+    url: str
+    model: str
+    served_model_name: str
+    log_path: Path
+    process: EngineProcess
+    config: Instance
+
+    @property
+    def pid(self) -> Optional[int]:
+        """Process id (= process group id) of the instance's top process."""
+        return self.process.proc.pid if self.process.proc else None
+
+
+def _resolve_model(ref: Optional[str]) -> str:
+    """dlmix model name -> prepared local folder; anything else unchanged (path or hub id)."""
+    if not ref:
+        return ""
+    from dlmix import models
+
+    if ref in models.MODELS:
+        return str(models.prepare(ref))
+    p = Path(ref).expanduser()
+    return str(p) if p.exists() else ref
+
+
+def _vllm_argv(dep: Deployment, i: int, model: str, kv_transfer: Optional[dict], kv_events_port: Optional[int]
+               ) -> List[str]:
+    inst = dep.instances[i]
+    py = inst.python or sys.executable
+    cmd = [py, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--host", inst.host,
+           "--port", str(inst.port), "--served-model-name", dep.served_name_of(i),
+           "--max-model-len", str(inst.max_model_len), "--seed", "0"]
+    eager = inst.enforce_eager if inst.enforce_eager is not None else inst.device == "cpu"
+    if eager:
+        cmd.append("--enforce-eager")
+    kv = inst.kv
+    if kv.block_size:
+        cmd += ["--block-size", str(kv.block_size)]
+    if kv.dtype:
+        cmd += ["--dtype", kv.dtype]
+    if kv.cache_dtype:
+        cmd += ["--kv-cache-dtype", kv.cache_dtype]
+    cache_bytes = kv.cache_bytes or (CPU_DEFAULT_KV_BYTES if inst.device == "cpu" else None)
+    if cache_bytes:
+        cmd += ["--kv-cache-memory-bytes", str(cache_bytes)]
+    if kv.gpu_memory_utilization:
+        cmd += ["--gpu-memory-utilization", str(kv.gpu_memory_utilization)]
+    if inst.tensor_parallel_size > 1:
+        cmd += ["--tensor-parallel-size", str(inst.tensor_parallel_size)]
+    if kv_transfer:
+        cmd += ["--kv-transfer-config", json.dumps(kv_transfer, separators=(",", ":"))]
+    if dep.router_enabled():
+        algo = str(dep.router.config.get("hash_algo", "sha256_cbor"))  # type: ignore[union-attr]
+        if "--prefix-caching-hash-algo" not in inst.extra_args:
+            cmd += ["--prefix-caching-hash-algo", algo]
+    if kv_events_port:
+        cmd += ["--kv-events-config", json.dumps({"enable_kv_cache_events": True, "publisher": "zmq",
+                                                  "endpoint": f"tcp://{inst.host}:{kv_events_port}"})]
+    cmd += list(inst.extra_args)
+    if inst.device != "cpu" and inst.cpus and shutil.which("taskset"):
+        cmd = ["taskset", "-c", inst.cpus] + cmd
+    return cmd
+
+
+def _engine_env(dep: Deployment, inst: Instance) -> Dict[str, str]:
+    env = {"HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "1"),
+           "TRANSFORMERS_OFFLINE": os.environ.get("TRANSFORMERS_OFFLINE", "1"),
+           "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
+    if inst.device == "cpu" and inst.cpus:
+        env["VLLM_CPU_OMP_THREADS_BIND"] = inst.cpus
+    if inst.device != "cpu" and inst.devices:
+        env[DEVICE_VISIBILITY_ENV[inst.device]] = inst.devices
+    env.update(dep.env)
+    env.update(inst.env)
+    return env
+
+
+def _router_argv(config_path: Path) -> List[str]:
+    """``dlmix router --config FILE`` when the CLI has it, else the router's documented Python entry."""
+    try:
+        from dlmix import cli
+
+        names = {c.name or (c.callback.__name__ if c.callback else "") for c in cli.app.registered_commands}
+        names |= {g.name for g in cli.app.registered_groups}
+        if "router" in names:
+            return [sys.executable, "-m", "dlmix.cli", "router", "--config", str(config_path)]
+    except Exception:  # pragma: no cover - a broken CLI import falls back to the module API
+        pass
+    return [sys.executable, "-c", "import sys; from dlmix.router.config import RouterConfig; "
+            "from dlmix.router.server import run; run(RouterConfig.from_yaml(sys.argv[1]))", str(config_path)]
+
+
+def _free_block(n: int, taken: set) -> int:
+    while True:
+        p = free_port()
+        if all(p + k not in taken for k in range(n)) and all(_port_free("127.0.0.1", p + k) for k in range(n)):
+            taken.update(range(p, p + n))
+            return p
+
+
+def _port_free(host: str, port: int) -> bool:
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+            return True
+        except OSError:
+            return False
+
+
+def plan(dep: Deployment, secret: str, log_dir: Path, models: Optional[Dict[int, str]] = None) -> List[ProcessPlan]:
+    """The processes a launch starts (router first, then the engines), with their command lines.
+
+    ``models`` maps instance index -> resolved model (default: :func:`_resolve_model` of each reference, which
+    builds dlmix models). Writes the router config to ``log_dir/router.yaml`` (mode 0600: it holds the secret).
+    Pure otherwise: starts nothing.
+    """
+    import yaml
+
+    plans: List[ProcessPlan] = []
+    taken: set = {i.port for i in dep.instances}
+    if dep.router_enabled():
+        taken.add(dep.router.port)  # type: ignore[union-attr]
+    models = models if models is not None else {i: _resolve_model(dep.model_of(i)) for i in range(len(dep.instances))}
+    static: List[dict] = []
+    router_url = dep.router.url if dep.router_enabled() else None  # type: ignore[union-attr]
+    for i, inst in enumerate(dep.instances):
+        name = dep.instance_name(i)
+        conn = dep.connector_of(i)
+        kv_transfer = None
+        self_reg = False
+        if conn is not None:
+            role = conn.kv_role or {"prefill": "kv_producer", "decode": "kv_consumer", "both": "kv_both"}[inst.role]
+            kv_transfer = {"kv_connector": conn.name, "kv_role": role, "engine_id": name}
+            if conn.module_path:
+                kv_transfer["kv_connector_module_path"] = conn.module_path
+            extra = dict(conn.extra_config)
+            if conn.name == "DLMixConnector":
+                base = {"shared_secret": secret, "chip_profile": inst.chip, "public_url": inst.url,
+                        "model_name": dep.served_name_of(i), "host": inst.host}
+                if "port" not in extra:
+                    base["port"] = _free_block(inst.tensor_parallel_size, taken)
+                if router_url:
+                    base.update(router_url=router_url, router_admin_key=secret)
+                    self_reg = True
+                extra = {**base, **extra}
+            if extra:
+                kv_transfer["kv_connector_extra_config"] = extra
+        ev_port = _free_block(1, taken) if (dep.router_enabled() and dep.router.kv_events  # type: ignore[union-attr]
+                                            and inst.engine == "vllm") else None
+        if inst.engine == "vllm":
+            argv = _vllm_argv(dep, i, models[i], kv_transfer, ev_port)
+        else:  # mock test engine
+            argv = [inst.python or sys.executable, "-m", "dlmix.bench.mock_server", "--host", inst.host,
+                    "--port", str(inst.port), "--model", dep.served_name_of(i),
+                    "--block-size", str(inst.kv.block_size or 16)] + list(inst.extra_args)
+        plans.append(ProcessPlan(name=name, kind="engine", argv=argv, env=_engine_env(dep, inst), host=inst.host,
+                                 port=inst.port, index=i, self_registers=self_reg,
+                                 ready_timeout_s=inst.ready_timeout_s))
+        if router_url and not self_reg:
+            entry = {"id": name, "url": inst.url, "role": inst.role, "engine": "vllm",
+                     "model": dep.served_name_of(i), "chip": inst.chip, "heartbeat_ttl_s": 0,
+                     "block_size": inst.kv.block_size or (128 if inst.device == "cpu" else 16)}
+            if ev_port:
+                entry["kv_events"] = f"tcp://{inst.host}:{ev_port}"
+            static.append(entry)
+    if dep.router_enabled():
+        r = dep.router
+        cfg: dict = {"host": r.host, "port": r.port, "policy": r.policy,  # type: ignore[union-attr]
+                     "policy_params": dict(r.policy_params), "admin_key": secret,  # type: ignore[union-attr]
+                     "instances": static}
+        spec = r.model_spec  # type: ignore[union-attr]
+        if spec is None:
+            first = models.get(0, "")
+            if first and (Path(first) / "config.json").exists():
+                spec = first
+        if spec is not None:
+            cfg["model_spec"] = spec
+        if r.tokenizer:  # type: ignore[union-attr]
+            cfg["tokenizer"] = models.get(0) if r.tokenizer == "model" else r.tokenizer  # type: ignore[union-attr]
+        if r.chips:  # type: ignore[union-attr]
+            cfg["chips"] = [str(Path(c).expanduser().resolve()) for c in r.chips]  # type: ignore[union-attr]
+        cfg.update(r.config)  # type: ignore[union-attr]
+        log_dir.mkdir(parents=True, exist_ok=True)
+        path = log_dir / "router.yaml"
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            yaml.safe_dump(cfg, f, sort_keys=False)
+        plans.insert(0, ProcessPlan(name="router", kind="router", argv=_router_argv(path), env=dict(dep.env),
+                                    host=r.host, port=r.port,  # type: ignore[union-attr]
+                                    ready_timeout_s=r.ready_timeout_s))  # type: ignore[union-attr]
+    return plans
+
+
+class RunningDeployment:
+    """A started deployment: its processes, URLs and log folder. Stop with :meth:`stop` (idempotent).
+
+    Attributes:
+        deployment: the :class:`Deployment`.
+        url: where clients send requests (router, else the first instance).
+        router_url: router root or None.
+        instances: list of :class:`RunningInstance` in file order.
+        log_dir: folder of the per-process logs.
+        secret: the shared secret of this launch (router admin key, connector HMAC key).
+    """
+
+    def __init__(self, deployment: Deployment, log_dir: Path, secret: str):
+        self.deployment = deployment
+        self.log_dir = log_dir
+        self.secret = secret
+        self.router_url: Optional[str] = deployment.router.url if deployment.router_enabled() else None  # type: ignore
+        self.url = deployment.entry_url()
+        self.instances: List[RunningInstance] = []
+        self.router: Optional[EngineProcess] = None
+        self.processes: List[EngineProcess] = []
+        self._stopped = False
+        self._follower: Optional["LogFollower"] = None
+
+    def pgids(self) -> List[int]:
+        """Process group ids of every started process (equal to their pids)."""
+        return [p.proc.pid for p in self.processes if p.proc is not None]
+
+    def failed(self) -> Optional[EngineProcess]:
+        """The first process that has exited, or None while all run."""
+        for p in self.processes:
+            if p.proc is not None and p.proc.poll() is not None:
+                return p
+        return None
+
+    def wait(self, poll_s: float = 0.5) -> None:
+        """Block until a process exits (raises :class:`ProcessFailedError`) or KeyboardInterrupt."""
+        while True:
+            p = self.failed()
+            if p is not None:
+                raise ProcessFailedError(f"{p.name} exited with code {p.proc.returncode}; last log lines "
+                                         f"({p.log_path}):\n{p.log_tail(30)}")
+            time.sleep(poll_s)
+
+    def stop(self, grace_s: float = 10.0) -> None:
+        """Stop every process: SIGINT to all groups, up to ``grace_s`` seconds, then SIGKILL to all groups."""
+        if self._stopped:
+            return
+        self._stopped = True
+        stop_groups(self.processes, grace_s)
+        if self._follower:
+            self._follower.stop()
+
+
+def stop_groups(procs: List[EngineProcess], grace_s: float = 10.0) -> None:
+    """SIGINT every process group, wait up to ``grace_s`` s for the leaders, SIGKILL every group, reap."""
+    started = [p for p in procs if p.proc is not None]
+    for p in started:
+        if p.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(p.proc.pid, signal.SIGINT)
+    deadline = time.monotonic() + grace_s
+    for p in started:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            p.proc.wait(max(0.0, deadline - time.monotonic()))
+    for p in started:  # the group may outlive its leader: kill it by id in any case
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(p.proc.pid, signal.SIGKILL)
+    for p in started:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            p.proc.wait(5)
+
+
+class LogFollower:
+    """Streams every process log to ``write`` as ``[name] line`` from a background thread."""
+
+    def __init__(self, procs: List[EngineProcess], write: Callable[[str, str], None], poll_s: float = 0.2):
+        self.procs, self.write, self.poll_s = procs, write, poll_s
+        self._stop = threading.Event()
+        self._t = threading.Thread(target=self._run, daemon=True, name="dlmix-log-follower")
+
+    def start(self) -> "LogFollower":
+        self._t.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._t.join(2)
+
+    def _run(self) -> None:
+        pos: Dict[str, int] = {}
+        buf: Dict[str, str] = {}
+        while True:
+            last = self._stop.is_set()
+            for p in list(self.procs):
+                try:
+                    with open(p.log_path, "rb") as f:
+                        f.seek(pos.get(p.name, 0))
+                        data = f.read()
+                        pos[p.name] = f.tell()
+                except OSError:
+                    continue
+                if not data:
+                    continue
+                text = buf.get(p.name, "") + data.decode(errors="replace")
+                lines = text.split("\n")
+                buf[p.name] = lines.pop()
+                for ln in lines:
+                    self.write(p.name, ln.rstrip("\r"))
+            if last:
+                return
+            self._stop.wait(self.poll_s)
+
+
+class _Progress:
+    """Rich live table of process states (or nothing when ``console`` is None)."""
+
+    def __init__(self, console, names: List[str]):
+        self.console = console
+        self.state = {n: "waiting" for n in names}
+        self.t0 = time.monotonic()
+        self.live = None
+        if console is not None:
+            from rich.live import Live
+
+            self.live = Live(self._table(), console=console, refresh_per_second=4, transient=False)
+
+    def _table(self):
+        from rich.table import Table
+
+        t = Table(title=f"dlmix launch ({time.monotonic() - self.t0:.0f} s)")
+        t.add_column("process")
+        t.add_column("state")
+        for n, s in self.state.items():
+            style = "green" if s.startswith("ready") or s.startswith("registered") else (
+                "red" if s.startswith("FAILED") else "yellow")
+            t.add_row(n, f"[{style}]{s}[/]")
+        return t
+
+    def set(self, name: str, s: str) -> None:
+        self.state[name] = s
+        if self.live is not None:
+            self.live.update(self._table())
+
+    def __enter__(self):
+        if self.live is not None:
+            self.live.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        if self.live is not None:
+            self.live.update(self._table())
+            self.live.__exit__(*exc)
+
+
+def start(dep: Deployment, *, log_dir: Optional[str | os.PathLike] = None, console=None, follow_logs: bool = False,
+          log_writer: Optional[Callable[[str, str], None]] = None, grace_s: float = 10.0,
+          poll_s: float = 0.5) -> RunningDeployment:
+    """Start ``dep`` and wait until every process is ready (and registered with the router).
+
+    Args:
+        dep: the deployment.
+        log_dir: folder for logs and the generated router config (default: a new temp folder).
+        console: ``rich.console.Console`` for the progress display (None = no display).
+        follow_logs: stream every log, prefixed ``[name]``, to ``log_writer`` (default: print to ``console``).
+        grace_s: seconds between SIGINT and SIGKILL when stopping.
+
+    Returns:
+        :class:`RunningDeployment` (call :meth:`RunningDeployment.stop` when done; :func:`launch` does).
+
+    Raises:
+        PortInUseError: a configured port is taken (checked before anything starts).
+        ProcessFailedError: a process exited or was not ready in time (everything started is stopped first).
+        dlmix.models.ModelError: a dlmix model could not be built.
+    """
+    ldir = Path(log_dir) if log_dir else Path(tempfile.mkdtemp(prefix=f"dlmix-launch-{dep.name}-"))
+    ldir.mkdir(parents=True, exist_ok=True)
+    secret = dep.secret if dep.secret and dep.secret != "auto" else secrets.token_hex(32)
+    origin = dep.source or "the deployment"
+    # 1. ports: fail before starting anything
+    checks = [(f"instances[{i}].port", inst.host, inst.port) for i, inst in enumerate(dep.instances)]
+    if dep.router_enabled():
+        checks.insert(0, ("router.port", dep.router.host, dep.router.port))  # type: ignore[union-attr]
+    for fieldname, host, port in checks:
+        if not _port_free(host, port):
+            raise PortInUseError(f"port {port} on {host} ({fieldname} in {origin}) is already in use; stop the "
+                                 f"process that holds it or choose another port. Nothing was started.")
+    plans = plan(dep, secret, ldir)
+    running = RunningDeployment(dep, ldir, secret)
+    if follow_logs:
+        write = log_writer or _console_writer(console)
+        running._follower = LogFollower(running.processes, write).start()
+    names = [p.name for p in plans]
+    try:
+        with _Progress(console, names) as prog:
+            client = httpx.Client(timeout=2.0)
+            try:
+                router_plan = plans[0] if plans and plans[0].kind == "router" else None
+                if router_plan:
+                    rp = _spawn(router_plan, ldir, running)
+                    running.router = rp
+                    prog.set("router", "starting")
+                    _wait_health([(router_plan, rp)], client, prog, poll_s)
+                engines = [(pl, _spawn(pl, ldir, running)) for pl in plans if pl.kind == "engine"]
+                for pl, proc in engines:
+                    inst = dep.instances[pl.index]
+                    running.instances.append(RunningInstance(
+                        name=pl.name, role=inst.role, engine=inst.engine, url=inst.url,
+                        model=pl.argv[pl.argv.index("--model") + 1] if "--model" in pl.argv else "",
+                        served_model_name=dep.served_name_of(pl.index), log_path=proc.log_path, process=proc,
+                        config=inst))
+                    prog.set(pl.name, "starting")
+                _wait_health(engines, client, prog, poll_s, running)
+                if router_plan:
+                    _wait_registered(running, engines, client, prog, poll_s, router_plan.ready_timeout_s)
+            finally:
+                client.close()
+    except BaseException:
+        running.stop(grace_s)
+        raise
+    return running
+
+
+def _console_writer(console) -> Callable[[str, str], None]:
+    colors = ["cyan", "magenta", "green", "yellow", "blue", "red"]
+    assigned: Dict[str, str] = {}
+
+    def write(name: str, line: str) -> None:
+        c = assigned.setdefault(name, colors[len(assigned) % len(colors)])
+        if console is not None:
+            from rich.markup import escape
+
+            console.print(f"[{c}]\\[{escape(name)}][/] {escape(line)}", highlight=False, soft_wrap=True)
+        else:
+            print(f"[{name}] {line}", flush=True)
+
+    return write
+
+
+def _spawn(pl: ProcessPlan, ldir: Path, running: RunningDeployment) -> EngineProcess:
+    spec = _Spec(cmd=pl.argv, host=pl.host, port=pl.port, env=pl.env)
+    proc = EngineProcess(spec, name=pl.name, log_dir=ldir)  # type: ignore[arg-type]
+    running.processes.append(proc)
+    try:
+        proc.start()
+    except Exception as e:  # port taken in the meantime
+        raise PortInUseError(f"{pl.name}: {e}") from None
+    return proc
+
+
+def _wait_health(items, client: httpx.Client, prog: _Progress, poll_s: float,
+                 running: Optional[RunningDeployment] = None) -> None:
+    t0 = time.monotonic()
+    pending = {pl.name: (pl, p) for pl, p in items}
+    while pending:
+        for name, (pl, p) in list(pending.items()):
+            if not p.alive():
+                prog.set(name, f"FAILED (exit {p.proc.returncode})")
+                raise ProcessFailedError(
+                    f"{pl.kind} {name!r} ({pl.url}) exited with code {p.proc.returncode} during start-up. "
+                    f"Last log lines ({p.log_path}):\n{p.log_tail(30)}")
+            try:
+                ok = client.get(pl.url + "/health").status_code == 200
+            except httpx.HTTPError:
+                ok = False
+            if ok:
+                prog.set(name, f"ready ({time.monotonic() - t0:.1f} s) {pl.url}")
+                del pending[name]
+            elif time.monotonic() - t0 > pl.ready_timeout_s:
+                prog.set(name, "FAILED (timeout)")
+                raise ProcessFailedError(
+                    f"{pl.kind} {name!r} ({pl.url}) was not healthy after {pl.ready_timeout_s:.0f} s. "
+                    f"Last log lines ({p.log_path}):\n{p.log_tail(30)}")
+            else:
+                prog.set(name, f"starting ({time.monotonic() - t0:.0f} s)")
+        if pending:
+            if running is not None and running.router is not None and not running.router.alive():
+                raise ProcessFailedError(f"router exited with code {running.router.proc.returncode}. Last log "
+                                         f"lines ({running.router.log_path}):\n{running.router.log_tail(30)}")
+            time.sleep(poll_s)
+
+
+def _wait_registered(running: RunningDeployment, engines, client: httpx.Client, prog: _Progress, poll_s: float,
+                     timeout_s: float) -> None:
+    """Wait until the router lists every instance (self-registered or static) as healthy."""
+    want = {pl.url: pl.name for pl, _ in engines}
+    headers = {"Authorization": f"Bearer {running.secret}"}
+    t0 = time.monotonic()
+    last = ""
+    while True:
+        for pl, p in [(None, running.router)] + list(engines):
+            if p is not None and not p.alive():
+                name = pl.name if pl else "router"
+                raise ProcessFailedError(f"{name!r} exited with code {p.proc.returncode} while waiting for router "
+                                         f"registration. Last log lines ({p.log_path}):\n{p.log_tail(30)}")
+        try:
+            r = client.get(running.router_url + "/admin/instances", headers=headers)
+            if r.status_code == 200:
+                have = {i["url"].rstrip("/"): i for i in r.json().get("instances", [])}
+                missing = []
+                for url, name in want.items():
+                    i = have.get(url)
+                    if i is not None and i.get("healthy", True):
+                        prog.set(name, f"registered ({i.get('role')}, {i.get('chip')}) {url}")
+                    else:
+                        missing.append(name)
+                if not missing:
+                    return
+                last = "not yet registered: " + ", ".join(missing)
+            else:
+                last = f"GET /admin/instances -> HTTP {r.status_code}: {r.text[:200]}"
+        except (httpx.HTTPError, ValueError) as e:
+            last = f"{type(e).__name__}: {e}"
+        if time.monotonic() - t0 > timeout_s:
+            raise ProcessFailedError(f"instances did not register with the router within {timeout_s:.0f} s ({last})."
+                                     f" Router log ({running.router.log_path}):\n{running.router.log_tail(20)}")
+        time.sleep(poll_s)
+
+
+@contextlib.contextmanager
+def launch(dep: Deployment, **kw) -> Iterator[RunningDeployment]:
+    """Context manager around :func:`start`: yields the ready :class:`RunningDeployment`, stops it on exit
+    (normal exit, exception or KeyboardInterrupt). Keyword arguments as for :func:`start`."""
+    running = start(dep, **kw)
+    try:
+        yield running
+    finally:
+        running.stop(kw.get("grace_s", 10.0))
