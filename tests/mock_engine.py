@@ -56,6 +56,7 @@ class MockEngine:
         self.inflight = 0
         self.max_inflight = 0
         self.fail_status: Optional[int] = None
+        self.aborted = 0  # streams cut short because the client (router) closed the connection
         self.healthy = True
         self._kv = kv_events
         self._pub = None
@@ -193,7 +194,11 @@ class MockEngine:
             usage = {"prompt_tokens": len(tokens), "total_tokens": len(tokens) + len(words),
                      "completion_tokens": len(words)}
             if d.get("stream"):
-                await self._stream(conn, chat, rid, words, d, usage)
+                try:
+                    await self._stream(conn, chat, rid, words, d, usage)
+                except asyncio.CancelledError:  # the client (router) closed the connection: vLLM aborts
+                    self.aborted += 1
+                    raise
             else:
                 text_out = "".join(words)
                 if chat:
@@ -217,6 +222,7 @@ class MockEngine:
             if i and self.itl:
                 await asyncio.sleep(self.itl)
             if conn.closed:
+                self.aborted += 1
                 return
             last = i == len(words) - 1
             if chat:

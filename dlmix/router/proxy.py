@@ -147,7 +147,9 @@ class ServerProtocol(asyncio.Protocol):
                 raise
             except Exception as ex:  # a handler bug must not kill the connection silently
                 if not self.closed:
-                    msg = ('{"error":"internal router error: %s"}' % type(ex).__name__).encode()
+                    import json as _j
+
+                    msg = _j.dumps({"error": f"internal router error: {type(ex).__name__}: {ex}"}).encode()
                     self.send(500, msg, keep_alive=False)
             if not req.keep_alive and not self.closed:
                 self.transport.close()
@@ -336,7 +338,10 @@ async def request(pool: Pool, data: bytes, sink=None, conn: Optional[ServerProto
         conn.backends.append(c)
     ok = False
     try:
-        fut = c.start(data, sink, first_cb)
+        try:
+            fut = c.start(data, sink, first_cb)
+        except RuntimeError as ex:  # uvloop: transport closed under us (backend died)
+            raise BackendError(f"backend {pool.name} connection closed: {ex}") from None
         if timeout is None:
             await fut
         else:
