@@ -1,0 +1,174 @@
+"""Describe this vLLM engine's real KV cache as a :class:`dlmix.kv.KVLayout`, and check prefill/decode pairs.
+
+vLLM CPU (0.32, attention backend ``CPU_ATTN``, layout ``LBHNC``) gives the connector one tensor per attention layer,
+shape ``[num_blocks, num_kv_heads, block_size, 2 * head_size]``; inside every ``(block, head)`` page the first
+``block_size * head_size`` elements are K transposed (``[head_size][block_size]``, post-RoPE), the rest V row-major.
+dlmix calls this arrangement ``vllm_cpu`` (see :mod:`dlmix.kv.layout`); ``tests/test_vllm_pd.py`` checks it against
+transformers' post-RoPE ``past_key_values`` through a debug dump of the real cache.
+
+The descriptor exchanged between instances is ``KVLayout.to_dict()`` (JSON). The model identity includes a weights
+fingerprint (:func:`weights_fingerprint`) so a prefill with different weights is refused by default.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import struct
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+
+from dlmix.kv import KVLayout, ModelIdentity, check_compat
+
+__all__ = [
+    "ARRANGEMENT",
+    "describe_engine",
+    "weights_fingerprint",
+    "check_pair",
+    "layout_of",
+    "ordered_layers",
+    "check_registered",
+    "page_bytes",
+]
+
+ARRANGEMENT = "vllm_cpu"
+_DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+
+
+def weights_fingerprint(model: str, sample_bytes: int = 64 * 1024, samples_per_file: int = 32) -> str:
+    """Identity of a model's weights: ``"sha256:<hex>"`` over ``config.json`` (canonical JSON) and, for every
+    ``*.safetensors`` file, its name, size, header (tensor names, dtypes, shapes, offsets) and ``samples_per_file``
+    evenly spaced windows of ``sample_bytes`` of its data section. Cost: ~2 MiB read per file whatever the size.
+
+    A model given by hub id (not a local folder) yields ``"name:<id>"``: only names can be compared then.
+    Limitation: a change confined to bytes outside the sampled windows is not seen (a perturbation of all weights,
+    another checkpoint or another dtype is).
+    """
+    p = Path(model)
+    if not p.is_dir():
+        return f"name:{model}"
+    h = hashlib.sha256()
+    cfg = p / "config.json"
+    if cfg.exists():
+        try:
+            h.update(json.dumps(json.loads(cfg.read_text()), sort_keys=True).encode())
+        except ValueError:
+            h.update(cfg.read_bytes())
+    for f in sorted(p.glob("*.safetensors")):
+        size = f.stat().st_size
+        h.update(f.name.encode() + struct.pack("<Q", size))
+        with open(f, "rb") as fh:
+            (hlen,) = struct.unpack("<Q", fh.read(8))
+            h.update(fh.read(hlen))
+            data0 = 8 + hlen
+            span = max(0, size - data0 - sample_bytes)
+            for i in range(samples_per_file):
+                fh.seek(data0 + (span * i) // max(1, samples_per_file - 1))
+                h.update(fh.read(sample_bytes))
+    return "sha256:" + h.hexdigest()[:32]
+
+
+def describe_engine(vllm_config: Any, kv_cache_config: Any = None, *, tp_rank: int = 0) -> KVLayout:
+    """This engine's KV layout from its config (no tensors needed, so the scheduler side can build it too):
+    block size (tokens, from the KV cache spec when given), cache dtype, arrangement ``vllm_cpu``, TP rank/size and
+    the model identity (architecture, layers, total KV heads, head size, weights fingerprint).
+
+    Raises ValueError for KV cache dtypes the connector does not handle (fp8 caches: not verified on CPU).
+    """
+    import vllm
+
+    mc = vllm_config.model_config
+    pc = vllm_config.parallel_config
+    cc = vllm_config.cache_config
+    block_size = cc.block_size
+    if kv_cache_config is not None and getattr(kv_cache_config, "kv_cache_groups", None):
+        block_size = getattr(kv_cache_config.kv_cache_groups[0].kv_cache_spec, "block_size", block_size)
+    if cc.cache_dtype in (None, "auto"):
+        if mc.dtype not in _DTYPE_NAMES:
+            raise ValueError(f"KV cache dtype {mc.dtype} is not supported by DLMixConnector")
+        dtype = _DTYPE_NAMES[mc.dtype]
+    elif cc.cache_dtype in ("float32", "bfloat16", "float16", "fp32", "bf16", "fp16"):
+        dtype = str(cc.cache_dtype)
+    else:
+        raise ValueError(f"KV cache dtype {cc.cache_dtype!r} is not supported by DLMixConnector (use auto)")
+    archs = list(getattr(mc.hf_config, "architectures", None) or [])
+    total_heads = int(mc.get_total_num_kv_heads())
+    ident = ModelIdentity(
+        architecture=archs[0] if archs else "unknown",
+        num_layers=int(mc.get_num_layers(pc)),
+        num_kv_heads=total_heads,
+        head_size=int(mc.get_head_size()),
+        attention="mha" if total_heads == int(getattr(mc.hf_text_config, "num_attention_heads", -1)) else "gqa",
+        weights_fingerprint=weights_fingerprint(str(mc.model)),
+    )
+    return KVLayout(model=ident, block_size=int(block_size), dtype=dtype, arrangement=ARRANGEMENT,
+                    tp_size=int(pc.tensor_parallel_size), tp_rank=int(tp_rank),
+                    engine=f"vllm-cpu {vllm.__version__} {mc.model}")
+
+
+def layout_of(d: dict[str, Any] | KVLayout) -> KVLayout:
+    """``KVLayout`` from its dict form (or itself). Raises ValueError on a malformed descriptor."""
+    return d if isinstance(d, KVLayout) else KVLayout.from_dict(d)
+
+
+def check_pair(src: dict[str, Any] | KVLayout, dst: dict[str, Any] | KVLayout, *,
+               verify_weights: bool = True) -> list[str]:
+    """Reasons why KV produced under ``src`` (prefill) cannot be loaded under ``dst`` (decode); [] = compatible.
+
+    Block size and dtype may differ (converted). Uses :func:`dlmix.kv.check_compat` (architecture, layers, KV heads,
+    head size, weights fingerprint unless ``verify_weights`` is False) and adds this connector's limits: the
+    prefill side must be ``vllm_cpu`` (its pages are read raw) and both TP sizes must be equal.
+    """
+    try:
+        s, d = layout_of(src), layout_of(dst)
+    except (ValueError, TypeError) as e:
+        return [f"malformed layout descriptor: {e}"]
+    reasons = list(check_compat(s, d, relax_fingerprint=not verify_weights).reasons)
+    if s.arrangement != ARRANGEMENT:
+        reasons.append(f"prefill arrangement {s.arrangement!r} is not {ARRANGEMENT!r}")
+    if s.tp_size != d.tp_size:
+        reasons.append(f"TP size differs (prefill {s.tp_size}, decode {d.tp_size}): resharding is not supported "
+                       "by this connector")
+    return reasons
+
+
+def page_bytes(layout: KVLayout) -> int:
+    """Bytes of one block of one layer on this rank: ``H * block_size * 2 * head_size * itemsize``."""
+    return layout.block_bytes(per_layer=True)
+
+
+_LAYER_RE = re.compile(r"(\d+)")
+
+
+def ordered_layers(kv_caches: dict[str, torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
+    """Layers sorted by the first integer in their name (``model.layers.12.self_attn.attn`` -> 12), then name."""
+    def key(item: tuple[str, torch.Tensor]):
+        m = _LAYER_RE.search(item[0])
+        return (int(m.group(1)) if m else -1, item[0])
+
+    return sorted(kv_caches.items(), key=key)
+
+
+def check_registered(layers: Sequence[torch.Tensor], layout: KVLayout) -> int:
+    """Check the registered per-layer tensors against the layout; return ``num_blocks``.
+
+    Each must be ``[num_blocks, H_rank, block_size, 2 * head_size]`` of the layout's dtype and contiguous (vLLM CPU
+    0.32 LBHNC). Raises ValueError naming the first mismatch.
+    """
+    if len(layers) != layout.model.num_layers:
+        raise ValueError(f"registered {len(layers)} KV layers, config says {layout.model.num_layers}")
+    nb = None
+    for i, t in enumerate(layers):
+        want = layout.layer_shape(t.shape[0])
+        if tuple(t.shape) != tuple(want):
+            raise ValueError(f"layer {i}: KV tensor shape {tuple(t.shape)} is not {ARRANGEMENT} {want}")
+        if _DTYPE_NAMES.get(t.dtype) != layout.dtype:
+            raise ValueError(f"layer {i}: KV dtype {t.dtype} != layout dtype {layout.dtype}")
+        if not t.is_contiguous():
+            raise ValueError(f"layer {i}: KV tensor is not contiguous (strides {t.stride()})")
+        if nb is not None and t.shape[0] != nb:
+            raise ValueError(f"layer {i}: {t.shape[0]} blocks, layer 0 has {nb}")
+        nb = t.shape[0]
+    return int(nb or 0)

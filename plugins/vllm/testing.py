@@ -1,0 +1,247 @@
+"""Helpers for end-to-end tests and benchmarks of DLMixConnector: start real vLLM CPU servers, run the two-step
+prefill/decode client, read metrics. Used by ``tests/test_vllm_pd.py`` and ``benchmarks/pd_vllm.py``.
+
+Servers are started as ``python -m vllm.entrypoints.openai.api_server`` subprocesses in their own process group
+(so a kill reaches EngineCore and the worker), bound to 127.0.0.1, eager mode, with a 128 MiB KV cache.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+__all__ = ["free_port", "VllmServer", "start_servers", "two_step", "single", "kv_usage", "parse_sse"]
+
+
+def free_port() -> int:
+    """A free TCP port on 127.0.0.1 (racy but fine for tests)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class VllmServer:
+    """A running vLLM OpenAI server subprocess (``url``, ``log`` path, ``proc``)."""
+
+    name: str
+    url: str
+    port: int
+    proc: subprocess.Popen
+    log: Path
+    args: list[str] = field(default_factory=list)
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def kill(self, sig: int = signal.SIGKILL) -> None:
+        """Signal the whole process group (API server, EngineCore, worker) and reap it."""
+        if self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, sig)
+            except ProcessLookupError:
+                pass
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(timeout=10)
+
+    def stop(self) -> None:
+        self.kill(signal.SIGINT)
+
+    def tail(self, n: int = 60) -> str:
+        try:
+            return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:])
+        except OSError:
+            return ""
+
+
+def launch(name: str, model: str, workdir: Path, *, role: str | None, cpu: str, block_size: int = 128,
+           dtype: str = "bfloat16", extra: dict[str, Any] | None = None, connector: str = "DLMixConnector",
+           port: int | None = None, served_name: str = "smollm2", env: dict[str, str] | None = None,
+           extra_args: list[str] | None = None, kv_bytes: int = 134217728) -> VllmServer:
+    """Start one server (returns at once; call :meth:`wait_ready`). ``role`` None = no KV connector."""
+    port = port or free_port()
+    log = workdir / f"{name}.log"
+    args = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
+            "--served-model-name", served_name, "--enforce-eager", "--kv-cache-memory-bytes", str(kv_bytes),
+            "--host", "127.0.0.1", "--port", str(port), "--max-model-len", "2048", "--dtype", dtype,
+            "--block-size", str(block_size), "--seed", "0", "--max-num-seqs", "8"]
+    if role is not None:
+        cfg: dict[str, Any] = {"kv_connector": connector, "kv_role": role}
+        if extra:
+            cfg["kv_connector_extra_config"] = extra
+        if connector == "NixlConnector":
+            cfg["kv_buffer_device"] = "cpu"
+        args += ["--kv-transfer-config", json.dumps(cfg)]
+    args += list(extra_args or [])
+    e = dict(os.environ)
+    e.pop("VLLM_CPU_KVCACHE_SPACE", None)
+    e.update({"VLLM_CPU_OMP_THREADS_BIND": cpu, "VLLM_CACHE_ROOT": str(workdir / f"cache-{name}"),
+              "VLLM_SERVER_DEV_MODE": "1", "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1",
+              "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"})
+    if env:
+        e.update(env)
+    fh = open(log, "wb")
+    proc = subprocess.Popen(args, stdout=fh, stderr=subprocess.STDOUT, env=e, start_new_session=True,
+                            cwd=str(workdir))
+    return VllmServer(name, f"http://127.0.0.1:{port}", port, proc, log, args)
+
+
+def wait_ready(servers: list[VllmServer], timeout_s: float = 300.0) -> None:
+    """Wait until every server answers ``/health`` 200. Raises RuntimeError with the log tail of a dead/slow one."""
+    deadline = time.monotonic() + timeout_s
+    pending = list(servers)
+    while pending:
+        for s in list(pending):
+            if not s.alive():
+                raise RuntimeError(f"vLLM server {s.name} exited with {s.proc.returncode}:\n{s.tail()}")
+            try:
+                if httpx.get(s.url + "/health", timeout=2).status_code == 200:
+                    pending.remove(s)
+            except httpx.HTTPError:
+                pass
+        if pending and time.monotonic() > deadline:
+            raise RuntimeError(f"vLLM server {pending[0].name} not ready after {timeout_s}s:\n{pending[0].tail()}")
+        if pending:
+            time.sleep(1.0)
+
+
+def parse_sse(text: str) -> list[dict]:
+    """Events of an OpenAI SSE stream body (``data: {...}`` lines; ``[DONE]`` dropped)."""
+    out = []
+    for line in text.splitlines():
+        if line.startswith("data: ") and line[6:].strip() != "[DONE]":
+            out.append(json.loads(line[6:]))
+    return out
+
+
+def _post(client: httpx.Client, url: str, body: dict) -> dict:
+    """POST and return the JSON response; for ``stream: true`` the events are folded into one response dict
+    (``text``, ``token_ids`` if present, ``logprobs`` lists, last ``kv_transfer_params``)."""
+    r = client.post(url, json=body)
+    if r.status_code != 200:
+        raise RuntimeError(f"{url}: HTTP {r.status_code}: {r.text[:500]}")
+    if not body.get("stream"):
+        return r.json()
+    events = parse_sse(r.text)
+    text, ids, lps = [], [], []
+    ktp = None
+    for ev in events:
+        if ev.get("kv_transfer_params") is not None:
+            ktp = ev["kv_transfer_params"]
+        for ch in ev.get("choices") or []:
+            if "delta" in ch:
+                text.append(ch["delta"].get("content") or "")
+            else:
+                text.append(ch.get("text") or "")
+            if ch.get("token_ids"):
+                ids += list(ch["token_ids"])
+            lp = ch.get("logprobs")
+            if lp:
+                lps.append(lp)
+    return {"stream_events": len(events), "text": "".join(text), "token_ids": ids, "logprobs_chunks": lps,
+            "kv_transfer_params": ktp}
+
+
+def request_body(kind: str, prompt: Any, max_tokens: int, *, stream: bool = False, logprobs: int = 2,
+                 ktp: dict | None = None) -> tuple[str, dict]:
+    """(path, body) of a greedy completion (``kind='completion'``, prompt = token ids or text) or chat request
+    (``kind='chat'``, prompt = user message text), asking for generated token ids and top-``logprobs``."""
+    if kind == "chat":
+        path = "/v1/chat/completions"
+        body: dict[str, Any] = {"model": "smollm2", "messages": [{"role": "user", "content": prompt}],
+                                "max_tokens": max_tokens, "temperature": 0, "logprobs": True,
+                                "top_logprobs": logprobs}
+    else:
+        path = "/v1/completions"
+        body = {"model": "smollm2", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+                "logprobs": logprobs}
+    body["return_token_ids"] = True
+    if stream:
+        body["stream"] = True
+    if ktp is not None:
+        body["kv_transfer_params"] = ktp
+    return path, body
+
+
+def result_tokens(resp: dict) -> tuple[list[int], list[float]]:
+    """Generated token ids and, per position, the gap between the top-1 and top-2 logprob (inf if unknown)."""
+    gaps: list[float] = []
+    if "choices" in resp:
+        ch = resp["choices"][0]
+        ids = list(ch.get("token_ids") or [])
+        lp = ch.get("logprobs") or {}
+        chunks = [lp]
+    else:
+        ids = list(resp.get("token_ids") or [])
+        chunks = resp.get("logprobs_chunks") or []
+    for lp in chunks:
+        if "top_logprobs" in lp and isinstance(lp["top_logprobs"], list) and lp["top_logprobs"] and \
+                isinstance(lp["top_logprobs"][0], dict):  # completion format
+            for top in lp["top_logprobs"]:
+                v = sorted(top.values(), reverse=True)
+                gaps.append(v[0] - v[1] if len(v) > 1 else float("inf"))
+        elif "content" in lp:  # chat format
+            for c in lp["content"] or []:
+                v = sorted((t["logprob"] for t in c.get("top_logprobs") or []), reverse=True)
+                gaps.append(v[0] - v[1] if len(v) > 1 else float("inf"))
+    return ids, gaps
+
+
+def two_step(prefill_url: str, decode_url: str, kind: str, prompt: Any, max_tokens: int, *, stream: bool = False,
+             timeout_s: float = 300.0, between=None) -> dict[str, Any]:
+    """The PD client: prefill with ``max_tokens=1`` and ``{"do_remote_decode": true}``, then decode with the returned
+    ``kv_transfer_params``. ``between(params)`` runs between the steps (e.g. kill the prefill). Returns
+    ``{"prefill": resp, "decode": resp, "params": ktp, "ttft_s", "total_s"}`` (TTFT = prefill time + decode
+    time-to-first-chunk for streams, else whole decode time)."""
+    with httpx.Client(timeout=timeout_s) as c:
+        t0 = time.perf_counter()
+        path, body = request_body(kind, prompt, 1, ktp={"do_remote_decode": True})
+        p = _post(c, prefill_url + path, body)
+        params = p.get("kv_transfer_params")
+        if not params:
+            raise RuntimeError(f"prefill returned no kv_transfer_params: {json.dumps(p)[:400]}")
+        if between is not None:
+            between(params)
+        t1 = time.perf_counter()
+        path, body = request_body(kind, prompt, max_tokens, stream=stream, ktp=params)
+        d = _post(c, decode_url + path, body)
+        t2 = time.perf_counter()
+    return {"prefill": p, "decode": d, "params": params, "prefill_s": t1 - t0, "total_s": t2 - t0}
+
+
+def single(url: str, kind: str, prompt: Any, max_tokens: int, *, stream: bool = False,
+           timeout_s: float = 300.0) -> dict:
+    """One plain request (no kv_transfer_params)."""
+    with httpx.Client(timeout=timeout_s) as c:
+        path, body = request_body(kind, prompt, max_tokens, stream=stream)
+        return _post(c, url + path, body)
+
+
+def reset_prefix_cache(url: str) -> None:
+    """POST /reset_prefix_cache (needs VLLM_SERVER_DEV_MODE=1, set by :func:`launch`)."""
+    r = httpx.post(url + "/reset_prefix_cache", timeout=30)
+    r.raise_for_status()
+
+
+def kv_usage(url: str) -> float:
+    """``vllm:kv_cache_usage_perc`` from the server's Prometheus ``/metrics`` (0..1, summed over engines)."""
+    text = httpx.get(url + "/metrics", timeout=10).text
+    total = None
+    for line in text.splitlines():
+        if line.startswith("vllm:kv_cache_usage_perc"):
+            total = (total or 0.0) + float(line.rsplit(" ", 1)[1])
+    if total is None:
+        raise RuntimeError("vllm:kv_cache_usage_perc not found in /metrics")
+    return total
