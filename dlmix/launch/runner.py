@@ -180,10 +180,11 @@ def _vllm_argv(dep: Deployment, i: int, model: str, kv_transfer: Optional[dict],
     return cmd
 
 
-def _engine_env(dep: Deployment, inst: Instance) -> Dict[str, str]:
-    env = {"HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "1"),
-           "TRANSFORMERS_OFFLINE": os.environ.get("TRANSFORMERS_OFFLINE", "1"),
-           "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
+def _engine_env(dep: Deployment, inst: Instance, model: str) -> Dict[str, str]:
+    env = {"VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
+    if model and Path(model).is_dir():  # local folder: never reach for the hub
+        env.update(HF_HUB_OFFLINE=os.environ.get("HF_HUB_OFFLINE", "1"),
+                   TRANSFORMERS_OFFLINE=os.environ.get("TRANSFORMERS_OFFLINE", "1"))
     if inst.device == "cpu" and inst.cpus:
         env["VLLM_CPU_OMP_THREADS_BIND"] = inst.cpus
     if inst.device != "cpu" and inst.devices:
@@ -272,7 +273,7 @@ def plan(dep: Deployment, secret: str, log_dir: Path, models: Optional[Dict[int,
             argv = [inst.python or sys.executable, "-m", "dlmix.bench.mock_server", "--host", inst.host,
                     "--port", str(inst.port), "--model", dep.served_name_of(i),
                     "--block-size", str(inst.kv.block_size or 16)] + list(inst.extra_args)
-        plans.append(ProcessPlan(name=name, kind="engine", argv=argv, env=_engine_env(dep, inst), host=inst.host,
+        plans.append(ProcessPlan(name=name, kind="engine", argv=argv, env=_engine_env(dep, inst, models[i]), host=inst.host,
                                  port=inst.port, index=i, self_registers=self_reg,
                                  ready_timeout_s=inst.ready_timeout_s))
         if router_url and not self_reg:

@@ -1,0 +1,164 @@
+"""dlmix bench against an in-test asyncio mock OpenAI server: counts, fake-clock timings, prefix-hit scrape, CLI."""
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import threading
+
+import httpx
+import pytest
+from typer.testing import CliRunner
+
+from dlmix.bench.client import send_request
+from dlmix.bench.mock_server import MockEngine, serve
+from dlmix.bench.runner import BenchSettings, Level, run_level
+from dlmix.bench.scrape import parse_metrics, prefix_hit_rate
+from dlmix.bench.workloads import shared_prefix
+
+
+class FakeClock:
+    """Returns 0, 1, 2, ... seconds on successive calls."""
+
+    def __init__(self):
+        self.t = -1.0
+
+    def __call__(self) -> float:
+        self.t += 1.0
+        return self.t
+
+
+async def _with_server(eng: MockEngine, fn):
+    server = await serve(eng, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        return await fn(f"http://127.0.0.1:{port}")
+    finally:
+        server.close()
+        await server.wait_closed()
+
+
+def test_stream_timing_with_fake_clock_and_usage_counts():
+    eng = MockEngine(model="m", ttft_s=0.0, itl_s=0.0)
+
+    async def go(url):
+        async with httpx.AsyncClient() as c:
+            return await send_request(c, url, "m", [11, 12, 13, 14, 15], 4, clock=FakeClock())
+
+    r = asyncio.run(_with_server(eng, go))
+    assert r.success, r.error
+    assert (r.input_tokens, r.output_tokens) == (5, 4)
+    # clock reads: send=0, chunks at 1,2,3,4, end=5
+    assert r.ttft == 1.0 and r.itl == [1.0, 1.0, 1.0] and r.latency == 5.0
+    assert r.tpot == pytest.approx((5.0 - 1.0) / 3)
+    body = eng.bodies[0]
+    assert body["prompt"] == [11, 12, 13, 14, 15] and body["max_tokens"] == 4
+    assert body["stream"] is True and body["stream_options"] == {"include_usage": True}
+    assert body["ignore_eos"] is True
+
+
+def test_http_error_becomes_failed_result():
+    async def go(url):
+        async with httpx.AsyncClient() as c:
+            return await send_request(c, url, "m", [1, 2], 2, endpoint="/v1/nope")
+
+    r = asyncio.run(_with_server(MockEngine(), go))
+    assert not r.success and r.error.startswith("HTTP 404")
+
+
+def test_run_level_counts_concurrency_and_engine_prefix_hits():
+    eng = MockEngine(model="m", ttft_s=0.002, itl_s=0.001, block_size=16)
+    # 2 groups x 3 prompts, 32-token shared prefix (2 blocks) + 16-token suffix
+    wl = shared_prefix(2, 3, prefix_len=32, suffix_len=16, output_len=3, seed=0)
+
+    async def go(url):
+        s = BenchSettings(base_url=url, engine_urls=[url], scrape_router=False, goodput_ms={"ttft": 60000})
+        return await run_level(wl, Level(math.inf, 2), s, seed=0)
+
+    out = asyncio.run(_with_server(eng, go))
+    m = out["metrics"]
+    assert out["model"] == "m"
+    assert m["completed"] == 6 and m["failed"] == 0
+    assert m["total_input_tokens"] == 6 * 48 and m["total_output_tokens"] == 18
+    assert m["good_fraction"] == 1.0
+    assert len(out["results"]) == 6
+    # exact counters: the 2nd and 3rd prompt of each group hit the 32 prefix tokens
+    p = out["prefix"]
+    assert p["source"] == "engines"
+    assert p["hit_tokens"] == 2 * 2 * 32 and p["query_tokens"] == 6 * 48
+    assert p["rate"] == pytest.approx(128 / 288)
+    assert eng.requests == 6
+
+
+def test_prefix_hit_rate_prefers_router_pair_and_parses_prometheus():
+    before = parse_metrics('vllm:prefix_cache_hits_total{model_name="a"} 10\n'
+                           'vllm:prefix_cache_hits_total{model_name="b"} 5\nvllm:prefix_cache_queries_total 100\n')
+    assert before == {"vllm:prefix_cache_hits_total": 15.0, "vllm:prefix_cache_queries_total": 100.0}
+    after = {"vllm:prefix_cache_hits_total": 45.0, "vllm:prefix_cache_queries_total": 160.0}
+    assert prefix_hit_rate(None, [(before, after)])["rate"] == pytest.approx(0.5)
+    rb = {"dlmix_router_prefix_hit_tokens_total": 0.0, "dlmix_router_prefix_query_tokens_total": 0.0}
+    ra = {"dlmix_router_prefix_hit_tokens_total": 30.0, "dlmix_router_prefix_query_tokens_total": 120.0}
+    r = prefix_hit_rate((rb, ra), [(before, after)])
+    assert r["source"] == "router" and r["rate"] == pytest.approx(0.25)
+    assert prefix_hit_rate(None, [(None, None)])["rate"] is None
+
+
+def _serve_in_thread(eng: MockEngine):
+    loop = asyncio.new_event_loop()
+    ready = threading.Event()
+    holder = {}
+
+    def run():
+        asyncio.set_event_loop(loop)
+        holder["server"] = loop.run_until_complete(serve(eng, "127.0.0.1", 0))
+        ready.set()
+        loop.run_forever()
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    ready.wait(10)
+    port = holder["server"].sockets[0].getsockname()[1]
+
+    def stop():
+        loop.call_soon_threadsafe(loop.stop)
+        t.join(5)
+
+    return f"http://127.0.0.1:{port}", stop
+
+
+def test_cli_sweep_writes_results_and_plots(tmp_path):
+    from dlmix.cli import app
+
+    eng = MockEngine(model="m", ttft_s=0.001, itl_s=0.0005)
+    url, stop = _serve_in_thread(eng)
+    try:
+        for label in ("a", "b"):
+            res = CliRunner().invoke(app, [
+                "bench", "--url", url, "--request-rate", "50,100,inf", "--gsp-num-groups", "2",
+                "--gsp-prompts-per-group", "2", "--gsp-system-prompt-len", "32", "--gsp-question-len", "8",
+                "--gsp-output-len", "4", "--goodput", "ttft:60000", "--engine-url", url, "--seed", "5",
+                "--output-dir", str(tmp_path), "--label", label])
+            assert res.exit_code == 0, res.output
+    finally:
+        stop()
+    data = json.loads((tmp_path / "a" / "results.json").read_text())
+    assert [lv["level"]["label"] for lv in data["levels"]] == ["rate=50", "rate=100", "rate=inf"]
+    assert all(lv["metrics"]["completed"] == 4 for lv in data["levels"])
+    assert all(lv["metrics"]["total_output_tokens"] == 16 for lv in data["levels"])
+    # each level uses a fresh seed (seed + i), so each level hits exactly 2 prompts x 32 tokens
+    assert [lv["prefix"]["hit_tokens"] for lv in data["levels"]] == [64.0, 64.0, 64.0]
+    lines = (tmp_path / "a" / "requests.jsonl").read_text().splitlines()
+    assert len(lines) == 12
+    assert eng.requests == 24
+    for png in ("latency_vs_load.png", "throughput_vs_load.png"):
+        assert (tmp_path / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert sorted(summary) == ["a", "b"]
+
+
+def test_cli_rejects_bad_goodput():
+    from dlmix.cli import app
+
+    res = CliRunner().invoke(app, ["bench", "--goodput", "itl:5"])
+    assert res.exit_code != 0
+    assert "unknown metric" in res.output
