@@ -1,0 +1,70 @@
+"""Chip catalog and cost model: required chips with sources, YAML overrides, exact formula values."""
+from __future__ import annotations
+
+import pytest
+
+from dlmix.hw.cost import PRESETS, CostModel, ModelSpec, ewma_ratio
+from dlmix.hw.profiles import CatalogError, load_catalog
+
+REQUIRED = ["A100", "H100", "H200", "H20", "L20", "RTX4090", "Ascend910B", "K100", "C500", "BI-V150", "MTT-S4000",
+            "S60", "BR104", "BR100", "PPU", "cpu-x86"]
+
+
+def test_catalog_has_required_chips_with_sources():
+    cat = load_catalog()
+    for n in REQUIRED:
+        p = cat.chip(n)
+        assert p.bf16_tflops > 0 and p.mem_bw_gbps > 0 and p.mem_gb > 0 and p.source
+    assert cat.chip("h100").bf16_tflops == 989 and cat.chip("H100").mem_bw_gbps == 3350
+    assert cat.chip("910b").name == "Ascend910B"  # alias, case-insensitive
+    assert round(cat.chip("H20").ridge, 1) == 37.0
+
+
+def test_user_yaml_adds_and_overrides(tmp_path):
+    f = tmp_path / "mine.yaml"
+    f.write_text("chips:\n  NewChip:\n    bf16_tflops: 100\n    mem_bw_gbps: 1000\n    mem_gb: 32\n    source: bench\n"
+                 "  H20:\n    mem_bw_gbps: 3900\n")
+    cat = load_catalog([f])
+    assert cat.chip("newchip").flops == 100e12
+    assert cat.chip("H20").mem_bw_gbps == 3900 and cat.chip("H20").bf16_tflops == 148
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("chips:\n  X:\n    bf16_tflops: 1\n")
+    with pytest.raises(CatalogError, match="lacks mem_bw_gbps, mem_gb"):
+        load_catalog([bad])
+    with pytest.raises(CatalogError, match="cannot read"):
+        load_catalog([tmp_path / "missing.yaml"])
+
+
+def test_cost_formulas_exact():
+    m = ModelSpec(params=8e9, layers=32, q_heads=32, kv_heads=8, head_dim=128, dtype_bytes=2)
+    assert m.kv_bytes_per_token == 131072 == 2 * 32 * 8 * 128 * 2
+    cm = CostModel(m, t0=0.0, t1=0.0)
+    h100 = cm.chip("H100")
+    # prefill 2048 uncached: (2P N + 2 L nq d N^2) / (MFU F)
+    flops = 2 * 8e9 * 2048 + 2 * 32 * 32 * 128 * 2048 ** 2
+    assert cm.prefill_flops(2048) == flops
+    assert cm.prefill_time("H100", 2048) == pytest.approx(flops / (0.5 * 989e12))
+    # cached prefix only costs the rest
+    assert cm.prefill_flops(2048, 1024) == 2 * 8e9 * 1024 + 2 * 32 * 32 * 128 * (2048 ** 2 - 1024 ** 2)
+    # decode: memory-bound (weights + KV) at small batch
+    t = cm.decode_step_time("H20", 64, 64 * 4096)
+    assert t == pytest.approx((8e9 * 2 + 64 * 4096 * 131072) / (0.8 * 4000e9))
+    # transfer: 8192 tokens over 25 Gb/s at 80 % + 5 ms setup
+    assert cm.transfer_time(8192, "tcp-25g") == pytest.approx(0.005 + 8192 * 131072 / (0.8 * 25e9 / 8))
+    assert cm.transfer_time(0, "tcp-25g") == 0.0
+    link = cm.link_between({"link": "rdma-100g"}, {"bandwidth_gbps": 25, "setup_ms": 3})
+    assert link.bandwidth_gbps == 25 and link.setup_ms == 3
+    assert h100.flops == 989e12
+
+
+def test_model_spec_from_hf_config(smollm2_dir):
+    s = ModelSpec.from_hf_config(smollm2_dir)
+    assert (s.layers, s.q_heads, s.kv_heads, s.head_dim) == (30, 9, 3, 64)
+    assert s.kv_bytes_per_token == 2 * 30 * 3 * 64 * 2 == 23040
+    assert abs(s.params - PRESETS["smollm2-135m"].params) / 1.35e8 < 0.05
+
+
+def test_ewma_ratio():
+    assert ewma_ratio(1.0, 2.0, 1.0, alpha=0.5) == 1.5
+    assert ewma_ratio(1.0, 0.0, 1.0) == 1.0
+    assert ewma_ratio(1.0, 1e6, 1.0, alpha=1.0) == 50.0

@@ -1,0 +1,121 @@
+"""Policies as pure objects over plain state (what the simulator uses): exact placements."""
+from __future__ import annotations
+
+import pytest
+
+from dlmix.hw.cost import CostModel
+from dlmix.router.policies import ClusterView, begin, end, make_policy, prefill_done
+from dlmix.router.prefix_index import PrefixIndex
+from dlmix.router.state import InstanceState, NoInstanceError, RouteRequest
+
+
+def inst(i, role="both", chip="H100", **kw):
+    return InstanceState(id=f"i{i}", url=f"http://h:{i}", role=role, chip=chip, slot=i, model=("m",),
+                         transport={"link": "rdma-100g"}, **kw)
+
+
+def req(n=0, hashes=(), model="m", max_tokens=None):
+    return RouteRequest(model=model, prompt_len=n, block_hashes=lambda bs: list(hashes), max_tokens=max_tokens)
+
+
+def test_round_robin_rotates_and_skips_unhealthy():
+    xs = [inst(i) for i in range(3)]
+    xs[1].healthy = False
+    p = make_policy("round_robin")
+    picks = [p.choose(req(), ClusterView(xs)).decode.id for _ in range(4)]
+    assert picks == ["i2", "i0", "i2", "i0"]
+    with pytest.raises(NoInstanceError):
+        p.choose(req(model="other"), ClusterView(xs))
+
+
+def test_least_load_and_bookkeeping():
+    xs = [inst(i) for i in range(3)]
+    p = make_policy("least_load")
+    r = req(100)
+    ds = []
+    for _ in range(3):
+        d = p.choose(r, ClusterView(xs))
+        begin(d, r)
+        ds.append(d)
+    assert sorted(d.decode.id for d in ds) == ["i0", "i1", "i2"]
+    assert [x.load.inflight_prefill_tokens for x in xs] == [100, 100, 100]
+    prefill_done(ds[0], r)
+    assert ds[0].decode.load.inflight_decode == 1 and ds[0].decode.load.decode_ctx_tokens == 100
+    end(ds[0], r)
+    end(ds[1], r, prefilled=False)
+    assert [x.load.inflight for x in xs] == [0, 0, 1] and xs[1].load.inflight_prefill_tokens == 0
+
+
+def test_prefix_prefers_hit_but_guards_load():
+    xs = [inst(i) for i in range(4)]
+    ix = PrefixIndex()
+    ix.store(2, [1, 2, 3, 4])
+    p = make_policy("prefix", balance_abs_threshold=2, balance_rel_threshold=1.5)
+    r = req(64, hashes=[1, 2, 3, 4])
+    assert p.choose(r, ClusterView(xs, index=ix)).decode.id == "i2"
+    xs[2].load.inflight = 3  # 3 - 0 > 2 and 3 > 1.5*0: overloaded -> filtered
+    assert p.choose(r, ClusterView(xs, index=ix)).decode.id != "i2"
+    for x in xs:
+        x.load.inflight = 10
+    xs[2].load.inflight = 16  # 16 > 1.5*10 and 6 > 2: overloaded
+    assert p.choose(r, ClusterView(xs, index=ix)).decode.id != "i2"
+    xs[2].load.inflight = 12  # within the relative threshold -> the hit wins
+    assert p.choose(r, ClusterView(xs, index=ix)).decode.id == "i2"
+    # below cache_threshold: least load
+    r2 = req(64 * 100, hashes=[1])
+    xs[0].load.inflight = 1
+    assert p.choose(r2, ClusterView(xs, index=ix)).decode.id == "i0"
+
+
+def cost_view(xs, ix=None):
+    return ClusterView(xs, index=ix, cost=CostModel("llama-3.1-8b"))
+
+
+def test_cost_disaggregates_long_prompts_to_fast_prefill_chip():
+    xs = [inst(0, "prefill", "H100"), inst(1, "prefill", "H20"), inst(2, "decode", "H20")]
+    p = make_policy("cost")
+    d = p.choose(req(4096), cost_view(xs))
+    assert (d.prefill.id, d.decode.id, d.reason) == ("i0", "i2", "cost:pd")
+    # expected TTFT = prefill on H100 + transfer of 4096 tokens' KV + t1
+    cm = CostModel("llama-3.1-8b")
+    exp = cm.prefill_time("H100", 4096) + cm.transfer_time(4096, "rdma-100g") + cm.t1
+    assert d.predicted_ttft == pytest.approx(exp)
+    # short prompt: prefill locally on the decode instance
+    d = p.choose(req(100), cost_view(xs))
+    assert d.prefill is None and d.reason == "cost:local:short"
+
+
+def test_cost_mostly_cached_prompt_stays_local_and_queue_moves_prefill():
+    xs = [inst(0, "prefill", "H100"), inst(1, "prefill", "H100"), inst(2, "decode", "H20")]
+    ix = PrefixIndex()
+    ix.store(2, list(range(250)))  # D holds 4000 of 4096 tokens
+    p = make_policy("cost")
+    d = p.choose(req(4096, hashes=range(256)), cost_view(xs, ix))
+    assert d.prefill is None and d.decode.id == "i2"
+    xs[0].load.inflight_prefill_tokens = 50_000  # i0 has a long prefill queue -> i1
+    d = p.choose(req(4096), cost_view(xs))
+    assert d.prefill.id == "i1"
+
+
+def test_cost_respects_itl_target():
+    xs = [inst(0, "prefill", "H100"), inst(1, "decode", "H20"), inst(2, "decode", "H20")]
+    xs[1].load.inflight_decode = 200
+    xs[1].load.decode_ctx_tokens = 200 * 8000  # step time far above 50 ms
+    p = make_policy("cost", itl_target=0.05)
+    assert p.choose(req(4096), cost_view(xs)).decode.id == "i2"
+
+
+def test_cost_cross_cluster_balances_completion_time():
+    # only `both` instances on different chips: predicted completion time = queue + prefill + out * step
+    fast, slow = inst(0, "both", "H100"), inst(1, "both", "L20")
+    p = make_policy("cost")
+    picks = []
+    for _ in range(12):
+        r = req(8000, max_tokens=16)
+        d = p.choose(r, cost_view([fast, slow]))
+        begin(d, r)  # prefill queues build up (no prefill_done)
+        picks.append(d.decode.id)
+    # H100 prefills 8000 tokens ~8x faster than L20: it takes the first ones, L20 gets work once H100's queue
+    # makes it slower
+    assert picks[:5] == ["i0"] * 5 and "i1" in picks
+    assert picks.count("i0") > picks.count("i1")
