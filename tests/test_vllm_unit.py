@@ -1,0 +1,181 @@
+"""Fast tests of the vLLM plugin pieces that need no running engine: registration, settings validation, pair checks,
+and the worker-side pull over a real dlmix TCP transport between two synthetic vLLM-CPU caches (block size and dtype
+conversion, refusal, expiry, failure reporting)."""
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+pytest.importorskip("vllm")
+
+from dlmix.kv import KVLayout, ModelIdentity  # noqa: E402
+from dlmix.kv.ops import read_kv, write_kv  # noqa: E402
+
+from dlmix_vllm import CONNECTOR_NAME, register  # noqa: E402
+from dlmix_vllm.config import DLMixConfigError, parse_settings  # noqa: E402
+from dlmix_vllm.layout import check_pair, weights_fingerprint  # noqa: E402
+from dlmix_vllm.transfer import KVEndpoint  # noqa: E402
+
+SECRET = "unit-test-secret"
+
+
+def _layout(bs: int, dtype: str, fp: str = "sha256:aa", layers: int = 3, heads: int = 2, d: int = 32) -> KVLayout:
+    ident = ModelIdentity("LlamaForCausalLM", layers, heads, d, "gqa", weights_fingerprint=fp)
+    return KVLayout(model=ident, block_size=bs, dtype=dtype, arrangement="vllm_cpu")
+
+
+def _caches(lay: KVLayout, num_blocks: int) -> list[torch.Tensor]:
+    dt = {"bf16": torch.bfloat16, "fp32": torch.float32}[lay.dtype]
+    return [torch.zeros(lay.layer_shape(num_blocks), dtype=dt) for _ in range(lay.model.num_layers)]
+
+
+def _fill(lay: KVLayout, caches, block_ids, n: int, seed: int = 0) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    ref = {}
+    for t in range(n):
+        for layer in range(lay.model.num_layers):
+            k = torch.randn(lay.num_local_heads, lay.model.head_size, generator=g)
+            v = torch.randn(lay.num_local_heads, lay.model.head_size, generator=g)
+            write_kv(lay, caches, block_ids, t, layer, k, v)
+            ref[(t, layer)] = (k, v)
+    return ref
+
+
+def test_register_is_idempotent_and_resolvable():
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    register()
+    assert register() is False  # second call in the same process: guarded, no ValueError
+    cls = KVConnectorFactory.get_connector_class_by_name(CONNECTOR_NAME)
+    assert cls.__name__ == "DLMixConnector"
+
+
+def test_entry_point_declared():
+    from importlib.metadata import entry_points
+
+    eps = {e.name: e.value for e in entry_points(group="vllm.general_plugins")}
+    assert eps.get("dlmix") == "dlmix_vllm:register"
+
+
+def test_settings_defaults_and_errors():
+    s = parse_settings(None)
+    assert (s.transport, s.host, s.staging_bytes, s.verify_weights) == ("tcp", "127.0.0.1", 64 << 20, True)
+    with pytest.raises(DLMixConfigError, match="hold_timeout_s"):
+        parse_settings({"hold_timeout_s": -1})
+    with pytest.raises(DLMixConfigError, match="bogus"):
+        parse_settings({"bogus": 1})
+    with pytest.raises(DLMixConfigError, match="shared_secret"):
+        parse_settings({"host": "10.1.2.3"})
+    assert parse_settings({"host": "10.1.2.3", "shared_secret": "x"}).host == "10.1.2.3"
+    with pytest.raises(DLMixConfigError, match="transport"):
+        parse_settings({"transport": "carrier-pigeon"})
+    with pytest.raises(DLMixConfigError, match="public_url"):
+        parse_settings({"router_url": "http://127.0.0.1:9000"})
+
+
+def test_check_pair_reasons():
+    a = _layout(32, "bf16")
+    assert check_pair(a, _layout(128, "fp32")) == []  # block size and dtype are converted
+    r = check_pair(a, _layout(128, "bf16", fp="sha256:bb"))
+    assert len(r) == 1 and "fingerprint" in r[0]
+    assert check_pair(a, _layout(128, "bf16", fp="sha256:bb"), verify_weights=False) == []
+    r = check_pair(a, _layout(32, "bf16", layers=4))
+    assert any("layers" in x for x in r)
+    assert check_pair({"nonsense": 1}, a)[0].startswith("malformed")
+
+
+def test_weights_fingerprint_sees_weight_changes(tmp_path):
+    from safetensors.torch import save_file
+
+    w = {"a": torch.arange(100000, dtype=torch.float32)}
+    (tmp_path / "m1").mkdir()
+    (tmp_path / "m2").mkdir()
+    (tmp_path / "m1" / "config.json").write_text('{"x": 1}')
+    (tmp_path / "m2" / "config.json").write_text('{"x": 1}')
+    save_file(w, str(tmp_path / "m1" / "model.safetensors"))
+    save_file({"a": w["a"] * 1.001}, str(tmp_path / "m2" / "model.safetensors"))
+    f1, f2 = weights_fingerprint(str(tmp_path / "m1")), weights_fingerprint(str(tmp_path / "m2"))
+    assert f1.startswith("sha256:") and f1 != f2
+    assert f1 == weights_fingerprint(str(tmp_path / "m1"))
+    assert weights_fingerprint("org/name") == "name:org/name"
+
+
+@pytest.fixture()
+def pair():
+    made = []
+
+    def mk(src_lay, dst_lay, src_blocks=16, dst_blocks=8, staging=1 << 20, hold_timeout_s=30.0):
+        sc, dc = _caches(src_lay, src_blocks), _caches(dst_lay, dst_blocks)
+        p = KVEndpoint("tcp", f"p-{len(made)}", SECRET, "127.0.0.1", 0, src_lay, sc, 0,
+                       hold_timeout_s=hold_timeout_s, registration_wait_s=1.0, io_timeout_s=10.0)
+        d = KVEndpoint("tcp", f"d-{len(made)}", SECRET, "127.0.0.1", 0, dst_lay, dc, staging,
+                       registration_wait_s=1.0, io_timeout_s=10.0)
+        made.extend([p, d])
+        return p, d, sc, dc
+
+    yield mk
+    for e in made:
+        e.close()
+
+
+def test_pull_converts_block_size_and_dtype_and_moves_only_missing_blocks(pair):
+    src, dst = _layout(32, "bf16"), _layout(128, "fp32")
+    page = 2 * 32 * 2 * 32 * 2  # bytes of one block of one layer: 2 heads * 32 tokens * (K+V) * 32 * 2 bytes
+    p, d, sc, dc = pair(src, dst, staging=3 * 3 * page)  # room for 3 prefill blocks (3 layers) per round
+    n = 300
+    src_blocks = [5, 6, 7, 2, 3, 9, 10, 11, 12, 13]  # 10 blocks of 32 cover 300 tokens
+    ref = _fill(src, sc, src_blocks, n)
+    p.add_hold("req-1", src_blocks, n)
+    dst_blocks = [4, 1, 6]  # 3 blocks of 128
+    start = 128  # decode already holds the first 128 tokens in its prefix cache
+    res = d.pull(p.descriptor(), "req-1", src_blocks, start, n, dst_blocks)
+    assert res.error is None, res.error
+    assert res.loaded_upto == n
+    # prefill blocks 4..9 (tokens 128..319) over 3 layers
+    assert res.bytes_received == 6 * 3 * page
+    assert res.rounds == 2 and res.peak_staging_bytes == 3 * 3 * page
+    for t in (0, 127):
+        k, _ = read_kv(dst, dc, dst_blocks, t, 0)
+        assert torch.count_nonzero(k) == 0  # the decode's own prefix was not touched
+    for t in (128, 200, 299):
+        for layer in range(3):
+            k, v = read_kv(dst, dc, dst_blocks, t, layer)
+            rk, rv = ref[(t, layer)]
+            assert torch.equal(k, rk.to(torch.bfloat16).float()) and torch.equal(v, rv.to(torch.bfloat16).float())
+    p._handle("d-x", {"type": "blocks_consumed", "req": "req-1"})
+    assert p.take_finished() == {"req-1"}
+
+
+def test_pull_refused_for_other_weights_and_unknown_request(pair):
+    p, d, sc, dc = pair(_layout(32, "bf16"), _layout(32, "bf16", fp="sha256:other"))
+    p.add_hold("r", [0, 1], 40)
+    res = d.pull(p.descriptor(), "r", [0, 1], 0, 40, [0, 1])
+    assert res.loaded_upto == 0 and "fingerprint" in res.error
+    p2, d2, _, _ = pair(_layout(32, "bf16"), _layout(32, "bf16"))
+    res = d2.pull(p2.descriptor(), "nope", [0], 0, 10, [0])
+    assert res.loaded_upto == 0 and "not held" in res.error
+
+
+def test_hold_expires_and_dead_prefill_fails_fast(pair):
+    p, d, _, _ = pair(_layout(32, "bf16"), _layout(32, "bf16"), hold_timeout_s=0.2)
+    p.add_hold("r", [0], 10)
+    time.sleep(0.3)
+    assert p.take_finished() == {"r"}
+    desc = p.descriptor()
+    p.close()
+    t0 = time.monotonic()
+    res = d.pull(desc, "r", [0], 0, 10, [0])
+    assert res.error is not None and res.loaded_upto == 0
+    assert time.monotonic() - t0 < 15
+
+
+def test_want_waits_for_hold_registration(pair):
+    p, d, sc, dc = pair(_layout(32, "bf16"), _layout(32, "bf16"))
+    _fill(_layout(32, "bf16"), sc, [3], 20)
+    threading.Timer(0.3, p.add_hold, args=("late", [3], 20)).start()
+    res = d.pull(p.descriptor(), "late", [3], 0, 20, [2])
+    assert res.error is None and res.loaded_upto == 20
+    assert torch.equal(dc[1][2], sc[1][3])  # same layout: identical bytes in the page
