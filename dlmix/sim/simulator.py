@@ -112,6 +112,7 @@ class Simulator:
                                self._on_remove)
             inst.link = cat.link(spec.link)
             inst.link_free = 0.0
+            inst.step_end = 0.0
             self.instances.append(inst)
             transport = spec.link if isinstance(spec.link, dict) else ({"link": spec.link} if spec.link else None)
             self.states.append(InstanceState(id=spec.id, url=f"sim://{spec.id}", role=spec.role,
@@ -171,6 +172,7 @@ class Simulator:
             self._fail(s.req)
         if dt > 0:
             inst.busy = True
+            inst.step_end = self.now + dt
             if w:
                 self.step_dt.append(dt)
                 self.step_w.append(w)

@@ -1,0 +1,33 @@
+"""``dlrouter_min_expected_latency``: DLRouter's default strategy, as a baseline.
+
+Source: ``DeepLink-org/DLRouter`` ``dlrouter/routing/`` (``min_expected_latency``), read at ``4f902a8``; routing-anchors
+notes §1.1: argmin ``L_i / speed_i`` with a random tie-break, ``L_i`` = router-counted unfinished requests,
+``speed_i`` only settable through ``/nodes/add`` (nothing else sets it, so all nodes are equal: speed 1.0) —
+effectively join-shortest-queue. PD: prefill and decode chosen independently (base ``choose``).
+"""
+from __future__ import annotations
+
+import random
+from typing import List
+
+from dlmix.router.policies.base import ClusterView, Policy
+from dlmix.router.state import InstanceState, NoInstanceError, RouteRequest
+
+
+class DLRouterMinExpectedLatency(Policy):
+    """Args: seed (tie-break RNG), speeds (optional ``{instance id: speed}``; missing = 1.0)."""
+
+    name = "dlrouter_min_expected_latency"
+
+    def __init__(self, seed: int = 0, speeds: dict | None = None, **_):
+        self._rng = random.Random(seed)
+        self.speeds = dict(speeds or {})
+
+    def select(self, req: RouteRequest, cands: List[InstanceState], view: ClusterView) -> InstanceState:
+        """argmin ``inflight / speed``, uniformly random among ties. Raises NoInstanceError if empty."""
+        if not cands:
+            raise NoInstanceError(f"no available instance for model {req.model!r}")
+        sc = [c.load.inflight / float(self.speeds.get(c.id, 1.0)) for c in cands]
+        lo = min(sc)
+        ties = [c for c, s in zip(cands, sc) if s == lo]
+        return ties[0] if len(ties) == 1 else self._rng.choice(ties)
