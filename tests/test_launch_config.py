@@ -1,0 +1,119 @@
+"""dlmix launch deployment files: every example parses and plans (nothing started); errors name field and line."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from dlmix.launch import ConfigError, Deployment, plan
+
+EXAMPLES = sorted((Path(__file__).resolve().parent.parent / "examples").glob("*.yaml"))
+
+
+def test_examples_exist():
+    names = {p.name for p in EXAMPLES}
+    assert {"cpu-pd.yaml", "cpu-aggregated.yaml", "gpu-h100-prefill-cpu-decode.yaml", "mixed-chips.yaml"} <= names
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
+def test_every_example_parses_and_plans(path, tmp_path):
+    dep = Deployment.from_file(path)
+    models = {i: (dep.model_of(i) or "") for i in range(len(dep.instances))}  # no model building here
+    plans = plan(dep, "s3cret", tmp_path, models=models)
+    assert len(plans) == len(dep.instances) + (1 if dep.router_enabled() else 0)
+    by_name = {p.name: p for p in plans}
+    for i, inst in enumerate(dep.instances):
+        p = by_name[dep.instance_name(i)]
+        assert p.port == inst.port
+        if inst.engine != "vllm":
+            continue
+        argv = p.argv
+        assert argv[argv.index("--port") + 1] == str(inst.port)
+        if inst.kv.block_size:
+            assert argv[argv.index("--block-size") + 1] == str(inst.kv.block_size)
+        if inst.kv.dtype:
+            assert argv[argv.index("--dtype") + 1] == inst.kv.dtype
+        if inst.role in ("prefill", "decode"):
+            ktc = json.loads(argv[argv.index("--kv-transfer-config") + 1])
+            assert ktc["kv_connector"] == "DLMixConnector"
+            assert ktc["kv_role"] == {"prefill": "kv_producer", "decode": "kv_consumer"}[inst.role]
+            extra = ktc["kv_connector_extra_config"]
+            assert extra["router_url"] == dep.router.url and extra["shared_secret"] == "s3cret"
+            assert extra["public_url"] == inst.url and extra["chip_profile"] == inst.chip
+        if inst.device == "cpu" and inst.cpus:
+            assert p.env["VLLM_CPU_OMP_THREADS_BIND"] == inst.cpus
+    if dep.router_enabled():
+        import yaml
+
+        cfg = yaml.safe_load((tmp_path / "router.yaml").read_text())
+        assert cfg["port"] == dep.router.port and cfg["policy"] == dep.router.policy
+        assert cfg["admin_key"] == "s3cret"
+        assert (tmp_path / "router.yaml").stat().st_mode & 0o077 == 0  # holds the secret
+
+
+def test_cpu_pd_example_matches_the_issue():
+    dep = Deployment.from_file(next(p for p in EXAMPLES if p.name == "cpu-pd.yaml"))
+    pre, dec = dep.instances
+    assert (pre.role, pre.kv.block_size, pre.kv.dtype, pre.cpus) == ("prefill", 32, "bfloat16", "0")
+    assert (dec.role, dec.kv.block_size, dec.kv.dtype, dec.cpus) == ("decode", 128, "float32", "1")
+    assert dep.model == "smollm2" and dep.router_enabled()
+
+
+def _err(text: str) -> str:
+    with pytest.raises(ConfigError) as ei:
+        Deployment.from_yaml(text, "dep.yaml")
+    return str(ei.value)
+
+
+BASE = "model: tiny-llama\ninstances:\n  - port: 9001\n"
+
+
+def test_unknown_key_names_field_and_line():
+    msg = _err(BASE + "    kv: {block_size: 32, dtpye: float32}\n")
+    assert msg == "dep.yaml:4:26: instances[0].kv.dtpye: unknown key"
+
+
+def test_wrong_type_and_missing_field_lines():
+    msg = _err("model: x\ninstances:\n  - role: prefil\n    port: 9001\n  - role: both\n")
+    lines = msg.splitlines()
+    assert lines[0].startswith("dep.yaml:3:11: instances[0].role: Input should be 'prefill', 'decode' or 'both'")
+    assert lines[1] == "dep.yaml:5:5: instances[1].port: required field missing"
+
+
+def test_cross_field_errors_have_lines():
+    msg = _err("model: tiny-llama\nrouter: {port: 9000, policy: nope}\ninstances:\n"
+               "  - {role: prefill, port: 9001, kv: {block_size: 48}}\n"
+               "  - {role: decode, port: 9001, chip: H999}\n")
+    assert "dep.yaml:4:50: instances[0].kv.block_size: vLLM CPU needs a block size that is a multiple of 32" in msg
+    assert "dep.yaml:5:26: instances[1].port: port 9001 is also used by instances[0].port" in msg
+    assert "dep.yaml:5:38: instances[1].chip: unknown chip 'H999'" in msg
+    assert "dep.yaml:2:30: router.policy: unknown policy 'nope'" in msg
+
+
+def test_pd_without_router_and_duplicates():
+    msg = _err("model: m\ninstances:\n  - {role: prefill, port: 9001}\n  - {role: decode, port: 9002}\n")
+    assert "router: prefill/decode instances need the router" in msg
+    msg = _err("model: m\nmodel: n\ninstances:\n  - {port: 9001}\n")
+    assert msg == "dep.yaml:2:1: model: duplicate key (first on line 1)"
+
+
+def test_yaml_syntax_error_and_empty():
+    assert _err("instances:\n  - port: 1\n   bad: [\n").startswith("dep.yaml:3:4: invalid YAML")
+    assert "must be a YAML mapping" in _err("")
+    assert _err("instances: []\n").startswith("dep.yaml:1:12: instances: List should have at least 1 item")
+
+
+def test_cli_reports_broken_file_with_line(tmp_path):
+    from dlmix.cli import app
+
+    f = tmp_path / "broken.yaml"
+    f.write_text(BASE + "    cpus: zero\n")
+    res = CliRunner().invoke(app, ["launch", str(f)])
+    assert res.exit_code == 2
+    assert f"{f}:4:11: instances[0].cpus" in res.output.replace("\n", "")
+    ok = tmp_path / "ok.yaml"
+    ok.write_text(BASE)
+    res = CliRunner().invoke(app, ["launch", str(ok), "--check"])
+    assert res.exit_code == 0 and "ok (1 instance(s), router: no)" in res.output.replace("\n", "")
