@@ -45,6 +45,10 @@ from dlmix.router.cli import register as _register_router  # noqa: E402
 
 _register_router(app)
 
+from dlmix.sim.cli import register as _register_sim  # noqa: E402
+
+_register_sim(app)
+
 
 def main() -> None:
     """Console-script entry point."""
