@@ -35,14 +35,19 @@ SENTINEL = 7.0  # exactly representable in every dtype
 
 
 @contextmanager
-def chunk_bytes(n: int):
+def chunk_bytes(n: int, direct: bool = False):
+    """Force small scratch chunks (``n`` bytes) and choose the CPU per-segment ``copy_`` path or the
+    gather/scatter path, so both code paths and their chunk edges are exercised."""
     old = dict(ops.CHUNK_BYTES)
+    old_direct = ops.DIRECT_MIN_BYTES
     ops.CHUNK_BYTES.update(cpu=n, cuda=n)
+    ops.DIRECT_MIN_BYTES = 0 if direct else 1 << 62
     try:
         yield
     finally:
         ops.CHUNK_BYTES.clear()
         ops.CHUNK_BYTES.update(old)
+        ops.DIRECT_MIN_BYTES = old_direct
 
 
 def tensors(caches):
@@ -119,11 +124,12 @@ def scenario(draw: st.DrawFn, mla: bool = False):
     seed = draw(st.integers(0, 2**31 - 1))
     chunk = draw(st.sampled_from([64, 1024, 4 << 20]))
     uint8 = draw(st.booleans())
-    return src, dst, n, skip, spool, dpool, sbids, dbids, seed, chunk, uint8
+    direct = draw(st.booleans())
+    return src, dst, n, skip, spool, dpool, sbids, dbids, seed, chunk, uint8, direct
 
 
 def run_scenario(sc) -> None:
-    src, dst, n, skip, spool, dpool, sbids, dbids, seed, chunk, uint8 = sc
+    src, dst, n, skip, spool, dpool, sbids, dbids, seed, chunk, uint8, direct = sc
     gen = torch.Generator().manual_seed(seed)
     # every source rank, each filled with its own random values (garbage outside the request blocks too)
     sources = []
@@ -149,7 +155,7 @@ def run_scenario(sc) -> None:
                 vs.append(cast_plane(v[i:i + 1], lay, dst, 1))
         return torch.cat(ks), (torch.cat(vs) if vs else None)
 
-    with chunk_bytes(chunk):
+    with chunk_bytes(chunk, direct):
         written = convert_from_ranks(sources, dst, dst_caches, dbids, n, skip)
     assert written == dst.wire_bytes(n - skip)
     exp = expected_after(dst, before, dbids, skip, n, truth)
@@ -171,6 +177,15 @@ def run_scenario(sc) -> None:
                     scale = (dst.k_scale if p == 0 else dst.v_scale) if dst.is_fp8 else 1.0
                     atol = 2**-6 * scale if dst.is_fp8 else 1e-4 * (dst.dtype == "fp16")
                     assert torch.allclose(g[j], ref, rtol=tol, atol=atol), (tok, layer, h, p)
+
+    # convert once per source rank (the per-pair API) writes exactly the same bytes
+    dst3 = allocate(dst, dpool, fill=SENTINEL, storage_uint8=uint8)
+    with chunk_bytes(chunk, not direct):
+        for i, hs in plan:
+            lay, caches, bids = sources[i]
+            convert(lay, caches, bids, dst, dst3, dbids, n, skip, heads=hs)
+    for e, a in zip(after, tensors(dst3)):
+        assert torch.equal(bits(e), bits(a)), "per-rank convert differs from convert_from_ranks"
 
     # the wire form, streamed in small chunks, writes exactly the same bytes
     dst2 = allocate(dst, dpool, fill=SENTINEL, storage_uint8=uint8)

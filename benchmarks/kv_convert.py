@@ -1,0 +1,148 @@
+"""KV conversion throughput next to a plain tensor copy of the same bytes, measured side by side.
+
+Cases (Llama-3-8B KV shape: 32 layers, 8 KV heads, head size 128; one request of ``--mib`` MiB of KV at the
+destination, scattered over shuffled block ids in larger pools):
+
+* ``identity``: vLLM FlashAttention NHD, bf16, block 32 -> the same layout (whole-block copies);
+* ``rechunk``: block size 32 -> 128, same arrangement and dtype;
+* ``cast``: bf16 -> fp32, same arrangement and block size. Bytes counted: the **destination** (fp32) side, which
+  is twice the source; the baseline copies the same number of bytes;
+* ``reshard``: prefill TP=2 (two ranks of 4 heads) -> decode TP=1 (8 heads), bytes = destination bytes;
+* ``pack``/``unpack`` (extra): the wire path for the rechunk pair, through a 64 MiB staging buffer.
+
+Baseline: ``dst.copy_(src)`` between two contiguous tensors of the counted bytes on the same device. Each figure
+is the median of ``--repeats`` runs, copy and conversion alternating. GB/s = 1e9 bytes / s.
+Prints the figures last as one JSON line with ``identity_vs_copy``, ``rechunk_vs_copy``, ``cast_vs_copy``,
+``reshard_vs_copy`` (conversion GB/s / copy GB/s, higher is better; targets 0.8, 0.5, 0.5, 0.5).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import time
+
+import torch
+
+from dlmix.kv import KVLayout, ModelIdentity, allocate, convert, convert_from_ranks, pack, unpack, wire_chunks
+
+MODEL = ModelIdentity("LlamaForCausalLM", num_layers=32, num_kv_heads=8, head_size=128, attention="gqa")
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def _time(fn, device: torch.device) -> float:
+    _sync(device)
+    t0 = time.perf_counter()
+    fn()
+    _sync(device)
+    return time.perf_counter() - t0
+
+
+def _pool(layout: KVLayout, n_tokens: int, device: torch.device, rng: random.Random, spare: float = 0.25):
+    """Caches with ~25 % spare blocks and a shuffled block table for ``n_tokens``."""
+    need = -(-n_tokens // layout.block_size)
+    total = need + max(1, int(need * spare))
+    caches = allocate(layout, total, device=device, fill=None)
+    for t in caches:
+        for x in (t if isinstance(t, tuple) else (t,)):
+            x.view(torch.uint8).random_(0, 60)  # finite values in every dtype
+    ids = list(range(total))
+    rng.shuffle(ids)
+    return caches, ids[:need]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="256 MiB, 3 repeats")
+    ap.add_argument("--mib", type=int, default=None, help="destination KV MiB per case (default 512, quick 256)")
+    ap.add_argument("--repeats", type=int, default=None)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--threads", type=int, default=1,
+                    help="torch CPU threads for copy and conversion alike (default 1: on a shared 2-core box a "
+                         "multi-threaded run mostly measures the other jobs)")
+    a = ap.parse_args()
+    if a.threads > 0:
+        torch.set_num_threads(a.threads)
+    mib = a.mib or (256 if a.quick else 512)
+    repeats = a.repeats or (3 if a.quick else 5)
+    device = torch.device(a.device)
+    rng = random.Random(0)
+
+    def lay(bs: int, dtype: str = "bf16", tp: int = 1, rank: int = 0, arr: str = "vllm_flash_nhd") -> KVLayout:
+        return KVLayout(MODEL, bs, dtype, arr, tp, rank)
+
+    results: dict[str, object] = {"device": str(device), "torch_threads": torch.get_num_threads(),
+                                  "kv_mib": mib, "repeats": repeats, "model": "llama3-8b-kv(32x8x128)"}
+
+    def measure(name: str, nbytes: int, run_conv) -> None:
+        a_src = torch.empty(nbytes, dtype=torch.uint8, device=device).random_(0, 255)
+        a_dst = torch.empty_like(a_src)
+        run_conv()  # warm-up
+        a_dst.copy_(a_src)
+        t_copy, t_conv = [], []
+        for _ in range(repeats):
+            t_copy.append(_time(lambda: a_dst.copy_(a_src), device))
+            t_conv.append(_time(run_conv, device))
+        del a_src, a_dst
+        copy_gbps = nbytes / statistics.median(t_copy) / 1e9
+        conv_gbps = nbytes / statistics.median(t_conv) / 1e9
+        results[f"{name}_GBps"] = round(conv_gbps, 3)
+        results[f"{name}_copy_GBps"] = round(copy_gbps, 3)
+        results[f"{name}_vs_copy"] = round(conv_gbps / copy_gbps, 3)
+        print(f"{name:9s} {nbytes / 2**20:8.0f} MiB  convert {conv_gbps:7.2f} GB/s  copy {copy_gbps:7.2f} GB/s  "
+              f"ratio {conv_gbps / copy_gbps:5.2f}", flush=True)
+
+    bf16_tok = lay(32).kv_bytes_per_token()
+    n = mib * 2**20 // bf16_tok
+
+    # identity
+    s, d = lay(32), lay(32)
+    sc, sb = _pool(s, n, device, rng)
+    dc, db = _pool(d, n, device, rng)
+    measure("identity", d.wire_bytes(n), lambda: convert(s, sc, sb, d, dc, db, n))
+    del dc
+
+    # re-chunk 32 -> 128
+    d = lay(128)
+    dc, db = _pool(d, n, device, rng)
+    measure("rechunk", d.wire_bytes(n), lambda: convert(s, sc, sb, d, dc, db, n))
+
+    # wire path for the same pair, 64 MiB staging buffer
+    staging = torch.empty(64 << 20, dtype=torch.uint8, device=device)
+    chunks = wire_chunks(d, 0, n, staging.numel())
+
+    def packed() -> None:
+        for x, y in chunks:
+            unpack(d, dc, db, pack(s, sc, sb, d, x, y, out=staging), x, y)
+
+    measure("pack_unpack", d.wire_bytes(n), packed)
+    del dc, staging
+
+    # cast bf16 -> fp32 (destination bytes counted)
+    d = lay(32, "fp32")
+    dc, db = _pool(d, n, device, rng)
+    measure("cast", d.wire_bytes(n), lambda: convert(s, sc, sb, d, dc, db, n))
+    del dc, sc
+
+    # TP re-shard 2 -> 1
+    srcs = []
+    for r in range(2):
+        sl = lay(32, tp=2, rank=r)
+        c, b = _pool(sl, n, device, rng)
+        srcs.append((sl, c, b))
+    d = lay(32)
+    dc, db = _pool(d, n, device, rng)
+    measure("reshard", d.wire_bytes(n), lambda: convert_from_ranks(srcs, d, dc, db, n))
+
+    results["tokens"] = n
+    print(json.dumps(results))
+
+
+if __name__ == "__main__":
+    main()
