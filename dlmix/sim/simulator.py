@@ -38,7 +38,7 @@ from dlmix.sim.metrics import SimResult, summarize
 from dlmix.sim.timing import LinearTiming, RooflineTiming
 from dlmix.sim.workload import SimRequest
 
-ARRIVE, STEP, XFER, KVEV = 0, 1, 2, 3
+ARRIVE, STEP, XFER, KVEV, KICK = 0, 1, 2, 3, 4
 
 
 class ReqRecord:
@@ -113,6 +113,7 @@ class Simulator:
             inst.link = cat.link(spec.link)
             inst.link_free = 0.0
             inst.step_end = 0.0
+            inst.kick_pending = False
             self.instances.append(inst)
             transport = spec.link if isinstance(spec.link, dict) else ({"link": spec.link} if spec.link else None)
             self.states.append(InstanceState(id=spec.id, url=f"sim://{spec.id}", role=spec.role,
@@ -178,6 +179,12 @@ class Simulator:
                 self.step_w.append(w)
             self._push(self.now + dt, STEP, inst)
 
+    def _defer_kick(self, inst: SimInstance) -> None:
+        # an idle engine starts its next iteration after every event of the same instant (same-time arrivals batch)
+        if not inst.busy and not inst.kick_pending:
+            inst.kick_pending = True
+            self._push(self.now, KICK, inst)
+
     def _fail(self, rec: ReqRecord) -> None:
         if rec.failed or rec.finish is not None:
             return
@@ -206,11 +213,11 @@ class Simulator:
             s = Seq(rec, PREFILL, req.block_keys(p.bs), req.input_len, 0, dest=d)
             rec.pseq = s
             p.enqueue(s, self.now)
-            self._kick(p)
+            self._defer_kick(p)
         else:
             rec.prefill_inst = d
             d.enqueue(Seq(rec, FULL, req.block_keys(d.bs), req.input_len, req.output_len), self.now)
-            self._kick(d)
+            self._defer_kick(d)
 
     def _after_step(self, inst: SimInstance) -> None:
         prefilled, firsts, finished = inst.finish_step()
@@ -275,6 +282,9 @@ class Simulator:
                 self._kick(obj)
             elif kind == ARRIVE:
                 self._route(obj)
+            elif kind == KICK:
+                obj.kick_pending = False
+                self._kick(obj)
             elif kind == XFER:
                 rec = obj
                 p = rec.prefill_inst

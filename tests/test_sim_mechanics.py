@@ -1,0 +1,188 @@
+"""Simulator mechanics on tiny hand-made workloads: KV cache LRU, exact prefix hits, batching, chunked prefill,
+PD transfer time, determinism, input errors."""
+import math
+
+import pytest
+
+from dlmix.router.prefix_index import PrefixIndex
+from dlmix.sim.config import ConfigError, load_deployment
+from dlmix.sim.engine import KVCache
+from dlmix.sim.simulator import Simulator
+from dlmix.sim.timing import LinearTiming
+from dlmix.sim.workload import SimRequest, WorkloadError, ideal_reuse, load_trace, shared_prefix
+
+LIN = {"c0": 0.01, "c_tok": 0.001, "c_quad": 0.0, "c_seq": 0.002, "c_ctx": 0.0, "r0": 0.0}
+
+
+def _calib(tmp_path, **over):
+    import json
+
+    c = dict(LIN, **over)
+    p = tmp_path / "lin.json"
+    p.write_text(json.dumps({"name": "lin", "coefficients": c}))
+    return str(p)
+
+
+def _dep(tmp_path, blocks=1000, budget=8192, bs=64, **over):
+    return {"name": "t", "block_size": bs, "max_num_batched_tokens": budget,
+            "instances": [{"chip": "cpu-x86", "count": 1, "timing": _calib(tmp_path, **over),
+                           "num_gpu_blocks": blocks}]}
+
+
+def R(rid, t, n, out, ids):
+    return SimRequest(rid, t, n, out, ids)
+
+
+def test_kvcache_lru_eviction_and_events():
+    stored, removed = [], []
+    kv = KVCache(4, 16, stored.extend, removed.extend)
+    assert kv.try_admit([1, 2, 3], 0, 3)
+    assert kv.register([1, 2, 3]) == 3 and stored == [1, 2, 3]
+    kv.release([1, 2, 3], 0)                       # tail first into the LRU: 3, 2, 1
+    assert list(kv.lru) == [3, 2, 1] and kv.used() == 0
+    assert kv.match([1, 2, 3, 4]) == 3
+    assert kv.try_admit([9], 0, 3)                 # 1 free + evicts 3 and 2 (oldest first)
+    assert removed == [3, 2] and kv.evicted == 2 and kv.match([1, 2]) == 1
+    assert not kv.try_admit([7], 0, 2)             # only block 1 is evictable: nothing changes
+    assert kv.match([1]) == 1 and kv.used() == 3
+
+
+def test_kvcache_shared_block_is_not_duplicated():
+    kv = KVCache(8, 16)
+    assert kv.try_admit([1, 2], 0, 2) and kv.try_admit([1, 2], 0, 2)
+    kv.register([1, 2])
+    kv.register([1, 2])                            # second computation of the same blocks: shared, anon freed
+    assert kv.ref == {1: 2, 2: 2} and kv.free == 6
+
+
+def test_prefix_hits_counted_exactly(tmp_path):
+    reqs = [R(0, 0.0, 1024, 2, [1, 2]),            # 16 engine blocks of 64, all new
+            R(1, 10.0, 1100, 2, [1, 2, 3]),        # hits both trace blocks: 1024 tokens
+            R(2, 20.0, 1024, 2, [1, 9]),           # hits the first trace block: 512 tokens
+            R(3, 30.0, 1024, 2, [1, 2])]           # full hit: the last block is recomputed -> 15 blocks = 960
+    sim = Simulator(_dep(tmp_path), "smollm2", "round_robin")
+    res = sim.run(reqs)
+    assert [r.hit for r in res.records] == [0, 1024, 512, 960]
+    assert res.summary["prefix_hit_rate"] == pytest.approx((1024 + 512 + 960) / (1024 + 1100 + 1024 + 1024))
+    assert len(sim.index) == len(set(reqs[0].block_keys(64) + reqs[1].block_keys(64) + reqs[2].block_keys(64)))
+
+
+def test_batching_and_decode_steps(tmp_path):
+    reqs = [R(0, 0.0, 100, 5, [1]), R(1, 0.0, 200, 5, [2])]
+    res = Simulator(_dep(tmp_path), "smollm2", "round_robin").run(reqs)
+    a, b = res.records
+    # first iteration: only request 0 (request 1 arrives while it runs? no: both at t=0, same iteration)
+    t_pre = 0.01 + 0.001 * 300
+    assert a.first_token == pytest.approx(t_pre) and b.first_token == pytest.approx(t_pre)
+    step = 0.01 + 0.002 * 2                         # B = 2 decode sequences
+    assert a.finish == pytest.approx(t_pre + 4 * step) and b.finish == pytest.approx(t_pre + 4 * step)
+    assert res.summary["itl_ms"]["median"] == pytest.approx(step * 1000)
+    assert res.summary["tpot_ms"]["mean"] == pytest.approx(step * 1000)
+
+
+def test_chunked_prefill(tmp_path):
+    res = Simulator(_dep(tmp_path, budget=256), "smollm2", "round_robin").run([R(0, 0.0, 600, 1, [1, 2])])
+    rec = res.records[0]
+    assert rec.first_token == pytest.approx(3 * 0.01 + 600 * 0.001)  # chunks 256 + 256 + 88
+    assert res.summary["per_instance"]["cpu-x86-both-0"]["iterations"] == 3
+
+
+def test_lru_eviction_reaches_router_index(tmp_path):
+    # 40 blocks of 64 tokens; each request needs ceil((1024+1)/64) = 17 blocks
+    reqs = [R(0, 0.0, 1024, 1, [1, 2]), R(1, 5.0, 1024, 1, [3, 4]), R(2, 10.0, 1024, 1, [5, 6])]
+    sim = Simulator(_dep(tmp_path, blocks=40), "smollm2", "round_robin")
+    sim.run(reqs)
+    k0 = reqs[0].block_keys(64)
+    k2 = reqs[2].block_keys(64)
+    assert sim.index.match(k2) == {0: 16}
+    # request 2 needs 17 blocks: 8 free + 9 evicted, the oldest are request 0's, tail first; the index knows
+    assert sim.instances[0].kv.evicted == 9
+    assert sim.index.match(k0) == {0: 7}
+    assert sim.index.match(reqs[1].block_keys(64)) == {0: 16}
+
+
+def test_pd_transfer_time_is_bytes_over_bandwidth_plus_latency(tmp_path):
+    link = {"bandwidth_gbps": 8.0, "setup_ms": 2.0, "eff": 1.0}       # 1e9 bytes/s, 2 ms
+    dep = {"name": "pd", "block_size": 64, "link": link,
+           "instances": [{"chip": "cpu-x86", "role": "prefill", "timing": _calib(tmp_path), "num_gpu_blocks": 100},
+                         {"chip": "cpu-x86", "role": "decode", "timing": _calib(tmp_path), "num_gpu_blocks": 100}]}
+    sim = Simulator(dep, "smollm2", "round_robin")
+    res = sim.run([R(0, 0.0, 1000, 3, [1, 2])])
+    kv_bpt = 2 * 30 * 3 * 64 * 2                    # SmolLM2: layers 30, 3 KV heads, head_dim 64, bf16
+    assert kv_bpt == sim.model.kv_bytes_per_token == 23040
+    x = 0.002 + 1000 * kv_bpt / 1e9
+    assert sim.transfers == [(1000, 1000 * kv_bpt, pytest.approx(x))]
+    rec = res.records[0]
+    t_pre = 0.01 + 0.001 * 1000
+    assert rec.first_token == pytest.approx(t_pre + x + (0.01 + 0.002 * 1))   # D: one decode iteration, B=1
+    assert rec.finish == pytest.approx(rec.first_token + 2 * 0.012)
+    assert res.summary["pd_fraction"] == 1.0
+
+
+def test_determinism_from_seed():
+    a = shared_prefix(4, 5, 1024, 100, 16, rate=5.0, seed=3)
+    b = shared_prefix(4, 5, 1024, 100, 16, rate=5.0, seed=3)
+    c = shared_prefix(4, 5, 1024, 100, 16, rate=5.0, seed=4)
+    assert [(r.arrival, list(r.hash_ids)) for r in a] == [(r.arrival, list(r.hash_ids)) for r in b]
+    assert [r.arrival for r in a] != [r.arrival for r in c]
+    runs = [Simulator("homog_h100x4", "llama-3.1-8b", "dlrouter_min_expected_latency", seed=7).run(
+        shared_prefix(4, 5, 1024, 100, 16, rate=5.0, seed=3)).summary for _ in range(2)]
+    for s in runs:
+        s.pop("per_instance")
+    assert runs[0] == runs[1]
+
+
+def test_shared_prefix_structure():
+    reqs = shared_prefix(3, 4, 1024, 600, 8, rate=1.0, seed=0)
+    assert len(reqs) == 12 and all(r.input_len == 1624 for r in reqs)
+    groups = {}
+    for r in reqs:
+        groups.setdefault(tuple(r.hash_ids[:2]), []).append(r)
+    assert len(groups) == 3 and all(len(v) == 4 for v in groups.values())
+    tails = [h for r in reqs for h in r.hash_ids[2:]]
+    assert len(tails) == len(set(tails)) == 12 * 2
+
+
+def test_mooncake_trace_fixture():
+    reqs = load_trace("mooncake")
+    assert len(reqs) == 12031
+    assert (reqs[0].input_len, reqs[0].output_len, list(reqs[0].hash_ids)) == (6758, 500, list(range(14)))
+    assert reqs[-1].arrival <= 3600.0
+    assert len(reqs[0].block_keys(64)) == 6758 // 64
+    assert ideal_reuse(reqs) == pytest.approx(0.3736, abs=1e-4)
+    assert load_trace("mooncake", speedup=2.0, limit=3)[2].arrival == pytest.approx(reqs[2].arrival / 2)
+
+
+def test_pseudo_text_shares_prefix_with_hash_ids():
+    a, b, c = R(0, 0, 600, 1, [5, 6]), R(1, 0, 600, 1, [5, 7]), R(2, 0, 600, 1, [8])
+    assert a.text(100)[:64] == b.text(100)[:64] and a.text(100) != b.text(100)
+    assert len(a.text(100)) == 100 and a.text(100)[:64] != c.text(100)[:64]
+
+
+def test_bad_inputs(tmp_path):
+    p = tmp_path / "bad.jsonl"
+    p.write_text('{"timestamp": 0, "input_length": 10, "output_length": 1, "hash_ids": [1]}\n{"timestamp": 1}\n')
+    with pytest.raises(WorkloadError, match="bad.jsonl:2"):
+        load_trace(str(p))
+    with pytest.raises(WorkloadError):
+        load_trace("no/such/trace.jsonl")
+    with pytest.raises(ConfigError, match="unknown chip"):
+        load_deployment({"instances": [{"chip": "NoSuchChip"}]})
+    with pytest.raises(ConfigError, match="role"):
+        load_deployment({"instances": [{"chip": "H100", "role": "oops"}]})
+    with pytest.raises(ConfigError, match="decode"):
+        load_deployment({"instances": [{"chip": "H100", "role": "prefill"}]})
+    with pytest.raises(ValueError, match="divide"):
+        R(0, 0, 100, 1, [1]).block_keys(48)
+
+
+def test_request_too_large_for_kv_fails_cleanly(tmp_path):
+    res = Simulator(_dep(tmp_path, blocks=4), "smollm2", "round_robin").run(
+        [R(0, 0.0, 1024, 1, [1, 2]), R(1, 1.0, 100, 2, [3])])
+    assert res.summary["failed"] == 1 and res.summary["completed"] == 1
+    assert res.records[0].failed and not res.records[1].failed
+
+
+def test_linear_timing_builtin_profile_loads():
+    t = LinearTiming.load("smollm2_vllm_cpu")
+    assert t.c0 > 0 and t.c_tok >= 0 and t.c_quad >= 0 and math.isfinite(t.r0)
