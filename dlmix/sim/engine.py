@@ -210,6 +210,9 @@ class SimInstance:
         self._first: List[Seq] = []
         self._rejected: List[Seq] = []
         self._batch = 0
+        self._k = 1
+        self._dt = 0.0
+        self.fast_forward = True      # collapse decode-only iterations into spans
         # stats
         self.n_steps = 0
         self.prefill_tokens = 0
@@ -326,18 +329,53 @@ class SimInstance:
             return 0.0
         self._batch = batch
         self.S += sum(s.n for s in first)
-        dt = self.timing.iteration(t_p, quad, end_sum, batch, self.S)
-        self.n_steps += 1
+        if not chunks and not first and self.fast_forward:
+            # decode-only: run every iteration up to the next finishing sequence as one span (closed-form time);
+            # an arrival in between truncates the span at the next iteration boundary (truncate()).
+            k = max(self.dec_heap[0][0] - self.step_no, 1)
+            dt = self.timing.decode_cum(batch, self.S, k)
+            self._k = k
+        else:
+            dt = self.timing.iteration(t_p, quad, end_sum, batch, self.S)
+            self._k = 1
+        self._dt = dt
+        self.n_steps += self._k
         self.busy_time += dt
         self.prefill_tokens += t_p
-        self.decode_tokens += batch
+        self.decode_tokens += batch * self._k
         return dt
+
+    def truncate(self, elapsed: float) -> float:
+        """Cut a decode-only span (see :meth:`plan_step`) after the iteration in progress ``elapsed`` seconds into
+        it. Returns the new span duration (unchanged if the span has one iteration or already ends there)."""
+        k = self._k
+        if k <= 1:
+            return self._dt
+        cum = self.timing.decode_cum
+        B, S = self._batch, self.S
+        lo, hi = 1, k  # smallest j with cum(j) >= elapsed
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if cum(B, S, mid) >= elapsed - 1e-12:
+                hi = mid
+            else:
+                lo = mid + 1
+        if lo >= k:
+            return self._dt
+        new = cum(B, S, lo)
+        self.n_steps -= k - lo
+        self.decode_tokens -= B * (k - lo)
+        self.busy_time -= self._dt - new
+        self._k = lo
+        self._dt = new
+        return new
 
     def finish_step(self):
         """Apply the planned iteration. Returns ``(prefilled, firsts, finished)``: sequences whose prefill completed
         (their first token for FULL, KV ready for PREFILL), RECV sequences that produced their first token, and
         sequences that finished decoding (all lists)."""
-        self.step_no += 1
+        k = self._k
+        self.step_no += k
         j = self.step_no
         bs = self.bs
         kv = self.kv
@@ -356,8 +394,8 @@ class SimInstance:
         if prefilled:
             done_set = set(id(s) for s in prefilled)
             self.prefilling = [s for s in self.prefilling if id(s) not in done_set]
-        # decode: every decoding sequence produced one token in this iteration
-        self.S += self.B
+        # decode: every decoding sequence produced one token in each of the k iterations
+        self.S += self.B * k
         firsts = self._first
         heap = self.dec_heap
         for s in firsts:   # RECV joined this iteration: produced its first token

@@ -114,6 +114,9 @@ class Simulator:
             inst.link_free = 0.0
             inst.step_end = 0.0
             inst.kick_pending = False
+            inst.step_start = 0.0
+            inst.version = 0
+            inst.itl_idx = -1
             self.instances.append(inst)
             transport = spec.link if isinstance(spec.link, dict) else ({"link": spec.link} if spec.link else None)
             self.states.append(InstanceState(id=spec.id, url=f"sim://{spec.id}", role=spec.role,
@@ -173,15 +176,36 @@ class Simulator:
             self._fail(s.req)
         if dt > 0:
             inst.busy = True
+            inst.step_start = self.now
             inst.step_end = self.now + dt
+            inst.version += 1
             if w:
-                self.step_dt.append(dt)
-                self.step_w.append(w)
-            self._push(self.now + dt, STEP, inst)
+                k = inst._k
+                inst.itl_idx = len(self.step_dt)
+                self.step_dt.append(dt / k)
+                self.step_w.append(w * k)
+            else:
+                inst.itl_idx = -1
+            self._push(self.now + dt, STEP, (inst, inst.version))
+
+    def _interrupt(self, inst: SimInstance) -> None:
+        # new work for an instance in a multi-iteration decode span: end the span at the next iteration boundary
+        if inst.busy and inst._k > 1:
+            k0 = inst._k
+            new = inst.truncate(self.now - inst.step_start)
+            if inst._k != k0:
+                if inst.itl_idx >= 0:
+                    self.step_dt[inst.itl_idx] = new / inst._k
+                    self.step_w[inst.itl_idx] = inst.B * inst._k
+                inst.step_end = inst.step_start + new
+                inst.version += 1
+                self._push(inst.step_end, STEP, (inst, inst.version))
 
     def _defer_kick(self, inst: SimInstance) -> None:
         # an idle engine starts its next iteration after every event of the same instant (same-time arrivals batch)
-        if not inst.busy and not inst.kick_pending:
+        if inst.busy:
+            self._interrupt(inst)
+        elif not inst.kick_pending:
             inst.kick_pending = True
             self._push(self.now, KICK, inst)
 
@@ -277,9 +301,12 @@ class Simulator:
             t, _, kind, obj = pop(heap)
             self.now = t
             if kind == STEP:
-                obj.busy = False
-                self._after_step(obj)
-                self._kick(obj)
+                inst, ver = obj
+                if ver != inst.version:
+                    continue  # superseded by a truncated span
+                inst.busy = False
+                self._after_step(inst)
+                self._kick(inst)
             elif kind == ARRIVE:
                 self._route(obj)
             elif kind == KICK:
@@ -293,8 +320,8 @@ class Simulator:
                 d = rec.decode_inst
                 d.enqueue(Seq(rec, RECV, rec.req.block_keys(d.bs), rec.req.input_len, rec.req.output_len),
                           self.now)
-                self._kick(d)
-                self._kick(p)
+                self._defer_kick(d)
+                self._defer_kick(p)
             else:
                 stored, slot, keys = obj
                 (self.index.store if stored else self.index.remove)(slot, keys)

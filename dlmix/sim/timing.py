@@ -27,6 +27,7 @@ Units: seconds, tokens.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass
 from importlib import resources
 from pathlib import Path
@@ -69,9 +70,44 @@ class RooflineTiming:
         mem = self._w + self._kv * (sum_ctx + prefill_end_sum)
         return self.t_step + (comp if comp > mem else mem)
 
+    def decode_cum(self, batch: int, sum_ctx: int, j: int) -> float:
+        """Total seconds of ``j`` consecutive decode-only iterations of ``batch`` sequences starting from context
+        ``sum_ctx`` (each iteration adds ``batch`` tokens): closed form of Σ_{i<j} iteration(0, 0, 0, B, S + i·B)."""
+        b = batch
+        a1 = self._lin * b + self._ctxf * sum_ctx
+        b1 = self._ctxf * b
+        a2 = self._w + self._kv * sum_ctx
+        b2 = self._kv * b
+        return j * self.t_step + _sum_max_lin(a1, b1, a2, b2, j)
+
     def describe(self) -> dict:
         """Plain dict of the model's parameters (for reports)."""
         return {"kind": self.kind, "chip": self.chip.name, "t_step": self.t_step, "r0": self.r0}
+
+
+def _sum_lin(a: float, b: float, lo: int, hi: int) -> float:
+    """Σ_{i=lo}^{hi-1} (a + b·i)."""
+    n = hi - lo
+    if n <= 0:
+        return 0.0
+    return n * a + b * n * (hi + lo - 1) / 2.0
+
+
+def _sum_max_lin(a1: float, b1: float, a2: float, b2: float, j: int) -> float:
+    """Σ_{i<j} max(a1 + b1·i, a2 + b2·i) in closed form (the two lines cross at most once)."""
+    db = b1 - b2
+    da = a1 - a2
+    if db == 0:
+        return _sum_lin(a1, b1, 0, j) if da >= 0 else _sum_lin(a2, b2, 0, j)
+    x = -da / db
+    m = min(max(int(math.ceil(x)), 0), j)
+    first_1 = (da + db * 0) >= 0 if m > 0 else None
+    if m == 0 or m == j:
+        big1 = (da + db * (0 if m == j else j - 1)) >= 0 if j > 0 else True
+        return _sum_lin(a1, b1, 0, j) if big1 else _sum_lin(a2, b2, 0, j)
+    if first_1:
+        return _sum_lin(a1, b1, 0, m) + _sum_lin(a2, b2, m, j)
+    return _sum_lin(a2, b2, 0, m) + _sum_lin(a1, b1, m, j)
 
 
 @dataclass
@@ -92,6 +128,10 @@ class LinearTiming:
     def iteration(self, t_prefill: int, quad: float, prefill_end_sum: int, batch: int, sum_ctx: int) -> float:
         """As :meth:`RooflineTiming.iteration`."""
         return self.c0 + self.c_tok * t_prefill + self.c_quad * quad + self.c_seq * batch + self.c_ctx * sum_ctx
+
+    def decode_cum(self, batch: int, sum_ctx: int, j: int) -> float:
+        """As :meth:`RooflineTiming.decode_cum`: ``j·(c0 + c_seq·B + c_ctx·S) + c_ctx·B·j(j−1)/2``."""
+        return j * (self.c0 + self.c_seq * batch + self.c_ctx * sum_ctx) + self.c_ctx * batch * j * (j - 1) / 2.0
 
     def describe(self) -> dict:
         """Plain dict of the coefficients."""
