@@ -614,15 +614,35 @@ def _merge(segs: list[tuple[int, int, int]]) -> list[tuple[int, int, int]]:
     return out
 
 
-def _copy_segments(dv: torch.Tensor, sv: torch.Tensor, Nd: int, Ns: int, segs: list[tuple[int, int, int]]) -> None:
+def _copy_many(dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
+    """``d.copy_(s)`` for each pair, in one C++ loop (``torch._foreach_copy_``) when this torch has it."""
+    if not dsts:
+        return
+    fe = getattr(torch, "_foreach_copy_", None)
+    if fe is not None:
+        fe(dsts, srcs)
+    else:  # pragma: no cover - torch < 2.1
+        for d, s in zip(dsts, srcs):
+            d.copy_(s)
+
+
+class _SegPlan:
+    """Per-source segment lists, computed once and reused for every layer and plane."""
+
+    def __init__(self, segs: list[tuple[int, int, int]], Ns: int, Nd: int) -> None:
+        self.merged = _merge(segs)
+        self.blockwise = [(s // Ns, s % Ns, s % Ns + n, d // Nd, d % Nd, d % Nd + n) for s, d, n in segs]
+
+
+def _copy_segments(dv: torch.Tensor, sv: torch.Tensor, plan: _SegPlan) -> None:
     """``copy_`` each segment from the ``[B, N, h, D]`` view ``sv`` into ``dv`` (``copy_`` also casts)."""
     s_rows, d_rows = _token_rows(sv), _token_rows(dv)
     if s_rows is not None and d_rows is not None:
-        for s, d, n in _merge(segs):
-            d_rows[d:d + n].copy_(s_rows[s:s + n])
+        m = plan.merged
+        _copy_many([d_rows[d:d + n] for _, d, n in m], [s_rows[s:s + n] for s, _, n in m])
         return
-    for s, d, n in segs:
-        dv[d // Nd, d % Nd: d % Nd + n].copy_(sv[s // Ns, s % Ns: s % Ns + n])
+    bw = plan.blockwise
+    _copy_many([dv[db, d0:d1] for _, _, _, db, d0, d1 in bw], [sv[sb, s0:s1] for sb, s0, s1, _, _, _ in bw])
 
 
 def _transfer_direct(srcs: Sequence[_Src], dl: KVLayout, dst_caches: Sequence[Any], db: torch.Tensor,
@@ -630,31 +650,34 @@ def _transfer_direct(srcs: Sequence[_Src], dl: KVLayout, dst_caches: Sequence[An
     """CPU path: one ``copy_`` per segment (see :data:`DIRECT_MIN_BYTES`); no scratch buffers."""
     Nd = dl.block_size
     dbl = db.tolist()
+    plans = []
+    for s in srcs:
+        Ns = s.layout.block_size
+        sbl = s.bids.tolist()
+        runs: list[tuple[int, int, int]] = []
+        edges = [(skip, n)]
+        if identical:  # whole blocks, all planes at once, consecutive block runs merged
+            f0, f1 = (skip + Nd - 1) // Nd, n // Nd
+            if f1 > f0:
+                runs = _merge([(sbl[p], dbl[p], 1) for p in range(f0, f1)])
+                edges = [(skip, f0 * Nd), (f1 * Nd, n)]
+        segs = [x for e0, e1 in edges if e1 > e0 for x in _segments(sbl, dbl, Ns, Nd, e0, e1)]
+        plans.append((runs, _SegPlan(segs, Ns, Nd) if segs else None))
     for layer in range(dl.model.num_layers):
         dviews = plane_views(dl, dst_caches[layer])
-        for s in srcs:
-            sl, Ns = s.layout, s.layout.block_size
-            sbl = s.bids.tolist()
-            if identical:  # whole blocks, all planes at once, consecutive block runs merged
-                f0, f1 = (skip + Nd - 1) // Nd, n // Nd
-                if f1 > f0:
-                    runs = _merge([(sbl[p], dbl[p], 1) for p in range(f0, f1)])
-                    for sr, dr in zip(_raw_blocks(sl, s.caches[layer]), _raw_blocks(dl, dst_caches[layer])):
-                        s2, d2 = _rows(sr), _rows(dr.view(sr.dtype))
-                        for b0, d0, k in runs:
-                            d2[d0:d0 + k].copy_(s2[b0:b0 + k])
-                    edges = [(skip, f0 * Nd), (f1 * Nd, n)]
-                else:
-                    edges = [(skip, n)]
-            else:
-                edges = [(skip, n)]
+        for s, (runs, plan) in zip(srcs, plans):
+            sl = s.layout
+            if runs:
+                for sr, dr in zip(_raw_blocks(sl, s.caches[layer]), _raw_blocks(dl, dst_caches[layer])):
+                    s2, d2 = _widen(_rows(sr), _rows(dr.view(sr.dtype)))
+                    _copy_many([d2[d0:d0 + k] for _, d0, k in runs], [s2[b0:b0 + k] for b0, _, k in runs])
+            if plan is None:
+                continue
             for p, sv in enumerate(plane_views(sl, s.caches[layer])):
                 svp, dvp = sv[:, :, s.h_slice], dviews[p][:, :, d_slice][:, :, s.x_slice]
                 if svp.dtype != dvp.dtype and _same_encoding(sl, dl, p):
                     svp = svp.view(dvp.dtype)
-                for e0, e1 in edges:
-                    if e1 > e0:
-                        _copy_segments(dvp, svp, Nd, Ns, _segments(sbl, dbl, Ns, Nd, e0, e1))
+                _copy_segments(dvp, svp, plan)
 
 
 # ---------------------------------------------------------------------------------------------------------------
