@@ -115,7 +115,7 @@ class _Chunk:
 
 
 class _Xfer:
-    __slots__ = ("handle", "peer", "op", "chunks", "remaining", "moved", "lock", "deadline", "key")
+    __slots__ = ("handle", "peer", "op", "chunks", "remaining", "moved", "lock", "deadline", "key", "cause")
 
     def __init__(self, handle: TransferHandle, peer: str, op: str, deadline: float):
         self.handle = handle
@@ -127,6 +127,7 @@ class _Xfer:
         self.lock = threading.Lock()
         self.deadline = deadline
         self.key = id(handle)
+        self.cause: BaseException | None = None  # set before tearing connections down (timeout)
 
     def chunk_done(self, n: int) -> bool:
         with self.lock:
@@ -140,7 +141,7 @@ class _Xfer:
     def fail(self, err: BaseException) -> None:
         for c in self.chunks:
             c.discard = True
-        self.handle._set_exception(err)
+        self.handle._set_exception(self.cause or err)
 
 
 class _Conn:
@@ -666,6 +667,16 @@ class Endpoint(Transport):
             if plen:
                 W.drain(conn.sock, plen)
             return
+        try:
+            self._complete(conn, ch, resp, plen)
+        except BaseException as e:  # the chunk left `pending`: fail its transfer here, then drop the connection
+            ch.recv_done.set()
+            ch.xfer.fail(e if isinstance(e, TransportError) else
+                         PeerError(f"connection to {conn.peer!r} failed during transfer "
+                                   f"{ch.xfer.handle.transfer_id!r}: {e}"))
+            raise
+
+    def _complete(self, conn: _Conn, ch: _Chunk, resp: W.Resp, plen: int) -> None:
         if not resp.ok:
             if plen:
                 W.drain(conn.sock, plen)
@@ -689,8 +700,14 @@ class Endpoint(Transport):
             finally:
                 ch.receiving = False
                 ch.recv_done.set()
+            self._chunk_ok(ch, resp)
         elif plen:
             raise ProtocolError("unexpected payload in response")
+        else:
+            self._dp_complete(conn, ch, resp)
+
+    def _dp_complete(self, conn: _Conn, ch: _Chunk, resp: W.Resp) -> None:
+        """A non-TCP chunk was authorized by the owner (``resp.ok``): move its bytes, then call ``_chunk_ok``."""
         self._chunk_ok(ch, resp)
 
     def _chunk_ok(self, ch: _Chunk, resp: W.Resp) -> None:
@@ -853,6 +870,9 @@ class Endpoint(Transport):
                 self._expire(x)
 
     def _expire(self, x: _Xfer) -> None:
+        x.cause = TransferTimeout(
+            f"transfer {x.handle.transfer_id!r} with {x.peer!r} did not complete within its timeout "
+            f"({x.handle.elapsed_s:.1f} s); peer dead or stalled")
         for ch in x.chunks:
             with ch.lock:
                 ch.discard = True
@@ -864,9 +884,7 @@ class Endpoint(Transport):
         for ch in x.chunks:
             ch.recv_done.wait(2.0)
         self._dp_cancel(x)
-        x.handle._set_exception(TransferTimeout(
-            f"transfer {x.handle.transfer_id!r} with {x.peer!r} did not complete within its timeout "
-            f"({x.handle.elapsed_s:.1f} s); peer dead or stalled"))
+        x.handle._set_exception(x.cause)
         with self._lock:
             self._xfers.pop(x.key, None)
 

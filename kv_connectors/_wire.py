@@ -78,6 +78,7 @@ class Resp(msgspec.Struct):
     n: int = 0
     code: str = ""
     err: str = ""
+    iov: list[tuple[int, int]] = []
 
 
 class Notify(msgspec.Struct):

@@ -317,11 +317,11 @@ class TransferHandle:
 
     def cancel(self) -> bool:
         """Cancel the transfer. Returns True if it was still running (it now fails with :class:`TransferCancelled`)."""
-        if self._fut.done():
+        if not self._set_exception(TransferCancelled(f"transfer {self.transfer_id!r} cancelled")):
             return False
         if self._canceller is not None:
-            self._canceller(self)
-        return self._set_exception(TransferCancelled(f"transfer {self.transfer_id!r} cancelled"))
+            self._canceller(self)  # returns once no more bytes can land in local memory
+        return True
 
     def add_done_callback(self, fn: Callable[["TransferHandle"], None]) -> None:
         """Call ``fn(handle)`` once done (from the transport's thread, or at once if already done)."""
