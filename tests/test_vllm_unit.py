@@ -179,3 +179,58 @@ def test_want_waits_for_hold_registration(pair):
     res = d.pull(p.descriptor(), "late", [3], 0, 20, [2])
     assert res.error is None and res.loaded_upto == 20
     assert torch.equal(dc[1][2], sc[1][3])  # same layout: identical bytes in the page
+
+
+def test_router_client_registers_and_heartbeats():
+    """RouterClient against a stub of the router's admin API (POST /admin/instances, .../heartbeat)."""
+    import json as _json
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+    from types import SimpleNamespace
+
+    from dlmix_vllm.router_client import RouterClient
+
+    got: list[tuple[str, dict]] = []
+
+    class H(BaseHTTPRequestHandler):
+        def do_POST(self):  # noqa: N802
+            body = _json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            got.append((self.path, body))
+            code, out = (201, {"id": "inst-1"}) if self.path == "/admin/instances" else (200, {"ok": True})
+            data = _json.dumps(out).encode()
+            self.send_response(code)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def log_message(self, *a):
+            pass
+
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), H)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    settings = parse_settings({"router_url": f"http://127.0.0.1:{srv.server_address[1]}",
+                               "public_url": "http://127.0.0.1:8100", "heartbeat_s": 0.1,
+                               "chip_profile": "cpu-x86"})
+    lay = _layout(128, "bf16").to_dict()
+    vcfg = SimpleNamespace(
+        kv_transfer_config=SimpleNamespace(engine_id="e1", kv_role="kv_producer"),
+        model_config=SimpleNamespace(served_model_name="smollm2", model="/m"),
+        kv_events_config=SimpleNamespace(enable_kv_cache_events=True, publisher="zmq", endpoint="tcp://*:5557"))
+    rc = RouterClient(settings, vcfg, lay, {0: {"kind": "tcp", "host": "127.0.0.1", "port": 1}},
+                      lambda: {"waiting": 2, "running": 1, "kv_usage": 0.25})
+    rc.start()
+    try:
+        assert rc.registered.wait(10)
+        deadline = time.monotonic() + 10
+        while sum(p.endswith("/heartbeat") for p, _ in got) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+    finally:
+        rc.stop()
+        srv.shutdown()
+    reg = got[0][1]
+    assert got[0][0] == "/admin/instances"
+    assert reg["role"] == "prefill" and reg["url"] == "http://127.0.0.1:8100" and reg["model"] == "smollm2"
+    assert reg["kv_events"] == "tcp://127.0.0.1:5557" and reg["chip"] == "cpu-x86" and reg["block_size"] == 128
+    assert KVLayout.from_dict(reg["kv_layout"]) == _layout(128, "bf16")
+    assert reg["transport"]["port"] == 1
+    hb = [b for p, b in got if p == "/admin/instances/inst-1/heartbeat"]
+    assert hb[0] == {"waiting": 2, "running": 1, "kv_usage": 0.25}

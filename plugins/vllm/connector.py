@@ -345,6 +345,9 @@ class DLMixConnector(KVConnectorBase_V1):
         self._seen_finished: set[str] = set()
         self._sent_pending: set[str] = set()
         self.tp_rank = 0
+        from .stats import DLMixKVConnectorStats
+
+        self._stats = DLMixKVConnectorStats()
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]):
         """Describe the registered cache (``[num_blocks, H, block_size, 2*D]`` per layer), check it against the
@@ -436,6 +439,8 @@ class DLMixConnector(KVConnectorBase_V1):
             self._append_stats({"req_id": job.req_id, "start": job.start, "end": job.end, "loaded_upto": loaded,
                                 **rec})
         with self._wlock:
+            self._stats.record(float(rec.get("transfer_s", 0.0)), int(rec.get("bytes_received", 0)),
+                               loaded - job.start, rec.get("error") is not None)
             self._records[job.req_id] = rec
             self._pending_errors |= bad
             self._done_recv.add(job.req_id)
@@ -501,6 +506,26 @@ class DLMixConnector(KVConnectorBase_V1):
             self._seen_finished -= ready
             res.finished_sending = ready
         return res
+
+    def get_kv_connector_stats(self):
+        """Pull observations since the last call (decode workers); None when there are none."""
+        st = getattr(self, "_stats", None)
+        if st is None or st.is_empty():
+            return None
+        with self._wlock:
+            return st.clone_and_reset()
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None):
+        from .stats import DLMixKVConnectorStats
+
+        return DLMixKVConnectorStats(data=data) if data is not None else DLMixKVConnectorStats()
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config, metric_types, labelnames, per_engine_labelvalues):
+        from .stats import DLMixPromMetrics
+
+        return DLMixPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         out, self._load_errors = self._load_errors, set()
