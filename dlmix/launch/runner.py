@@ -382,6 +382,36 @@ def stop_groups(procs: List[EngineProcess], grace_s: float = 10.0) -> None:
     for p in started:
         with contextlib.suppress(subprocess.TimeoutExpired):
             p.proc.wait(5)
+    # SIGKILL is asynchronous: wait (bounded) until no live member of any group is left
+    pgids = {p.proc.pid for p in started}
+    deadline = time.monotonic() + 10.0
+    while pgids and time.monotonic() < deadline:
+        left = group_members(pgids)
+        if not left:
+            break
+        for pg in {pg for _, pg in left}:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(pg, signal.SIGKILL)
+        time.sleep(0.05)
+
+
+def group_members(pgids: set) -> set:
+    """``{(pid, pgid)}`` of live (non-zombie) processes whose process group is in ``pgids`` (Linux ``/proc``;
+    elsewhere an empty set)."""
+    out = set()
+    proc = Path("/proc")
+    if not proc.is_dir():
+        return out
+    for d in proc.iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            f = (d / "stat").read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if f[0] != "Z" and int(f[2]) in pgids:
+            out.add((int(d.name), int(f[2])))
+    return out
 
 
 class LogFollower:
@@ -573,7 +603,10 @@ def _wait_health(items, client: httpx.Client, prog: _Progress, poll_s: float,
                     f"{pl.kind} {name!r} ({pl.url}) exited with code {p.proc.returncode} during start-up. "
                     f"Last log lines ({p.log_path}):\n{p.log_tail(30)}")
             try:
-                ok = client.get(pl.url + "/health").status_code == 200
+                code = client.get(pl.url + "/health").status_code
+                # the router answers 503 until an instance is healthy: listening is enough here, registration
+                # is waited for separately
+                ok = code == 200 or (pl.kind == "router" and code == 503)
             except httpx.HTTPError:
                 ok = False
             if ok:
