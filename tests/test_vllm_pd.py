@@ -26,8 +26,10 @@ vllm = pytest.importorskip("vllm")
 from dlmix_vllm import testing as T  # noqa: E402
 
 MAX_TOKENS = 16
-#: top-1/top-2 logprob gap (nats) under which a first divergence counts as a near-tie
-NEAR_TIE = {"same": 0.02, "block32->128": 0.05, "bf16->fp32": 0.25}
+#: top-1/top-2 logprob gap (nats) under which a first divergence counts as a near-tie. bf16 logits of this model
+#: (|logit| 16..32) are quantized in steps of 0.125 (8-bit mantissa), so two bf16 kernel paths can flip a gap of one
+#: or two such steps; with a bf16 prefill feeding an fp32 decode the KV itself carries bf16 rounding.
+NEAR_TIE = {"same": 0.25, "block32->128": 0.25, "bf16->fp32": 0.5}
 BYTES_PER_BLOCK_LAYER_BF16_128 = 3 * 128 * 2 * 64 * 2  # KV heads * block * (K+V) * head size * bf16
 LAYERS = 30
 
