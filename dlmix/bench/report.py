@@ -104,7 +104,9 @@ def plot_dir(out_dir: Path) -> list[Path]:
     panels = [("ttft_ms", "TTFT (ms)"), ("tpot_ms", "TPOT (ms)"), ("itl_ms", "ITL (ms)"), ("e2el_ms", "E2E latency (ms)")]
     xname = "load"
     summary = {}
-    for label, data in runs.items():
+    colors = plt.rcParams["axes.prop_cycle"].by_key().get("color", ["C0", "C1", "C2", "C3"])
+    for n, (label, data) in enumerate(runs.items()):
+        color = colors[n % len(colors)]
         lvls = data.get("levels") or []
         if not lvls:
             continue
@@ -115,8 +117,8 @@ def plot_dir(out_dir: Path) -> list[Path]:
         pk = [k for k in lvls[0]["metrics"]["ttft_ms"] if k.startswith("p") and k != "p50"]
         hi_key = pk[-1] if pk else "max"
         for ax, (key, title) in zip(axes.flat, panels):
-            ax.plot(xs, [lv["metrics"][key]["median"] for lv in lvls], marker="o", label=f"{label} p50")
-            ax.plot(xs, [lv["metrics"][key][hi_key] for lv in lvls], marker="x", linestyle="--",
+            ax.plot(xs, [lv["metrics"][key]["median"] for lv in lvls], marker="o", color=color, label=f"{label} p50")
+            ax.plot(xs, [lv["metrics"][key][hi_key] for lv in lvls], marker="x", linestyle="--", color=color,
                     label=f"{label} {hi_key}")
             ax.set_title(title)
             ax.set_xlabel(xname)

@@ -3,8 +3,10 @@
 Sources, in order of preference:
 
 * the dlmix router, if its ``/metrics`` exposes a prefix-hit counter pair (``ROUTER_PREFIX_PAIRS``: hit tokens and
-  looked-up tokens) -- the router's own view of how many prompt tokens it placed on an instance that had them;
-* otherwise the engines: vLLM's ``vllm:prefix_cache_hits_total`` / ``vllm:prefix_cache_queries_total`` (tokens),
+  looked-up tokens) -- the router's own view of how many prompt tokens it placed on an instance that had them.
+  Today's router exposes only the numerator (``dlmix_router_prefix_hit_tokens_total``, hits it *predicted* at
+  placement); that delta is reported as ``router_predicted_hit_tokens`` next to the measured rate;
+* otherwise the engines (measured): vLLM's ``vllm:prefix_cache_hits_total`` / ``vllm:prefix_cache_queries_total`` (tokens),
   summed over all engines and label sets. The rate is ``delta(hits) / delta(queries)`` over the run.
 
 Parsing uses ``prometheus_client.parser`` (counters appear with their ``_total`` sample names).
@@ -20,6 +22,7 @@ __all__ = ["scrape", "prefix_hit_rate", "ENGINE_HITS", "ENGINE_QUERIES", "ROUTER
 
 ENGINE_HITS = "vllm:prefix_cache_hits_total"
 ENGINE_QUERIES = "vllm:prefix_cache_queries_total"
+ROUTER_PREDICTED_HITS = "dlmix_router_prefix_hit_tokens_total"
 # (hits, queries) sample names the dlmix router may expose; the first pair present is used.
 ROUTER_PREFIX_PAIRS = (
     ("dlmix_router_prefix_hit_tokens_total", "dlmix_router_prefix_query_tokens_total"),
@@ -60,8 +63,18 @@ def prefix_hit_rate(router: tuple[Optional[dict], Optional[dict]] | None,
 
     Returns:
         ``{"source": "router"|"endpoint"|"engines"|None, "hit_tokens": float|None, "query_tokens": float|None,
-        "rate": float|None}``; ``rate`` is hits/queries (None when no counters or no queries).
+        "rate": float|None}``; ``rate`` is hits/queries (None when no counters or no queries). With a router
+        scrape also ``router_predicted_hit_tokens``: the delta of ``dlmix_router_prefix_hit_tokens_total`` (the
+        hits the router predicted when placing requests), or None.
     """
+    out = _prefix_hit_rate(router, engines)
+    if router and router[0] is not None and router[1] is not None:
+        # the dlmix router counts the prefix-hit tokens it predicted at placement (no denominator of its own)
+        out["router_predicted_hit_tokens"] = _delta(router[0], router[1], ROUTER_PREDICTED_HITS)
+    return out
+
+
+def _prefix_hit_rate(router, engines) -> dict:
     if router and router[0] is not None and router[1] is not None:
         for hn, qn in ROUTER_PREFIX_PAIRS:
             h, q = _delta(router[0], router[1], hn), _delta(router[0], router[1], qn)
