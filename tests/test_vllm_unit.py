@@ -234,3 +234,81 @@ def test_router_client_registers_and_heartbeats():
     assert reg["transport"]["port"] == 1
     hb = [b for p, b in got if p == "/admin/instances/inst-1/heartbeat"]
     assert hb[0] == {"waiting": 2, "running": 1, "kv_usage": 0.25}
+
+
+@pytest.fixture(scope="module")
+def sched_factory(tiny_model_dir):
+    """Build scheduler-side DLMixConnectors from a real VllmConfig of the tiny model (no engine started)."""
+    from vllm.config import KVTransferConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+    from vllm.engine.arg_utils import EngineArgs
+
+    from dlmix_vllm.connector import DLMixConnector, DLMixHandshake
+
+    register()
+
+    def make(role: str, extra: dict | None = None, block_size: int = 32):
+        ktc = KVTransferConfig(kv_connector="DLMixConnector", kv_role=role, kv_connector_extra_config=extra or {})
+        cfg = EngineArgs(model=str(tiny_model_dir), enforce_eager=True, block_size=block_size, max_model_len=1024,
+                         kv_transfer_config=ktc).create_engine_config()
+        c = DLMixConnector(cfg, KVConnectorRole.SCHEDULER, None)
+        c.set_xfer_handshake_metadata({0: DLMixHandshake(transport={"kind": "tcp", "name": "w0", "host": "127.0.0.1",
+                                                                    "port": 5555, "regions": {}}, layout={})})
+        return c
+
+    return make
+
+
+def _req(rid, params, n_prompt, status=None, computed=0):
+    from types import SimpleNamespace
+
+    from vllm.v1.request import RequestStatus
+
+    return SimpleNamespace(request_id=rid, kv_transfer_params=params, num_prompt_tokens=n_prompt,
+                           num_computed_tokens=computed, status=status or RequestStatus.RUNNING)
+
+
+def test_scheduler_side_prefill_and_decode_bookkeeping(sched_factory):
+    from types import SimpleNamespace
+
+    from vllm.v1.request import RequestStatus
+
+    p = sched_factory("kv_producer")
+    done = _req("p1", {"do_remote_decode": True}, 300, RequestStatus.FINISHED_LENGTH_CAPPED, computed=300)
+    delay, params = p.request_finished(done, list(range(10)))
+    assert delay is True and params["remote_num_tokens"] == 300 and params["remote_block_ids"] == list(range(10))
+    assert params["remote_transports"][0]["port"] == 5555 and params["remote_layout"]["block_size"] == 32
+    aborted = _req("p2", {"do_remote_decode": True}, 300, RequestStatus.FINISHED_ABORTED, computed=120)
+    assert p.request_finished(aborted, [1, 2, 3, 4]) == (False, None)
+    meta = p.build_connector_meta(None)
+    assert set(meta.holds) == {"p1"} and meta.holds["p1"] == (list(range(10)), 300)
+    assert p.build_connector_meta(None).holds == {}  # per-step state is reset
+
+    d = sched_factory("kv_consumer", block_size=128)
+    assert d._kv_transfer_config.kv_load_failure_policy == "recompute"
+    r = _req("d1", dict(params), 300)
+    assert d.get_num_new_matched_tokens(r, 128) == (172, True)
+    assert d.get_num_new_matched_tokens(r, 128) == (172, True)  # side-effect free
+    blocks = SimpleNamespace(get_block_ids=lambda: ([7, 8, 9],))
+    d.update_state_after_alloc(r, blocks, 172)
+    job = d.build_connector_meta(None).recvs[0]
+    assert (job.start, job.end, job.local_block_ids, job.remote_block_ids) == (128, 300, [7, 8, 9], list(range(10)))
+    r.status = RequestStatus.FINISHED_LENGTH_CAPPED
+    delay, out = d.request_finished(r, [7, 8, 9])
+    assert delay is False and out["dlmix"]["local_hit_tokens"] == 128 and out["dlmix"]["loaded_tokens"] == 172
+
+    # a prefill with other weights is refused: nothing claimed, P told to free, reason in the response
+    other = dict(params, remote_layout={**params["remote_layout"],
+                                        "model": {**params["remote_layout"]["model"], "weights_fingerprint": "x"}})
+    r2 = _req("d2", other, 300)
+    assert d.get_num_new_matched_tokens(r2, 0) == (0, False)
+    d.update_state_after_alloc(r2, SimpleNamespace(get_block_ids=lambda: ([],)), 0)
+    meta = d.build_connector_meta(None)
+    assert meta.recvs == [] and meta.releases[0].remote_req_id == "p1" and meta.releases[0].consumed is False
+    r2.status = RequestStatus.FINISHED_STOPPED
+    assert "fingerprint" in d.request_finished(r2, [])[1]["dlmix"]["refused"]
+
+    # aborted on D before allocation: P is told to free at once
+    r3 = _req("d3", dict(params), 300, RequestStatus.FINISHED_ABORTED)
+    assert d.request_finished(r3, [])[0] is False
+    assert d.build_connector_meta(None).releases[0].remote_req_id == "p1"
