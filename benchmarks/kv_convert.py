@@ -11,7 +11,9 @@ destination, scattered over shuffled block ids in larger pools):
 * ``pack``/``unpack`` (extra): the wire path for the rechunk pair, through a 64 MiB staging buffer.
 
 Baseline: ``dst.copy_(src)`` between two contiguous tensors of the counted bytes on the same device. Each figure
-is the median of ``--repeats`` runs, copy and conversion alternating. GB/s = 1e9 bytes / s.
+is the median of ``--repeats`` runs, copy and conversion alternating. GB/s = 1e9 bytes / s. On CPU with one torch
+thread (the default) the seconds are this process's CPU time (``time.process_time``), so other jobs on a shared
+machine do not count as our time; otherwise wall-clock time.
 Prints the figures last as one JSON line with ``identity_vs_copy``, ``rechunk_vs_copy``, ``cast_vs_copy``,
 ``reshard_vs_copy`` (conversion GB/s / copy GB/s, higher is better; targets 0.8, 0.5, 0.5, 0.5).
 """
@@ -36,12 +38,15 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize()
 
 
-def _time(fn, device: torch.device) -> float:
+def _time(fn, device: torch.device, cpu_clock: bool) -> float:
+    """Seconds for ``fn()``: this process's CPU time when ``cpu_clock`` (CPU device, one thread: a shared box
+    descheduling us then does not count), else wall-clock time after a device sync."""
     _sync(device)
-    t0 = time.perf_counter()
+    clock = time.process_time if cpu_clock else time.perf_counter
+    t0 = clock()
     fn()
     _sync(device)
-    return time.perf_counter() - t0
+    return clock() - t0
 
 
 def _pool(layout: KVLayout, n_tokens: int, device: torch.device, rng: random.Random, spare: float = 0.25):
@@ -77,7 +82,9 @@ def main() -> None:
     def lay(bs: int, dtype: str = "bf16", tp: int = 1, rank: int = 0, arr: str = "vllm_flash_nhd") -> KVLayout:
         return KVLayout(MODEL, bs, dtype, arr, tp, rank)
 
+    cpu_clock = device.type == "cpu" and torch.get_num_threads() == 1
     results: dict[str, object] = {"device": str(device), "torch_threads": torch.get_num_threads(),
+                                  "clock": "process_cpu_time" if cpu_clock else "wall",
                                   "kv_mib": mib, "repeats": repeats, "model": "llama3-8b-kv(32x8x128)"}
 
     def measure(name: str, nbytes: int, run_conv) -> None:
@@ -87,8 +94,8 @@ def main() -> None:
         a_dst.copy_(a_src)
         t_copy, t_conv = [], []
         for _ in range(repeats):
-            t_copy.append(_time(lambda: a_dst.copy_(a_src), device))
-            t_conv.append(_time(run_conv, device))
+            t_copy.append(_time(lambda: a_dst.copy_(a_src), device, cpu_clock))
+            t_conv.append(_time(run_conv, device, cpu_clock))
         del a_src, a_dst
         copy_gbps = nbytes / statistics.median(t_copy) / 1e9
         conv_gbps = nbytes / statistics.median(t_conv) / 1e9

@@ -189,7 +189,7 @@ def run_scenario(sc) -> None:
 
     # the wire form, streamed in small chunks, writes exactly the same bytes
     dst2 = allocate(dst, dpool, fill=SENTINEL, storage_uint8=uint8)
-    with chunk_bytes(chunk):
+    with chunk_bytes(chunk, direct):
         for i, hs in plan:
             lay, caches, bids = sources[i]
             budget = max(dst.wire_bytes(1, hs), dst.wire_bytes(7, hs))

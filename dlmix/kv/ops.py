@@ -23,6 +23,7 @@ Its size is :meth:`KVLayout.wire_bytes`.
 
 from __future__ import annotations
 
+import ctypes
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -312,7 +313,7 @@ class _Work:
         self.bufs: dict[str, torch.Tensor] = {}
 
     def get(self, key: str, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
-        isz = torch.empty((), dtype=dtype).element_size()
+        isz = dtype.itemsize
         n = math.prod(shape) * isz
         buf = self.bufs.get(key)
         if buf is None or buf.numel() < n:
@@ -382,17 +383,21 @@ def _copy_cast(dst: torch.Tensor, src: torch.Tensor, sl: KVLayout, dl: KVLayout,
 def _gather_raw(layout: KVLayout, layer_cache: Any, bids: torch.Tensor, work: _Work, key: str) -> Any:
     """Whole blocks ``bids`` of one layer copied (2-D ``index_select``) into a scratch layer cache, in order."""
     temp = work.layer(key, layout, int(bids.numel()))
+    runs = _merge([(b, i, 1) for i, b in enumerate(bids.tolist())]) if bids.device.type == "cpu" else None
     for s, d in zip(_raw_blocks(layout, layer_cache), _raw_blocks(layout, temp)):
         s2, d2 = _widen(_rows(s), _rows(d))
-        torch.index_select(s2, 0, bids, out=d2)
+        if runs is None or not _memmove_rows(d2, s2, runs):
+            torch.index_select(s2, 0, bids, out=d2)
     return temp
 
 
 def _scatter_raw(layout: KVLayout, layer_cache: Any, temp: Any, bids: torch.Tensor) -> None:
     """Scratch layer cache blocks ``0..len(bids)-1`` written (2-D ``index_copy_``) into blocks ``bids``."""
+    runs = _merge([(i, b, 1) for i, b in enumerate(bids.tolist())]) if bids.device.type == "cpu" else None
     for d, s in zip(_raw_blocks(layout, layer_cache), _raw_blocks(layout, temp)):
         d2, s2 = _widen(_rows(d), _rows(s))
-        d2.index_copy_(0, bids, s2)
+        if runs is None or not _memmove_rows(d2, s2, runs):
+            d2.index_copy_(0, bids, s2)
 
 
 def _scatter_tokens(view: torch.Tensor, bids: torch.Tensor, N: int, t0: int, t1: int, piece: torch.Tensor) -> None:
@@ -614,6 +619,35 @@ def _merge(segs: list[tuple[int, int, int]]) -> list[tuple[int, int, int]]:
     return out
 
 
+def _memmove_rows(d2: torch.Tensor, s2: torch.Tensor, runs: Sequence[tuple[int, int, int]]) -> bool:
+    """Byte-copy row runs ``(src_row, dst_row, count)`` between two CPU 2-D tensors of one dtype with libc
+    ``memmove`` (one call per run, or per row when rows are not adjacent). Returns False (nothing done) when not
+    applicable: other device, different dtype or row width, or rows that are not dense.
+
+    Measured on the 2-core dev box (one thread, 64 KiB blocks, shuffled ids): 0.8-0.98x of a flat ``copy_``,
+    against 0.5x for ``_foreach_copy_`` and 0.4x for ``index_select`` + ``index_copy_`` (per-op dispatch cost).
+    Row indices come from validated block tables, so every address lies inside the tensors.
+    """
+    if (d2.device.type != "cpu" or s2.device.type != "cpu" or d2.dtype != s2.dtype or d2.dim() != 2
+            or s2.dim() != 2 or d2.shape[1] != s2.shape[1] or d2.stride(1) != 1 or s2.stride(1) != 1):
+        return False
+    isz = d2.element_size()
+    width = d2.shape[1] * isz
+    ds, ss = d2.stride(0) * isz, s2.stride(0) * isz
+    dp, sp = d2.data_ptr(), s2.data_ptr()
+    move = ctypes.memmove
+    if ds == width and ss == width:
+        for sr, dr, k in runs:
+            move(dp + dr * ds, sp + sr * ss, k * width)
+    else:
+        if width < (16 << 10):  # one call per short row costs more than torch's strided copy
+            return False
+        for sr, dr, k in runs:
+            for i in range(k):
+                move(dp + (dr + i) * ds, sp + (sr + i) * ss, width)
+    return True
+
+
 def _copy_many(dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
     """``d.copy_(s)`` for each pair, in one C++ loop (``torch._foreach_copy_``) when this torch has it."""
     if not dsts:
@@ -627,18 +661,65 @@ def _copy_many(dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
 
 
 class _SegPlan:
-    """Per-source segment lists, computed once and reused for every layer and plane."""
+    """Per-source segment lists, computed once and reused for every layer and plane.
+
+    ``druns``: maximal token runs whose destination slots are consecutive, as ``(seg_lo, seg_hi, tok_lo, tok_hi,
+    dst_slot)``: segments ``seg_lo..seg_hi`` of ``segs`` and their tokens relative to the first one. A run whose
+    source slots are scattered is moved with one ``index_select(..., out=destination rows)`` (one pass).
+    """
 
     def __init__(self, segs: list[tuple[int, int, int]], Ns: int, Nd: int) -> None:
         self.merged = _merge(segs)
         self.blockwise = [(s // Ns, s % Ns, s % Ns + n, d // Nd, d % Nd, d % Nd + n) for s, d, n in segs]
+        self.druns: list[tuple[int, int, int, int, int]] = []
+        tok = 0
+        for i, (s, d, n) in enumerate(self.merged):
+            r = self.druns[-1] if self.druns else None
+            if r is not None and r[4] + (r[3] - r[2]) == d:
+                self.druns[-1] = (r[0], i + 1, r[2], tok + n, r[4])
+            else:
+                self.druns.append((i, i + 1, tok, tok + n, d))
+            tok += n
+        self.s_slots = torch.cat([torch.arange(s, s + n) for s, _, n in self.merged]) if segs else None
+        self._dev: dict[torch.device, torch.Tensor] = {}
+
+    def slots_on(self, device: torch.device) -> torch.Tensor:
+        assert self.s_slots is not None
+        if device not in self._dev:
+            self._dev[device] = self.s_slots.to(device)
+        return self._dev[device]
+
+
+def _flat2d(rows: torch.Tensor) -> torch.Tensor | None:
+    """``[R, h*D]`` view of token rows ``[R, h, D]`` whose rows are dense, else None."""
+    R, h, D = rows.shape
+    if rows.stride(2) != 1 or (h > 1 and rows.stride(1) != D):
+        return None
+    return rows.as_strided((R, h * D), (rows.stride(0), 1), rows.storage_offset())
 
 
 def _copy_segments(dv: torch.Tensor, sv: torch.Tensor, plan: _SegPlan) -> None:
-    """``copy_`` each segment from the ``[B, N, h, D]`` view ``sv`` into ``dv`` (``copy_`` also casts)."""
+    """Move every segment from the ``[B, N, h, D]`` view ``sv`` into ``dv`` (``copy_`` also casts)."""
     s_rows, d_rows = _token_rows(sv), _token_rows(dv)
     if s_rows is not None and d_rows is not None:
         m = plan.merged
+        s2, d2 = _flat2d(s_rows), _flat2d(d_rows)
+        if s2 is not None and d2 is not None and _memmove_rows(d2, s2, m):
+            return
+        if (s2 is not None and d2 is not None and s2.dtype == d2.dtype and d2.stride(0) == d2.shape[1]
+                and len(plan.druns) < len(m)):
+            s2, d2 = _widen(s2, d2)
+            slots = plan.slots_on(s2.device)
+            dsts, srcs = [], []
+            for i0, i1, t0, t1, d in plan.druns:
+                if i1 - i0 == 1:
+                    s = m[i0][0]
+                    dsts.append(d2[d:d + t1 - t0])
+                    srcs.append(s2[s:s + t1 - t0])
+                else:  # destination rows consecutive, source rows scattered: one gather straight into place
+                    torch.index_select(s2, 0, slots[t0:t1], out=d2[d:d + t1 - t0])
+            _copy_many(dsts, srcs)
+            return
         _copy_many([d_rows[d:d + n] for _, d, n in m], [s_rows[s:s + n] for s, _, n in m])
         return
     bw = plan.blockwise
@@ -670,7 +751,8 @@ def _transfer_direct(srcs: Sequence[_Src], dl: KVLayout, dst_caches: Sequence[An
             if runs:
                 for sr, dr in zip(_raw_blocks(sl, s.caches[layer]), _raw_blocks(dl, dst_caches[layer])):
                     s2, d2 = _widen(_rows(sr), _rows(dr.view(sr.dtype)))
-                    _copy_many([d2[d0:d0 + k] for _, d0, k in runs], [s2[b0:b0 + k] for b0, _, k in runs])
+                    if not _memmove_rows(d2, s2, runs):
+                        _copy_many([d2[d0:d0 + k] for _, d0, k in runs], [s2[b0:b0 + k] for b0, _, k in runs])
             if plan is None:
                 continue
             for p, sv in enumerate(plane_views(sl, s.caches[layer])):
@@ -769,6 +851,20 @@ def pack(src_layout: KVLayout, src_caches: Sequence[Any], src_block_ids: Any, ds
     if T == 0:
         return buf
     wire = buf.view(_storage_dtype(dst_layout)).view(L, P, T, len(hs), D)
+    s0 = srcs[0]
+    same = all(_same_encoding(src_layout, dst_layout, p) for p in range(P))
+    seg_bytes = min(src_layout.block_size, T) * len(hs) * D * dst_layout.itemsize
+    if device.type == "cpu" and (same or not (src_layout.is_fp8 or dst_layout.is_fp8)) \
+            and seg_bytes >= DIRECT_MIN_BYTES:
+        Ns = src_layout.block_size
+        segs = [(a, d - start, k) for a, d, k in _segments(s0.bids.tolist(), [0], Ns, end, start, end)]
+        plan = _SegPlan(segs, Ns, T)
+        for layer in range(L):
+            for p, sv in enumerate(plane_views(src_layout, src_caches[layer])):
+                svp, dvp = sv[:, :, s0.h_slice], wire[layer, p].unsqueeze(0)
+                _copy_segments(dvp, svp.view(dvp.dtype) if _same_encoding(src_layout, dst_layout, p) else svp,
+                               plan)
+        return buf
     chunk = _chunk_tokens(device, len(hs) * D * max(src_layout.itemsize, dst_layout.itemsize) * P,
                           src_layout.block_size)
     work = _Work(device)
@@ -807,6 +903,14 @@ def unpack(dst_layout: KVLayout, dst_caches: Sequence[Any], dst_block_ids: Any, 
     device = dv0[0].device
     db = _block_tensor(dst_layout, dst_block_ids, end, _num_blocks(dv0), device, "destination", True)
     w = wire.to(device).contiguous().view(_storage_dtype(dst_layout)).view(L, P, T, len(hs), D)
+    Nd = dst_layout.block_size
+    if device.type == "cpu" and min(Nd, T) * len(hs) * D * dst_layout.itemsize >= DIRECT_MIN_BYTES:
+        segs = [(a - start, d, k) for a, d, k in _segments([0], db.tolist(), end, Nd, start, end)]
+        plan = _SegPlan(segs, T, Nd)
+        for layer in range(L):
+            for p, dv in enumerate(plane_views(dst_layout, dst_caches[layer])):
+                _copy_segments(dv[:, :, d_slice], w[layer, p].unsqueeze(0), plan)
+        return nbytes
     chunk = _chunk_tokens(device, len(hs) * D * dst_layout.itemsize * P, dst_layout.block_size)
     work = _Work(device)
     for layer in range(L):
