@@ -112,6 +112,7 @@ class CostModel:
         self.t0 = t0
         self.t1 = t1
         self._chips: dict = {}
+        self._coefs: dict = {}
         m = model
         self._lin = 2.0 * m.params
         self._quad = 2.0 * m.layers * m.q_heads * m.head_dim
@@ -124,6 +125,18 @@ class CostModel:
         if p is None:
             p = self._chips[name] = self.catalog.chip(name)
         return p
+
+    def coefs(self, chip: str, num_chips: int = 1) -> tuple:
+        """Per-chip constants for hot loops: ``(1/(MFU·F·chips), 1/(η·BW·chips))`` in s/FLOP and s/byte, memoised.
+
+        ``prefill_time = t0 + prefill_flops · c[0]``; ``decode_step_time = t1 + max((P·b + Σctx·kv_bpt) · c[1],
+        2·P·B · c[0])``."""
+        key = (chip, num_chips)
+        c = self._coefs.get(key)
+        if c is None:
+            p = self.chip(chip)
+            c = self._coefs[key] = (1.0 / (p.mfu * p.flops * num_chips), 1.0 / (p.bw_eff * p.mem_bw * num_chips))
+        return c
 
     def prefill_flops(self, n_tokens: int, n_cached: int = 0) -> float:
         """FLOPs to prefill ``n_tokens`` total prompt tokens of which ``n_cached`` hit the prefix cache."""

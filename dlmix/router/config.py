@@ -64,6 +64,7 @@ class RouterConfig:
     approx_index_capacity: int = 1 << 20
     default_block_size: int = 16
     metrics: bool = True
+    fast_path: bool = True
     max_body_mb: int = 64
 
     @classmethod

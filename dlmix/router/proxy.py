@@ -78,10 +78,12 @@ class ServerProtocol(asyncio.Protocol):
     ``conn.transport`` (via :meth:`send` or by forwarding a backend response)."""
 
     __slots__ = ("handler", "transport", "parser", "_url", "_headers", "_body", "_queue", "_task", "closed",
-                 "peer", "backends", "max_body")
+                 "peer", "backends", "max_body", "fast", "_busy")
 
-    def __init__(self, handler: Handler, max_body: int = 64 << 20):
+    def __init__(self, handler: Handler, max_body: int = 64 << 20, fast=None):
         self.handler = handler
+        self.fast = fast
+        self._busy = False
         self.max_body = max_body
         self.transport = None
         self.parser = httptools.HttpRequestParser(self)
@@ -131,33 +133,47 @@ class ServerProtocol(asyncio.Protocol):
     def on_message_complete(self):
         body = b"".join(self._body) if len(self._body) != 1 else self._body[0]
         req = Request(self.parser.get_method(), self._url, self._headers, body, self.parser.should_keep_alive())
-        if self._task is None:
-            self._task = asyncio.get_event_loop().create_task(self._run(req))
+        if self._busy:
+            self._queue.append(req)  # HTTP/1.1 pipelining: answer in order
         else:
-            self._queue.append(req)
+            self._dispatch(req)
 
-    async def _run(self, req: Request):
-        while True:
-            try:
-                await self.handler(self, req)
-            except asyncio.CancelledError:
-                for b in self.backends:
-                    b.abort()
-                self.backends = []
-                raise
-            except Exception as ex:  # a handler bug must not kill the connection silently
-                if not self.closed:
-                    import json as _j
+    def _dispatch(self, req: Request) -> None:
+        self._busy = True
+        fast = self.fast
+        if fast is not None and fast(self, req):
+            return  # handled with callbacks; the fast path calls done(req)
+        self.run_async(req, self.handler(self, req))
 
-                    msg = _j.dumps({"error": f"internal router error: {type(ex).__name__}: {ex}"}).encode()
-                    self.send(500, msg, keep_alive=False)
-            if not req.keep_alive and not self.closed:
-                self.transport.close()
-                self.closed = True
-            if self.closed or not self._queue:
-                break
-            req = self._queue.pop(0)
+    def run_async(self, req: Request, coro) -> None:
+        """Finish ``req`` with a coroutine (slow path: awaits, retries, PD); calls :meth:`done` afterwards."""
+        self._task = asyncio.get_event_loop().create_task(self._run(req, coro))
+
+    async def _run(self, req: Request, coro):
+        try:
+            await coro
+        except asyncio.CancelledError:
+            for b in self.backends:
+                b.abort()
+            self.backends = []
+            raise
+        except Exception as ex:  # a handler bug must not kill the connection silently
+            if not self.closed:
+                import json as _j
+
+                msg = _j.dumps({"error": f"internal router error: {type(ex).__name__}: {ex}"}).encode()
+                self.send(500, msg, keep_alive=False)
         self._task = None
+        self.done(req)
+
+    def done(self, req: Request) -> None:
+        """The response to ``req`` is complete: close if not keep-alive, else start the next pipelined request."""
+        if not req.keep_alive and not self.closed:
+            self.transport.close()
+            self.closed = True
+        self._busy = False
+        if self._queue and not self.closed:
+            self._dispatch(self._queue.pop(0))
 
     def send(self, status: int, body: bytes, content_type: bytes = b"application/json", keep_alive: bool = True,
              extra: bytes = b"") -> None:
@@ -182,7 +198,7 @@ class BackendConn(asyncio.Protocol):
     """One kept-alive connection to a backend; one request at a time."""
 
     __slots__ = ("pool", "transport", "parser", "fut", "sink", "status", "headers", "body", "nchunks", "t_first",
-                 "t_last", "gap_sum", "usable", "forwarded", "first_cb")
+                 "t_last", "gap_sum", "usable", "forwarded", "first_cb", "done_cb")
 
     def __init__(self, pool: "Pool"):
         self.pool = pool
@@ -193,6 +209,7 @@ class BackendConn(asyncio.Protocol):
         self.usable = False
         self.forwarded = False
         self.first_cb = None
+        self.done_cb = None
 
     def connection_made(self, transport):
         self.transport = transport
@@ -205,6 +222,11 @@ class BackendConn(asyncio.Protocol):
         if f is not None and not f.done():
             f.set_exception(BackendError(f"backend {self.pool.name} closed the connection"
                                          + (f": {exc}" if exc else ""), self.forwarded))
+        cb = self.done_cb
+        if cb is not None:
+            self.done_cb = None
+            cb(self, BackendError(f"backend {self.pool.name} closed the connection" + (f": {exc}" if exc else ""),
+                                  self.forwarded))
 
     def abort(self) -> None:
         """Close the connection now (client went away): vLLM aborts the request on disconnect."""
@@ -212,12 +234,15 @@ class BackendConn(asyncio.Protocol):
         if self.transport is not None:
             self.transport.abort()
 
-    def start(self, data: bytes, sink, first_cb=None) -> asyncio.Future:
+    def start(self, data: bytes, sink, first_cb=None, done_cb=None) -> Optional[asyncio.Future]:
         """Send a request; forward the response to ``sink`` (a transport) or collect it when ``sink`` is None.
-        ``first_cb()`` runs when the first body bytes arrive (e.g. prefill finished)."""
+        ``first_cb()`` runs when the first body bytes arrive (e.g. prefill finished). With ``done_cb``, no future is
+        made: ``done_cb(conn, None)`` runs at the end of the response, ``done_cb(conn, BackendError)`` on failure
+        (the connection is then closed; on success it is NOT returned to the pool: call ``pool.release``)."""
         self.first_cb = first_cb
+        self.done_cb = done_cb
         self.parser = httptools.HttpResponseParser(self)
-        self.fut = asyncio.get_event_loop().create_future()
+        self.fut = None if done_cb is not None else asyncio.get_event_loop().create_future()
         self.sink = sink
         self.forwarded = False
         self.status = 0
@@ -241,10 +266,14 @@ class BackendConn(asyncio.Protocol):
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserError as ex:
-            self.abort()
             f = self.fut
             if f is not None and not f.done():
                 f.set_exception(BackendError(f"bad HTTP from backend {self.pool.name}: {ex}", self.forwarded))
+            cb = self.done_cb
+            self.done_cb = None
+            self.abort()
+            if cb is not None:
+                cb(self, BackendError(f"bad HTTP from backend {self.pool.name}: {ex}", self.forwarded))
 
     def on_status(self, status: bytes):
         self.status = self.parser.get_status_code()
@@ -276,6 +305,10 @@ class BackendConn(asyncio.Protocol):
             f.set_result(self)
         if not self.usable and self.transport is not None:
             self.transport.close()
+        cb = self.done_cb
+        if cb is not None:
+            self.done_cb = None
+            cb(self, None)
 
     def collected(self) -> Tuple[int, list, bytes]:
         """(status, headers, body) of a collected response."""
@@ -298,6 +331,15 @@ class Pool:
         self.idle: List[BackendConn] = []
         self.connect_timeout = connect_timeout
         self.hostport = f"{host}:{port}".encode()
+
+    def idle_conn(self) -> Optional[BackendConn]:
+        """An idle live connection or None (no waiting; the callback fast path uses it)."""
+        idle = self.idle
+        while idle:
+            c = idle.pop()
+            if c.usable and not c.transport.is_closing():
+                return c
+        return None
 
     async def acquire(self) -> BackendConn:
         """An idle live connection, or a new one. Raises BackendError if the backend cannot be reached."""
@@ -376,8 +418,10 @@ def forward_headers(headers: list) -> bytes:
     return b"".join(b"%s: %s\r\n" % (k, v) for k, v in headers if k not in HOP_BY_HOP)
 
 
-async def serve(handler: Handler, host: str, port: int, reuse_port: bool = False, backlog: int = 4096):
-    """Start listening; returns the asyncio Server."""
+async def serve(handler: Handler, host: str, port: int, reuse_port: bool = False, backlog: int = 4096,
+                fast=None):
+    """Start listening; returns the asyncio Server. ``fast(conn, req) -> bool`` may handle a request with callbacks
+    (returning True) before the coroutine ``handler`` is used."""
     loop = asyncio.get_event_loop()
-    return await loop.create_server(lambda: ServerProtocol(handler), host, port, backlog=backlog,
+    return await loop.create_server(lambda: ServerProtocol(handler, fast=fast), host, port, backlog=backlog,
                                     reuse_port=reuse_port or None)

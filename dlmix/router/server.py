@@ -143,6 +143,7 @@ class Router:
         self._started = False
         self._plain = RouteRequest()
         self._needs_parse = True
+        self._pd = False
         for d in cfg.instances:
             self.register(dict(d), ttl_default=0.0)
 
@@ -250,12 +251,13 @@ class Router:
         multi = len(models) > 1
         pd = any(i.role == "prefill" for i in self.instances)
         self._needs_parse = self.policy.needs_prompt or multi or pd
+        self._pd = pd
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> None:
         """Listen on ``cfg.host:cfg.port`` and start health checks and KV-event subscribers."""
         self._started = True
-        self._server = await proxy.serve(self.handle, self.cfg.host, self.cfg.port)
+        self._server = await proxy.serve(self.handle, self.cfg.host, self.cfg.port, fast=self.fast if self.cfg.fast_path else None)
         if self.cfg.port == 0:
             self.cfg.port = self._server.sockets[0].getsockname()[1]
         loop = asyncio.get_event_loop()
@@ -375,10 +377,95 @@ class Router:
             rr.block_hashes = bh
         return rr
 
-    async def _generate(self, conn: proxy.ServerProtocol, req: proxy.Request, chat: bool) -> None:
-        body = req.body
+    # ------------------------------------------------------------------ hot path
+    def fast(self, conn: proxy.ServerProtocol, req: proxy.Request) -> bool:
+        """Callback fast path for generation requests without PD: parse, place, forward on an idle pooled
+        connection, all without a task or future. Returns False to let the coroutine path handle the request (other
+        endpoints, PD, bad input, no idle connection yet, retries)."""
+        path = req.path
+        if (path != _CHAT and path != _COMPL) or req.method != b"POST" or self._pd:
+            return False
+        if self._client_auth and req.header(b"authorization") not in self._client_auth:
+            return False
+        chat = path == _CHAT
         d = None
         if self._needs_parse:
+            try:
+                d = msgspec.json.decode(req.body)
+            except msgspec.DecodeError:
+                return False
+            if not isinstance(d, dict):
+                return False
+            rr = self._request_from(d, chat)
+        else:
+            rr = self._plain
+        view = ClusterView(self.instances, self.index, self.cost, self.approx)
+        try:
+            dec = self.policy.choose(rr, view)
+        except NoInstanceError:
+            return False
+        rt = self.rt.get(dec.decode.id)
+        if rt is None:
+            return False
+        bc = rt.pool.idle_conn()
+        if bc is None:  # first use of this backend: connect on the coroutine path with this decision
+            conn.run_async(req, self._generate(conn, req, chat, d, rr, dec))
+            return True
+        begin(dec, rr)
+        self.policy.on_dispatch(rr, dec, view)
+        if rr.prompt_len and self._needs_parse:
+            self._record(rr, dec)
+        state = [False]
+
+        def first(_s=state, _dec=dec, _rr=rr):
+            _s[0] = True
+            prefill_done(_dec, _rr)
+
+        def finished(c, err, _s=state):
+            try:
+                conn.backends.remove(c)
+            except ValueError:
+                pass
+            end(dec, rr, _s[0])
+            if err is None:
+                rt.fails = 0
+                status = c.status
+                if self.metrics:
+                    self.metrics.done(rt, dec, rr, req.t0, status, c.nchunks, c.t_first, c.gap_sum)
+                if dec.predicted_ttft and c.nchunks > 1 and status == 200:
+                    self._calibrate(dec, rr, c.t_first - req.t0, c.gap_sum / (c.nchunks - 1))
+                if c.usable:
+                    rt.pool.release(c)
+                conn.done(req)
+                return
+            gone = conn.closed or conn.transport.is_closing()
+            if not gone:  # a client that went away is not the backend's fault
+                self._fail(rt, err)
+            if err.sent_to_client or gone:
+                if not conn.closed:
+                    conn.transport.abort()
+                    conn.closed = True
+                conn.done(req)
+                return
+            if self.metrics:
+                self.metrics.retry("decode")
+            conn.run_async(req, self._generate(conn, req, chat, d, rr, None, {dec.decode.id}, 1))
+
+        raw = build_request(req.method, req.url, rt.hostport, rt.auth + forward_headers(req.headers), req.body)
+        conn.backends.append(bc)
+        try:
+            bc.start(raw, conn.transport, first, finished)
+        except RuntimeError as ex:  # transport closed under us: let the connection_lost callback retry
+            bc.abort()
+            _ = ex
+        return True
+
+    async def _generate(self, conn: proxy.ServerProtocol, req: proxy.Request, chat: bool, d=None, rr=None,
+                        first_dec=None, excluded: Optional[set] = None, attempts: int = 0) -> None:
+        body = req.body
+        if rr is not None:
+            pass
+        elif self._needs_parse:
             try:
                 d = msgspec.json.decode(body)
             except msgspec.DecodeError as ex:
@@ -389,16 +476,17 @@ class Router:
         else:
             rr = self._plain
         fwd = forward_headers(req.headers)
-        excluded: Optional[set] = None
-        attempts = 0
         m = self.metrics
         while True:
             insts = self.instances if not excluded else [i for i in self.instances if i.id not in excluded]
             view = ClusterView(insts, self.index, self.cost, self.approx)
-            try:
-                dec = self.policy.choose(rr, view)
-            except NoInstanceError as ex:
-                return conn.send(503, _json.encode({"error": str(ex)}))
+            if first_dec is not None:
+                dec, first_dec = first_dec, None
+            else:
+                try:
+                    dec = self.policy.choose(rr, view)
+                except NoInstanceError as ex:
+                    return conn.send(503, _json.encode({"error": str(ex)}))
             begin(dec, rr)
             self.policy.on_dispatch(rr, dec, view)
             if rr.prompt_len and self._needs_parse:
@@ -437,9 +525,10 @@ class Router:
                     self._calibrate(dec, rr, t_first - req.t0, gaps / (nch - 1))
                 return
             except BackendError as ex:
-                if rt is not None:
+                gone = conn.closed or conn.transport.is_closing()
+                if rt is not None and not gone:
                     self._fail(rt, ex)
-                if ex.sent_to_client or conn.closed:
+                if ex.sent_to_client or gone:
                     if not conn.closed:
                         conn.transport.abort()
                         conn.closed = True

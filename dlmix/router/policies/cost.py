@@ -4,8 +4,8 @@ For a request of N prompt tokens (h_X = prefix-hit tokens on instance X, from th
 index), every decode-capable instance D is scored for two plans (Mooncake FAST'25 Alg. 1 "Conductor", DistServe
 OSDI'24 placement, Splitwise ISCA'24 phase split; formulas in :mod:`dlmix.hw.cost`):
 
-* local (no disaggregation): ``TTFT = Q_D + T_pre_D(N, h_D)·r_D``; ``Q_X`` = prefill time of the uncached tokens
-  already queued on X (router-counted), ``r_X`` = X's online TTFT calibration ratio;
+* local (no disaggregation): ``TTFT = Q_D + T_pre_D(N, h_D)·r_D``; ``Q_X`` = time to prefill the uncached tokens
+  already queued on X (router-counted, linear term ``2·P·q/(MFU·F)``), ``r_X`` = X's online TTFT calibration ratio;
 * PD with each prefill-role instance P: ``TTFT = Q_P + T_pre_P(N, h_P)·r_P + T_xfer(P→D, N − h_D) + t1``.
 
 Constraint: D must keep its ITL target after admitting the request, ``T_step_D(B_D+1, Σctx_D+N)·r_itl_D ≤ itl_target``;
@@ -19,11 +19,10 @@ is the predicted completion time ``TTFT + out · T_step_D`` (out = max_tokens or
 balances per-chip speed against queueing.
 
 Pure object: reads instance state and the view, no I/O. Needs a :class:`dlmix.hw.cost.CostModel` on the view (else it
-falls back to least-load scoring).
+falls back to least-load scoring). The arithmetic is inlined from :class:`~dlmix.hw.cost.CostModel` with per-chip
+constants (``CostModel.coefs``) because it runs for every request and every candidate.
 """
 from __future__ import annotations
-
-from typing import List, Optional
 
 from dlmix.router.policies.base import ClusterView, Policy
 from dlmix.router.state import Decision, InstanceState, NoInstanceError, RouteRequest
@@ -47,16 +46,24 @@ class CostPolicy(Policy):
 
     # --- pieces, public for the simulator and tests -------------------------------------------------------------
     def queue_time(self, cost, inst: InstanceState) -> float:
-        """Seconds of prefill work already queued on ``inst`` (router-counted uncached tokens, linear part)."""
+        """Seconds of prefill work already queued on ``inst``: ``2·P·q / (MFU·F)`` × TTFT ratio (q = router-counted
+        uncached tokens; the quadratic attention term of queued requests is ignored)."""
         q = inst.load.inflight_prefill_tokens
         if q <= 0:
             return 0.0
-        return (cost.prefill_time(inst.chip, q, 0, inst.num_chips) - cost.t0) * inst.ttft_ratio
+        return cost._lin * q * cost.coefs(inst.chip, inst.num_chips)[0] * inst.ttft_ratio
+
+    def step_time(self, cost, d: InstanceState, n: int) -> float:
+        """Predicted decode step (s) of D after admitting ``n`` more context tokens, × ITL ratio."""
+        c = cost.coefs(d.chip, d.num_chips)
+        ld = d.load
+        mem = (cost._wbytes + (ld.decode_ctx_tokens + n) * cost.kv_bpt) * c[1]
+        comp = cost._lin * (ld.inflight_decode + 1) * c[0]
+        return (cost.t1 + (mem if mem > comp else comp)) * d.itl_ratio
 
     def itl_penalty(self, cost, d: InstanceState, n: int) -> float:
         """Penalty (s) if admitting ``n`` more context tokens breaks D's ITL target, else 0."""
-        step = cost.decode_step_time(d.chip, d.load.inflight_decode + 1, d.load.decode_ctx_tokens + n,
-                                     d.num_chips) * d.itl_ratio
+        step = self.step_time(cost, d, n)
         if step <= self.itl_target:
             return 0.0
         return self.penalty_s * (step / self.itl_target - 1.0)
@@ -72,30 +79,37 @@ class CostPolicy(Policy):
             return Decision(decode=d, hit_tokens=view.hit_tokens(req, d), reason="cost:noload")
         pcands = view.prefill_candidates(req)
         n = req.prompt_len
+        n2 = n * n
+        lin, quad, t0 = cost._lin, cost._quad, cost.t0
         out = req.max_tokens or self.default_output_tokens
-        # prefill-side figures, computed once per P
         pplans = []
         for p in pcands:
-            hp = min(view.hit_tokens(req, p), n)
-            tp = self.queue_time(cost, p) + cost.prefill_time(p.chip, n, hp, p.num_chips) * p.ttft_ratio
+            hp = view.hit_tokens(req, p)
+            if hp > n:
+                hp = n
+            c0 = cost.coefs(p.chip, p.num_chips)[0]
+            tp = self.queue_time(cost, p) + (t0 + (lin * (n - hp) + quad * (n2 - hp * hp)) * c0) * p.ttft_ratio
             pplans.append((tp, p, hp))
-        best: Optional[tuple] = None
+        best = None
+        interf = self.interference
         for d in dcands:
-            hd = min(view.hit_tokens(req, d), n)
-            pen = self.itl_penalty(cost, d, n)
-            t_local = self.queue_time(cost, d) + cost.prefill_time(d.chip, n, hd, d.num_chips) * d.ttft_ratio
-            obj_local = t_local + pen
+            hd = view.hit_tokens(req, d)
+            if hd > n:
+                hd = n
+            step = self.step_time(cost, d, n)
+            pen = 0.0 if step <= self.itl_target else self.penalty_s * (step / self.itl_target - 1.0)
+            c0 = cost.coefs(d.chip, d.num_chips)[0]
+            t_pre = (t0 + (lin * (n - hd) + quad * (n2 - hd * hd)) * c0) * d.ttft_ratio
+            t_local = self.queue_time(cost, d) + t_pre
+            obj = t_local + pen
             if d.load.inflight_decode > 0:
-                obj_local += self.interference * (t_local - self.queue_time(cost, d))
+                obj += interf * t_pre
             if not pplans:
-                step = cost.decode_step_time(d.chip, d.load.inflight_decode + 1, d.load.decode_ctx_tokens + n,
-                                             d.num_chips) * d.itl_ratio
-                obj_local += out * step
-            cand = (obj_local, t_local, d, None, hd, "cost:local")
+                obj += out * step
+            cand = (obj, t_local, d, None, hd, "cost:local")
             if pplans and n - hd > self.local_max_uncached:
                 for tp, p, hp in pplans:
-                    link = cost.link_between(p.transport, d.transport)
-                    t = tp + cost.transfer_time(n - hd, link) + cost.t1
+                    t = tp + cost.transfer_time(n - hd, cost.link_between(p.transport, d.transport)) + cost.t1
                     if t + pen + self.pd_margin_s < cand[0]:
                         cand = (t + pen, t, d, p, hp, "cost:pd")
             if best is None or cand[0] < best[0] or (cand[0] == best[0] and

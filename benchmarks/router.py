@@ -1,0 +1,396 @@
+"""Router throughput and added latency, side by side on the same mock backends.
+
+Compares the dlmix router (round_robin and cost policies) with sglang-router and vllm-router (Rust; installed in a
+SEPARATE venv, default /tmp/rvenv: ``python3.11 -m venv /tmp/rvenv && /tmp/rvenv/bin/pip install
+sglang-router==0.3.2 vllm-router==0.1.17``; skipped with a note when absent) and with no router.
+
+Setup: 4 fast mock backends (one uvloop process, fixed responses: 1 JSON body or 8 SSE chunks) and the load
+generators share core 1; the router under test is pinned to core 0 (taskset). Load: ``wrk`` (closed loop, 64
+connections non-streaming / 32 streaming, 1 KB prompts) for req/s; an open-loop Python client at 500 req/s for the
+added p50/p99 latency (router minus direct, same client). Prefix index memory is measured with tracemalloc.
+
+    python benchmarks/router.py [--quick]
+
+Prints one JSON object on the last line: ``rps`` per router/policy, ``rps_vs_rust_sglang_rr``,
+``rps_vs_rust_vllm_rr``, ``rps_vs_rust_sglang_cache_aware``, ``p99_added_ms_at_500rps``, ``index_mib_per_million_blocks``.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import re
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+PY = sys.executable
+PROMPT = ("The quick brown fox jumps over the lazy dog while the router decides where to send it. " * 12)[:1000]
+
+
+def body(stream: bool) -> bytes:
+    return json.dumps({"model": "mock", "prompt": PROMPT, "max_tokens": 8, "temperature": 0,
+                       "stream": stream}).encode()
+
+
+# ---------------------------------------------------------------------------------------------- fast mock backends
+def serve_mocks(ports):
+    """Run fixed-response mock engines on ``ports`` (blocking)."""
+    import httptools
+    import uvloop
+
+    resp_json = json.dumps({"id": "cmpl-1", "object": "text_completion", "created": 0, "model": "mock",
+                            "choices": [{"index": 0, "text": " a b c d e f g h", "finish_reason": "length"}],
+                            "usage": {"prompt_tokens": 250, "completion_tokens": 8, "total_tokens": 258}}).encode()
+    r_plain = b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%s" % (
+        len(resp_json), resp_json)
+    ev = [b"data: " + json.dumps({"id": "cmpl-1", "object": "text_completion", "created": 0, "model": "mock",
+                                  "choices": [{"index": 0, "text": f" w{i}"}]}).encode() + b"\n\n" for i in range(8)]
+    ev.append(b"data: [DONE]\n\n")
+    r_head = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
+    chunks = [b"%x\r\n%s\r\n" % (len(e), e) for e in ev]
+    r_models = json.dumps({"object": "list", "data": [{"id": "mock", "object": "model"}]}).encode()
+    r_models = b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%s" % (
+        len(r_models), r_models)
+    r_ok = b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 2\r\n\r\n{}"
+
+    class P(asyncio.Protocol):
+        def connection_made(self, t):
+            self.t = t
+            t.get_extra_info("socket").setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            self.p = httptools.HttpRequestParser(self)
+            self.url = b""
+            self.stream = False
+
+        def data_received(self, d):
+            try:
+                self.p.feed_data(d)
+            except httptools.HttpParserError:
+                self.t.close()
+
+        def on_message_begin(self):
+            self.url = b""
+            self.stream = False
+
+        def on_url(self, u):
+            self.url += u
+
+        def on_body(self, b):
+            if b'"stream": true' in b or b'"stream":true' in b:
+                self.stream = True
+
+        def on_message_complete(self):
+            if self.url.startswith(b"/v1/completions") or self.url.startswith(b"/v1/chat"):
+                if self.stream:
+                    self.t.write(r_head)
+                    for c in chunks:
+                        self.t.write(c)
+                    self.t.write(b"0\r\n\r\n")
+                else:
+                    self.t.write(r_plain)
+            elif self.url.startswith(b"/v1/models"):
+                self.t.write(r_models)
+            else:
+                self.t.write(r_ok)
+
+    async def main():
+        loop = asyncio.get_event_loop()
+        for p in ports:
+            await loop.create_server(P, "127.0.0.1", p, backlog=4096)
+        print("ready", flush=True)
+        await asyncio.Event().wait()
+
+    uvloop.install()
+    asyncio.run(main())
+
+
+# ---------------------------------------------------------------------------------------------- helpers
+def free_port() -> int:
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    p = s.getsockname()[1]
+    s.close()
+    return p
+
+
+def wait_http(port: int, path: str = "/health", timeout: float = 30.0, post: bool = False) -> bool:
+    import httpx
+
+    t0 = time.time()
+    while time.time() - t0 < timeout:
+        try:
+            if post:
+                r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", content=body(False),
+                               headers={"content-type": "application/json"}, timeout=2)
+            else:
+                r = httpx.get(f"http://127.0.0.1:{port}{path}", timeout=2)
+            if r.status_code == 200:
+                return True
+        except Exception:  # noqa: BLE001
+            pass
+        time.sleep(0.3)
+    return False
+
+
+def start(cmd, cpu: str, log: str) -> subprocess.Popen:
+    """Start ``cmd`` pinned to ``cpu``, output to the ``log`` file (a pipe nobody reads would block it)."""
+    with open(log, "wb") as f:
+        return subprocess.Popen(["taskset", "-c", cpu] + cmd, stdout=f, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+
+
+def stop(p: subprocess.Popen) -> None:
+    if p.poll() is None:
+        os.killpg(p.pid, signal.SIGTERM)
+        try:
+            p.wait(5)
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+
+
+def cpu_seconds(pid: int) -> float:
+    """utime + stime of a process (all threads), seconds."""
+    with open(f"/proc/{pid}/stat") as f:
+        parts = f.read().rsplit(")", 1)[1].split()
+    return (int(parts[11]) + int(parts[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def wrk(port: int, stream: bool, conns: int, secs: int, pid: int = 0):
+    """Closed-loop load with wrk (one thread, pinned to core 1). Returns (req/s, router CPU µs per request or
+    None): the CPU figure (from /proc) does not depend on how much of its core the router got on a shared machine."""
+    with tempfile.NamedTemporaryFile("w", suffix=".lua", delete=False) as f:
+        f.write('wrk.method = "POST"\nwrk.headers["Content-Type"] = "application/json"\nwrk.body = %s\n'
+                % json.dumps(body(stream).decode()))
+        lua = f.name
+    c0 = cpu_seconds(pid) if pid else 0.0
+    out = subprocess.run(["taskset", "-c", "1", "wrk", "-t1", f"-c{conns}", f"-d{secs}s", "-s", lua,
+                          f"http://127.0.0.1:{port}/v1/completions"], capture_output=True, text=True).stdout
+    c1 = cpu_seconds(pid) if pid else 0.0
+    os.unlink(lua)
+    m = re.search(r"Requests/sec:\s+([\d.]+)", out)
+    n = re.search(r"(\d+) requests in", out)
+    bad = re.search(r"Non-2xx or 3xx responses: (\d+)", out)
+    if bad:
+        print(f"  warning: {bad.group(1)} non-2xx responses on port {port}", file=sys.stderr)
+    rps = float(m.group(1)) if m else 0.0
+    us = (c1 - c0) / int(n.group(1)) * 1e6 if (pid and n and int(n.group(1))) else None
+    return rps, us
+
+
+PACED = r'''
+import asyncio, sys, time, json, socket
+import httptools, uvloop
+port, rate, secs, conns = int(sys.argv[1]), float(sys.argv[2]), float(sys.argv[3]), int(sys.argv[4])
+body = sys.stdin.buffer.read()
+req = b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body)
+class C(asyncio.Protocol):
+    def connection_made(self, t):
+        self.t = t; t.get_extra_info("socket").setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    def data_received(self, d):
+        self.p.feed_data(d)
+    def on_message_complete(self):
+        self.f.set_result(None)
+    def go(self):
+        self.p = httptools.HttpResponseParser(self); self.f = asyncio.get_event_loop().create_future()
+        self.t.write(req); return self.f
+async def main():
+    loop = asyncio.get_event_loop()
+    pool = []
+    for _ in range(conns):
+        _, c = await loop.create_connection(C, "127.0.0.1", port); pool.append(c)
+    free = asyncio.Queue()
+    for c in pool: free.put_nowait(c)
+    lat = []
+    n = int(rate * secs)
+    t0 = time.perf_counter() + 0.2
+    async def one(i, ts):
+        c = await free.get()
+        await c.go()
+        lat.append(time.perf_counter() - ts)
+        free.put_nowait(c)
+    tasks = []
+    for i in range(n):
+        ts = t0 + i / rate
+        d = ts - time.perf_counter()
+        if d > 0: await asyncio.sleep(d)
+        tasks.append(asyncio.ensure_future(one(i, ts)))
+    await asyncio.gather(*tasks)
+    lat.sort()
+    print(json.dumps({"p50": lat[len(lat)//2]*1e3, "p99": lat[int(len(lat)*0.99)]*1e3, "n": len(lat)}))
+uvloop.install(); asyncio.run(main())
+'''
+
+
+def paced(port: int, rate: float, secs: float) -> dict:
+    out = subprocess.run(["taskset", "-c", "1", PY, "-c", PACED, str(port), str(rate), str(secs), "32"],
+                         input=body(False), capture_output=True, timeout=secs * 4 + 30)
+    return json.loads(out.stdout.decode().strip().splitlines()[-1])
+
+
+def index_mib_per_million(n: int = 1_000_000) -> float:
+    import tracemalloc
+
+    sys.path.insert(0, ROOT)
+    from dlmix.router.prefix_index import PrefixIndex
+
+    rng = random.Random(0)
+    tracemalloc.start()
+    ix = PrefixIndex()
+    for s in range(8):  # 8 instances, 1M distinct blocks in all, ~25 % held by two instances
+        keys = [rng.getrandbits(64) for _ in range(n // 8)]
+        ix.store(s, keys)
+        ix.store((s + 1) % 8, keys[: n // 32])
+    cur, _ = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    assert len(ix) == n
+    return cur / 2**20 * (1_000_000 / n)
+
+
+# ---------------------------------------------------------------------------------------------- main
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--rvenv", default="/tmp/rvenv")
+    ap.add_argument("--serve-mocks", default=None, help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    if a.serve_mocks:
+        serve_mocks([int(p) for p in a.serve_mocks.split(",")])
+        return
+    secs = 4 if a.quick else 10
+    paced_secs = 5 if a.quick else 12
+    runs = 1 if a.quick else 3
+    notes = []
+    if not shutil.which("wrk"):
+        sys.exit("wrk not found: apt-get install -y wrk")
+    ports = [free_port() for _ in range(4)]
+    urls = [f"http://127.0.0.1:{p}" for p in ports]
+    mocks = subprocess.Popen(["taskset", "-c", "1", PY, __file__, "--serve-mocks", ",".join(map(str, ports))],
+                             stdout=subprocess.PIPE, start_new_session=True)
+    mocks.stdout.readline()
+    res: dict = {"rps": {}, "streams_per_s": {}, "added_ms_at_500rps": {}, "cpu_us_per_req": {},
+                 "cpu_us_per_stream": {}}
+    procs = []
+    try:
+        routers = {}
+        dl = [os.path.join(os.path.dirname(PY), "dlmix"), "router"]
+        inst = sum((["--instance", f"url={u},model=mock,chip=H100"] for u in urls), [])
+        for pol in ("round_robin", "cost"):
+            routers[f"dlmix_{pol}"] = dl + ["--policy", pol, "--model-spec", "llama-3.1-8b"] + inst
+        rb = os.path.join(a.rvenv, "bin")
+        if os.path.exists(os.path.join(rb, "python")):
+            has_sg = subprocess.run([os.path.join(rb, "python"), "-c", "import sglang_router"],
+                                    capture_output=True).returncode == 0
+            if has_sg:
+                for pol in ("round_robin", "cache_aware"):
+                    routers[f"sglang_{pol}"] = [os.path.join(rb, "python"), "-m", "sglang_router.launch_router",
+                                                "--worker-urls", *urls, "--policy", pol, "--host", "127.0.0.1",
+                                                "--log-level", "warn", "--prometheus-port", str(free_port())]
+            else:
+                notes.append("sglang-router not importable in rvenv: skipped")
+            vr = os.path.join(rb, "vllm-router")
+            if os.path.exists(vr):
+                routers["vllm_round_robin"] = [vr, "--worker-urls", *urls, "--policy", "round_robin",
+                                               "--host", "127.0.0.1", "--log-level", "warning",
+                                               "--prometheus-port", str(free_port())]
+            else:
+                notes.append("vllm-router binary not in rvenv: skipped")
+        else:
+            notes.append(f"no venv at {a.rvenv}: Rust routers skipped")
+
+        targets = {"no_router": (ports[0], 0)}
+        logdir = tempfile.mkdtemp(prefix="dlmix-router-bench-")
+        for name, cmd in routers.items():
+            port = free_port()
+            p = start(cmd + ["--port", str(port)], "0", log=os.path.join(logdir, name + ".log"))
+            procs.append(p)
+            if not wait_http(port, post=True, timeout=60):
+                with open(os.path.join(logdir, name + ".log"), errors="replace") as f:
+                    err = f.read()[-300:]
+                notes.append(f"{name} did not come up: {err}")
+                stop(p)
+                continue
+            targets[name] = (port, p.pid)
+        rps_l = {n: [] for n in targets}
+        cpu_l = {n: [] for n in targets}
+        st_l = {n: [] for n in targets}
+        stcpu_l = {n: [] for n in targets}
+        for name, (port, pid) in targets.items():
+            wrk(port, False, 64, 2)  # warm-up (connection pools, JIT-free but caches)
+        for _ in range(runs):  # interleaved rounds: slow drifts of a shared machine hit every router alike
+            for name, (port, pid) in targets.items():
+                r, c = wrk(port, False, 64, secs, pid)
+                rps_l[name].append(r)
+                if c:
+                    cpu_l[name].append(c)
+                r, c = wrk(port, True, 32, secs, pid)
+                st_l[name].append(r)
+                if c:
+                    stcpu_l[name].append(c)
+        med = lambda xs: statistics.median(xs) if xs else None  # noqa: E731
+        for name in targets:
+            res["rps"][name] = round(med(rps_l[name]))
+            res["streams_per_s"][name] = round(med(st_l[name]))
+            if cpu_l[name]:
+                res["cpu_us_per_req"][name] = round(med(cpu_l[name]), 1)
+                res["cpu_us_per_stream"][name] = round(med(stcpu_l[name]), 1)
+            print(f"{name}: {res['rps'][name]} req/s, {res['streams_per_s'][name]} streams/s, "
+                  f"{res['cpu_us_per_req'].get(name)} CPU us/req", file=sys.stderr)
+        base = paced(targets["no_router"][0], 500, paced_secs)
+        res["direct_ms_at_500rps"] = {"p50": round(base["p50"], 3), "p99": round(base["p99"], 3)}
+        for name, (port, pid) in targets.items():
+            if name == "no_router":
+                continue
+            q = paced(port, 500, paced_secs)
+            res["added_ms_at_500rps"][name] = {"p50": round(q["p50"] - base["p50"], 3),
+                                               "p99": round(q["p99"] - base["p99"], 3)}
+            print(f"{name}: added p50 {q['p50'] - base['p50']:.3f} ms p99 {q['p99'] - base['p99']:.3f} ms",
+                  file=sys.stderr)
+    finally:
+        for p in procs:
+            stop(p)
+        stop(mocks)
+
+    rps = res["rps"]
+    cpu = res["cpu_us_per_req"]
+
+    def ratio(x, y):
+        return round(rps[x] / rps[y], 3) if x in rps and y in rps and rps[y] else None
+
+    def cpu_ratio(x, y):  # requests per CPU-second, x over y
+        return round(cpu[y] / cpu[x], 3) if x in cpu and y in cpu and cpu[x] else None
+
+    out = {
+        "rps": rps, "streams_per_s": res["streams_per_s"], "added_ms_at_500rps": res["added_ms_at_500rps"],
+        "cpu_us_per_req": cpu, "cpu_us_per_stream": res["cpu_us_per_stream"],
+        "cpu_rps_vs_rust_sglang_rr": cpu_ratio("dlmix_round_robin", "sglang_round_robin"),
+        "cpu_rps_vs_rust_vllm_rr": cpu_ratio("dlmix_round_robin", "vllm_round_robin"),
+        "cpu_rps_vs_rust_sglang_cache_aware": cpu_ratio("dlmix_cost", "sglang_cache_aware"),
+        "direct_ms_at_500rps": res.get("direct_ms_at_500rps"),
+        "rps_vs_rust_sglang_rr": ratio("dlmix_round_robin", "sglang_round_robin"),
+        "rps_vs_rust_vllm_rr": ratio("dlmix_round_robin", "vllm_round_robin"),
+        "rps_vs_rust_sglang_cache_aware": ratio("dlmix_cost", "sglang_cache_aware"),
+        "streams_vs_rust_sglang_rr": (round(res["streams_per_s"]["dlmix_round_robin"] /
+                                            res["streams_per_s"]["sglang_round_robin"], 3)
+                                      if "sglang_round_robin" in res["streams_per_s"] else None),
+        "p99_added_ms_at_500rps": res["added_ms_at_500rps"].get("dlmix_cost", {}).get("p99"),
+        "p99_added_ms_at_500rps_round_robin": res["added_ms_at_500rps"].get("dlmix_round_robin", {}).get("p99"),
+        "index_mib_per_million_blocks": round(index_mib_per_million(), 1),
+        "notes": notes + ["router pinned to core 0, mocks + load generators on core 1; on a shared machine "
+                          "req/s depends on other load, CPU us/req (from /proc) does not"],
+        "quick": a.quick, "duration_s": secs, "runs": runs,
+    }
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()
