@@ -174,9 +174,10 @@ def test_prefill_instance_dies_no_request_lost(lt):
         c.close()
 
 
-def test_shared_prefix_spreads_with_high_hits(lt):
+@pytest.mark.parametrize("policy", ["prefix", "cost"])
+def test_shared_prefix_spreads_with_high_hits(lt, policy):
     engines = [MockEngine(name=f"e{i}", ttft=0.05, record=False) for i in range(4)]
-    c = Cluster(lt, engines, policy="prefix",
+    c = Cluster(lt, engines, policy=policy,
                 policy_params={"balance_abs_threshold": 2, "balance_rel_threshold": 1.5})
     prefix = "System: you answer questions about the dlmix project. " * 40  # ~2.2 KB shared
 
@@ -300,3 +301,37 @@ def test_incompatible_layout_refused_with_reasons(lt):
     assert ei.value.status == 409 and any("layers" in s for s in ei.value.reasons)
     ok = r.register({"url": "http://127.0.0.1:3", "role": "decode", "model": "m", "kv_layout": lay_p.to_dict()})
     assert ok.slot == 1
+
+
+def test_prefill_timeout_falls_back_to_decode_instance(lt):
+    p = MockEngine(name="p", role="prefill", ttft=3.0)  # hangs longer than the prefill timeout
+    d = MockEngine(name="d", role="decode")
+    c = Cluster(lt, [p, d], roles=["prefill", "decode"], chips=["H100", "H20"], policy="cost",
+                policy_params={"local_max_uncached": 0}, model_spec="llama-3.1-8b", prefill_timeout_s=0.3)
+    try:
+        with httpx.Client(timeout=10) as h:
+            via = h.post(c.base + "/v1/completions", json=BODY)
+            direct = h.post(d.url + "/v1/completions", json=BODY)
+        assert via.status_code == 200 and via.json() == direct.json()
+        assert p.requests == 1 and d.remote_prefills == []  # D prefilled it itself
+        reg = c.router.metrics.registry
+        assert reg.get_sample_value("dlmix_router_retries_total", {"kind": "prefill_local"}) == 1
+    finally:
+        c.close()
+
+
+def test_hf_tokenizer_mode_matches_chat_template(tiny_model_dir):
+    from transformers import AutoTokenizer
+
+    from dlmix.router.tokenize import PromptExtractor
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    ex = PromptExtractor(str(tiny_model_dir))
+    msgs = [{"role": "user", "content": "hello there"}]
+    ids, text = ex.extract(True, {"messages": msgs})
+    if tok.chat_template:
+        want = tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+        assert text == want and ids == tok.encode(want, add_special_tokens=False)
+    ids, _ = ex.extract(False, {"prompt": "hello there"})
+    assert ids == tok.encode("hello there")
+    assert ex.extract(False, {"prompt": [5, 6, 7]})[0] == [5, 6, 7]

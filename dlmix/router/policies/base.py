@@ -139,6 +139,16 @@ class Policy:
         """Called when an instance leaves the registry (drop policy-private state). Default: nothing."""
 
 
+def balance_filter(cands: List[InstanceState], abs_t: float, rel_t: float) -> List[InstanceState]:
+    """Drop *overloaded* candidates: queue length ``L_i − L_min > abs_t`` and ``L_i > rel_t · L_min`` (SGLang router's
+    imbalance rule applied per candidate). The least-loaded candidate always stays."""
+    if len(cands) < 2:
+        return cands
+    loads = [c.load.queue_len() for c in cands]
+    lo = min(loads)
+    return [c for c, l in zip(cands, loads) if not (l - lo > abs_t and l > rel_t * lo)]
+
+
 # ---- load bookkeeping shared by the router and the simulator -------------------------------------------------
 
 def begin(decision: Decision, req: RouteRequest) -> None:

@@ -18,25 +18,33 @@ Without prefill-role instances (aggregated or cross-cluster mode, ``both`` insta
 is the predicted completion time ``TTFT + out · T_step_D`` (out = max_tokens or ``default_output_tokens``), which
 balances per-chip speed against queueing.
 
+Load guard: before scoring, decode candidates and prefill candidates are each passed through
+:func:`~dlmix.router.policies.base.balance_filter` (``balance_abs_threshold``, ``balance_rel_threshold``), so a hot
+prefix cannot pile every request onto the instance that caches it even when the model underestimates its queue.
+
 Pure object: reads instance state and the view, no I/O. Needs a :class:`dlmix.hw.cost.CostModel` on the view (else it
 falls back to least-load scoring). The arithmetic is inlined from :class:`~dlmix.hw.cost.CostModel` with per-chip
 constants (``CostModel.coefs``) because it runs for every request and every candidate.
 """
 from __future__ import annotations
 
-from dlmix.router.policies.base import ClusterView, Policy
+from dlmix.router.policies.base import ClusterView, Policy, balance_filter
 from dlmix.router.state import Decision, InstanceState, NoInstanceError, RouteRequest
 
 
 class CostPolicy(Policy):
     """Args (seconds unless noted): itl_target (decode ITL SLO), local_max_uncached (tokens), pd_margin_s,
-    interference (fraction of a local prefill charged to a busy D), penalty_s, default_output_tokens (tokens)."""
+    interference (fraction of a local prefill charged to a busy D), penalty_s, default_output_tokens (tokens),
+    balance_abs_threshold / balance_rel_threshold (load guard, see module docstring)."""
 
     name = "cost"
     needs_prompt = True
 
     def __init__(self, itl_target: float = 0.05, local_max_uncached: int = 256, pd_margin_s: float = 0.002,
-                 interference: float = 0.5, penalty_s: float = 10.0, default_output_tokens: int = 256, **_):
+                 interference: float = 0.5, penalty_s: float = 10.0, default_output_tokens: int = 256,
+                 balance_abs_threshold: float = 4, balance_rel_threshold: float = 1.5, **_):
+        self.abs_t = float(balance_abs_threshold)
+        self.rel_t = float(balance_rel_threshold)
         self.itl_target = float(itl_target)
         self.local_max_uncached = int(local_max_uncached)
         self.pd_margin_s = float(pd_margin_s)
@@ -70,14 +78,14 @@ class CostPolicy(Policy):
 
     def choose(self, req: RouteRequest, view: ClusterView) -> Decision:
         """Best (P, D) or local plan. Raises NoInstanceError when no decode-capable instance is available."""
-        dcands = view.decode_candidates(req)
+        dcands = balance_filter(view.decode_candidates(req), self.abs_t, self.rel_t)
         if not dcands:
             raise NoInstanceError(f"no available instance for model {req.model!r}")
         cost = view.cost
         if cost is None:
             d = min(dcands, key=lambda c: (c.load.queue_len(), c.load.processed))
             return Decision(decode=d, hit_tokens=view.hit_tokens(req, d), reason="cost:noload")
-        pcands = view.prefill_candidates(req)
+        pcands = balance_filter(view.prefill_candidates(req), self.abs_t, self.rel_t)
         n = req.prompt_len
         n2 = n * n
         lin, quad, t0 = cost._lin, cost._quad, cost.t0

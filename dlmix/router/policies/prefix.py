@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import List
 
-from dlmix.router.policies.base import ClusterView, Policy
+from dlmix.router.policies.base import ClusterView, Policy, balance_filter
 from dlmix.router.state import InstanceState, RouteRequest
 
 
@@ -33,12 +33,8 @@ class PrefixAware(Policy):
         self.rel_t = float(balance_rel_threshold)
 
     def filter(self, req: RouteRequest, cands: List[InstanceState], view: ClusterView) -> List[InstanceState]:
-        """Drop overloaded candidates (never all: the least loaded always stays)."""
-        if len(cands) < 2:
-            return cands
-        loads = [c.load.queue_len() for c in cands]
-        lo = min(loads)
-        return [c for c, l in zip(cands, loads) if not (l - lo > self.abs_t and l > self.rel_t * lo)]
+        """Drop overloaded candidates (never all: the least loaded always stays); see :func:`balance_filter`."""
+        return balance_filter(cands, self.abs_t, self.rel_t)
 
     def score(self, req: RouteRequest, cands: List[InstanceState], view: ClusterView) -> List[float]:
         """Longest prefix hit first when its match rate exceeds ``cache_threshold``, else least load."""
