@@ -6,14 +6,23 @@ or a ``(K, V)`` tuple for separate-K/V arrangements (see :mod:`dlmix.kv.layout`)
 torch fp8 dtype or as ``uint8`` storage. Block ids are the request's block table (``list[int]`` or an int tensor):
 token ``t`` lives in block ``block_ids[t // N]`` at offset ``t % N``.
 
-How data moves (vectorized, a Python loop only over layers, planes and bounded chunks, never over tokens or
-heads): every arrangement exposes per plane a strided *view* ``[num_blocks, N, H, D]`` of the engine tensor. A
-chunk of tokens is gathered from whole source blocks with ``index_select`` into a token-major temporary
-``[T, h, D]``, cast if the dtypes differ, and written with ``index_copy_`` into whole destination blocks; tokens in
-partially covered destination blocks (prefix ``skip_tokens``, the last partial block, chunk edges) go through
-``index_copy_`` on a token-major view or ``index_put_`` with (block, offset) pairs, so no slot outside
-``[skip_tokens, num_tokens)`` is ever written. Identical layouts copy raw blocks (K and V together).
-Chunks are bounded (:data:`CHUNK_BYTES`) so temporaries stay cache-resident on CPU.
+How data moves (Python loops only over layers, planes, bounded chunks and block-sized segments, never over
+heads, and over single tokens only in ``memmove`` of non-adjacent rows of at least 16 KiB each): every arrangement exposes per plane a strided *view* ``[num_blocks, N, H, D]`` of the engine tensor, so
+any pair of arrangements is one copy between two views. The token range ``skip_tokens..num_tokens`` is split at
+every source and destination block edge into *segments* (each inside one source block and one destination block;
+``_segments``). Two paths move them:
+
+* CPU, segments of at least :data:`DIRECT_MIN_BYTES`: each segment (or run of segments whose slots continue on
+  both sides) is copied directly, with libc ``memmove`` when both sides are dense rows of one dtype, else with one
+  ``torch._foreach_copy_`` per layer and plane (``copy_`` also casts bf16/fp16/fp32). One pass, no scratch.
+* otherwise (CUDA, fp8 re-scaling, tiny segments): per chunk of at most :data:`CHUNK_BYTES`, the source blocks are
+  gathered whole (2-D ``index_select`` or ``memmove``) into a reused scratch cache, re-ordered and cast into a
+  token-major buffer ``[T, h, D]``, assembled into whole destination blocks in scratch and written with one 2-D
+  ``index_copy_`` (or ``memmove``); tokens of partially covered destination blocks (below ``skip_tokens``, the last
+  block, chunk edges) are written per token slot with ``index_copy_``/``index_put_``.
+
+Identical layouts copy raw blocks (K and V together). In every path no slot outside ``[skip_tokens, num_tokens)``
+of the requested heads is written, and fp8 re-scaling goes through float32 (:func:`cast_plane`).
 
 Wire form (:func:`pack` / :func:`unpack`): a contiguous buffer ordered ``[L, P, T, h, D]`` (layers, planes K then
 V, tokens ``start..end`` in order, the destination heads given as ``heads`` in ascending global id, head size) in
