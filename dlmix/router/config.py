@@ -127,7 +127,8 @@ class RouterConfig:
 
 
 def parse_kv_list(s: str) -> Dict[str, Any]:
-    """``"url=http://h:1,role=decode"`` → dict (values YAML-parsed: numbers, booleans). A bare value is the url."""
+    """``"url=http://h:1,role=decode,transport.link=rdma-100g"`` → dict (values YAML-parsed: numbers, booleans;
+    dotted keys nest). A bare first value containing ``://`` is the url. Raises ConfigError."""
     out: Dict[str, Any] = {}
     for part in s.split(","):
         if not part:
@@ -138,13 +139,21 @@ def parse_kv_list(s: str) -> Dict[str, Any]:
                 out["url"] = part
                 continue
             raise ConfigError(f"expected key=value in {s!r}")
-        if k == "url":
-            out[k] = v
+        k = k.strip()
+        if k == "url" or k == "kv_events":
+            val = v
         else:
             try:
-                out[k.strip()] = yaml.safe_load(v)
+                val = yaml.safe_load(v)
             except yaml.YAMLError:
-                out[k.strip()] = v
+                val = v
+        *path, last = k.split(".")  # transport.link=rdma-100g -> {"transport": {"link": ...}}
+        d = out
+        for part in path:
+            d = d.setdefault(part, {})
+            if not isinstance(d, dict):
+                raise ConfigError(f"key {k!r} in {s!r} nests under a non-mapping")
+        d[last] = val
     return out
 
 

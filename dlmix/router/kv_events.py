@@ -69,19 +69,20 @@ def encode_batch(batch: KVEventBatch) -> bytes:
     return _encoder.encode(batch)
 
 
-def apply_batch(index, slot: int, batch: KVEventBatch, medium_filter=("GPU", None)) -> int:
+def apply_batch(index, slot: int, batch: KVEventBatch, media=("GPU", None)) -> int:
     """Apply a batch to a :class:`~dlmix.router.prefix_index.PrefixIndex` for instance ``slot``.
 
-    Only device-tier events (medium GPU or unspecified) count as hits. Returns the number of events applied.
+    Only events of the listed storage media count (default: device tier ``GPU`` or unspecified; offloaded CPU/disk
+    blocks are not prefix hits of the engine's own cache). Returns the number of events applied.
     """
     n = 0
     for ev in batch.events:
         if isinstance(ev, BlockStored):
-            if ev.medium in medium_filter or ev.medium == "CPU" and "CPU" in medium_filter:
+            if ev.medium in media:
                 index.store(slot, [to_key(h) for h in ev.block_hashes])
                 n += 1
         elif isinstance(ev, BlockRemoved):
-            if ev.medium in medium_filter:
+            if ev.medium in media:
                 index.remove(slot, [to_key(h) for h in ev.block_hashes])
                 n += 1
         elif isinstance(ev, AllBlocksCleared):
