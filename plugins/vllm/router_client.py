@@ -44,7 +44,7 @@ def registration_body(settings: Any, vllm_config: Any, layout: dict[str, Any],
     model = settings.model_name or getattr(vllm_config.model_config, "served_model_name", None) \
         or vllm_config.model_config.model
     body: dict[str, Any] = {
-        "id": f"vllm-{ktc.engine_id}",
+        "id": str(ktc.engine_id),
         "url": url,
         "role": _ROLES.get(str(ktc.kv_role), "both"),
         "engine": "vllm",

@@ -240,8 +240,14 @@ class KVEndpoint:
             try:
                 self.t.notify(peer, {"type": "want", "req": remote_req_id, "block_ids": list(remote_block_ids),
                                      "layout": self.layout.to_dict()})
-                if not ev.wait(self.registration_wait_s + self.io_timeout_s):
-                    raise TimeoutError(f"no answer from prefill {peer} for {remote_req_id}")
+                deadline = time.monotonic() + self.registration_wait_s + self.io_timeout_s
+                while not ev.wait(0.1):
+                    # A prefill killed just before (its socket not yet seen closed when we notified) drops out of
+                    # the live peers within a moment: fail fast instead of waiting for the timeout.
+                    if peer not in self.t.peers():
+                        raise ConnectionError(f"prefill {peer} disconnected before answering for {remote_req_id}")
+                    if time.monotonic() > deadline:
+                        raise TimeoutError(f"no answer from prefill {peer} for {remote_req_id}")
             finally:
                 with self.cv:
                     self._replies.pop(remote_req_id, None)
