@@ -8,7 +8,8 @@ destination, scattered over shuffled block ids in larger pools):
 * ``cast``: bf16 -> fp32, same arrangement and block size. Bytes counted: the **destination** (fp32) side, which
   is twice the source; the baseline copies the same number of bytes;
 * ``reshard``: prefill TP=2 (two ranks of 4 heads) -> decode TP=1 (8 heads), bytes = destination bytes;
-* ``pack``/``unpack`` (extra): the wire path for the rechunk pair, through a 64 MiB staging buffer.
+* ``pack_unpack`` (extra): the wire path for the rechunk pair, ``pack`` into a 64 MiB staging buffer and ``unpack``
+  from it, chunk by chunk. That is two copies of every byte, so 0.5x of one copy is its ceiling.
 
 Baseline: ``dst.copy_(src)`` between two contiguous tensors of the counted bytes on the same device. Each figure
 is the median of ``--repeats`` runs, copy and conversion alternating. GB/s = 1e9 bytes / s. On CPU with one torch

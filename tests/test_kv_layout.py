@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dlmix.kv import ARRANGEMENTS, KVLayout, ModelIdentity, check_compat, heads_for_rank
+from dlmix.kv import ARRANGEMENTS, KVLayout, ModelIdentity, check_compat, heads_for_rank, wire_bytes
 
 SMOLLM2 = ModelIdentity("LlamaForCausalLM", num_layers=30, num_kv_heads=3, head_size=64, attention="gqa")
 
@@ -55,6 +55,9 @@ def test_byte_sizes_smollm2() -> None:
     assert lay.block_bytes(per_layer=True) == 3 * 128 * 2 * 64 * 2
     assert lay.wire_bytes(10) == 230400
     assert lay.wire_bytes(10, heads=[1]) == 76800
+    assert wire_bytes(lay, 100, 110) == 230400 and wire_bytes(lay, 5, 5) == 0
+    with pytest.raises(ValueError, match="reversed"):
+        wire_bytes(lay, 10, 9)
     fp8 = KVLayout(SMOLLM2, 32, "fp8_e4m3", "vllm_flash_nhd", tp_size=3, tp_rank=2, k_scale=0.5, v_scale=2.0)
     assert fp8.heads_for_rank() == (2,)
     assert fp8.kv_bytes_per_token() == 30 * 2 * 1 * 64 * 1

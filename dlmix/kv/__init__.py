@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .layout import ARRANGEMENTS, DTYPES, Compat, KVLayout, ModelIdentity, check_compat, heads_for_rank
+from .layout import ARRANGEMENTS, DTYPES, Compat, KVLayout, ModelIdentity, check_compat, heads_for_rank, wire_bytes
 
 _TORCH_NAMES = {
     "allocate", "cast_plane", "convert", "convert_from_ranks", "pack", "plan_heads", "plane_views", "read_kv",
@@ -17,7 +17,7 @@ _TORCH_NAMES = {
 }
 
 __all__ = ["ARRANGEMENTS", "DTYPES", "Compat", "KVLayout", "ModelIdentity", "check_compat", "heads_for_rank",
-           *sorted(_TORCH_NAMES)]
+           "wire_bytes", *sorted(_TORCH_NAMES)]
 
 
 def __getattr__(name: str) -> Any:

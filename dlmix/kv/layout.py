@@ -75,6 +75,7 @@ __all__ = [
     "ModelIdentity",
     "check_compat",
     "heads_for_rank",
+    "wire_bytes",
 ]
 
 #: Element size in bytes of each supported cache dtype name.
@@ -346,6 +347,15 @@ class KVLayout:
     def with_rank(self, tp_rank: int) -> KVLayout:
         """The same layout for another TP rank."""
         return replace(self, tp_rank=tp_rank)
+
+
+def wire_bytes(dst_layout: KVLayout, start: int, end: int, heads: tuple[int, ...] | list[int] | None = None) -> int:
+    """Bytes of the wire form (:func:`dlmix.kv.ops.pack`) of tokens ``start..end`` for ``dst_layout``'s rank:
+    ``layers * planes * (end - start) * len(heads) * head_size * itemsize``; ``heads`` defaults to all of the
+    rank's heads. Raises ValueError when ``end < start``."""
+    if end < start:
+        raise ValueError(f"token range {start}..{end} is reversed")
+    return dst_layout.wire_bytes(end - start, heads)
 
 
 @dataclass(frozen=True)

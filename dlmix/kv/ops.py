@@ -735,9 +735,48 @@ def _copy_segments(dv: torch.Tensor, sv: torch.Tensor, plan: _SegPlan) -> None:
     _copy_many([dv[db, d0:d1] for _, _, _, db, d0, d1 in bw], [sv[sb, s0:s1] for sb, s0, s1, _, _, _ in bw])
 
 
+def _transfer_assembled(srcs: Sequence[_Src], dl: KVLayout, dst_caches: Sequence[Any], db: torch.Tensor,
+                        skip: int, n: int, d_slice: slice) -> None:
+    """CPU path for several source ranks (TP re-sharding): per chunk, each rank's token rows are ``memmove``d into
+    its own token-major scratch ``[T, h_rank, D]``, interleaved into ``[T, H, D]`` with one strided ``copy_`` per
+    rank (in cache), and the assembled rows are ``memmove``d into the destination blocks. Per-segment strided copies
+    straight into the destination measured ~0.3x of a flat copy; this keeps the many small moves as ``memmove``."""
+    Nd, D, P = dl.block_size, dl.model.head_size, dl.num_planes
+    H = d_slice.stop - d_slice.start
+    dbl = db.tolist()
+    device = db.device
+    work = _Work(device)
+    sdt = _storage_dtype(dl)
+    chunk = _chunk_tokens(device, H * D * dl.itemsize, Nd, *[s.layout.block_size for s in srcs])
+    plans = []
+    for a, b in _ranges(skip, n, chunk):
+        ins = []
+        for s in srcs:
+            Ns = s.layout.block_size
+            segs = [(x, d - a, k) for x, d, k in _segments(s.bids.tolist(), [0], Ns, b, a, b)]
+            ins.append(_SegPlan(segs, Ns, b - a))
+        out = _SegPlan([(x - a, d, k) for x, d, k in _segments([0], dbl, b, Nd, a, b)], b - a, Nd)
+        plans.append((a, b, ins, out))
+    for layer in range(dl.model.num_layers):
+        dviews = plane_views(dl, dst_caches[layer])
+        sviews = [plane_views(s.layout, s.caches[layer]) for s in srcs]
+        for p in range(P):
+            for a, b, ins, out in plans:
+                y = work.get("y", sdt, (b - a, H, D))
+                for i, (s, plan) in enumerate(zip(srcs, ins)):
+                    sv = sviews[i][p][:, :, s.h_slice]
+                    x = work.get(f"x{i}", sdt, (b - a, len(s.heads), D))
+                    _copy_segments(x.unsqueeze(0), sv.view(sdt) if _same_encoding(s.layout, dl, p) else sv, plan)
+                    y[:, s.x_slice].copy_(x)
+                _copy_segments(dviews[p][:, :, d_slice], y.unsqueeze(0), out)
+
+
 def _transfer_direct(srcs: Sequence[_Src], dl: KVLayout, dst_caches: Sequence[Any], db: torch.Tensor,
                      skip: int, n: int, d_slice: slice, identical: bool) -> None:
     """CPU path: one ``copy_`` per segment (see :data:`DIRECT_MIN_BYTES`); no scratch buffers."""
+    if len(srcs) > 1:
+        _transfer_assembled(srcs, dl, dst_caches, db, skip, n, d_slice)
+        return
     Nd = dl.block_size
     dbl = db.tolist()
     plans = []
