@@ -365,3 +365,16 @@ def test_convert_on_cuda_matches_cpu() -> None:
     convert_from_ranks(sources_gpu, dst, dgpu, [4, 0, 2], 77, 13)
     for a, b in zip(dcpu, dgpu):
         assert torch.equal(bits(a), bits(b.cpu()))
+
+
+def test_plan_heads_replication_and_split() -> None:
+    m = ModelIdentity("Llama", 1, 2, 8)
+    prefill_tp4 = [KVLayout(m, 16, "bf16", "vllm_flash_nhd", 4, r) for r in range(4)]  # heads 0,0,1,1
+    assert plan_heads(prefill_tp4, KVLayout(m, 16, "bf16", "lmdeploy")) == \
+        [(0, (0,)), (2, (1,))]
+    m8 = ModelIdentity("Llama", 1, 8, 8)
+    tp2 = [KVLayout(m8, 16, "bf16", "vllm_flash_nhd", 2, r) for r in range(2)]
+    assert plan_heads(tp2, KVLayout(m8, 32, "fp32", "lmdeploy")) == [(0, (0, 1, 2, 3)), (1, (4, 5, 6, 7))]
+    assert plan_heads(tp2, KVLayout(m8, 32, "fp32", "lmdeploy", 4, 3)) == [(1, (6, 7))]
+    # a subset of ranks suffices when it covers the destination's heads
+    assert plan_heads(tp2[1:], KVLayout(m8, 32, "fp32", "lmdeploy", 4, 2)) == [(0, (4, 5))]

@@ -824,7 +824,7 @@ def convert(src_layout: KVLayout, src_caches: Sequence[Any], src_block_ids: Any,
     nothing else in ``dst_caches`` changes (tokens below ``skip_tokens`` are the destination's own prefix-cache
     hit). Block sizes, arrangements, dtypes/scales and TP shardings may differ. For TP re-sharding prefer
     :func:`convert_from_ranks` (one pass writing whole destination blocks); calling this once per source rank
-    is also correct. Source and destination tensors must be on one device.
+    is also correct. Source and destination tensors must be on one device and must not share memory.
 
     Returns the number of destination bytes written. Raises ValueError when the layouts are incompatible (the
     message lists :func:`check_compat`'s reasons), caches do not match their layouts, block tables are too short,
