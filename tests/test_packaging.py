@@ -25,6 +25,20 @@ def test_plain_install_pulls_no_engine(tmp_path):
     names = {p["name"].lower() for p in json.loads(listed)}
     assert "dlmix" in names
     assert not (names & ENGINES), names & ENGINES
-    out = subprocess.run([str(py), "-c", "import dlmix, sys; print(dlmix.__version__, 'torch' in sys.modules)"],
+    out = subprocess.run([str(py), "-c", "import dlmix, dlmix.router.policies, dlmix.hw, dlmix.kv.layout, dlmix.cli, sys; print(dlmix.__version__, 'torch' in sys.modules)"],
                          check=True, capture_output=True, text=True, cwd=tmp_path).stdout.split()
     assert out == [__import__("dlmix").__version__, "False"]
+
+
+def test_every_package_folder_is_listed_in_pyproject():
+    import tomllib
+
+    cfg = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    listed = set(cfg["packages"])
+    dir_of = {name: ROOT / path for name, path in cfg["package-dir"].items()}
+    found = set()
+    for top, folder in dir_of.items():
+        for init in folder.rglob("__init__.py"):
+            rel = init.parent.relative_to(folder).parts
+            found.add(".".join((top,) + rel))
+    assert found == listed
