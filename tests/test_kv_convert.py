@@ -378,3 +378,35 @@ def test_plan_heads_replication_and_split() -> None:
     assert plan_heads(tp2, KVLayout(m8, 32, "fp32", "lmdeploy", 4, 3)) == [(1, (6, 7))]
     # a subset of ranks suffices when it covers the destination's heads
     assert plan_heads(tp2[1:], KVLayout(m8, 32, "fp32", "lmdeploy", 4, 2)) == [(0, (4, 5))]
+
+
+@pytest.mark.parametrize("direct", [True, False])
+def test_strided_engine_tensors_blnhc(direct: bool) -> None:
+    """vLLM 0.32 ``BLNHC``: one buffer ``[B, L, N, H, 2D]``, per-layer views ``buf[:, l]`` whose block stride spans
+    all layers. Conversion reads and writes such views in place (no hidden copies)."""
+    m = ModelIdentity("Llama", 3, 2, 8)
+    lay = KVLayout(m, 4, "bf16", "vllm_lbnhc")
+    gen = torch.Generator().manual_seed(5)
+    buf = (torch.randn(6, 3, 4, 2, 16, generator=gen)).to(torch.bfloat16)
+    src = [buf[:, layer] for layer in range(3)]
+    assert not src[0].is_contiguous()
+    mid = KVLayout(m, 8, "fp32", "lmdeploy")
+    mc = allocate(mid, 3, fill=SENTINEL)
+    back_buf = torch.full((6, 3, 4, 2, 16), SENTINEL, dtype=torch.bfloat16)
+    back = [back_buf[:, layer] for layer in range(3)]
+    sb, mb, bb = [4, 0, 5, 2], [2, 0], [1, 3, 0, 5]
+    with chunk_bytes(64, direct):
+        convert(lay, src, sb, mid, mc, mb, 15, 2)
+        convert(mid, mc, mb, lay, back, bb, 15, 2)
+    for layer in range(3):
+        for t in range(15):
+            k0, v0 = read_kv(lay, src, sb, t, layer)
+            k1, v1 = read_kv(lay, back, bb, t, layer)
+            km, _ = read_kv(mid, mc, mb, t, layer)
+            if t < 2:
+                assert (k1.float() == SENTINEL).all() and (km == SENTINEL).all()
+            else:
+                assert torch.equal(k0, k1) and torch.equal(v0, v1) and torch.equal(km, k0.float())
+    # blocks outside the request and the 16th slot of the last block keep the sentinel
+    assert (back_buf[[2, 4]].float() == SENTINEL).all()
+    assert (back_buf[5, :, 3].float() == SENTINEL).all()

@@ -596,9 +596,10 @@ def _transfer(sources: Sequence[tuple[KVLayout, Sequence[Any], Any, tuple[int, .
     return dl.wire_bytes(num_tokens - skip_tokens, heads)
 
 
-#: On CPU, segments of at least this many bytes are moved with one ``copy_`` each (a single pass, memcpy speed)
-#: instead of the two-pass gather/scatter through scratch buffers (measured on the 2-core dev box, single thread,
-#: 64 KiB blocks: per-block ``copy_`` 0.86x of a flat copy, ``index_select`` + ``index_copy_`` 0.61x).
+#: On CPU, segments of at least this many bytes are moved directly, one ``memmove`` or ``_foreach_copy_`` entry
+#: each (one pass), instead of the two-pass gather/scatter through scratch buffers (measured on the 2-core dev
+#: box, one thread, 64 KiB blocks, shuffled ids: ``memmove`` 0.8-0.98x of a flat copy, ``index_select`` +
+#: ``index_copy_`` 0.4-0.6x). Below it the per-call overhead of the direct path dominates.
 DIRECT_MIN_BYTES = 32 << 10
 
 
