@@ -133,6 +133,28 @@ class AdapterEndpoint(Endpoint):
             pass
 
     @staticmethod
-    def _past(deadline: float, what: str) -> None:
-        if time.monotonic() > deadline:
-            raise TransferTimeout(f"{what} did not complete before the transfer deadline")
+    def _poll(check, deadline: float, what: str) -> None:
+        """Call ``check()`` until it returns True (done), spinning briefly then sleeping 50 us between polls.
+        ``check`` raises on failure. Raises TransferTimeout past ``deadline``."""
+        spins = 0
+        while not check():
+            if time.monotonic() > deadline:
+                raise TransferTimeout(f"{what} did not complete before the transfer deadline")
+            spins += 1
+            time.sleep(0 if spins < 200 else 50e-6)
+
+
+def coalesce_pairs(local: list[int], remote: list[int], lengths: list[int]) -> tuple[list[int], list[int], list[int]]:
+    """Merge address pairs that continue each other on both sides (``local[i] + len[i] == local[i+1]`` and the same
+    for remote). Returns new (local, remote, lengths) lists; order kept."""
+    lo: list[int] = []
+    ro: list[int] = []
+    ln: list[int] = []
+    for a, b, n in zip(local, remote, lengths):
+        if ln and lo[-1] + ln[-1] == a and ro[-1] + ln[-1] == b:
+            ln[-1] += n
+        else:
+            lo.append(a)
+            ro.append(b)
+            ln.append(n)
+    return lo, ro, ln

@@ -38,7 +38,7 @@ class PeerProcess:
     ``timeout`` seconds. ``stop()``/``cont()``/``kill()`` send SIGSTOP/SIGCONT/SIGKILL (stalled and dead peers).
     """
 
-    def __init__(self, kind: str, name: str, secret: str, cfg: dict | None = None, timeout: float = 60.0,
+    def __init__(self, kind: str, name: str, secret: str, cfg: dict | None = None, timeout: float = 180.0,
                  env: dict | None = None):
         import os
         import subprocess
@@ -65,7 +65,7 @@ class PeerProcess:
             raise RuntimeError(f"peer {self.name} exited (rc={self.proc.poll()})")
         return json.loads(line)
 
-    def call(self, cmd: str, timeout: float = 60.0, **kw) -> dict:
+    def call(self, cmd: str, timeout: float = 120.0, **kw) -> dict:
         self.proc.stdin.write(json.dumps(dict(kw, cmd=cmd)) + "\n")
         self.proc.stdin.flush()
         ans = self._read(timeout)
@@ -121,13 +121,19 @@ class PeerProcess:
 
 
 def main(argv: list[str]) -> int:
+    import os
+
+    # answers go to a private copy of stdout; anything libraries print goes to stderr
+    out = os.fdopen(os.dup(1), "w", buffering=1)
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+
     from dlmix_kv_connectors import make_transport
 
     kind, name, secret = argv[:3]
     cfg = json.loads(argv[3]) if len(argv) > 3 else {}
     t = make_transport(kind, name=name, secret=secret, **cfg)
     arrays: dict[str, np.ndarray] = {}
-    out = sys.stdout
 
     def reply(**kw):
         out.write(json.dumps(kw) + "\n")

@@ -1,0 +1,236 @@
+"""KV transport benchmark: GB/s and per-transfer latency of one-sided reads between two processes, side by side.
+
+Measured in one run, interleaved round by round so load changes hit every contender alike:
+
+* ``socket``: the loopback ceiling — a plain blocking TCP socket; the client sends an 8-byte request, the server
+  ``sendall``s the bytes from a memoryview, the client ``recv_into``s the destination.
+* ``memcpy``: ``numpy.copyto`` of the same sizes inside one process (the same-host ceiling).
+* every dlmix transport (``tcp``, ``shm``) and every installed adapter (``dlslime``, ``nixl``, ``mooncake``): the
+  owner is a peer process (``dlmix_kv_connectors.testing``) with a 64 MiB region and a read grant; this process pulls
+  ``read(...).result()``.
+
+Sizes 4 KiB, 256 KiB, 4 MiB, 64 MiB. For each contender and size: median seconds per transfer -> ``lat_us`` and
+``GBps = bytes / median``. Mooncake's listeners bind every interface, so when run as root the whole benchmark
+re-executes itself inside a private network namespace (``unshare -n``, loopback up); otherwise Mooncake is skipped.
+
+Prints a table, then ONE JSON line last with ratios ``WHAT_vs_BASELINE`` (GB/s ratios, higher is better):
+tcp_vs_socket_4mib, tcp_vs_socket_64mib, tcp_vs_mooncake (64 MiB), tcp_vs_dlslime (64 MiB), tcp_vs_nixl (64 MiB),
+shm_vs_memcpy (64 MiB).
+
+    python benchmarks/transport.py --quick
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import shutil
+import socket
+import statistics
+import struct
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+KiB, MiB = 1 << 10, 1 << 20
+SIZES = [4 * KiB, 256 * KiB, 4 * MiB, 64 * MiB]
+LABEL = {4 * KiB: "4KiB", 256 * KiB: "256KiB", 4 * MiB: "4MiB", 64 * MiB: "64MiB"}
+SECRET = "bench-secret"
+
+
+def _socket_server(port_q) -> None:
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(1)
+    port_q.put(srv.getsockname()[1])
+    conn, _ = srv.accept()
+    conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    buf = memoryview(np.random.default_rng(0).integers(0, 256, max(SIZES), dtype=np.uint8))
+    req = bytearray(8)
+    while True:
+        got = 0
+        while got < 8:
+            n = conn.recv_into(memoryview(req)[got:])
+            if n == 0:
+                return
+            got += n
+        (size,) = struct.unpack("!Q", req)
+        conn.sendall(buf[:size])
+
+
+class SocketBaseline:
+    name = "socket"
+
+    def __init__(self):
+        ctx = mp.get_context("spawn")
+        q = ctx.Queue()
+        self.proc = ctx.Process(target=_socket_server, args=(q,), daemon=True)
+        self.proc.start()
+        self.sock = socket.create_connection(("127.0.0.1", q.get(timeout=60)))
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.dst = memoryview(np.zeros(max(SIZES), dtype=np.uint8))
+
+    def once(self, size: int) -> float:
+        t = time.perf_counter()
+        self.sock.sendall(struct.pack("!Q", size))
+        v = self.dst[:size]
+        got = 0
+        while got < size:
+            got += self.sock.recv_into(v[got:], size - got)
+        return time.perf_counter() - t
+
+    def close(self):
+        self.sock.close()
+        self.proc.terminate()
+
+
+class Memcpy:
+    name = "memcpy"
+
+    def __init__(self):
+        self.src = np.random.default_rng(1).integers(0, 256, max(SIZES), dtype=np.uint8)
+        self.dst = np.zeros_like(self.src)
+        np.copyto(self.dst, self.src)
+
+    def once(self, size: int) -> float:
+        t = time.perf_counter()
+        np.copyto(self.dst[:size], self.src[:size])
+        return time.perf_counter() - t
+
+    def close(self):
+        pass
+
+
+class TransportBench:
+    def __init__(self, kind: str, cfg: dict | None = None):
+        from dlmix_kv_connectors import Segment, make_transport
+        from dlmix_kv_connectors.testing import PeerProcess
+
+        self.name = kind
+        self.Segment = Segment
+        self.peer = PeerProcess(kind, "owner", SECRET, cfg)
+        self.peer.call("region", name="kv", size=max(SIZES), seed=2)
+        self.peer.call("grant", peer="bench", tid="b", ranges=[["kv", 0, max(SIZES)]], mode="rw", expires_s=None)
+        self.t = make_transport(kind, name="bench", secret=SECRET, **(cfg or {}))
+        self.dst = np.zeros(max(SIZES), dtype=np.uint8)
+        self.t.register("kv", self.dst)
+        self.t.connect(self.peer.desc)
+        self.t.read("owner", [Segment("kv", 0, "kv", 0, max(SIZES))], "b").result(120)  # warm up + verify
+        from dlmix_kv_connectors.testing import pattern
+
+        if not np.array_equal(self.dst, pattern(max(SIZES), 2)):
+            raise RuntimeError(f"{kind}: bytes differ after the warm-up read")
+        self.extra = {"cma": self.t.check_cma("owner")} if kind == "shm" else {}
+
+    def once(self, size: int) -> float:
+        t = time.perf_counter()
+        self.t.read("owner", [self.Segment("kv", 0, "kv", 0, size)], "b").result(120)
+        return time.perf_counter() - t
+
+    def close(self):
+        self.t.close()
+        self.peer.close()
+
+
+def available_adapters() -> dict[str, str | None]:
+    from dlmix_kv_connectors.base import _resolve
+
+    out = {}
+    for kind in ("dlslime", "nixl", "mooncake"):
+        try:
+            _resolve(kind)
+            out[kind] = None
+        except ImportError as e:
+            out[kind] = f"not installed ({e})"
+    if out["mooncake"] is None and os.environ.get("DLMIX_NETNS") != "1":
+        out["mooncake"] = "skipped: its listeners bind every interface and no private netns (run as root)"
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="fewer rounds/iterations (a few minutes here)")
+    ap.add_argument("--kinds", default="", help="comma list to restrict contenders (default: all available)")
+    ap.add_argument("--no-netns", action="store_true", help="do not re-execute inside a private network namespace")
+    args = ap.parse_args()
+
+    if (not args.no_netns and os.environ.get("DLMIX_NETNS") != "1" and hasattr(os, "geteuid") and os.geteuid() == 0
+            and shutil.which("unshare") and shutil.which("ip")):
+        cmd = "ip link set lo up && exec " + " ".join([sys.executable] + [f"'{a}'" for a in sys.argv])
+        rc = subprocess.call(["unshare", "-n", "sh", "-c", cmd], env=dict(os.environ, DLMIX_NETNS="1"))
+        if rc == 0:
+            sys.exit(0)
+        print(f"[transport] private netns run failed (rc={rc}); running here without mooncake", file=sys.stderr)
+        os.environ["DLMIX_MOONCAKE_OFF"] = "1"
+
+    rounds = 2 if args.quick else 4
+    iters = {4 * KiB: 60, 256 * KiB: 30, 4 * MiB: 8, 64 * MiB: 2} if args.quick else \
+        {4 * KiB: 200, 256 * KiB: 80, 4 * MiB: 20, 64 * MiB: 5}
+    skipped = {k: v for k, v in available_adapters().items() if v}
+    if os.environ.get("DLMIX_MOONCAKE_OFF"):
+        skipped["mooncake"] = "skipped: private netns unavailable"
+    kinds = ["tcp", "shm"] + [k for k in ("dlslime", "nixl", "mooncake") if k not in skipped]
+    if args.kinds:
+        want = args.kinds.split(",")
+        kinds = [k for k in kinds if k in want]
+    contenders = [SocketBaseline(), Memcpy()]
+    for k in kinds:
+        try:
+            contenders.append(TransportBench(k))
+        except Exception as e:  # report and go on
+            skipped[k] = f"failed to start: {type(e).__name__}: {e}"
+            print(f"[transport] {k}: {skipped[k]}", file=sys.stderr)
+    samples: dict[str, dict[int, list[float]]] = {c.name: {s: [] for s in SIZES} for c in contenders}
+    for r in range(rounds):
+        for c in contenders:
+            for s in SIZES:
+                c.once(s)  # warm
+                samples[c.name][s] += [c.once(s) for _ in range(iters[s])]
+        print(f"[transport] round {r + 1}/{rounds} done", file=sys.stderr)
+    extra = {c.name: getattr(c, "extra", {}) for c in contenders}
+    for c in contenders:
+        c.close()
+
+    res: dict[str, dict] = {}
+    for name, per in samples.items():
+        res[name] = {}
+        for s, ts in per.items():
+            med = statistics.median(ts)
+            res[name][LABEL[s]] = {"GBps": round(s / med / 1e9, 3), "lat_us": round(med * 1e6, 1), "n": len(ts)}
+
+    hdr = f"{'contender':10s}" + "".join(f"{LABEL[s]:>22s}" for s in SIZES)
+    print(hdr)
+    print(f"{'':10s}" + "".join(f"{'GB/s   lat_us':>22s}" for _ in SIZES))
+    for name, per in res.items():
+        print(f"{name:10s}" + "".join(f"{per[LABEL[s]]['GBps']:>12.3f}{per[LABEL[s]]['lat_us']:>10.1f}" for s in SIZES))
+    for k, why in skipped.items():
+        print(f"{k:10s} {why}")
+
+    def ratio(a: str, b: str, size: str) -> float | None:
+        if a in res and b in res:
+            return round(res[a][size]["GBps"] / res[b][size]["GBps"], 3)
+        return None
+
+    out = {
+        "bench": "transport",
+        "quick": args.quick,
+        "tcp_vs_socket_4mib": ratio("tcp", "socket", "4MiB"),
+        "tcp_vs_socket_64mib": ratio("tcp", "socket", "64MiB"),
+        "tcp_vs_mooncake": ratio("tcp", "mooncake", "64MiB"),
+        "tcp_vs_dlslime": ratio("tcp", "dlslime", "64MiB"),
+        "tcp_vs_nixl": ratio("tcp", "nixl", "64MiB"),
+        "shm_vs_memcpy": ratio("shm", "memcpy", "64MiB"),
+        "shm_cma": extra.get("shm", {}).get("cma"),
+        "skipped": skipped,
+        "results": res,
+        "cpus": os.cpu_count(),
+        "loadavg_1m": round(os.getloadavg()[0], 2),
+    }
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()
