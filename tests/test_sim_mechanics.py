@@ -207,3 +207,32 @@ def test_unbounded_cache_reaches_ideal_reuse_on_the_trace():
         seen.update(ks)
     assert [x.hit for x in res.records] == expect
     assert sum(expect) > 0
+
+
+def test_decode_span_closed_form_equals_sum_of_iterations():
+    from dlmix.hw import load_catalog
+    from dlmix.hw.cost import PRESETS
+    from dlmix.sim.timing import RooflineTiming
+
+    cat = load_catalog()
+    lin = LinearTiming(**LIN)
+    for t in [RooflineTiming(cat.chip(c), PRESETS["llama-3.1-8b"]) for c in ("H100", "H20", "cpu-x86")] + [lin]:
+        for b, s, j in ((1, 0, 1), (8, 96_000, 37), (64, 4_000_000, 300), (300, 100, 5)):
+            ref = sum(t.iteration(0, 0, 0, b, s + i * b) for i in range(j))
+            assert t.decode_cum(b, s, j) == pytest.approx(ref, rel=1e-9)
+
+
+def test_decode_spans_do_not_change_results():
+    reqs = load_trace("mooncake", speedup=4.0, limit=300)
+    out = []
+    for ff in (False, True):
+        sim = Simulator("homog_h100x4", "llama-3.1-8b", "cost")
+        for i in sim.instances:
+            i.fast_forward = ff
+        s = sim.run(reqs).summary
+        out.append((s["ttft_ms"], s["tpot_ms"], s["e2el_ms"], s["prefix_hit_rate"],
+                    [v["iterations"] for v in s["per_instance"].values()]))
+    assert out[0][4] == out[1][4]
+    for a, b in zip(out[0][:3], out[1][:3]):
+        assert a == pytest.approx(b, rel=1e-9)
+    assert out[0][3] == out[1][3]

@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
-from typing import List, Optional
+from typing import Optional
 
 import typer
 
@@ -98,5 +98,3 @@ def register(app: typer.Typer) -> None:
     """Add ``sim`` to the ``dlmix`` CLI."""
     app.command("sim")(sim_command)
 
-
-_ = List

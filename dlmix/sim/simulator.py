@@ -25,7 +25,6 @@ Units: seconds, tokens, bytes.
 from __future__ import annotations
 
 import heapq
-import random
 from typing import List, Optional, Sequence, Union
 
 from dlmix.hw.cost import CostModel, ModelSpec
@@ -338,5 +337,3 @@ def simulate(deployment, model, policy, requests, seed: int = 0, slo_ttft: float
     ``requests`` are not modified except for their cached block keys."""
     return Simulator(deployment, model, policy, seed=seed, **kw).run(requests, slo_ttft, slo_itl)
 
-
-_ = random

@@ -94,20 +94,20 @@ def _sum_lin(a: float, b: float, lo: int, hi: int) -> float:
 
 
 def _sum_max_lin(a1: float, b1: float, a2: float, b2: float, j: int) -> float:
-    """Σ_{i<j} max(a1 + b1·i, a2 + b2·i) in closed form (the two lines cross at most once)."""
-    db = b1 - b2
-    da = a1 - a2
+    """Σ_{i<j} max(a1 + b1·i, a2 + b2·i) in closed form (two lines cross at most once)."""
+    if j <= 0:
+        return 0.0
+    da, db = a1 - a2, b1 - b2
+    first_is_1 = da >= 0                      # which line is on top at i = 0
     if db == 0:
-        return _sum_lin(a1, b1, 0, j) if da >= 0 else _sum_lin(a2, b2, 0, j)
-    x = -da / db
-    m = min(max(int(math.ceil(x)), 0), j)
-    first_1 = (da + db * 0) >= 0 if m > 0 else None
-    if m == 0 or m == j:
-        big1 = (da + db * (0 if m == j else j - 1)) >= 0 if j > 0 else True
-        return _sum_lin(a1, b1, 0, j) if big1 else _sum_lin(a2, b2, 0, j)
-    if first_1:
-        return _sum_lin(a1, b1, 0, m) + _sum_lin(a2, b2, m, j)
-    return _sum_lin(a2, b2, 0, m) + _sum_lin(a1, b1, m, j)
+        m = j                                 # parallel: the same line stays on top
+    else:
+        m = min(max(int(math.ceil(-da / db)), 0), j)  # first i where the order may flip
+        if m == 0:
+            first_is_1 = db > 0
+            m = j
+    top, other = ((a1, b1), (a2, b2)) if first_is_1 else ((a2, b2), (a1, b1))
+    return _sum_lin(top[0], top[1], 0, m) + _sum_lin(other[0], other[1], m, j)
 
 
 @dataclass
