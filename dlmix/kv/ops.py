@@ -57,8 +57,9 @@ __all__ = [
     "write_kv",
 ]
 
-#: Target bytes of one temporary (per plane and chunk): small on CPU so it stays in cache, large on CUDA.
-CHUNK_BYTES = {"cpu": 4 << 20, "cuda": 256 << 20}
+#: Target bytes of one scratch buffer (per plane and chunk): small on CPU so it stays in cache; on CUDA large enough
+#: for few kernel launches but bounded, since a handful of such buffers live on the device during a call.
+CHUNK_BYTES = {"cpu": 4 << 20, "cuda": 32 << 20}
 
 _TORCH_DTYPES = {
     "fp32": torch.float32,
