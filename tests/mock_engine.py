@@ -50,6 +50,7 @@ class MockEngine:
         self.record = record
         self.name = name
         self.received: List[bytes] = []
+        self.received_headers: List[list] = []
         self.remote_prefills: List[dict] = []
         self.prefill_legs = 0
         self.requests = 0
@@ -152,6 +153,7 @@ class MockEngine:
         self.requests += 1
         if self.record:
             self.received.append(req.body)
+            self.received_headers.append(req.headers)
         if self.fail_status is not None:
             return conn.send(self.fail_status, _enc.encode({"error": {"message": "mock failure", "type": "MockError",
                                                                       "code": self.fail_status}}))

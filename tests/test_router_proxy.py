@@ -335,3 +335,20 @@ def test_hf_tokenizer_mode_matches_chat_template(tiny_model_dir):
     ids, _ = ex.extract(False, {"prompt": "hello there"})
     assert ids == tok.encode("hello there")
     assert ex.extract(False, {"prompt": [5, 6, 7]})[0] == [5, 6, 7]
+
+
+def test_client_keys_and_body_limit(lt):
+    c = Cluster(lt, [MockEngine(name="a")], policy="round_robin", api_keys=["k1"], max_body_mb=1)
+    try:
+        with httpx.Client(timeout=10) as h:
+            assert h.post(c.base + "/v1/completions", json=BODY).status_code == 401
+            ok = h.post(c.base + "/v1/completions", json=BODY, headers={"authorization": "Bearer k1"})
+            assert ok.status_code == 200
+            # the router's key is not forwarded to the backend
+            hdrs = dict(c.engines[0].received_headers[-1])
+            assert b"authorization" not in hdrs and hdrs[b"content-type"] == b"application/json"
+            big = dict(BODY, prompt="x" * (2 << 20))
+            r = h.post(c.base + "/v1/completions", json=big, headers={"authorization": "Bearer k1"})
+            assert r.status_code == 413
+    finally:
+        c.close()

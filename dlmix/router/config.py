@@ -14,6 +14,7 @@ Example::
     hash_seed: null                  # engines' PYTHONHASHSEED (null = unset there)
     api_keys: []                     # client keys (empty = open)
     admin_key: null                  # admin/registration key (null = admin API from loopback only)
+    allow_open: false                # serve a non-loopback host without api_keys (refused otherwise)
     instances:
       - {url: "http://10.0.0.1:8000", role: prefill, chip: H100, model: llama, cluster: a,
          transport: {link: rdma-100g}, kv_events: "tcp://10.0.0.1:5557", kv_layout: {...}}
@@ -65,6 +66,7 @@ class RouterConfig:
     default_block_size: int = 16
     metrics: bool = True
     fast_path: bool = True
+    allow_open: bool = False
     max_body_mb: int = 64
 
     @classmethod

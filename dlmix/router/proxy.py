@@ -129,9 +129,17 @@ class ServerProtocol(asyncio.Protocol):
 
     def on_body(self, body: bytes):
         self._body.append(body)
+        if len(self._body) > 64 and sum(map(len, self._body)) > self.max_body:
+            self.send(413, b'{"error":"request body too large"}', keep_alive=False)
+            self.transport.abort()
 
     def on_message_complete(self):
+        if self.closed:
+            return
         body = b"".join(self._body) if len(self._body) != 1 else self._body[0]
+        if len(body) > self.max_body:
+            self.send(413, b'{"error":"request body too large"}', keep_alive=False)
+            return
         req = Request(self.parser.get_method(), self._url, self._headers, body, self.parser.should_keep_alive())
         if self._busy:
             self._queue.append(req)  # HTTP/1.1 pipelining: answer in order
@@ -419,9 +427,9 @@ def forward_headers(headers: list) -> bytes:
 
 
 async def serve(handler: Handler, host: str, port: int, reuse_port: bool = False, backlog: int = 4096,
-                fast=None):
+                fast=None, max_body: int = 64 << 20):
     """Start listening; returns the asyncio Server. ``fast(conn, req) -> bool`` may handle a request with callbacks
     (returning True) before the coroutine ``handler`` is used."""
     loop = asyncio.get_event_loop()
-    return await loop.create_server(lambda: ServerProtocol(handler, fast=fast), host, port, backlog=backlog,
+    return await loop.create_server(lambda: ServerProtocol(handler, max_body, fast), host, port, backlog=backlog,
                                     reuse_port=reuse_port or None)

@@ -48,7 +48,7 @@ import msgspec
 from dlmix.hw.cost import CostModel, ModelSpec, ewma_ratio
 from dlmix.hw.profiles import load_catalog
 from dlmix.router import kv_events, proxy
-from dlmix.router.config import RouterConfig
+from dlmix.router.config import ConfigError, RouterConfig
 from dlmix.router.engines import get_engine
 from dlmix.router.hashing import BlockHasher, char_chunk_keys
 from dlmix.router.metrics import Metrics
@@ -62,6 +62,15 @@ _json = msgspec.json.Encoder()
 _SENT = object()
 _CHAT = b"/v1/chat/completions"
 _COMPL = b"/v1/completions"
+
+
+def _is_loopback(host: str) -> bool:
+    if host in ("localhost",):
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 class RegistrationError(Exception):
@@ -123,6 +132,9 @@ class Router:
 
     def __init__(self, cfg: RouterConfig):
         self.cfg = cfg
+        if not cfg.api_keys and not cfg.allow_open and not _is_loopback(cfg.host):
+            raise ConfigError(f"refusing to serve {cfg.host} without client api_keys; set api_keys, bind a "
+                              "loopback host, or set allow_open: true explicitly")
         self.policy = make_policy(cfg.policy, **(cfg.policy_params or {}))
         self.catalog = load_catalog(cfg.chips)
         ms = cfg.model_spec
@@ -257,7 +269,8 @@ class Router:
     async def start(self) -> None:
         """Listen on ``cfg.host:cfg.port`` and start health checks and KV-event subscribers."""
         self._started = True
-        self._server = await proxy.serve(self.handle, self.cfg.host, self.cfg.port, fast=self.fast if self.cfg.fast_path else None)
+        self._server = await proxy.serve(self.handle, self.cfg.host, self.cfg.port, fast=self.fast if self.cfg.fast_path else None,
+                                         max_body=self.cfg.max_body_mb << 20)
         if self.cfg.port == 0:
             self.cfg.port = self._server.sockets[0].getsockname()[1]
         loop = asyncio.get_event_loop()
