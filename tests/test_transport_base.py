@@ -1,0 +1,225 @@
+"""Unit tests of the transport interface pieces that need no second process: memory registration, registry, grant
+validation, handle semantics, frame limits, the cross-memory-attach helper and the coalescing helpers."""
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import json
+import os
+import socket
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from dlmix_kv_connectors import (
+    GrantError,
+    PeerError,
+    Segment,
+    TransferCancelled,
+    TransferHandle,
+    Transport,
+    UnsupportedMemoryError,
+    available_transports,
+    make_transport,
+    register_transport,
+)
+from dlmix_kv_connectors import _wire as W
+from dlmix_kv_connectors.base import region_memory
+from dlmix_kv_connectors.tcp import TcpTransport
+
+
+@pytest.fixture
+def pair():
+    a = make_transport("tcp", name="a", secret="s3")
+    b = make_transport("tcp", name="b", secret="s3")
+    yield a, b
+    a.close()
+    b.close()
+
+
+def test_region_memory_accepts_host_buffers():
+    t = torch.arange(24, dtype=torch.bfloat16).reshape(2, 3, 4)
+    ptr, n, dev, ro, view, _ = region_memory(t)
+    assert (ptr, n, dev, ro) == (t.data_ptr(), 48, "cpu", False)
+    assert bytes(view) == t.view(torch.uint8).numpy().tobytes()
+    a = np.arange(10, dtype=np.float32)
+    ptr, n, dev, ro, view, _ = region_memory(a)
+    assert (ptr, n, ro) == (a.ctypes.data, 40, False) and bytes(view) == a.tobytes()
+    a.flags.writeable = False
+    assert region_memory(a)[3] is True
+    ba = bytearray(b"hello")
+    assert region_memory(ba)[1:4] == (5, "cpu", False)
+    assert region_memory(b"ro")[3] is True
+    buf = ctypes.create_string_buffer(b"xyz", 3)
+    ptr, n, _, _, view, _ = region_memory((ctypes.addressof(buf), 3))
+    assert bytes(view) == b"xyz"
+    with pytest.raises(UnsupportedMemoryError):
+        region_memory(torch.zeros(4, 4).t())
+    with pytest.raises(UnsupportedMemoryError):
+        region_memory(np.zeros((4, 4))[:, 1])
+    with pytest.raises(UnsupportedMemoryError):
+        region_memory([1, 2, 3])
+
+
+def test_registry_and_config_errors():
+    with pytest.raises(ValueError, match="unknown transport kind"):
+        make_transport("nope", secret="x")
+    with pytest.raises(ValueError, match="secret"):
+        make_transport("tcp", name="x", secret="")
+    t = make_transport("dlmix_kv_connectors.tcp:TcpTransport", name="x", secret="sekrit-XYZ")
+    assert isinstance(t, TcpTransport) and t.kind == "tcp"
+    d = t.descriptor()
+    assert d["host"] == "127.0.0.1" and d["kind"] == "tcp" and "sekrit" not in json.dumps(d)
+    t.close()
+    avail = available_transports()
+    assert avail["tcp"] is None and avail["shm"] is None and set(avail) >= {"mooncake", "nixl", "dlslime"}
+
+    @register_transport("unit-test-kind")
+    class Mine(TcpTransport):
+        pass
+
+    m = make_transport("unit-test-kind", name="m", secret="k")
+    assert type(m) is Mine and m.kind == "unit-test-kind"
+    m.close()
+    with pytest.raises(ValueError, match="already registered"):
+        register_transport("unit-test-kind")(TcpTransport)
+
+
+def test_register_and_grant_validation(pair):
+    a, _ = pair
+    a.register("kv", np.zeros(4096, dtype=np.uint8))
+    a.register("ro", b"x" * 100)
+    with pytest.raises(ValueError, match="already registered"):
+        a.register("kv", bytearray(4))
+    with pytest.raises(KeyError):
+        a.grant("b", "t", [("missing", 0, 1)])
+    with pytest.raises(ValueError, match="ends past"):
+        a.grant("b", "t", [("kv", 4000, 100)])
+    with pytest.raises(ValueError, match="mode"):
+        a.grant("b", "t", [("kv", 0, 1)], mode="x")
+    with pytest.raises(GrantError, match="read-only"):
+        a.grant("b", "t", [("ro", 0, 10)], mode="w")
+    a.grant("b", "t", [("kv", 0, 10)])
+    with pytest.raises(ValueError, match="already granted"):
+        a.grant("c", "t", [("kv", 0, 10)])
+    assert a.revoke("t") is True and a.revoke("t") is False
+    a.unregister("kv")
+    assert set(a.regions()) == {"ro"}
+
+
+def test_loopback_torch_and_raw_pointer_regions(pair):
+    a, b = pair
+    src = torch.randn(8, 16, dtype=torch.bfloat16)  # [blocks, elems]: 32 B per block
+    a.register("kv", src)
+    raw = ctypes.create_string_buffer(256)
+    b.register("dst", (ctypes.addressof(raw), 256))
+    assert b.connect(a.descriptor()) == "a"
+    a.grant("b", "req-1", [("kv", 32 * 2, 32), ("kv", 32 * 5, 32)], mode="rw")
+    h = b.read("a", [Segment("dst", 0, "kv", 64, 32), Segment("dst", 32, "kv", 160, 32)], "req-1", timeout_s=10)
+    assert h.result(10) == 64 and h.ok()
+    want = src.view(torch.uint8).numpy().reshape(8, 32)
+    assert raw.raw[:32] == want[2].tobytes() and raw.raw[32:64] == want[5].tobytes()
+    raw.raw = bytes(range(256))
+    assert b.write("a", [Segment("dst", 0, "kv", 64, 32)], "req-1").result(10) == 32
+    assert src.view(torch.uint8).numpy().reshape(8, 32)[2].tobytes() == bytes(range(32))
+    assert asyncio.run(_await(b.read("a", [Segment("dst", 0, "kv", 160, 32)], "req-1"))) == 32
+    with pytest.raises(KeyError):
+        b.read("a", [Segment("nope", 0, "kv", 0, 1)], "req-1")
+    with pytest.raises(ValueError, match="past local region"):
+        b.read("a", [Segment("dst", 250, "kv", 0, 10)], "req-1")
+    with pytest.raises(PeerError, match="not connected"):
+        b.read("zed", [Segment("dst", 0, "kv", 0, 1)], "req-1")
+    assert b.read("a", [], "req-1").result(1) == 0
+    assert "a" in b.peers() and "b" in a.peers()
+
+
+async def _await(h):
+    return await h
+
+
+def test_handle_semantics():
+    cancelled = []
+    h = TransferHandle("t", 10, canceller=lambda hh: cancelled.append(hh.transfer_id))
+    assert not h.done() and h.wait(0.01) is False
+    assert h.cancel() is True and cancelled == ["t"]
+    assert h.done() and not h.ok() and h.cancel() is False
+    with pytest.raises(TransferCancelled):
+        h.result()
+    h2 = TransferHandle("u", 5)
+    seen = []
+    h2.add_done_callback(lambda x: seen.append(x.transfer_id))
+    assert h2._set_result(5) and h2.result() == 5 and h2.ok() and seen == ["u"]
+    assert h2._set_exception(RuntimeError()) is False  # first completion wins
+
+
+def test_oversized_and_malformed_frames_close_only_that_connection(pair):
+    a, b = pair
+    a.register("kv", bytearray(64))
+    b.register("kv", bytearray(64))
+    b.connect(a.descriptor())
+    d = a.descriptor()
+    # pre-auth body larger than the pre-auth limit
+    with socket.create_connection((d["host"], d["port"]), timeout=5) as s:
+        s.sendall(W.HEADER.pack(W.MAGIC, W.VERSION, W.HELLO, 1 << 20, 0))
+        ftype, blen, _ = W.read_frame_header(s, memoryview(bytearray(16)), 1 << 16, 0)
+        assert ftype == W.ERROR and "exceeds" in W.read_body(s, ftype, blen).reason
+        assert s.recv(1) == b""
+    errors_before = a.stats["protocol_errors"]
+    with socket.create_connection((d["host"], d["port"]), timeout=5) as s:
+        s.sendall(b"GET / HTTP/1.1\r\n\r\n")
+        try:
+            while s.recv(4096):
+                pass
+        except ConnectionResetError:
+            pass
+    for _ in range(500):  # the endpoint counts it on its own thread
+        if a.stats["protocol_errors"] == errors_before + 1:
+            break
+        time.sleep(0.01)
+    assert a.stats["protocol_errors"] == errors_before + 1
+    # the authenticated link is untouched
+    a.grant("b", "t", [("kv", 0, 64)])
+    assert b.read("a", [Segment("kv", 0, "kv", 0, 64)], "t").result(10) == 64
+
+
+def test_notify_handler_and_limits(pair):
+    a, b = pair
+    b.connect(a.descriptor())
+    got = []
+    a.on_notify(got.append)
+    b.notify("a", {"type": "blocks_ready", "blocks": list(range(5))})
+    b.notify("a", {"type": "abort"})
+    deadline = 100
+    while len(got) < 2 and deadline:
+        deadline -= 1
+        b.get_notification(0.05)
+    assert [n.msg for n in got] == [{"type": "blocks_ready", "blocks": [0, 1, 2, 3, 4]}, {"type": "abort"}]
+    assert {n.peer for n in got} == {"b"}
+    with pytest.raises(ValueError, match="limit"):
+        b.notify("a", {"x": "y" * (5 << 20)})
+    with pytest.raises(ValueError):
+        b.notify("a", ["not", "a", "dict"])
+
+
+def test_cma_copy_and_coalescing():
+    from dlmix_kv_connectors._adapter import coalesce_pairs
+    from dlmix_kv_connectors.shm import cma_copy
+
+    src = np.arange(1 << 16, dtype=np.uint8)
+    dst = np.zeros_like(src)
+    n = cma_copy(os.getpid(), [(dst.ctypes.data, 1000), (dst.ctypes.data + 5000, 3000)],
+                 [(src.ctypes.data + 100, 1000), (src.ctypes.data + 9000, 3000)], to_remote=False)
+    assert n == 4000
+    assert np.array_equal(dst[:1000], src[100:1100]) and np.array_equal(dst[5000:8000], src[9000:12000])
+    with pytest.raises(OSError):
+        cma_copy(os.getpid(), [(dst.ctypes.data, 16)], [(8, 16)], to_remote=False)  # EFAULT
+    with pytest.raises(ValueError):
+        cma_copy(os.getpid(), [(dst.ctypes.data, 16)], [(src.ctypes.data, 8)], to_remote=False)
+    assert coalesce_pairs([0, 10, 30], [100, 110, 200], [10, 10, 5]) == ([0, 30], [100, 200], [20, 5])
+
+
+def test_transport_is_abstract():
+    with pytest.raises(TypeError):
+        Transport()  # type: ignore[abstract]
