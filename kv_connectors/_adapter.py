@@ -32,6 +32,7 @@ class AdapterEndpoint(Endpoint):
     def __init__(self, *, lib_chunk_bytes: int = 64 << 20, **kw: Any):
         self.lib_chunk_bytes = int(lib_chunk_bytes)
         self._lib_peers: dict[str, Any] = {}
+        self._lib_seen: dict[str, dict] = {}
         super().__init__(**kw)
         self.COMPATIBLE_KINDS = frozenset({self.kind})
         try:
@@ -82,11 +83,16 @@ class AdapterEndpoint(Endpoint):
         if "lib" not in desc:
             raise ValueError(f"descriptor of {peer!r} lacks the {self.kind} library info")
         self._lib_peers[peer] = self._lib_connect(peer, desc)
+        self._lib_seen[peer] = dict(desc["lib"])
 
     def connect(self, descriptor: Mapping[str, Any], timeout_s: float | None = None) -> str:
+        """As :meth:`Transport.connect`; a repeated call with a changed descriptor (e.g. the peer registered more
+        regions) also refreshes the library's view of the peer."""
         peer = super().connect(descriptor, timeout_s)
-        if peer not in self._lib_peers:  # link was already up without the library (should not happen)
+        lib = dict(descriptor.get("lib") or {})
+        if peer not in self._lib_peers or self._lib_seen.get(peer) != lib:
             self._lib_peers[peer] = self._lib_connect(peer, descriptor)
+        self._lib_seen[peer] = lib
         return peer
 
     def _submit(self, x: _Xfer, op: str, peer: str, conns: list[_Conn], segs: list[Segment]) -> None:

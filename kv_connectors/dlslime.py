@@ -76,13 +76,16 @@ class DLSlimeTransport(AdapterEndpoint):
 
     def _lib_connect(self, peer: str, desc: Mapping) -> Any:
         old = self._lib_peers.get(peer)
+        new = dict(desc["lib"])
         if old is not None:
-            old.info = dict(desc["lib"])
-            old.remote.clear()
-            return old
+            if (old.info.get("host"), old.info.get("port")) == (new.get("host"), new.get("port")):
+                old.info = new  # same server, maybe more regions: re-import remote regions lazily
+                old.remote.clear()
+                return old
+            old.ep.shutdown()  # the peer restarted
         ep = _dlslime.TcpEndpoint(self.host, 0)
-        ep.connect(dict(desc["lib"]))
-        return _Peer(ep, dict(desc["lib"]))
+        ep.connect(new)
+        return _Peer(ep, new)
 
     def _handles(self, p: _Peer, local: Region, remote: str) -> tuple[int, int]:
         lh = p.local.get(local.name)
