@@ -89,3 +89,25 @@ def test_poisson_arrivals_seeded_and_mean_rate():
     assert arrival_times(3, float("inf")) == [0.0, 0.0, 0.0]
     with pytest.raises(WorkloadError):
         arrival_times(3, 0.0)
+
+
+def test_builtin_mooncake_conversation_trace_shares_prefixes():
+    import gzip
+
+    from dlmix.bench.workloads import resolve_trace
+
+    path = resolve_trace("mooncake-conversation")
+    with gzip.open(path, "rt") as f:
+        recs = [json.loads(next(f)) for _ in range(300)]
+    reqs = load_mooncake_trace("mooncake-conversation", block_tokens=16, max_requests=300)
+    assert len(reqs) == 300
+    # find two requests whose first two hash ids agree: their first 32 tokens agree as well
+    seen = {}
+    pairs = 0
+    for i, rec in enumerate(recs):
+        key = tuple(rec["hash_ids"][:2])
+        if len(key) == 2 and key in seen and len(reqs[i].prompt) >= 32 and len(reqs[seen[key]].prompt) >= 32:
+            assert reqs[i].prompt[:32] == reqs[seen[key]].prompt[:32]
+            pairs += 1
+        seen.setdefault(key, i)
+    assert pairs > 0

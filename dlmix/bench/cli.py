@@ -44,7 +44,8 @@ def bench(
     gsp_system_prompt_len: int = typer.Option(256, "--gsp-system-prompt-len", help="shared prefix tokens"),
     gsp_question_len: int = typer.Option(32, "--gsp-question-len", help="unique suffix tokens"),
     gsp_output_len: int = typer.Option(16, "--gsp-output-len"),
-    trace: Optional[Path] = typer.Option(None, "--trace", help="Mooncake trace (JSON lines)"),
+    trace: Optional[str] = typer.Option(None, "--trace",
+                                       help="Mooncake trace (JSON lines, .gz ok) or mooncake-conversation (built in)"),
     trace_block_tokens: int = typer.Option(512, "--trace-block-tokens",
                                            help="tokens per hash id (512 = as recorded; smaller scales down)"),
     trace_time_scale: float = typer.Option(1.0, "--trace-time-scale", help="multiply trace timestamps"),
@@ -130,6 +131,14 @@ def bench(
         console.print(f"[red]error:[/] {e}")
         raise typer.Exit(2)
 
+    try:  # fail fast and clearly when nothing listens there
+        import httpx
+
+        httpx.get(base_url.rstrip("/") + "/v1/models", timeout=10.0,
+                  headers={"Authorization": f"Bearer {api_key}"} if api_key else None)
+    except httpx.HTTPError as e:
+        console.print(f"[red]error:[/] cannot reach {base_url}: {type(e).__name__}: {e}")
+        raise typer.Exit(2)
     settings = BenchSettings(base_url=base_url, model=model, endpoint=endpoint, burstiness=burstiness, seed=seed,
                              goodput_ms=slo, percentiles=pcts, engine_urls=engines, timeout_s=timeout,
                              ignore_eos=ignore_eos, api_key=api_key)

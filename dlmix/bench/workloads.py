@@ -124,7 +124,8 @@ def load_mooncake_trace(path: str | Path, block_tokens: int = MOONCAKE_BLOCK_TOK
                         max_requests: Optional[int] = None, time_scale: float = 1.0,
                         max_input_len: Optional[int] = None, max_output_len: Optional[int] = None,
                         token_lo: int = DEFAULT_TOKEN_LO, token_hi: int = DEFAULT_TOKEN_HI) -> list[BenchRequest]:
-    """Read a Mooncake trace (JSON lines) into requests with token-id prompts and scheduled arrivals.
+    """Read a Mooncake trace (JSON lines, optionally ``.gz``; or a built-in name, :func:`resolve_trace`) into
+    requests with token-id prompts and scheduled arrivals.
 
     Each line's ``hash_ids[i]`` becomes :func:`hash_block` (``block_tokens`` ids); the prompt is the concatenation,
     cut to ``input_length * block_tokens / 512`` tokens (at least 1), then to ``max_input_len``. Blocks missing
@@ -134,10 +135,16 @@ def load_mooncake_trace(path: str | Path, block_tokens: int = MOONCAKE_BLOCK_TOK
     Raises:
         WorkloadError: unreadable file, invalid JSON or missing/invalid field (message names file and line).
     """
-    p = Path(path)
+    p = resolve_trace(path)
     try:
-        lines = p.read_text().splitlines()
-    except OSError as e:
+        if p.suffix == ".gz":
+            import gzip
+
+            with gzip.open(p, "rt") as f:
+                lines = f.read().splitlines()
+        else:
+            lines = p.read_text().splitlines()
+    except (OSError, EOFError) as e:
         raise WorkloadError(f"cannot read trace {p}: {e}") from None
     if block_tokens < 1:
         raise WorkloadError("block_tokens must be >= 1")
@@ -180,6 +187,20 @@ def load_mooncake_trace(path: str | Path, block_tokens: int = MOONCAKE_BLOCK_TOK
     if not reqs:
         raise WorkloadError(f"{p}: no requests in trace")
     return reqs
+
+
+BUILTIN_TRACES = {"mooncake-conversation": "mooncake_conversation_trace.jsonl.gz"}
+
+
+def resolve_trace(path: str | Path) -> Path:
+    """A trace path, or the name of a trace shipped with dlmix (``mooncake-conversation``: the Mooncake FAST'25
+    conversation trace, ``dlmix/data``; see its SOURCE.md)."""
+    name = str(path)
+    if name in BUILTIN_TRACES:
+        from importlib import resources
+
+        return Path(str(resources.files("dlmix").joinpath("data", BUILTIN_TRACES[name])))
+    return Path(path)
 
 
 def ideal_prefix_reuse(reqs: Sequence[BenchRequest], block_tokens: int) -> float:
