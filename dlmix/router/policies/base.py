@@ -65,7 +65,7 @@ class ClusterView:
             if hashes:
                 if self.approx_index is not None:
                     per_slot.update(self.approx_index.match(hashes))
-                if self.index is not None:
+                if self.index is not None and len(self.index):
                     for s, n in self.index.match(hashes).items():
                         if n > per_slot.get(s, 0):
                             per_slot[s] = n
