@@ -171,3 +171,15 @@ def test_cli_sigint_stops_every_child(tmp_path):
     assert "stopping every process" in text and "stopped." in text
     assert not _wait_gone(children)
     assert not _cmdline_pids(str(logs))
+
+
+def test_engine_dying_after_ready_is_reported_and_everything_stops(tmp_path):
+    logs = tmp_path / "logs"
+    with pytest.raises(ProcessFailedError) as ei:
+        with launch(_deployment(tmp_path, router=False), log_dir=logs) as running:  # a path works too
+            assert running.router_url is None and running.url == running.instances[0].url
+            pgids = set(running.pgids())
+            os.kill(running.instances[1].pid, signal.SIGKILL)
+            running.wait(poll_s=0.05)
+    assert "b exited with code -9" in str(ei.value)
+    assert not _wait_gone(_group_members(pgids) | _logged_pids(logs))

@@ -494,15 +494,17 @@ class _Progress:
         if self.live is not None:
             self.live.update(self._table())
             self.live.__exit__(*exc)
+            if not self.console.is_terminal:
+                self.console.print()
 
 
-def start(dep: Deployment, *, log_dir: Optional[str | os.PathLike] = None, console=None, follow_logs: bool = False,
+def start(dep: Deployment | str | os.PathLike, *, log_dir: Optional[str | os.PathLike] = None, console=None, follow_logs: bool = False,
           log_writer: Optional[Callable[[str, str], None]] = None, grace_s: float = 10.0,
           poll_s: float = 0.5) -> RunningDeployment:
     """Start ``dep`` and wait until every process is ready (and registered with the router).
 
     Args:
-        dep: the deployment.
+        dep: the deployment, or the path of a deployment file.
         log_dir: folder for logs and the generated router config (default: a new temp folder).
         console: ``rich.console.Console`` for the progress display (None = no display).
         follow_logs: stream every log, prefixed ``[name]``, to ``log_writer`` (default: print to ``console``).
@@ -516,6 +518,8 @@ def start(dep: Deployment, *, log_dir: Optional[str | os.PathLike] = None, conso
         ProcessFailedError: a process exited or was not ready in time (everything started is stopped first).
         dlmix.models.ModelError: a dlmix model could not be built.
     """
+    if isinstance(dep, (str, os.PathLike)):
+        dep = Deployment.from_file(dep)
     ldir = Path(log_dir) if log_dir else Path(tempfile.mkdtemp(prefix=f"dlmix-launch-{dep.name}-"))
     ldir.mkdir(parents=True, exist_ok=True)
     secret = dep.secret if dep.secret and dep.secret != "auto" else secrets.token_hex(32)
@@ -664,7 +668,7 @@ def _wait_registered(running: RunningDeployment, engines, client: httpx.Client, 
 
 
 @contextlib.contextmanager
-def launch(dep: Deployment, **kw) -> Iterator[RunningDeployment]:
+def launch(dep: Deployment | str | os.PathLike, **kw) -> Iterator[RunningDeployment]:
     """Context manager around :func:`start`: yields the ready :class:`RunningDeployment`, stops it on exit
     (normal exit, exception or KeyboardInterrupt). Keyword arguments as for :func:`start`."""
     running = start(dep, **kw)
