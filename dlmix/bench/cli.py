@@ -91,7 +91,10 @@ def bench(
             console.print(f"[red]error:[/] {e}")
             raise typer.Exit(2)
         base_url = dep.entry_url()
-        engines = engines or [i.url for i in dep.instances]
+        # with PD, prompts are computed (and cache-hit) on the prefill instances; decode instances receive the KV
+        # and would dilute the rate, so only prefill-capable instances are scraped when prefill instances exist
+        pd = any(i.role == "prefill" for i in dep.instances)
+        engines = engines or [i.url for i in dep.instances if not pd or i.role in ("prefill", "both")]
     if engines == [base_url]:
         engines = []
 
