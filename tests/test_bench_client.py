@@ -162,3 +162,25 @@ def test_cli_rejects_bad_goodput():
     res = CliRunner().invoke(app, ["bench", "--goodput", "itl:5"])
     assert res.exit_code != 0
     assert "unknown metric" in res.output
+
+
+def test_cli_takes_urls_from_a_deployment_file(tmp_path):
+    from dlmix.cli import app
+
+    eng = MockEngine(model="m", block_size=16)
+    url, stop = _serve_in_thread(eng)
+    port = int(url.rsplit(":", 1)[1])
+    dep = tmp_path / "dep.yaml"
+    dep.write_text(f"instances:\n  - {{engine: mock, port: {port}}}\n")
+    try:
+        res = CliRunner().invoke(app, [
+            "bench", "--deployment", str(dep), "--workload", "random", "--num-prompts", "3",
+            "--random-input-len", "20", "--random-output-len", "2", "--output-dir", str(tmp_path / "out")])
+    finally:
+        stop()
+    assert res.exit_code == 0, res.output
+    data = json.loads((tmp_path / "out" / "run" / "results.json").read_text())
+    assert data["base_url"] == url
+    lv = data["levels"][0]
+    assert lv["metrics"]["completed"] == 3 and lv["metrics"]["total_input_tokens"] == 60
+    assert lv["prefix"]["source"] in ("endpoint", "engines") and lv["prefix"]["query_tokens"] == 60
