@@ -119,6 +119,7 @@ class EngineProcess:
         d.mkdir(parents=True, exist_ok=True)
         self.log_path = d / f"{name}.log"
         self.proc: subprocess.Popen | None = None
+        self.pgid: int | None = None  # == the child's pid (own session); kept so stop() works after it exits
 
     @property
     def url(self) -> str:
@@ -139,6 +140,7 @@ class EngineProcess:
         self.proc = subprocess.Popen(self.spec.argv(), stdout=log, stderr=subprocess.STDOUT, env=env,
                                      stdin=subprocess.DEVNULL, start_new_session=True)
         log.close()
+        self.pgid = self.proc.pid
         return self
 
     def log_tail(self, n: int = 40) -> str:
@@ -176,21 +178,17 @@ class EngineProcess:
         """Stop the child and its whole process group (SIGINT, then SIGKILL after ``grace_s`` seconds)."""
         if self.proc is None:
             return
-        try:
-            pgid = os.getpgid(self.proc.pid)
-        except ProcessLookupError:
-            pgid = None
-        if pgid is not None and self.proc.poll() is None:
+        pgid = self.pgid
+        if self.proc.poll() is None:
             os.killpg(pgid, signal.SIGINT)
             try:
                 self.proc.wait(grace_s)
             except subprocess.TimeoutExpired:
                 pass
-        if pgid is not None:
-            try:
-                os.killpg(pgid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        try:  # the group outlives its leader when the engine left children behind: kill it by id either way
+            os.killpg(pgid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
         try:
             self.proc.wait(5)
         except subprocess.TimeoutExpired:  # pragma: no cover

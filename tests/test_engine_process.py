@@ -1,0 +1,65 @@
+"""EngineProcess stops the whole process group, also after the group leader itself exited."""
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+import pytest
+
+from dlmix.engine_process import EngineProcess, EngineStartError, VLLMServerSpec, free_port
+
+
+class _FakeSpec(VLLMServerSpec):
+    def __init__(self, code: str, **kw):
+        super().__init__(model="unused", port=free_port(), **kw)
+        self.code = code
+
+    def argv(self):
+        return [sys.executable, "-c", self.code]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as f:  # a zombie still answers kill(0)
+        return f.read().split(")")[-1].split()[0] != "Z"
+
+
+def test_stop_kills_grandchild_left_by_exited_leader(tmp_path):
+    pidfile = tmp_path / "grandchild.pid"
+    code = ("import subprocess, sys; p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(300)']); "
+            f"open({str(pidfile)!r}, 'w').write(str(p.pid))")
+    proc = EngineProcess(_FakeSpec(code), name="fake", log_dir=tmp_path).start()
+    deadline = time.monotonic() + 30
+    while not (pidfile.exists() and pidfile.read_text()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    grandchild = int(pidfile.read_text())
+    proc.proc.wait(30)  # the leader exits by itself
+    assert _alive(grandchild)
+    proc.stop(grace_s=1)
+    deadline = time.monotonic() + 10
+    while _alive(grandchild) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _alive(grandchild)
+
+
+def test_dead_engine_reports_log_tail(tmp_path):
+    proc = EngineProcess(_FakeSpec("print('boom: bad flag'); raise SystemExit(3)"), name="fake", log_dir=tmp_path)
+    with pytest.raises(EngineStartError, match="boom: bad flag"):
+        with proc:
+            pass
+
+
+def test_port_in_use_is_refused(tmp_path):
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        spec = _FakeSpec("pass")
+        spec.port = s.getsockname()[1]
+        with pytest.raises(EngineStartError, match="in use"):
+            EngineProcess(spec, name="fake", log_dir=tmp_path).start()
