@@ -55,7 +55,7 @@ def sim_command(
 ) -> None:
     """Simulate a heterogeneous cluster with the router's own policies (see docs/simulator.md)."""
     from dlmix.sim.config import ConfigError, load_deployment, load_model
-    from dlmix.sim.metrics import format_table
+    from dlmix.sim.metrics import format_instances, format_table
     from dlmix.sim.registry import sim_policies
     from dlmix.sim.simulator import Simulator
     from dlmix.sim.workload import WorkloadError
@@ -83,6 +83,7 @@ def sim_command(
         results.append(res)
     summaries = [r.summary for r in results]
     typer.echo(format_table(summaries, f"{dep.name} | {spec.name} | {workload} ×{speedup} | {len(reqs)} requests"))
+    typer.echo(format_instances(summaries))
     if out:
         from dlmix.sim.plots import plot_results
 

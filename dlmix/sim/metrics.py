@@ -122,3 +122,18 @@ def format_table(rows: Sequence[dict], title: str = "") -> str:
     for b in body:
         lines.append("  ".join(c.rjust(w[i]) for i, c in enumerate(b)))
     return "\n".join(lines)
+
+
+def format_instances(rows: Sequence[dict]) -> str:
+    """Plain-text table of per-instance utilization (busy fraction) and prefix-hit rate, one row per summary."""
+    if not rows:
+        return ""
+    ids = list(rows[0]["per_instance"])
+    w = max(len(str(r.get("label", ""))) for r in rows)
+    lines = ["per-instance utilization % / prefix-hit %: " + ", ".join(
+        f"{i} ({rows[0]['per_instance'][i]['chip']}, {rows[0]['per_instance'][i]['role']})" for i in ids)]
+    for r in rows:
+        cells = [f"{100 * r['per_instance'][i]['utilization']:5.1f}/{100 * r['per_instance'][i]['prefix_hit_rate']:4.1f}"
+                 for i in ids]
+        lines.append(str(r.get("label", "")).rjust(w) + "  " + "  ".join(cells))
+    return "\n".join(lines)
