@@ -142,6 +142,7 @@ def staging_peaks(lengths=(1000, 8000)) -> dict:
     import torch
 
     from dlmix.kv import KVLayout, ModelIdentity
+    from dlmix.kv.ops import pack
     from dlmix_vllm.transfer import KVEndpoint
 
     ident = ModelIdentity("LlamaForCausalLM", 30, 3, 64, "gqa", weights_fingerprint="sha256:x")
@@ -161,8 +162,7 @@ def staging_peaks(lengths=(1000, 8000)) -> dict:
                 raise RuntimeError(res.error)
             out[n] = {"peak_staging_mib": res.peak_staging_bytes / 2**20, "bytes": res.bytes_received,
                       "transfer_s": res.seconds, "rounds": res.rounds}
-            ok = all(torch.equal(s[blocks[-1]], t[blocks[-1]]) for s, t in zip(src, dst))
-            out[n]["exact"] = ok
+            out[n]["exact"] = bool(torch.equal(pack(lay, src, blocks, lay, 0, n), pack(lay, dst, blocks, lay, 0, n)))
     finally:
         p.close()
         d.close()

@@ -188,6 +188,8 @@ def test_second_request_moves_only_missing_blocks(servers, tok):
     prefix = tok(_text(rng, 700), add_special_tokens=False).input_ids[:700]
     a = prefix + tok(" " + _text(rng, 60), add_special_tokens=False).input_ids[:60]
     b = prefix + tok(" " + _text(rng, 90), add_special_tokens=False).input_ids[:90]
+    metric = "vllm:dlmix_kv_bytes_received_total"
+    before = T.metric_sum(D.url, metric)
     ra = T.two_step(P.url, D.url, "completion", a, MAX_TOKENS)
     rb = T.two_step(P.url, D.url, "completion", b, MAX_TOKENS)
     ia, ib = _dlmix(ra["decode"]), _dlmix(rb["decode"])
@@ -197,6 +199,12 @@ def test_second_request_moves_only_missing_blocks(servers, tok):
     # second: D holds the 5 full blocks of the common 700-token prefix; only tokens 640..789 (blocks 5, 6) move
     assert ib["local_hit_tokens"] == 640 and ib["loaded_tokens"] == 790 - 640
     assert ib["bytes_received"] == 2 * LAYERS * BYTES_PER_BLOCK_LAYER_BF16_128
+    # the same bytes through vLLM's KV connector stats -> Prometheus (stats travel with the next engine steps)
+    want = ia["bytes_received"] + ib["bytes_received"]
+    deadline = time.monotonic() + 30
+    while T.metric_sum(D.url, metric) - before != want and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert T.metric_sum(D.url, metric) - before == want
     refs = _refs(D.url, [{"i": 0, "kind": "completion", "prompt": b, "stream": False}])
     assert _ids(rb["decode"])[0] == refs[0][0]
 

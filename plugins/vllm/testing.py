@@ -245,3 +245,14 @@ def kv_usage(url: str) -> float:
     if total is None:
         raise RuntimeError("vllm:kv_cache_usage_perc not found in /metrics")
     return total
+
+
+def metric_sum(url: str, name: str) -> float:
+    """Sum of all samples of Prometheus metric ``name`` (exact sample name, e.g. ``..._total``) at ``url/metrics``;
+    0.0 when absent."""
+    text = httpx.get(url + "/metrics", timeout=10).text
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name + "{") or line.startswith(name + " "):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
