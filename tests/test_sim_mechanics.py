@@ -236,3 +236,18 @@ def test_decode_spans_do_not_change_results():
     for a, b in zip(out[0][:3], out[1][:3]):
         assert a == pytest.approx(b, rel=1e-9)
     assert out[0][3] == out[1][3]
+
+
+def test_kv_event_delay_hides_fresh_blocks_from_the_router(tmp_path):
+    dep = _dep(tmp_path)
+    dep["instances"][0]["count"] = 2
+    placed = {}
+    for delay in (0.0, 100.0):
+        reqs = [R(0, 0.0, 1024, 2, [1, 2]), R(1, 5.0, 1024, 2, [1, 2])]
+        sim = Simulator(dep, "smollm2", "prefix", kv_event_delay=delay)
+        res = sim.run(reqs)
+        placed[delay] = [r.decode_inst.idx for r in res.records]
+        # delayed events are applied in the end: every instance that computed the prefix holds it
+        assert sim.index.match(reqs[0].block_keys(64)) == {i: 16 for i in set(placed[delay])}
+    assert placed[0.0] == [0, 0]      # the router sees request 0's blocks on instance 0
+    assert placed[100.0] == [0, 1]    # not yet: least loaded / fewest processed
