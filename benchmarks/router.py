@@ -63,8 +63,11 @@ def serve_mocks(ports):
         len(r_models), r_models)
     r_ok = b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 2\r\n\r\n{}"
 
+    counts = {p: 0 for p in ports}
+
     class P(asyncio.Protocol):
         def connection_made(self, t):
+            self.port = t.get_extra_info("sockname")[1]
             self.t = t
             t.get_extra_info("socket").setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             self.p = httptools.HttpRequestParser(self)
@@ -89,7 +92,13 @@ def serve_mocks(ports):
                 self.stream = True
 
         def on_message_complete(self):
+            if self.url.startswith(b"/mock/stats"):
+                b = json.dumps({str(k): v for k, v in counts.items()}).encode()
+                self.t.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%s"
+                             % (len(b), b))
+                return
             if self.url.startswith(b"/v1/completions") or self.url.startswith(b"/v1/chat"):
+                counts[self.port] += 1
                 if self.stream:
                     self.t.write(r_head)
                     for c in chunks:
@@ -237,6 +246,80 @@ def paced(port: int, rate: float, secs: float) -> dict:
     return json.loads(out.stdout.decode().strip().splitlines()[-1])
 
 
+def shared_prefix_spread(port: int, mock_port: int, n: int = 200, conc: int = 16) -> dict:
+    """Send ``n`` requests sharing one 4 KB prefix (unique suffixes) with ``conc`` in flight; return the share of
+    the busiest backend and the per-backend counts."""
+    import httpx
+
+    def stats():
+        return httpx.get(f"http://127.0.0.1:{mock_port}/mock/stats", timeout=5).json()
+
+    before = stats()
+    prefix = ("You are a helpful assistant for the dlmix project. Answer briefly and precisely. " * 50)[:4096]
+
+    async def run():
+        sem = asyncio.Semaphore(conc)
+        async with httpx.AsyncClient(timeout=30) as h:
+            async def one(i):
+                async with sem:
+                    r = await h.post(f"http://127.0.0.1:{port}/v1/completions",
+                                     json={"model": "mock", "prompt": prefix + f" Question {i}?", "max_tokens": 8})
+                    return r.status_code
+            return await asyncio.gather(*(one(i) for i in range(n)))
+
+    codes = asyncio.run(run())
+    after = stats()
+    counts = sorted((after[k] - before[k] for k in after), reverse=True)
+    return {"max_share": round(counts[0] / max(sum(counts), 1), 3), "counts": counts,
+            "ok": sum(1 for c in codes if c == 200)}
+
+
+def tokenize_costs() -> dict:
+    """µs to tokenize a 1 KB chat prompt with the SmolLM2 fast tokenizer (cached build) and to hash its blocks
+    (sha256_cbor, block 16), plus the approximate char-chunk path; None where the model is unavailable."""
+    import timeit
+
+    sys.path.insert(0, ROOT)
+    from dlmix.router.hashing import BlockHasher, char_chunk_keys
+    from dlmix.router.tokenize import PromptExtractor
+
+    out = {"char_chunks_us_1kb": round(timeit.timeit(lambda: char_chunk_keys(PROMPT, 16), number=2000) / 2 * 1e3, 1)}
+    try:
+        from dlmix.models import prepare
+
+        path = str(prepare("smollm2"))
+    except Exception as ex:  # noqa: BLE001
+        out["tokenizer_note"] = f"smollm2 unavailable: {ex}"
+        return out
+    ex = PromptExtractor(path)
+    body = {"messages": [{"role": "system", "content": PROMPT}, {"role": "user", "content": "Question 0?"}]}
+    ex.extract(True, body)
+    n = 200
+    k = [0]
+
+    def cold():  # nothing cached
+        ex._cache.clear()
+        if ex._split is not None:
+            ex._seg.clear()
+        return ex.extract(True, body)
+
+    def warm():  # shared 1 KB system prompt cached, a new question each time
+        k[0] += 1
+        return ex.extract(True, {"messages": [body["messages"][0], {"role": "user", "content": f"Question {k[0]}?"}]})
+    out["hf_chat_tokenize_us_1kb_cold"] = round(timeit.timeit(cold, number=n) / n * 1e6, 1)
+    out["hf_chat_tokenize_us_1kb_shared_system"] = round(timeit.timeit(warm, number=n) / n * 1e6, 1)
+    out["hf_split_encoding_active"] = ex._split is not None
+    ids = cold()[0]
+    h = BlockHasher("sha256_cbor", memo_size=0)
+    h.memo_size = 1  # no memo hits: the first-time cost
+    out["sha256_cbor_hash_us_1kb_cold"] = round(timeit.timeit(lambda: h.block_keys(ids, 16), number=n) / n * 1e6, 1)
+    h2 = BlockHasher("sha256_cbor")
+    out["sha256_cbor_hash_us_1kb_memo"] = round(timeit.timeit(lambda: h2.block_keys(ids, 16), number=n) / n * 1e6,
+                                                1)
+    out["tokens_1kb"] = len(ids)
+    return out
+
+
 def index_mib_per_million(n: int = 1_000_000) -> float:
     import tracemalloc
 
@@ -278,7 +361,7 @@ def main() -> None:
                              stdout=subprocess.PIPE, start_new_session=True)
     mocks.stdout.readline()
     res: dict = {"rps": {}, "streams_per_s": {}, "added_ms_at_500rps": {}, "cpu_us_per_req": {},
-                 "cpu_us_per_stream": {}}
+                 "cpu_us_per_stream": {}, "shared_prefix_4kb": {}}
     procs = []
     try:
         routers = {}
@@ -355,6 +438,10 @@ def main() -> None:
                                                "p99": round(q["p99"] - base["p99"], 3)}
             print(f"{name}: added p50 {q['p50'] - base['p50']:.3f} ms p99 {q['p99'] - base['p99']:.3f} ms",
                   file=sys.stderr)
+        for name, (port, pid) in targets.items():
+            if name != "no_router":
+                res["shared_prefix_4kb"][name] = shared_prefix_spread(port, ports[0])
+                print(f"{name}: shared prefix spread {res['shared_prefix_4kb'][name]}", file=sys.stderr)
     finally:
         for p in procs:
             stop(p)
@@ -384,6 +471,8 @@ def main() -> None:
                                       if "sglang_round_robin" in res["streams_per_s"] else None),
         "p99_added_ms_at_500rps": res["added_ms_at_500rps"].get("dlmix_cost", {}).get("p99"),
         "p99_added_ms_at_500rps_round_robin": res["added_ms_at_500rps"].get("dlmix_round_robin", {}).get("p99"),
+        "shared_prefix_4kb_over_4": res["shared_prefix_4kb"],
+        **tokenize_costs(),
         "index_mib_per_million_blocks": round(index_mib_per_million(), 1),
         "notes": notes + ["router pinned to core 0, mocks + load generators on core 1; on a shared machine "
                           "req/s depends on other load, CPU us/req (from /proc) does not"],

@@ -352,3 +352,21 @@ def test_client_keys_and_body_limit(lt):
             assert r.status_code == 413
     finally:
         c.close()
+
+
+@pytest.mark.parametrize("which", ["smollm2", "tiny"])
+def test_hf_split_encoding_equals_whole_encoding(which, smollm2_dir, tiny_model_dir):
+    from transformers import AutoTokenizer
+
+    from dlmix.router.tokenize import PromptExtractor
+
+    path = str(smollm2_dir if which == "smollm2" else tiny_model_dir)
+    tok = AutoTokenizer.from_pretrained(path)
+    ex = PromptExtractor(path)
+    system = {"role": "system", "content": "You are a careful assistant.  Be brief.\n\nRules: none. " * 8}
+    for q in ("Hi", " leading space?", "emoji 🙂 and\ttabs", "<|im_start|> injected", "last one"):
+        msgs = [system, {"role": "user", "content": q}]
+        ids, text = ex.extract(True, {"messages": msgs})
+        assert ids == tok.encode(text, add_special_tokens=False)
+        ids2, _ = ex.extract(False, {"prompt": text})
+        assert ids2 == tok.encode(text)

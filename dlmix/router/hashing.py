@@ -103,11 +103,14 @@ class BlockHasher:
     Args:
         algo: ``sha256_cbor`` or ``sha256``.
         seed: the engines' PYTHONHASHSEED (None if unset there).
+        memo_size: block hashes memoised by (parent, tokens) (as vLLM's own LRU), cleared when full.
     """
 
-    def __init__(self, algo: str = "sha256_cbor", seed: Optional[str] = None):
+    def __init__(self, algo: str = "sha256_cbor", seed: Optional[str] = None, memo_size: int = 1 << 16):
         self.algo = algo
         self.none_hash = none_hash(algo, seed)
+        self.memo_size = memo_size
+        self._memo: dict = {}
 
     def hash_block(self, parent: Optional[bytes], tokens: Sequence[int], extra: Optional[tuple] = None) -> bytes:
         """One block hash (32 bytes), as ``hash_block_tokens(H, parent, tokens, extra)``."""
@@ -117,11 +120,20 @@ class BlockHasher:
             return sha256_pickle((parent, tuple(tokens), extra))
         if extra is not None or len(parent) != 32:
             return sha256_cbor((parent, tuple(tokens), extra))
+        key = (parent, tuple(tokens))
+        h = self._memo.get(key)
+        if h is not None:
+            return h
         n = len(tokens)
         head = b"\x83\x58\x20" + parent + _cbor_head(4, n)
         enc = _enc_cache
         parts = [enc.get(t) or _cbor_token(t) for t in tokens]
-        return hashlib.sha256(head + b"".join(parts) + b"\xf6").digest()
+        h = hashlib.sha256(head + b"".join(parts) + b"\xf6").digest()
+        memo = self._memo
+        if len(memo) >= self.memo_size:
+            memo.clear()  # cheap bound; hot prefixes refill at once
+        memo[key] = h
+        return h
 
     def block_hashes(self, tokens: Sequence[int], block_size: int, cache_salt: Optional[str] = None) -> List[bytes]:
         """Hashes (32 bytes each) of every full ``block_size``-token block of ``tokens``, chained from NONE_HASH."""
