@@ -189,6 +189,7 @@ class Endpoint(Transport):
       enforces on frames it receives; a frame over a limit closes that connection (logged).
     * ``handshake_timeout_s`` (float, 10): time allowed for a peer to authenticate.
     * ``inline_bytes`` (int, 256 KiB): writes up to this size are sent by the calling thread.
+    * ``min_stripe_bytes`` (int, 1 MiB): smallest chunk when a transfer is spread over the stripes.
     """
 
     DP = "tcp"
@@ -210,6 +211,7 @@ class Endpoint(Transport):
         max_segs: int = 65536,
         handshake_timeout_s: float = 10.0,
         inline_bytes: int = 256 << 10,
+        min_stripe_bytes: int = 1 << 20,
     ):
         secret = secret if secret is not None else os.environ.get("DLMIX_KV_SECRET")
         if not secret:
@@ -227,6 +229,7 @@ class Endpoint(Transport):
         self.max_segs = int(max_segs)
         self.handshake_timeout_s = float(handshake_timeout_s)
         self.inline_bytes = int(inline_bytes)
+        self.min_stripe_bytes = max(4096, int(min_stripe_bytes))
         if self.chunk_bytes > self.max_payload:
             self.chunk_bytes = self.max_payload
 
@@ -818,8 +821,11 @@ class Endpoint(Transport):
         return groups
 
     def _submit(self, x: _Xfer, op: str, peer: str, conns: list[_Conn], segs: list[Segment]) -> None:
-        """Built-in TCP data path: chunks carry the payload in frames, spread over the stripes."""
-        groups = self._split(segs, self.chunk_bytes, self.segs_per_frame)
+        """Built-in TCP data path: chunks carry the payload in frames, spread over the stripes. A transfer of at least
+        2 x ``min_stripe_bytes`` is cut into at least one chunk per stripe so every connection streams at once."""
+        total = sum(s.length for s in segs)
+        per = min(self.chunk_bytes, max(self.min_stripe_bytes, -(-total // len(conns))))
+        groups = self._split(segs, per, self.segs_per_frame)
         regions = self._regions
         chunks = []
         for g in groups:
