@@ -119,3 +119,17 @@ def test_cost_cross_cluster_balances_completion_time():
     # makes it slower
     assert picks[:5] == ["i0"] * 5 and "i1" in picks
     assert picks.count("i0") > picks.count("i1")
+
+
+def test_cost_avoids_full_kv_cache():
+    xs = [inst(0, "decode", "H20"), inst(1, "decode", "H20")]
+    cm = CostModel("llama-3.1-8b")
+    cap = cm.kv_capacity_tokens("H20")
+    assert cap == int((0.9 * 96e9 - 8.03e9 * 2) / 131072)
+    xs[0].load.decode_ctx_tokens = cap - 100  # would overflow with a 1000-token prompt
+    p = make_policy("cost")
+    assert p.choose(req(1000), cost_view(xs)).decode.id == "i1"
+    xs[0].load.decode_ctx_tokens = 0
+    xs[1].load.kv_usage = 0.99  # engine-reported
+    xs[0].load.inflight = 1
+    assert p.choose(req(1000), cost_view(xs)).decode.id == "i0"

@@ -157,6 +157,16 @@ class CostModel:
         comp = self._lin * batch / (p.mfu * p.flops * num_chips)
         return self.t1 + (mem if mem > comp else comp)
 
+    def kv_capacity_tokens(self, chip: str, num_chips: int = 1, mem_util: float = 0.9) -> int:
+        """Tokens of KV cache that fit: ``(mem_util · memory · chips − weight bytes) / kv_bytes_per_token``
+        (vLLM's ``gpu_memory_utilization`` default 0.9; activations ignored). 0 if the weights do not fit."""
+        key = ("cap", chip, num_chips, mem_util)
+        c = self._coefs.get(key)
+        if c is None:
+            p = self.chip(chip)
+            c = self._coefs[key] = max(int((mem_util * p.mem_gb * 1e9 * num_chips - self._wbytes) / self.kv_bpt), 0)
+        return c
+
     def kv_bytes(self, n_tokens: int) -> int:
         """KV bytes of ``n_tokens`` tokens (``n · kv_bytes_per_token``)."""
         return max(n_tokens, 0) * self.kv_bpt

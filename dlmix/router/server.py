@@ -190,8 +190,16 @@ class Router:
                 block_size=int(d.get("block_size", self.cfg.default_block_size)), kv_layout=d.get("kv_layout"),
                 transport=d.get("transport"), kv_events=d.get("kv_events"), api_key=d.get("api_key"),
                 extra={k: v for k, v in d.items() if k not in ("api_key",)})
+            if st.block_size <= 0:
+                st.block_size = self.cfg.default_block_size
             if st.transport is not None:
-                self.catalog.link(st.transport)
+                if not isinstance(st.transport, dict):
+                    raise ValueError("transport must be a mapping")
+                try:
+                    self.catalog.link(st.transport)
+                except KeyError as ex:  # unknown link name: keep the descriptor, price it as the default link
+                    st.extra["transport_warning"] = str(ex.args[0])
+                    st.transport = dict(st.transport, link=None)
         except (TypeError, ValueError, KeyError) as ex:
             raise RegistrationError(400, f"bad instance field: {ex}") from None
         reasons = self._check_layouts(st)

@@ -8,6 +8,9 @@ OSDI'24 placement, Splitwise ISCA'24 phase split; formulas in :mod:`dlmix.hw.cos
   already queued on X (router-counted, linear term ``2·P·q/(MFU·F)``), ``r_X`` = X's online TTFT calibration ratio;
 * PD with each prefill-role instance P: ``TTFT = Q_P + T_pre_P(N, h_P)·r_P + T_xfer(P→D, N − h_D) + t1``.
 
+Memory: a D whose KV cache would overflow (router-counted Σctx + N above the chip's KV capacity, see
+``CostModel.kv_capacity_tokens``) or whose engine reports ``kv_usage ≥ kv_usage_limit`` gets ``penalty_s``.
+
 Constraint: D must keep its ITL target after admitting the request, ``T_step_D(B_D+1, Σctx_D+N)·r_itl_D ≤ itl_target``;
 instances breaking it get a penalty of ``penalty_s`` per 100 % excess, so they are used only if all break it.
 Local prefill stalls D's running batch; that costs ``interference × T_pre_D`` when D has running decodes.
@@ -42,7 +45,9 @@ class CostPolicy(Policy):
 
     def __init__(self, itl_target: float = 0.05, local_max_uncached: int = 256, pd_margin_s: float = 0.002,
                  interference: float = 0.5, penalty_s: float = 10.0, default_output_tokens: int = 256,
-                 balance_abs_threshold: float = 4, balance_rel_threshold: float = 1.5, **_):
+                 balance_abs_threshold: float = 4, balance_rel_threshold: float = 1.5,
+                 kv_usage_limit: float = 0.95, **_):
+        self.kv_usage_limit = float(kv_usage_limit)
         self.abs_t = float(balance_abs_threshold)
         self.rel_t = float(balance_rel_threshold)
         self.itl_target = float(itl_target)
@@ -106,6 +111,10 @@ class CostPolicy(Policy):
                 hd = n
             step = self.step_time(cost, d, n)
             pen = 0.0 if step <= self.itl_target else self.penalty_s * (step / self.itl_target - 1.0)
+            ld = d.load
+            if ld.kv_usage >= self.kv_usage_limit or \
+                    ld.decode_ctx_tokens + n > cost.kv_capacity_tokens(d.chip, d.num_chips):
+                pen += self.penalty_s
             c0 = cost.coefs(d.chip, d.num_chips)[0]
             t_pre = (t0 + (lin * (n - hd) + quad * (n2 - hd * hd)) * c0) * d.ttft_ratio
             t_local = self.queue_time(cost, d) + t_pre
