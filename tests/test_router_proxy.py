@@ -370,3 +370,47 @@ def test_hf_split_encoding_equals_whole_encoding(which, smollm2_dir, tiny_model_
         assert ids == tok.encode(text, add_special_tokens=False)
         ids2, _ = ex.extract(False, {"prompt": text})
         assert ids2 == tok.encode(text)
+
+
+def test_health_check_takes_out_and_brings_back(lt):
+    a, b = MockEngine(name="a"), MockEngine(name="b")
+    c = Cluster(lt, [a, b], policy="round_robin", health_interval_s=0.1, health_failures=1)
+    try:
+        port = b.port
+        lt.run(b.die())
+        deadline = time.time() + 5
+        while c.router.rt["b"].state.healthy and time.time() < deadline:
+            time.sleep(0.05)
+        assert not c.router.rt["b"].state.healthy
+        with httpx.Client(timeout=10) as h:
+            assert all(h.post(c.base + "/v1/completions", json=BODY).status_code == 200 for _ in range(4))
+        lt.run(b.start(port))  # the engine comes back on the same address
+        deadline = time.time() + 5
+        while not c.router.rt["b"].state.healthy and time.time() < deadline:
+            time.sleep(0.05)
+        assert c.router.rt["b"].state.healthy
+        n = b.requests
+        with httpx.Client(timeout=10) as h:
+            for _ in range(4):
+                h.post(c.base + "/v1/completions", json=BODY)
+        assert b.requests == n + 2
+    finally:
+        c.close()
+
+
+def test_online_calibration_and_metrics(lt):
+    e = MockEngine(name="cal", ttft=0.05, itl=0.01)
+    c = Cluster(lt, [e], chips=["H100"], policy="cost", model_spec="llama-3.1-8b")
+    try:
+        with httpx.Client(timeout=10) as h:
+            for i in range(3):
+                r = h.post(c.base + "/v1/completions", json=dict(BODY, stream=True, prompt=f"{i} " + BODY["prompt"]))
+                assert r.status_code == 200
+            m = h.get(c.base + "/metrics").text
+        st = c.router.rt["cal"].state
+        # the model predicts a few ms on an H100; the mock takes >= 50 ms -> measured/predicted ratio rises above 1
+        assert st.ttft_ratio > 1.5 and st.itl_ratio != 1.0
+        assert 'dlmix_router_ttft_seconds_count{chip="H100",instance="cal"} 3.0' in m
+        assert 'dlmix_router_requests_total{route="cost:local"} 3.0' in m
+    finally:
+        c.close()
