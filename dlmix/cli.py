@@ -25,11 +25,17 @@ def models_prepare(
 
 
 @app.command("demo")
-def demo() -> None:
-    """Run the demo on the real SmolLM2 model with vLLM CPU; exit code 0 only if every request succeeded."""
-    from dlmix.demo import run_single
+def demo(
+    deployment: str = typer.Option(None, "--deployment", help="Deployment file (default: examples/cpu-pd.yaml)"),
+    max_tokens: int = typer.Option(48, "--max-tokens", help="Output tokens per request"),
+    free_ports: bool = typer.Option(False, "--free-ports", help="Use free ports instead of the file's"),
+    json_out: str = typer.Option(None, "--json", help="Also write the per-request rows to this JSON file"),
+) -> None:
+    """Launch the CPU heterogeneous PD example with SmolLM2, send real requests through the router, print a table
+    per request; exit code 0 only if every request succeeded and the decode instance received KV (measured)."""
+    from dlmix.demo import run_demo
 
-    raise typer.Exit(run_single())
+    raise typer.Exit(run_demo(deployment, max_tokens=max_tokens, free_ports=free_ports, json_out=json_out))
 
 
 from dlmix.bench.cli import bench as _bench  # noqa: E402

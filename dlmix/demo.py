@@ -1,50 +1,315 @@
-"""``dlmix demo``: the main job of the README, run on the real SmolLM2 model.
+"""``dlmix demo``: the README's main job, on the real SmolLM2 model.
 
-Current stage: serve SmolLM2 with one vLLM CPU instance and answer a chat request, streamed to the terminal.
+It launches the CPU heterogeneous PD example (``examples/cpu-pd.yaml``: prefill in bf16 with KV block size 32 on
+core 0, decode in fp32 with block size 128 on core 1, the dlmix router in front), sends a handful of real requests
+through the router (single questions, a multi-turn chat sharing a long system prompt, streamed and not), prints the
+answers as they stream, and ends with one table row per request:
+
+    prefill instance, decode instance, path (disaggregated or local), prompt tokens, prefix-hit tokens,
+    KV bytes moved, KV transfer time, TTFT, TPOT.
+
+Everything in the table is measured, nothing assumed: requests go one at a time, and each row comes from the
+difference of Prometheus counters before and after the request (the router's ``dlmix_router_requests_total``
+by route and ``dlmix_router_responses_total`` by instance; the engines' ``vllm:prefix_cache_hits_total``; the
+decode instance's ``vllm:dlmix_kv_bytes_received_total`` and ``vllm:dlmix_kv_transfer_seconds_sum``, published by
+DLMixConnector), plus client-side timing of the stream (TTFT, TPOT = (E2E − TTFT) / (output tokens − 1)).
+
+Exit code 0 only if every request succeeded and the decode instance really received KV.
 """
 from __future__ import annotations
 
 import json
 import sys
-import tempfile
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Dict, List, Optional
 
 import httpx
 
-from dlmix.engine_process import EngineProcess, EngineStartError, VLLMServerSpec, free_port
-from dlmix.models import prepare
+__all__ = ["run_demo", "DEFAULT_DEPLOYMENT", "DemoRow", "scrape"]
 
-QUESTIONS = ["What is the capital of France?", "Name three colors."]
+DEFAULT_DEPLOYMENT = Path(__file__).resolve().parents[1] / "examples" / "cpu-pd.yaml"
+
+SYSTEM_PROMPT = (
+    "You are the help desk assistant of Northwind Rail, a regional railway company. Answer briefly and politely. "
+    "Facts you may use: trains run every 30 minutes from 6 am to midnight on weekdays and every hour on weekends. "
+    "Tickets can be bought at stations, in the app, or on board with a surcharge of two euros. Children under six "
+    "travel free; children from six to fourteen pay half price. Bicycles are allowed outside rush hours (7-9 am and "
+    "4-7 pm) at a cost of three euros per trip. Lost property is kept for 30 days at the central station. Pets in a "
+    "carrier travel free; larger dogs need a child ticket and must be on a leash. The quiet coach is always the first "
+    "coach of the train. Delays of more than 60 minutes are refunded at 25 percent, more than 120 minutes at 50 "
+    "percent, claimed within 14 days in the app. Season tickets are personal and must be shown with an ID card. "
+    "Wheelchair users can book assistance 24 hours before travel by phone; staff meet them at the platform. "
+    "Smoking and vaping are forbidden on trains and platforms. Food and drinks are allowed except in the quiet coach. "
+    "The first-class upgrade costs eight euros and can be bought on board when seats are free. Group tickets for "
+    "ten or more people get a 20 percent discount if booked a week ahead. Station lockers cost four euros per day. "
+    "Never invent facts that are not listed here; if you do not know, say so and give the phone number 0800 1234."
+)
 
 
-def run_single(max_tokens: int = 48) -> int:
-    """Start one vLLM CPU server with SmolLM2, stream answers to ``QUESTIONS``; return a process exit code."""
-    model = prepare("smollm2")
-    spec = VLLMServerSpec(model=str(model), port=free_port(), served_model_name="smollm2", max_model_len=2048)
-    log_dir = tempfile.mkdtemp(prefix="dlmix-demo-")
-    print(f"[demo] starting vLLM CPU with SmolLM2 on {spec.url} (log in {log_dir})", flush=True)
+@dataclass
+class DemoRequest:
+    """One request of the demo: OpenAI endpoint path, body, and whether to stream it."""
+
+    label: str
+    path: str
+    body: dict
+    stream: bool = True
+
+
+@dataclass
+class DemoRow:
+    """Measured figures of one request (bytes, seconds, tokens); ``None`` where not measurable."""
+
+    label: str
+    ok: bool = False
+    error: str = ""
+    text: str = ""
+    prefill: str = "-"
+    decode: str = "-"
+    path: str = "-"
+    prompt_tokens: Optional[int] = None
+    output_tokens: Optional[int] = None
+    hit_tokens: Optional[int] = None
+    kv_bytes: int = 0
+    transfer_s: float = 0.0
+    ttft_s: Optional[float] = None
+    tpot_s: Optional[float] = None
+    e2e_s: Optional[float] = None
+    extra: Dict[str, float] = field(default_factory=dict)
+
+
+def scrape(url: str, timeout: float = 10.0) -> Dict[tuple, float]:
+    """Read a Prometheus ``/metrics`` page into ``{(sample name, frozenset(labels.items())): value}``.
+
+    Raises:
+        httpx.HTTPError: the endpoint is unreachable.
+    """
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(url.rstrip("/") + "/metrics", timeout=timeout).text
+    out: Dict[tuple, float] = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            out[(s.name, frozenset(s.labels.items()))] = s.value
+    return out
+
+
+def _delta(after: Dict[tuple, float], before: Dict[tuple, float], name: str, **match) -> Dict[frozenset, float]:
+    """Per-label-set increase of sample ``name`` whose labels include ``match``."""
+    res: Dict[frozenset, float] = {}
+    for (n, labels), v in after.items():
+        if n != name or any(dict(labels).get(k) != val for k, val in match.items()):
+            continue
+        d = v - before.get((n, labels), 0.0)
+        if d:
+            res[labels] = d
+    return res
+
+
+def _sum(d: Dict[frozenset, float]) -> float:
+    return float(sum(d.values()))
+
+
+def demo_requests(model: str, max_tokens: int) -> List[DemoRequest]:
+    """The demo's requests: two single questions, a three-turn chat and a second user sharing the long system
+    prompt (their later turns hit the prefix cache), a plain completion (not streamed)."""
+    sys_msg = {"role": "system", "content": SYSTEM_PROMPT}
+    chat = lambda msgs, stream=True: {"model": model, "messages": msgs, "max_tokens": max_tokens,  # noqa: E731
+                                      "temperature": 0, "stream": stream,
+                                      **({"stream_options": {"include_usage": True}} if stream else {})}
+    return [
+        DemoRequest("question 1", "/v1/chat/completions",
+                    chat([{"role": "user", "content": "What is the capital of France?"}])),
+        DemoRequest("question 2", "/v1/chat/completions", chat([{"role": "user", "content": "Name three colors."}])),
+        DemoRequest("chat turn 1", "/v1/chat/completions",
+                    chat([sys_msg, {"role": "user", "content": "Can I take my bicycle on the train at 8 am?"}])),
+        DemoRequest("chat turn 2", "/v1/chat/completions", chat([]), stream=True),  # messages filled in at run time
+        DemoRequest("other user, same system prompt", "/v1/chat/completions",
+                    chat([sys_msg, {"role": "user", "content": "How much does a station locker cost?"}])),
+        DemoRequest("completion (not streamed)", "/v1/completions",
+                    {"model": model, "prompt": "The three primary colors are", "max_tokens": max_tokens,
+                     "temperature": 0}, stream=False),
+    ]
+
+
+def _send(client: httpx.Client, base: str, req: DemoRequest, row: DemoRow, echo) -> None:
+    """Send one request; fill text, token counts and client-side timing into ``row``."""
+    t0 = time.perf_counter()
+    if not req.stream:
+        r = client.post(base + req.path, json=req.body)
+        row.e2e_s = time.perf_counter() - t0
+        if r.status_code != 200:
+            row.error = f"HTTP {r.status_code}: {r.text[:300]}"
+            return
+        data = r.json()
+        c = data["choices"][0]
+        row.text = c.get("text") if "text" in c else c["message"]["content"]
+        echo(row.text)
+        usage = data.get("usage") or {}
+        row.prompt_tokens, row.output_tokens = usage.get("prompt_tokens"), usage.get("completion_tokens")
+        row.ok = bool(row.text.strip())
+        return
+    first: Optional[float] = None
+    parts: List[str] = []
+    usage: dict = {}
+    with client.stream("POST", base + req.path, json=req.body) as r:
+        if r.status_code != 200:
+            row.error = f"HTTP {r.status_code}: {r.read().decode(errors='replace')[:300]}"
+            return
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line.strip() == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if chunk.get("usage"):
+                usage = chunk["usage"]
+            for c in chunk.get("choices") or []:
+                piece = (c.get("delta") or {}).get("content") or c.get("text") or ""
+                if piece:
+                    if first is None:
+                        first = time.perf_counter()
+                    parts.append(piece)
+                    echo(piece)
+    end = time.perf_counter()
+    row.text = "".join(parts)
+    row.e2e_s = end - t0
+    row.ttft_s = (first - t0) if first is not None else None
+    row.prompt_tokens, row.output_tokens = usage.get("prompt_tokens"), usage.get("completion_tokens")
+    if row.ttft_s is not None and row.output_tokens and row.output_tokens > 1:
+        row.tpot_s = (row.e2e_s - row.ttft_s) / (row.output_tokens - 1)
+    row.ok = bool(row.text.strip())
+
+
+def _measure(row: DemoRow, roles: Dict[str, str], before: dict, after: dict) -> None:
+    """Fill placement, prefix hits and KV transfer figures of ``row`` from metric differences.
+
+    The instances that served the request are those whose ``vllm:request_success_total`` grew; in a disaggregated
+    request both the prefill instance (its one-token prefill leg) and the decode instance did.
+    """
+    routes = _delta(after["router"], before["router"], "dlmix_router_requests_total")
+    row.extra["route"] = ",".join(sorted(dict(k).get("route", "?") for k in routes)) or "?"  # type: ignore
+    touched = [n for n in roles if n in after
+               and _sum(_delta(after[n], before[n], "vllm:request_success_total")) > 0]
+    dec = [n for n in touched if roles[n] in ("decode", "both")]
+    pre = [n for n in touched if roles[n] == "prefill"]
+    row.decode = dec[0] if dec else "-"
+    row.prefill = pre[0] if pre else row.decode
+    row.path = "disaggregated" if pre else "local"
+    hits = lambda n: int(_sum(_delta(after[n], before[n], "vllm:prefix_cache_hits_total")))  # noqa: E731
+    if row.prefill in after:
+        row.hit_tokens = hits(row.prefill)
+    if row.decode in after:
+        d = row.decode
+        row.extra["decode_hit_tokens"] = hits(d) if pre else 0  # type: ignore[assignment]
+        row.kv_bytes = int(_sum(_delta(after[d], before[d], "vllm:dlmix_kv_bytes_received_total")))
+        row.transfer_s = _sum(_delta(after[d], before[d], "vllm:dlmix_kv_transfer_seconds_sum"))
+
+
+def _table(rows: List[DemoRow]):
+    from rich.table import Table
+
+    t = Table(title="dlmix demo: one row per request (measured)")
+    for col in ("request", "prefill", "decode", "path", "prompt tok", "prefix hit P/D", "KV bytes moved",
+                "transfer ms", "TTFT ms", "TPOT ms", "ok"):
+        t.add_column(col, justify="left" if col in ("request", "prefill", "decode", "path") else "right")
+    ms = lambda s: "-" if s is None else f"{s * 1000:.0f}"  # noqa: E731
+    for r in rows:
+        t.add_row(r.label, r.prefill, r.decode, r.path, str(r.prompt_tokens if r.prompt_tokens is not None else "-"),
+                  f"{r.hit_tokens if r.hit_tokens is not None else '-'}/{r.extra.get('decode_hit_tokens', '-')}",
+                  f"{r.kv_bytes:,}",
+                  f"{r.transfer_s * 1000:.1f}", ms(r.ttft_s), ms(r.tpot_s), "yes" if r.ok else "NO")
+    return t
+
+
+def run_demo(deployment: str | Path | None = None, max_tokens: int = 48, free_ports: bool = False,
+             json_out: Optional[str] = None) -> int:
+    """Launch ``deployment`` (default ``examples/cpu-pd.yaml``), run the demo requests, print the table.
+
+    Args:
+        deployment: deployment file (see ``dlmix launch``); it needs a router and a decode instance.
+        max_tokens: output tokens per request.
+        free_ports: replace every port of the file by a free one (for tests and busy machines).
+        json_out: also write the rows as JSON to this file.
+
+    Returns:
+        0 when every request succeeded and the decode side received KV bytes (measured), else 1; 2 for a bad file.
+    """
+    from rich.console import Console
+
+    from dlmix.engine_process import free_port
+    from dlmix.launch import ConfigError, Deployment, LaunchError, launch
+    from dlmix.models import ModelError
+
+    console = Console(width=None if sys.stdout.isatty() else 150)
+    path = Path(deployment) if deployment else DEFAULT_DEPLOYMENT
     try:
-        with EngineProcess(spec, name="vllm", log_dir=log_dir) as server:
-            for q in QUESTIONS:
-                print(f"\nuser> {q}\nassistant> ", end="", flush=True)
-                body = {"model": "smollm2", "messages": [{"role": "user", "content": q}],
-                        "max_tokens": max_tokens, "temperature": 0, "stream": True}
-                text = ""
-                with httpx.stream("POST", server.url + "/v1/chat/completions", json=body, timeout=120) as r:
-                    if r.status_code != 200:
-                        print(f"\n[demo] HTTP {r.status_code}: {r.read().decode(errors='replace')}")
-                        return 1
-                    for line in r.iter_lines():
-                        if not line.startswith("data: ") or line == "data: [DONE]":
-                            continue
-                        delta = json.loads(line[6:])["choices"][0]["delta"].get("content") or ""
-                        text += delta
-                        print(delta, end="", flush=True)
-                print()
-                if not text.strip():
-                    print("[demo] empty answer")
-                    return 1
-    except EngineStartError as e:
-        print(f"[demo] engine failed to start: {e}", file=sys.stderr)
+        dep = Deployment.from_file(path)
+    except (ConfigError, OSError) as e:
+        console.print(f"[red]demo: cannot use {path}: {e}")
+        return 2
+    if free_ports:
+        dep.router.port = free_port()  # type: ignore[union-attr]
+        for inst in dep.instances:
+            inst.port = free_port()
+    if not dep.router_enabled():
+        console.print(f"[red]demo: {path} has no router")
+        return 2
+    rows: List[DemoRow] = []
+    try:
+        with launch(dep, console=console) as running:
+            base = running.router_url
+            model = running.instances[0].served_model_name
+            roles = {i.name: i.role for i in running.instances}
+            urls = {i.name: i.url for i in running.instances}
+            console.print(f"\n[bold]Router at {base}[/]; instances: "
+                          + ", ".join(f"{i.name} ({i.role}, {i.url})" for i in running.instances))
+            reqs = demo_requests(model, max_tokens)
+            history: List[dict] = []
+            with httpx.Client(timeout=httpx.Timeout(600.0, connect=10.0)) as client:
+                for req in reqs:
+                    if req.label == "chat turn 1":
+                        history = list(req.body["messages"])
+                    if req.label == "chat turn 2":
+                        req.body["messages"] = history + [
+                            {"role": "user", "content": "And how much does that cost for one trip?"}]
+                    console.print(f"\n[bold cyan]{req.label}[/] → ", end="")
+                    last = req.body.get("messages", [{}])[-1].get("content") if "messages" in req.body else \
+                        req.body["prompt"]
+                    console.print(f"[dim]{last}[/]")
+                    before = {"router": scrape(base), **{n: scrape(u) for n, u in urls.items()}}
+                    row = DemoRow(req.label)
+                    try:
+                        _send(client, base, req, row, lambda s: (sys.stdout.write(s), sys.stdout.flush()))
+                    except httpx.HTTPError as e:
+                        row.error = f"{type(e).__name__}: {e}"
+                    print()
+                    if req.label == "chat turn 1" and row.ok:
+                        history.append({"role": "assistant", "content": row.text})
+                    # engine stats reach Prometheus on the engine's next step: poll briefly for them to settle
+                    after = {}
+                    for _ in range(20):
+                        after = {"router": scrape(base), **{n: scrape(u) for n, u in urls.items()}}
+                        _measure(row, roles, before, after)
+                        if row.decode != "-" and (row.path != "disaggregated" or row.kv_bytes > 0):
+                            break
+                        time.sleep(0.25)
+                    if row.error:
+                        console.print(f"[red]{row.error}")
+                    rows.append(row)
+    except (LaunchError, ModelError) as e:
+        console.print(f"[red]demo: deployment failed: {e}")
         return 1
-    print("\n[demo] ok")
-    return 0
+    console.print(_table(rows))
+    total_kv = sum(r.kv_bytes for r in rows)
+    ok = all(r.ok for r in rows) and total_kv > 0
+    if json_out:
+        Path(json_out).write_text(json.dumps([r.__dict__ for r in rows], indent=1, default=str))
+    if ok:
+        console.print(f"[green]demo ok: {len(rows)} requests succeeded; the decode instance received "
+                      f"{total_kv:,} bytes of KV from the prefill instance")
+        return 0
+    failed = [r.label for r in rows if not r.ok]
+    console.print(f"[red]demo failed: unsuccessful requests {failed}; KV bytes received by decode: {total_kv}")
+    return 1

@@ -1,0 +1,30 @@
+"""`dlmix demo` end to end: CPU heterogeneous PD (bf16/32 -> fp32/128) with SmolLM2 behind the router."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("vllm")
+pytestmark = pytest.mark.slow
+
+
+def test_demo_runs_and_decode_receives_kv(tmp_path, smollm2_dir):
+    out = tmp_path / "rows.json"
+    p = subprocess.run([sys.executable, "-m", "dlmix.cli", "demo", "--free-ports", "--max-tokens", "16",
+                        "--json", str(out)], capture_output=True, text=True, timeout=1200)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    assert "dlmix demo: one row per request" in p.stdout
+    rows = {r["label"]: r for r in json.loads(out.read_text())}
+    assert all(r["ok"] for r in rows.values())
+    # the prefix policy of examples/cpu-pd.yaml always disaggregates: every request's KV went prefill -> decode
+    assert {r["path"] for r in rows.values()} == {"disaggregated"}
+    assert all(r["prefill"] == "prefill" and r["decode"] == "decode" for r in rows.values())
+    assert all(r["kv_bytes"] > 0 for r in rows.values())
+    # the second turn shares the first turn's prompt: decode already holds most of it, so far fewer bytes move
+    t1, t2 = rows["chat turn 1"], rows["chat turn 2"]
+    assert t2["prompt_tokens"] > t1["prompt_tokens"]
+    assert t2["extra"]["decode_hit_tokens"] > 0
+    assert t2["kv_bytes"] < t1["kv_bytes"] / 2
