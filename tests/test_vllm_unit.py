@@ -313,3 +313,62 @@ def test_scheduler_side_prefill_and_decode_bookkeeping(sched_factory):
     r3 = _req("d3", dict(params), 300, RequestStatus.FINISHED_ABORTED)
     assert d.request_finished(r3, [])[0] is False
     assert d.build_connector_meta(None).releases[0].remote_req_id == "p1"
+
+
+def test_cancelled_pull_stops_between_rounds_and_prefill_frees(pair):
+    src = _layout(32, "bf16")
+    page = 2 * 32 * 2 * 32 * 2
+    p, d, sc, dc = pair(src, src, staging=3 * page)  # one prefill block (3 layers) per round
+    _fill(src, sc, [0, 1, 2], 96)
+    p.add_hold("c", [0, 1, 2], 96)
+    rounds = []
+    res = d.pull(p.descriptor(), "c", [0, 1, 2], 0, 96, [3, 4, 5], cancelled=lambda: len(rounds) > 0 or
+                 rounds.append(1) is not None and False)
+    assert res.error is not None and "cancelled" in res.error
+    assert res.loaded_upto == 32 and res.rounds == 1  # stopped at the round boundary, nothing written after
+    assert torch.count_nonzero(dc[0][4]) == 0
+    d.release(p.descriptor(), "c", consumed=False)
+    deadline = time.monotonic() + 5
+    while not p.take_finished() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not p.is_held("c")
+
+
+def test_worker_reports_failed_blocks_for_dead_prefill(tiny_model_dir):
+    """Worker side of the connector: a pull from an unreachable prefill finishes the request and reports exactly
+    the blocks it should have filled, so vLLM recomputes them."""
+    from vllm.config import KVTransferConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+    from vllm.engine.arg_utils import EngineArgs
+
+    from dlmix_vllm.connector import DLMixConnector, DLMixConnectorMetadata, RecvJob
+
+    register()
+    ktc = KVTransferConfig(kv_connector="DLMixConnector", kv_role="kv_consumer",
+                           kv_connector_extra_config={"connect_timeout_s": 2, "io_timeout_s": 2})
+    cfg = EngineArgs(model=str(tiny_model_dir), enforce_eager=True, block_size=32, max_model_len=1024,
+                     dtype="float32", kv_transfer_config=ktc).create_engine_config()
+    w = DLMixConnector(cfg, KVConnectorRole.WORKER, None)
+    lay = _layout(32, "fp32", layers=2, heads=2, d=32)
+    w.register_kv_caches({f"model.layers.{i}.self_attn.attn": torch.zeros(lay.layer_shape(16)) for i in range(2)})
+    try:
+        assert w.layout.block_size == 32 and w.layout.dtype == "fp32" and w.layout.model.num_layers == 2
+        meta = DLMixConnectorMetadata()
+        dead = {"kind": "tcp", "proto": "dlmix-kv/1", "name": "gone", "host": "127.0.0.1", "port": 1, "regions": {}}
+        meta.recvs.append(RecvJob("req", [9, 3, 5, 7], 40, 120, [dead], "remote-req", [0, 1, 2, 3]))
+        w.bind_connector_metadata(meta)
+        deadline = time.monotonic() + 30
+        res = w.get_transfer_results(set())
+        while not res.finished_recving and time.monotonic() < deadline:
+            time.sleep(0.05)
+            res = w.get_transfer_results(set())
+        assert res.finished_recving == {"req"}
+        # tokens 40..119 were to be loaded: blocks at positions 1..3 (block 0 = the local prefix hit stays valid)
+        assert w.get_block_ids_with_load_errors() == {3, 5, 7}
+        assert w.get_block_ids_with_load_errors() == set()  # reported once
+        rec = w.build_connector_worker_meta().transfers["req"]
+        assert rec["failed_blocks"] == 3 and rec["error"]
+        st = w.get_kv_connector_stats()
+        assert st.data["failed"] == [1] and st.data["tokens_loaded"] == [0]
+    finally:
+        w.shutdown()

@@ -16,8 +16,9 @@ Protocol (notifications are small JSON dicts on the transport's authenticated co
 3. decode -> prefill ``{"type": "blocks_consumed", "req"}`` (or ``{"type": "abort", "req"}``): the prefill side revokes
    the grant and reports the request as finished sending, which frees its blocks.
 
-A hold expires after ``hold_timeout_s``; a ``want`` extends it to at least ``io_timeout_s`` from then so blocks are
-not freed under a read that has begun (an expired grant makes a late read fail, and decode recomputes).
+A hold expires after ``hold_timeout_s``; a ``want`` extends it (and its grant) to at least ``io_timeout_s`` from
+then, and decode sends ``{"type": "extend"}`` before every further staging round, so blocks are not freed under a
+read that is progressing (an expired grant makes a late read fail, and decode recomputes).
 """
 from __future__ import annotations
 
@@ -206,6 +207,12 @@ class KVEndpoint:
                 self.t.notify(peer, {"type": "refused", "req": rid, "reasons": reasons})
             else:
                 self.t.notify(peer, {"type": "blocks_ready", "req": rid, "layout": self.layout.to_dict()})
+        elif typ == "extend":
+            with self.cv:
+                h = self.holds.get(rid)
+                if h is not None and not h.done and h.granted_to == peer:
+                    h.expiry = max(h.expiry, time.monotonic() + self.io_timeout_s)
+                    self.t.grant(peer, rid, [], mode="r", expires_s=max(1.0, h.expiry - time.monotonic()))
         elif typ in ("blocks_consumed", "abort"):
             with self.cv:
                 h = self.holds.get(rid)
@@ -286,6 +293,8 @@ class KVEndpoint:
             while c0 < b1:
                 if cancelled():
                     raise RuntimeError("cancelled: the decode request finished before its KV arrived")
+                if c0 > b0:  # a long transfer: keep the prefill hold (and grant) alive for the next round
+                    self.t.notify(peer, {"type": "extend", "req": rid})
                 c1 = min(b1, c0 + cap)
                 n = c1 - c0
                 segs = []
