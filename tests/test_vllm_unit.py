@@ -372,3 +372,24 @@ def test_worker_reports_failed_blocks_for_dead_prefill(tiny_model_dir):
         assert st.data["failed"] == [1] and st.data["tokens_loaded"] == [0]
     finally:
         w.shutdown()
+
+
+def test_registration_body_accepted_by_dlmix_router():
+    """The body RouterClient posts is accepted by the real router's registration (prefill + decode pair)."""
+    from types import SimpleNamespace
+
+    from dlmix.router.config import RouterConfig
+    from dlmix.router.server import Router
+    from dlmix_vllm.router_client import registration_body
+
+    router = Router(RouterConfig())
+    for role, port, bs in (("kv_producer", 8100, 32), ("kv_consumer", 8101, 128)):
+        s = parse_settings({"router_url": "http://127.0.0.1:9", "public_url": f"http://127.0.0.1:{port}",
+                            "chip_profile": "cpu-x86"})
+        v = SimpleNamespace(kv_transfer_config=SimpleNamespace(engine_id=f"e{port}", kv_role=role),
+                            model_config=SimpleNamespace(served_model_name="smollm2", model="/m"),
+                            kv_events_config=None)
+        body = registration_body(s, v, _layout(bs, "bf16").to_dict(),
+                                 {0: {"kind": "tcp", "name": "w", "host": "127.0.0.1", "port": 5, "regions": {}}})
+        st = router.register(body)
+        assert (st.id, st.role, st.block_size) == (f"e{port}", "decode" if port == 8101 else "prefill", bs)
