@@ -393,3 +393,16 @@ def test_registration_body_accepted_by_dlmix_router():
                                  {0: {"kind": "tcp", "name": "w", "host": "127.0.0.1", "port": 5, "regions": {}}})
         st = router.register(body)
         assert (st.id, st.role, st.block_size) == (f"e{port}", "decode" if port == 8101 else "prefill", bs)
+
+
+def test_worker_metadata_aggregates_over_tp_ranks():
+    from dlmix_vllm.connector import DLMixWorkerMetadata
+
+    a = DLMixWorkerMetadata({"r": {"bytes_received": 5, "rounds": 1, "failed_blocks": 0, "transfer_s": 0.1,
+                                   "error": None}})
+    b = DLMixWorkerMetadata({"r": {"bytes_received": 7, "rounds": 2, "failed_blocks": 3, "transfer_s": 0.3,
+                                   "error": "x"}, "q": {"bytes_received": 1}})
+    t = a.aggregate(b).transfers
+    assert t["r"] == {"bytes_received": 12, "rounds": 3, "failed_blocks": 3, "transfer_s": 0.3, "error": "x",
+                      "peak_staging_bytes": 0}
+    assert t["q"] == {"bytes_received": 1}

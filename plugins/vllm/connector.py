@@ -119,7 +119,7 @@ class DLMixWorkerMetadata(KVConnectorWorkerMetadata):
         for rid, rec in other.transfers.items():
             if rid in out:
                 a = dict(out[rid])
-                for k in ("bytes_received", "chunks"):
+                for k in ("bytes_received", "rounds", "failed_blocks"):
                     a[k] = a.get(k, 0) + rec.get(k, 0)
                 for k in ("transfer_s", "peak_staging_bytes"):
                     a[k] = max(a.get(k, 0), rec.get(k, 0))
