@@ -756,6 +756,10 @@ def run(cfg: RouterConfig) -> None:
     async def main():
         r = Router(cfg)
         await r.start()
+        import gc
+
+        gc.collect()
+        gc.freeze()  # start-up objects (modules, catalogs, tokenizer) leave the collector's working set: shorter pauses
         print(f"dlmix router on http://{cfg.host}:{cfg.port} policy={cfg.policy} instances={len(r.instances)}",
               flush=True)
         try:
