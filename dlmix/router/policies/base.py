@@ -75,12 +75,14 @@ class ClusterView:
     def decode_candidates(self, req: RouteRequest) -> List[InstanceState]:
         """Available instances serving ``req.model`` whose role is ``decode`` or ``both``."""
         m = req.model
-        return [i for i in self.instances if i.healthy and not i.draining and i.role != "prefill" and i.serves(m)]
+        return [i for i in self.instances if i.healthy and not i.draining and i.role != "prefill"
+                and (not m or not i.model or m in i.model)]
 
     def prefill_candidates(self, req: RouteRequest) -> List[InstanceState]:
         """Available ``prefill``-role instances serving ``req.model`` (empty: no PD disaggregation)."""
         m = req.model
-        return [i for i in self.instances if i.healthy and not i.draining and i.role == "prefill" and i.serves(m)]
+        return [i for i in self.instances if i.healthy and not i.draining and i.role == "prefill"
+                and (not m or not i.model or m in i.model)]
 
 
 class Policy:
@@ -144,9 +146,16 @@ def balance_filter(cands: List[InstanceState], abs_t: float, rel_t: float) -> Li
     imbalance rule applied per candidate). The least-loaded candidate always stays."""
     if len(cands) < 2:
         return cands
-    loads = [c.load.queue_len() for c in cands]
+    loads = []
+    for c in cands:
+        ld = c.load
+        w = ld.waiting + ld.running
+        loads.append(ld.inflight if ld.inflight > w else w)
     lo = min(loads)
-    return [c for c, l in zip(cands, loads) if not (l - lo > abs_t and l > rel_t * lo)]
+    lim = lo + abs_t
+    if max(loads) <= lim:  # common case: nothing overloaded
+        return cands
+    return [c for c, l in zip(cands, loads) if not (l > lim and l > rel_t * lo)]
 
 
 # ---- load bookkeeping shared by the router and the simulator -------------------------------------------------
