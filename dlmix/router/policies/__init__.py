@@ -20,3 +20,6 @@ def make_policy(name: str, **params) -> Policy:
     except KeyError:
         raise ValueError(f"unknown policy {name!r}; choose one of {', '.join(POLICIES)}") from None
     return cls(**params)
+# Published baselines (one file each; compared in dlmix sim). The simulator-only `oracle` is in dlmix.sim.registry.
+from dlmix.router.policies import dlrouter_min_latency as _b1, dlrouter_prefix_cache as _b2, dynamo_kv as _b3, sglang_cache_aware as _b4  # noqa: E402,E501
+POLICIES.update({c.name: c for c in (_b1.DLRouterMinExpectedLatency, _b2.DLRouterPrefixCache, _b3.DynamoKV, _b4.SGLangCacheAware, _b4.SGLangCacheAwareSmallestTree)})  # noqa: E501
