@@ -884,9 +884,12 @@ class Endpoint(Transport):
                 ch.discard = True
         stalled = {id(ch.conn): ch.conn for ch in x.chunks
                    if ch.conn is not None and ch.id in ch.conn.pending or ch.receiving}
-        for conn in stalled.values():
-            if conn is not None:
-                self._drop_conn(conn, f"transfer {x.handle.transfer_id!r} timed out")
+        conns = [c for c in stalled.values() if c is not None]
+        with self._lock:  # mark all dead at once, so no new transfer picks one of them meanwhile
+            for conn in conns:
+                conn.alive = False
+        for conn in conns:
+            self._drop_conn(conn, f"transfer {x.handle.transfer_id!r} timed out")
         for ch in x.chunks:
             ch.recv_done.wait(2.0)
         self._dp_cancel(x)
