@@ -23,7 +23,6 @@ read that is progressing (an expired grant makes a late read fail, and decode re
 from __future__ import annotations
 
 import logging
-import os
 import queue
 import threading
 import time
