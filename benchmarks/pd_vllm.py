@@ -72,15 +72,15 @@ def _prefill(client: httpx.Client, url: str, prompt: list[int]) -> tuple[float, 
     return time.perf_counter() - t0, r.json()["kv_transfer_params"]
 
 
-def run_phase(name: str, model: str, wd: Path, tok, reps: int, rng: random.Random) -> dict:
+def run_phase(name: str, model: str, wd: Path, tok, reps: int, rng: random.Random, transport: str = "tcp") -> dict:
     stats_dir = wd / f"stats-{name}"
     servers = []
     if name == "aggregated":
         servers = [T.launch("agg", model, wd, role=None, cpu="1")]
     elif name == "dlmix":
-        servers = [T.launch("dlmix-P", model, wd, role="kv_producer", cpu="0"),
+        servers = [T.launch("dlmix-P", model, wd, role="kv_producer", cpu="0", extra={"transport": transport}),
                    T.launch("dlmix-D", model, wd, role="kv_consumer", cpu="1",
-                            extra={"stats_dir": str(stats_dir)})]
+                            extra={"stats_dir": str(stats_dir), "transport": transport})]
     else:
         env_p = {"VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1", "VLLM_NIXL_SIDE_CHANNEL_PORT": str(T.free_port()),
                  "UCX_NET_DEVICES": "lo", "UCX_TLS": "sm,self,tcp"}
@@ -173,6 +173,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="2 repetitions per length instead of 5")
     ap.add_argument("--skip-nixl", action="store_true")
+    ap.add_argument("--dlmix-transport", default="tcp", help="dlmix_kv_connectors kind for DLMixConnector (tcp, shm)")
     args = ap.parse_args()
     reps = 2 if args.quick else 5
 
@@ -184,12 +185,12 @@ def main() -> None:
     tok = AutoTokenizer.from_pretrained(model)
     rng = random.Random(0)
     wd = Path(tempfile.mkdtemp(prefix="pd_vllm-"))
-    res: dict = {"bench": "pd_vllm", "reps": reps, "lengths": list(LENGTHS)}
+    res: dict = {"bench": "pd_vllm", "reps": reps, "lengths": list(LENGTHS), "dlmix_transport": args.dlmix_transport}
     phases = ["aggregated", "dlmix"] + ([] if args.skip_nixl else ["nixl"])
     per = {}
     for ph in phases:
         t0 = time.time()
-        per[ph] = run_phase(ph, model, wd, tok, reps, rng)
+        per[ph] = run_phase(ph, model, wd, tok, reps, rng, args.dlmix_transport)
         print(f"[pd_vllm] {ph}: {json.dumps(per[ph])} ({time.time() - t0:.0f}s)", file=sys.stderr, flush=True)
     for n in LENGTHS:
         k = str(n)
