@@ -4,7 +4,6 @@ import math
 
 import pytest
 
-from dlmix.router.prefix_index import PrefixIndex
 from dlmix.sim.config import ConfigError, load_deployment
 from dlmix.sim.engine import KVCache
 from dlmix.sim.simulator import Simulator
