@@ -223,3 +223,43 @@ def test_cma_copy_and_coalescing():
 def test_transport_is_abstract():
     with pytest.raises(TypeError):
         Transport()  # type: ignore[abstract]
+
+
+def test_dlslime_calls_carry_at_most_32_assignments():
+    """DLSlime 0.1.23 can report a call with > 32 assignments done before the data lands: the adapter splits."""
+    pytest.importorskip("dlmix_kv_connectors.dlslime", reason="dlslime not installed")
+    from dlmix_kv_connectors.dlslime import MAX_ASSIGN, coalesce
+
+    assert MAX_ASSIGN == 32
+    assert coalesce([(1, 2, 0, 100, 10), (1, 2, 10, 110, 5), (1, 2, 50, 115, 5)]) == [(1, 2, 0, 100, 15),
+                                                                                       (1, 2, 50, 115, 5)]
+    blk, n = 4096, 100
+    src = np.random.default_rng(3).integers(0, 256, blk * n, dtype=np.uint8)
+    dst = np.zeros_like(src)
+    a = make_transport("dlslime", name="a", secret="s")
+    b = make_transport("dlslime", name="b", secret="s")
+    try:
+        a.register("kv", src)
+        b.register("kv", dst)
+        b.connect(a.descriptor())
+        a.grant("b", "t", [("kv", 0, src.nbytes)], mode="r")
+        peer = b._lib_peers["a"]
+        real, sizes = peer.ep, []
+
+        class Spy:
+            def __getattr__(self, name):
+                return getattr(real, name)
+
+            def read(self, items):
+                sizes.append(len(items))
+                return real.read(items)
+
+        peer.ep = Spy()
+        perm = np.random.default_rng(4).permutation(n)  # no two blocks contiguous on both sides -> 100 assignments
+        segs = [Segment("kv", i * blk, "kv", int(perm[i]) * blk, blk) for i in range(n)]
+        assert b.read("a", segs, "t").result(60) == blk * n
+        assert np.array_equal(dst.reshape(n, blk), src.reshape(n, blk)[perm])
+        assert max(sizes) <= 32 and sum(sizes) <= n and len(sizes) >= -(-sum(sizes) // 32)
+    finally:
+        b.close()
+        a.close()
