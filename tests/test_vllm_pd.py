@@ -295,6 +295,44 @@ def test_other_weights_refused_by_default_and_change_output_when_relaxed(servers
         p3.stop()
 
 
+def _open_and_drop(url: str, path: str, body: dict) -> None:
+    """Send a streaming request and disconnect right after the response headers (vLLM aborts the request)."""
+    import httpx
+
+    with httpx.Client(timeout=120) as c:
+        with c.stream("POST", url + path, json=dict(body, stream=True)) as r:
+            assert r.status_code == 200
+            time.sleep(0.1)  # the server adds the request to the engine right after the headers
+
+
+def _wait_idle(url: str, timeout_s: float = 60.0) -> float:
+    deadline = time.monotonic() + timeout_s
+    while T.kv_usage(url) > 0 and time.monotonic() < deadline:
+        time.sleep(0.5)
+    return T.kv_usage(url)
+
+
+def test_aborts_on_either_side_leave_no_blocks_held(servers, tok):
+    """Client disconnects abort the request: at P during prefill (nothing is held), and at D after P held the KV
+    (D's worker tells P to free, or finishes/cancels its pull first); both instances return to 0 % KV usage long
+    before P's 300 s hold timeout."""
+    P, D = servers["P1"], servers["D1"]
+    T.reset_prefix_cache(D.url)
+    rng = random.Random(5)
+    import httpx
+
+    for _ in range(2):
+        prompt = tok(_text(rng, 1100), add_special_tokens=False).input_ids[:1000]
+        path, body = T.request_body("completion", prompt, 1, ktp={"do_remote_decode": True})
+        _open_and_drop(P.url, path, body)  # abort at P during prefill: nothing may stay held
+        with httpx.Client(timeout=120) as c:
+            held = c.post(P.url + path, json=body).json()["kv_transfer_params"]  # P now holds this KV
+        path_d, body_d = T.request_body("completion", prompt, MAX_TOKENS, ktp=held)
+        _open_and_drop(D.url, path_d, body_d)  # abort at D while it waits for / loads the KV
+    assert _wait_idle(D.url) == 0.0
+    assert _wait_idle(P.url) == 0.0
+
+
 def test_prefill_killed_between_steps_decode_recomputes(servers, tok):
     """Runs last: kills P2. D1 fails the load fast, reports the blocks, recomputes, and nothing stays held."""
     P, D = servers["P2"], servers["D1"]
