@@ -363,3 +363,33 @@ def _check_prefix_routing(rt: RouterThread, eng: dict, policy: str) -> None:
         assert _chosen(b0, _served(rt.url)) == who
         assert _metric(eng[who].url, "vllm:prefix_cache_hits_total") - eh0 == expected_blocks * BS
         assert _metric(rt.url, "dlmix_router_prefix_hit_tokens_total", instance=who) - rh0 == expected_blocks * BS
+
+
+def test_router_models_and_client_disconnect_aborts_backend(routed):
+    rt, eng = routed
+    r = httpx.get(rt.url + "/v1/models", timeout=30)
+    assert r.status_code == 200 and [m["id"] for m in r.json()["data"]] == [MODEL]
+
+    def total(name: str, **labels) -> float:
+        return sum(_metric(e.url, name, **labels) for e in eng.values())
+
+    length0, gen0 = total("vllm:request_success_total", finished_reason="length"), total("vllm:generation_tokens_total")
+    body = {"model": MODEL, "prompt": "Count from one to one thousand:", "max_tokens": 1500, "ignore_eos": True,
+            "temperature": 0, "stream": True}
+    with httpx.stream("POST", rt.url + "/v1/completions", json=body, timeout=120) as s:
+        assert s.status_code == 200
+        n = 0
+        for line in s.iter_lines():
+            n += line.startswith("data: ")
+            if n >= 3:
+                break  # the client goes away mid-stream
+    # vLLM 0.32 does not count aborts in request_success_total; an aborted request leaves the running set and
+    # stops generating long before max_tokens (1500 tokens take minutes here)
+    end = time.monotonic() + 60
+    while time.monotonic() < end and total("vllm:num_requests_running") > 0:
+        time.sleep(0.5)
+    assert total("vllm:num_requests_running") == 0
+    gen1 = total("vllm:generation_tokens_total")
+    time.sleep(3.0)
+    assert total("vllm:generation_tokens_total") == gen1 and 3 <= gen1 - gen0 < 1500
+    assert total("vllm:request_success_total", finished_reason="length") == length0
