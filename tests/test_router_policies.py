@@ -28,6 +28,14 @@ def test_round_robin_rotates_and_skips_unhealthy():
         p.choose(req(model="other"), ClusterView(xs))
 
 
+def test_round_robin_pd_pools_rotate_independently():
+    xs = [inst(0, role="prefill"), inst(1, role="prefill"), inst(2, role="decode"), inst(3, role="decode")]
+    p = make_policy("round_robin")
+    ds = [p.choose(req(), ClusterView(xs)) for _ in range(4)]
+    assert [d.prefill.id for d in ds] == ["i1", "i0", "i1", "i0"]
+    assert [d.decode.id for d in ds] == ["i3", "i2", "i3", "i2"]
+
+
 def test_least_load_and_bookkeeping():
     xs = [inst(i) for i in range(3)]
     p = make_policy("least_load")

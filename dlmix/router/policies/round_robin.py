@@ -8,16 +8,19 @@ from dlmix.router.state import InstanceState, NoInstanceError, RouteRequest
 
 
 class RoundRobin(Policy):
-    """Global counter modulo the number of candidates (candidates in registration order)."""
+    """One counter per pool (prefill-role candidates, decode-capable candidates) modulo the pool's size
+    (candidates in registration order). Separate counters keep a PD deployment with pools of even size from
+    sending every prefill to the same instance, which one shared counter stepping twice per request would do."""
 
     name = "round_robin"
 
     def __init__(self, **_):
-        self._n = 0
+        self._n = {True: 0, False: 0}  # keyed by "this pool is the prefill pool"
 
     def select(self, req: RouteRequest, cands: List[InstanceState], view: ClusterView) -> InstanceState:
         """Next candidate in turn. Raises NoInstanceError if ``cands`` is empty."""
         if not cands:
             raise NoInstanceError(f"no available instance for model {req.model!r}")
-        self._n += 1
-        return cands[self._n % len(cands)]
+        pool = cands[0].role == "prefill"
+        n = self._n[pool] = self._n[pool] + 1
+        return cands[n % len(cands)]
