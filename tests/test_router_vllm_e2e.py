@@ -150,6 +150,10 @@ def test_router_block_hashes_equal_vllm_kv_events(engines, smollm2_dir):
             ("/v1/chat/completions", True,
              {"model": MODEL, "messages": [{"role": "system", "content": "You answer about local history."},
                                            {"role": "user", "content": _text("chat", 24)}]}),
+            ("/v1/chat/completions", True,  # no system message (the template adds its default one), multi-turn
+             {"model": MODEL, "messages": [{"role": "user", "content": _text("turn", 12)},
+                                           {"role": "assistant", "content": "Noted: " + _text("reply", 6)},
+                                           {"role": "user", "content": "And what happened next?"}]}),
             ("/v1/completions", False, {"model": MODEL, "prompt": _text("completion", 25)}),
         ]
         for path, chat, body in cases:
@@ -173,7 +177,7 @@ def test_router_block_hashes_equal_vllm_kv_events(engines, smollm2_dir):
                 apply_batch(index, 0, b)
 
         # a second completion sharing the first completion's prompt as prefix
-        body1 = dict(cases[1][2], max_tokens=1, temperature=0)
+        body1 = dict(cases[-1][2], max_tokens=1, temperature=0)
         body2 = dict(body1, prompt=body1["prompt"] + " Finally, the keeper wrote everything down in a red book.")
         t1, _ = router.extractor.extract(False, body1)
         t2, _ = router.extractor.extract(False, body2)
