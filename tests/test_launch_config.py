@@ -117,3 +117,19 @@ def test_cli_reports_broken_file_with_line(tmp_path):
     ok.write_text(BASE)
     res = CliRunner().invoke(app, ["launch", str(ok), "--check"])
     assert res.exit_code == 0 and "ok (1 instance(s), router: no)" in res.output.replace("\n", "")
+
+
+def test_kv_events_use_a_local_ipc_socket_the_router_subscribes_to(tmp_path):
+    import yaml
+
+    dep = Deployment.from_yaml(
+        "model: m\nrouter: {port: 18000, kv_events: true}\n"
+        "instances:\n  - {name: a, role: both, port: 18100, kv: {block_size: 32}}\n", origin="t.yaml")
+    plans = plan(dep, "s3cret", tmp_path, models={0: "m"})
+    argv = next(p for p in plans if p.name == "a").argv
+    ev = json.loads(argv[argv.index("--kv-events-config") + 1])
+    assert ev["publisher"] == "zmq" and ev["enable_kv_cache_events"] is True
+    # vLLM 0.32's publisher binds ipc:// endpoints (a concrete tcp://host:port would make it connect instead)
+    assert ev["endpoint"] == f"ipc://{tmp_path.resolve()}/a-kv-events.ipc"
+    cfg = yaml.safe_load((tmp_path / "router.yaml").read_text())
+    assert [i["kv_events"] for i in cfg["instances"]] == [ev["endpoint"]]

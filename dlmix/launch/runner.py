@@ -141,7 +141,7 @@ def _resolve_model(ref: Optional[str]) -> str:
     return str(p) if p.exists() else ref
 
 
-def _vllm_argv(dep: Deployment, i: int, model: str, kv_transfer: Optional[dict], kv_events_port: Optional[int]
+def _vllm_argv(dep: Deployment, i: int, model: str, kv_transfer: Optional[dict], kv_events: Optional[str]
                ) -> List[str]:
     inst = dep.instances[i]
     py = inst.python or sys.executable
@@ -171,9 +171,9 @@ def _vllm_argv(dep: Deployment, i: int, model: str, kv_transfer: Optional[dict],
         algo = str(dep.router.config.get("hash_algo", "sha256_cbor"))  # type: ignore[union-attr]
         if "--prefix-caching-hash-algo" not in inst.extra_args:
             cmd += ["--prefix-caching-hash-algo", algo]
-    if kv_events_port:
+    if kv_events:
         cmd += ["--kv-events-config", json.dumps({"enable_kv_cache_events": True, "publisher": "zmq",
-                                                  "endpoint": f"tcp://{inst.host}:{kv_events_port}"})]
+                                                  "endpoint": kv_events})]
     cmd += list(inst.extra_args)
     if inst.device != "cpu" and inst.cpus and shutil.which("taskset"):
         cmd = ["taskset", "-c", inst.cpus] + cmd
@@ -265,10 +265,13 @@ def plan(dep: Deployment, secret: str, log_dir: Path, models: Optional[Dict[int,
                 extra = {**base, **extra}
             if extra:
                 kv_transfer["kv_connector_extra_config"] = extra
-        ev_port = _free_block(1, taken) if (dep.router_enabled() and dep.router.kv_events  # type: ignore[union-attr]
-                                            and inst.engine == "vllm") else None
+        # KV events over a local IPC socket: vLLM 0.32's ZMQ publisher binds only wildcard, ipc:// and inproc://
+        # endpoints and *connects* to a concrete tcp://host:port, where the router's subscriber connects too.
+        ev = (f"ipc://{Path(log_dir).resolve()}/{name}-kv-events.ipc"
+              if dep.router_enabled() and dep.router.kv_events and inst.engine == "vllm"  # type: ignore[union-attr]
+              else None)
         if inst.engine == "vllm":
-            argv = _vllm_argv(dep, i, models[i], kv_transfer, ev_port)
+            argv = _vllm_argv(dep, i, models[i], kv_transfer, ev)
         else:  # mock test engine
             argv = [inst.python or sys.executable, "-m", "dlmix.bench.mock_server", "--host", inst.host,
                     "--port", str(inst.port), "--model", dep.served_name_of(i),
@@ -280,8 +283,8 @@ def plan(dep: Deployment, secret: str, log_dir: Path, models: Optional[Dict[int,
             entry = {"id": name, "url": inst.url, "role": inst.role, "engine": "vllm",
                      "model": dep.served_name_of(i), "chip": inst.chip, "heartbeat_ttl_s": 0,
                      "block_size": inst.kv.block_size or (128 if inst.device == "cpu" else 16)}
-            if ev_port:
-                entry["kv_events"] = f"tcp://{inst.host}:{ev_port}"
+            if ev:
+                entry["kv_events"] = ev
             static.append(entry)
     if dep.router_enabled():
         r = dep.router
