@@ -208,6 +208,39 @@ def test_convert_any_pair_matches_oracle(sc) -> None:
     run_scenario(sc)
 
 
+@st.composite
+def same_block_scenario(draw: st.DrawFn):
+    """Equal block size and dtype on both sides (the CPU whole-block ``index_select`` path when direct), any
+    arrangements and TP sizes, shuffled ids in pools with spare blocks, usually several full blocks."""
+    model = ModelIdentity("Llama", draw(st.integers(1, 2)), draw(st.sampled_from([2, 4])),
+                          draw(st.sampled_from([4, 8])), "gqa")
+    sa, da = draw(st.sampled_from(MHA_ARRS)), draw(st.sampled_from(MHA_ARRS))
+    bs = draw(st.sampled_from([32, 64])) if "vllm_cpu" in (sa, da) else draw(st.sampled_from([1, 3, 4, 16]))
+    dt = draw(st.sampled_from(DTYPES))
+    ks = draw(st.sampled_from([1.0, 0.5])) if dt.startswith("fp8") else 1.0
+
+    def lay(arr: str) -> KVLayout:
+        tps = [t for t in (1, 2, 4) if t <= model.num_kv_heads or arr != "lmdeploy"]
+        return KVLayout(model, bs, dt, arr, draw(st.sampled_from(tps)), 0, ks, 1.0)
+
+    src, dst = lay(sa), lay(da)
+    dst = dst.with_rank(draw(st.integers(0, dst.tp_size - 1)))
+    n = draw(st.integers(1, 4 * bs + 5))
+    skip = draw(st.integers(0, n))
+    blocks = math.ceil(n / bs)
+    spool, dpool = blocks + draw(st.integers(0, 3)), blocks + draw(st.integers(0, 3))
+    sbids = draw(st.permutations(range(spool)))[:blocks]
+    dbids = draw(st.permutations(range(dpool)))[:blocks]
+    return (src, dst, n, skip, spool, dpool, sbids, dbids, draw(st.integers(0, 2**31 - 1)),
+            draw(st.sampled_from([64, 4 << 20])), draw(st.booleans()), draw(st.booleans()))
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(same_block_scenario())
+def test_convert_equal_block_sizes_matches_oracle(sc) -> None:
+    run_scenario(sc)
+
+
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(scenario(mla=True))
 def test_convert_mla_latent(sc) -> None:

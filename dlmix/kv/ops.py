@@ -569,6 +569,11 @@ def _transfer(sources: Sequence[tuple[KVLayout, Sequence[Any], Any, tuple[int, .
     min_block = min([Nd] + [s.layout.block_size for s in srcs])
     min_heads = min(len(s.heads) for s in srcs)
     seg_bytes = min_block * min_heads * D * dl.itemsize * (P if identical else 1)
+    same_blocks = all(s.layout.block_size == Nd and all(_same_encoding(s.layout, dl, p) for p in range(P))
+                      for s in srcs)
+    if device.type == "cpu" and same_blocks and not identical and seg_bytes >= DIRECT_MIN_BYTES:
+        _transfer_blocks(srcs, dl, dst_caches, db, skip_tokens, num_tokens, d_slice)
+        return dl.wire_bytes(num_tokens - skip_tokens, heads)
     if device.type == "cpu" and (identical or not fp8) and seg_bytes >= DIRECT_MIN_BYTES:
         _transfer_direct(srcs, dl, dst_caches, db, skip_tokens, num_tokens, d_slice, identical)
         return dl.wire_bytes(num_tokens - skip_tokens, heads)
@@ -773,6 +778,76 @@ def _transfer_assembled(srcs: Sequence[_Src], dl: KVLayout, dst_caches: Sequence
                 _copy_segments(dviews[p][:, :, d_slice], y.unsqueeze(0), out)
 
 
+def _stack_planes(views: Sequence[torch.Tensor]) -> torch.Tensor | None:
+    """One ``[P, B, N, h, D]`` view of the plane views ``[B, N, h, D]`` when they differ only by a fixed storage
+    offset (K and V of one engine tensor: vLLM flash ``[2, B, ...]``, flashinfer, BLNHC), else None."""
+    v0 = views[0]
+    if len(views) == 1:
+        return v0.unsqueeze(0)
+    step = views[1].storage_offset() - v0.storage_offset()
+    for i, v in enumerate(views[1:], 1):
+        if (v.shape != v0.shape or v.stride() != v0.stride() or v.dtype != v0.dtype
+                or v.untyped_storage().data_ptr() != v0.untyped_storage().data_ptr()
+                or v.storage_offset() - v0.storage_offset() != i * step):
+            return None
+    if step <= 0:
+        return None
+    return v0.as_strided((len(views), *v0.shape), (step, *v0.stride()), v0.storage_offset())
+
+
+def _block_runs(db: list[int], f0: int, f1: int) -> list[tuple[int, list[int]]]:
+    """Full request blocks ``f0..f1`` grouped by runs of consecutive destination ids (ascending):
+    ``(first_dst_id, [block positions in the request])``."""
+    runs: list[tuple[int, list[int]]] = []
+    for i in sorted(range(f0, f1), key=db.__getitem__):
+        if runs and runs[-1][0] + len(runs[-1][1]) == db[i]:
+            runs[-1][1].append(i)
+        else:
+            runs.append((db[i], [i]))
+    return runs
+
+
+def _transfer_blocks(srcs: Sequence[_Src], dl: KVLayout, dst_caches: Sequence[Any], db: torch.Tensor,
+                     skip: int, n: int, d_slice: slice) -> None:
+    """CPU path for equal block sizes without re-encoding (TP re-sharding, arrangement changes): per layer and
+    source rank, one ``index_select(src_view, block_dim, src_ids, out=dst_view[d0:d0 + k])`` per run of
+    consecutive destination block ids, K and V together when both sides stack them (:func:`_stack_planes`). The
+    source blocks are gathered straight into the strided head slice of the destination blocks (one pass, torch's
+    C loop over blocks, no scratch). Partial blocks (below ``skip`` and the last one) go per segment.
+
+    Measured on the 2-core dev box (one thread, Llama-3-8B KV, TP 2 -> 1, shuffled ids): ~0.5x of a flat copy
+    against 0.35x for assembling blocks in scratch (two passes) and 0.3x for one strided ``copy_`` per block."""
+    N, P = dl.block_size, dl.num_planes
+    dbl = db.tolist()
+    f0, f1 = (skip + N - 1) // N, n // N
+    runs = _block_runs(dbl, f0, f1) if f1 > f0 else []
+    edges = [(skip, f0 * N), (f1 * N, n)] if f1 > f0 else [(skip, n)]
+    plans = []
+    for s in srcs:
+        sbl = s.bids.tolist()
+        idx = [torch.tensor([sbl[i] for i in pos], dtype=torch.int64) for _, pos in runs]
+        segs = [x for e0, e1 in edges if e1 > e0 for x in _segments(sbl, dbl, N, N, e0, e1)]
+        plans.append((idx, _SegPlan(segs, N, N) if segs else None))
+    for layer in range(dl.model.num_layers):
+        dviews = plane_views(dl, dst_caches[layer])
+        for s, (idx, plan) in zip(srcs, plans):
+            sl = s.layout
+            svs, dvs = [], []
+            for p, sv in enumerate(plane_views(sl, s.caches[layer])):
+                dv = dviews[p][:, :, d_slice][:, :, s.x_slice]
+                svs.append(sv[:, :, s.h_slice].view(dv.dtype) if sv.dtype != dv.dtype else sv[:, :, s.h_slice])
+                dvs.append(dv)
+            if runs:
+                sf, df = _stack_planes(svs), _stack_planes(dvs)
+                pairs = [(sf, df, 1)] if sf is not None and df is not None else [(a, b, 0) for a, b in zip(svs, dvs)]
+                for sv, dv, dim in pairs:
+                    for (d0, pos), ix in zip(runs, idx):
+                        torch.index_select(sv, dim, ix, out=dv.narrow(dim, d0, len(pos)))
+            if plan is not None:
+                for sv, dv in zip(svs, dvs):
+                    _copy_segments(dv, sv, plan)
+
+
 def _transfer_direct(srcs: Sequence[_Src], dl: KVLayout, dst_caches: Sequence[Any], db: torch.Tensor,
                      skip: int, n: int, d_slice: slice, identical: bool) -> None:
     """CPU path: one ``copy_`` per segment (see :data:`DIRECT_MIN_BYTES`); no scratch buffers."""
@@ -790,7 +865,7 @@ def _transfer_direct(srcs: Sequence[_Src], dl: KVLayout, dst_caches: Sequence[An
         if identical:  # whole blocks, all planes at once, consecutive block runs merged
             f0, f1 = (skip + Nd - 1) // Nd, n // Nd
             if f1 > f0:
-                runs = _merge([(sbl[p], dbl[p], 1) for p in range(f0, f1)])
+                runs = sorted(_merge([(sbl[p], dbl[p], 1) for p in range(f0, f1)]))
                 edges = [(skip, f0 * Nd), (f1 * Nd, n)]
         segs = [x for e0, e1 in edges if e1 > e0 for x in _segments(sbl, dbl, Ns, Nd, e0, e1)]
         plans.append((runs, _SegPlan(segs, Ns, Nd) if segs else None))
