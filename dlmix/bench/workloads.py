@@ -14,7 +14,7 @@ Workloads:
   groups interleave.
 * :func:`random_prompts` -- independent random prompts (``vllm bench serve --dataset-name random`` style, fixed
   lengths).
-* :func:`load_mooncake_trace` -- Mooncake trace replay (JSON lines ``{"timestamp": ms, "input_length": tokens,
+* :func:`load_mooncake_trace` -- Mooncake trace replay (format and reader in :mod:`dlmix.workloads`: JSON lines ``{"timestamp": ms, "input_length": tokens,
   "output_length": tokens, "hash_ids": [int, ...]}``; one hash id per 512-token block, chained, so equal leading
   ids mean an equal prefix). Each hash id maps to a deterministic block of ``block_tokens`` token ids
   (:func:`hash_block`), so equal ids give equal blocks and prefix sharing is real. ``block_tokens`` < 512 scales
@@ -27,7 +27,6 @@ Poisson process for ``burstiness = 1``; seeded with ``numpy.random.default_rng(s
 from __future__ import annotations
 
 import hashlib
-import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,16 +34,14 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-__all__ = ["BenchRequest", "shared_prefix", "random_prompts", "hash_block", "load_mooncake_trace",
-           "arrival_times", "WorkloadError", "MOONCAKE_BLOCK_TOKENS", "ideal_prefix_reuse"]
+from dlmix.workloads import (MOONCAKE_BLOCK_TOKENS, WorkloadError, check_shared_prefix, ideal_reuse_of_keys,
+                             read_mooncake_trace, resolve_trace)
 
-MOONCAKE_BLOCK_TOKENS = 512
+__all__ = ["BenchRequest", "shared_prefix", "random_prompts", "hash_block", "load_mooncake_trace",
+           "arrival_times", "WorkloadError", "MOONCAKE_BLOCK_TOKENS", "ideal_prefix_reuse", "resolve_trace"]
+
 DEFAULT_TOKEN_LO = 10
 DEFAULT_TOKEN_HI = 256
-
-
-class WorkloadError(ValueError):
-    """Invalid workload parameters or an unreadable / malformed trace (the message names file and line)."""
 
 
 @dataclass
@@ -79,10 +76,7 @@ def shared_prefix(num_groups: int, prompts_per_group: int, prefix_len: int, suff
         WorkloadError: non-positive counts/lengths or a bad token range.
     """
     _check_range(token_lo, token_hi)
-    if num_groups < 1 or prompts_per_group < 1 or output_len < 1 or prefix_len < 0 or suffix_len < 0 \
-            or prefix_len + suffix_len < 1:
-        raise WorkloadError("shared-prefix needs groups >= 1, prompts per group >= 1, output_len >= 1 and "
-                            "prefix_len + suffix_len >= 1")
+    check_shared_prefix(num_groups, prompts_per_group, prefix_len, suffix_len, output_len)
     rng = np.random.default_rng(seed)
     reqs = []
     for g in range(num_groups):
@@ -135,38 +129,15 @@ def load_mooncake_trace(path: str | Path, block_tokens: int = MOONCAKE_BLOCK_TOK
     Raises:
         WorkloadError: unreadable file, invalid JSON or missing/invalid field (message names file and line).
     """
-    p = resolve_trace(path)
-    try:
-        if p.suffix == ".gz":
-            import gzip
-
-            with gzip.open(p, "rt") as f:
-                lines = f.read().splitlines()
-        else:
-            lines = p.read_text().splitlines()
-    except (OSError, EOFError) as e:
-        raise WorkloadError(f"cannot read trace {p}: {e}") from None
     if block_tokens < 1:
         raise WorkloadError("block_tokens must be >= 1")
     scale = block_tokens / MOONCAKE_BLOCK_TOKENS
     cache: dict[int, list[int]] = {}
     reqs: list[BenchRequest] = []
     t0: Optional[float] = None
-    for lineno, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            rec = json.loads(line)
-            ts = float(rec["timestamp"])
-            ilen = int(rec["input_length"])
-            olen = int(rec["output_length"])
-            ids = [int(h) for h in rec.get("hash_ids", [])]
-        except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
-            raise WorkloadError(f"{p}:{lineno}: invalid Mooncake record ({type(e).__name__}: {e}); expected "
-                                "timestamp, input_length, output_length, hash_ids") from None
-        if ilen < 1 or olen < 1:
-            raise WorkloadError(f"{p}:{lineno}: input_length and output_length must be >= 1")
-        n = max(1, int(math.ceil(ilen * scale)))
+    for rec in read_mooncake_trace(path, min_output_length=1):
+        lineno, ts, ids = rec.lineno, rec.timestamp_ms, rec.hash_ids
+        n = max(1, int(math.ceil(rec.input_length * scale)))
         if max_input_len:
             n = min(n, max_input_len)
         prompt: list[int] = []
@@ -180,51 +151,31 @@ def load_mooncake_trace(path: str | Path, block_tokens: int = MOONCAKE_BLOCK_TOK
             else:  # trace has fewer ids than blocks: unique filler, never shared
                 prompt.extend(hash_block(-(lineno * 1_000_003 + i), block_tokens, seed, token_lo, token_hi))
         t0 = ts if t0 is None else t0
+        olen = rec.output_length
         out = min(olen, max_output_len) if max_output_len else olen
         reqs.append(BenchRequest(prompt=prompt[:n], output_len=out, arrival_s=(ts - t0) / 1000.0 * time_scale))
         if max_requests and len(reqs) >= max_requests:
             break
     if not reqs:
-        raise WorkloadError(f"{p}: no requests in trace")
+        raise WorkloadError(f"{resolve_trace(path)}: no requests in trace")
     return reqs
-
-
-BUILTIN_TRACES = {"mooncake-conversation": "mooncake_conversation_trace.jsonl.gz"}
-
-
-def resolve_trace(path: str | Path) -> Path:
-    """A trace path, or the name of a trace shipped with dlmix (``mooncake-conversation``: the Mooncake FAST'25
-    conversation trace, ``dlmix/data``; see its SOURCE.md)."""
-    name = str(path)
-    if name in BUILTIN_TRACES:
-        from importlib import resources
-
-        return Path(str(resources.files("dlmix").joinpath("data", BUILTIN_TRACES[name])))
-    return Path(path)
 
 
 def ideal_prefix_reuse(reqs: Sequence[BenchRequest], block_tokens: int) -> float:
     """Fraction of prompt tokens an infinite prefix cache with ``block_tokens``-token blocks would hit.
 
     Counts, per request, the leading full blocks already seen (as chained prefixes) -- the routing-anchors
-    definition of ideal reuse, applied to the token ids actually sent.
+    definition of ideal reuse (:func:`dlmix.workloads.ideal_reuse_of_keys`), applied to the token ids actually sent.
     """
-    seen: set = set()
-    hit = total = 0
-    for r in reqs:
-        total += len(r.prompt)
-        k = 0
-        prefix_hit = True
+    def chained_keys(prompt: list[int]) -> list:
+        keys: list = []
         key: object = None
-        for i in range(len(r.prompt) // block_tokens):
-            key = hash((key, tuple(r.prompt[i * block_tokens: (i + 1) * block_tokens])))  # chained block key
-            if prefix_hit and key in seen:
-                k += 1
-            else:
-                prefix_hit = False
-            seen.add(key)
-        hit += k * block_tokens
-    return hit / total if total else 0.0
+        for i in range(len(prompt) // block_tokens):
+            key = hash((key, tuple(prompt[i * block_tokens: (i + 1) * block_tokens])))  # chained block key
+            keys.append(key)
+        return keys
+
+    return ideal_reuse_of_keys((chained_keys(r.prompt), len(r.prompt), block_tokens) for r in reqs)
 
 
 def arrival_times(n: int, request_rate: float, burstiness: float = 1.0, seed: int = 0) -> list[float]:

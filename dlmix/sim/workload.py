@@ -1,8 +1,6 @@
-"""Workloads for the simulator: Mooncake-format traces and a seeded synthetic shared-prefix generator.
-
-Mooncake trace format (``kvcache-ai/Mooncake: FAST25-release/README.md``): JSON lines
-``{"timestamp": ms, "input_length": tokens, "output_length": tokens, "hash_ids": [int, ...]}``; one id per
-512-token prompt block, equal ids mean an equal prefix up to the end of that block.
+"""Workloads for the simulator: Mooncake-format traces and a seeded synthetic shared-prefix generator, as
+:class:`SimRequest` (hash ids). The trace format, its reader, the hash-level shared-prefix generator and ideal reuse
+live in :mod:`dlmix.workloads` (shared with the benchmark client).
 
 Engine block hashes: a trace block of 512 tokens with id ``h`` is split into ``512 / bs`` engine blocks; engine block
 ``j`` of it gets the 64-bit key ``mix(h, j)``. Only full engine blocks of the prompt are hashed (vLLM hashes full
@@ -17,24 +15,17 @@ share leading trace blocks (plus accidental leading-character collisions between
 from __future__ import annotations
 
 import base64
-import gzip
 import hashlib
-import io
 import json
-import random
 from dataclasses import dataclass, field
-from importlib import resources
-from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
-MOONCAKE_BLOCK = 512
+from dlmix.workloads import (BUILTIN_TRACES, MOONCAKE_BLOCK_TOKENS, WorkloadError,  # noqa: F401 (re-exported)
+                             check_shared_prefix, ideal_reuse_of_keys, read_mooncake_trace, resolve_trace,
+                             shared_prefix_hash_ids)
+
+MOONCAKE_BLOCK = MOONCAKE_BLOCK_TOKENS
 MASK64 = (1 << 64) - 1
-BUILTIN_TRACES = {"mooncake": "data/mooncake_conversation_trace.jsonl.gz",
-                  "mooncake_conversation": "data/mooncake_conversation_trace.jsonl.gz"}
-
-
-class WorkloadError(ValueError):
-    """A workload file or spec is missing or malformed (the message names the file and line)."""
 
 
 def _mix(h: int, j: int) -> int:
@@ -105,25 +96,9 @@ class SimRequest:
         return "".join(out)[:max_chars]
 
 
-def _open_text(path: Path) -> io.TextIOBase:
-    if path.suffix == ".gz":
-        return io.TextIOWrapper(gzip.open(path, "rb"), encoding="utf-8")
-    return open(path, encoding="utf-8")
-
-
-def resolve_trace(name_or_path: str) -> Path:
-    """Path of a built-in trace name (``mooncake``) or of a file. Raises WorkloadError if it does not exist."""
-    if name_or_path in BUILTIN_TRACES:
-        return Path(str(resources.files("dlmix").joinpath(BUILTIN_TRACES[name_or_path])))
-    p = Path(name_or_path)
-    if not p.exists():
-        raise WorkloadError(f"trace {name_or_path!r} not found (built-in: {', '.join(BUILTIN_TRACES)})")
-    return p
-
-
 def load_trace(name_or_path: str, speedup: float = 1.0, limit: Optional[int] = None,
                trace_block: int = MOONCAKE_BLOCK) -> List[SimRequest]:
-    """Read a Mooncake-format JSONL (optionally gzipped) trace.
+    """Read a Mooncake-format JSONL (optionally gzipped) trace (reader: :func:`dlmix.workloads.read_mooncake_trace`).
 
     Args:
         name_or_path: built-in name (``mooncake``) or file path (``.jsonl`` or ``.jsonl.gz``).
@@ -135,26 +110,14 @@ def load_trace(name_or_path: str, speedup: float = 1.0, limit: Optional[int] = N
     """
     if speedup <= 0:
         raise WorkloadError(f"speedup must be > 0, got {speedup}")
-    path = resolve_trace(name_or_path)
+    resolve_trace(name_or_path)  # a missing file is an error even for limit=0
     reqs: List[SimRequest] = []
-    with _open_text(path) as f:
-        for ln, line in enumerate(f, 1):
+    if limit is None or limit > 0:
+        for rec in read_mooncake_trace(name_or_path, min_output_length=0):
+            reqs.append(SimRequest(len(reqs), rec.timestamp_ms / 1000.0 / speedup, rec.input_length,
+                                   max(rec.output_length, 1), rec.hash_ids, trace_block))
             if limit is not None and len(reqs) >= limit:
                 break
-            line = line.strip()
-            if not line:
-                continue
-            try:
-                d = json.loads(line)
-                ts = float(d["timestamp"])
-                n_in = int(d["input_length"])
-                n_out = int(d["output_length"])
-                ids = [int(x) for x in d.get("hash_ids", [])]
-            except (ValueError, KeyError, TypeError) as ex:
-                raise WorkloadError(f"{path}:{ln}: bad trace line ({ex!r})") from None
-            if n_in < 1 or n_out < 0:
-                raise WorkloadError(f"{path}:{ln}: input_length must be >= 1 and output_length >= 0")
-            reqs.append(SimRequest(len(reqs), ts / 1000.0 / speedup, n_in, max(n_out, 1), ids, trace_block))
     reqs.sort(key=lambda r: (r.arrival, r.rid))
     for i, r in enumerate(reqs):
         r.rid = i
@@ -167,31 +130,13 @@ def shared_prefix(num_groups: int, requests_per_group: int, prefix_len: int, suf
 
     ``num_groups`` system prompts of ``prefix_len`` tokens, each followed by a unique question of ``suffix_len``
     tokens; ``num_groups × requests_per_group`` requests in random order with Poisson arrivals at ``rate`` req/s.
-    Hash ids: a group's prefix blocks get ids shared by the group; a block straddling prefix and suffix and all
-    suffix blocks get unique ids (as chained hashes would). Raises WorkloadError for non-positive sizes.
+    Hash ids from :func:`dlmix.workloads.shared_prefix_hash_ids`. Raises WorkloadError for non-positive sizes.
     """
-    if min(num_groups, requests_per_group, output_len) < 1 or prefix_len < 0 or suffix_len < 0 or rate <= 0:
-        raise WorkloadError("shared_prefix: groups, requests per group, output_len must be >= 1, lengths >= 0, "
-                            "rate > 0")
-    if prefix_len + suffix_len < 1:
-        raise WorkloadError("shared_prefix: prefix_len + suffix_len must be >= 1")
-    rng = random.Random(seed)
+    check_shared_prefix(num_groups, requests_per_group, prefix_len, suffix_len, output_len)
     n_in = prefix_len + suffix_len
-    nblk = -(-n_in // trace_block)
-    full_prefix_blocks = prefix_len // trace_block
-    order = [g for g in range(num_groups) for _ in range(requests_per_group)]
-    rng.shuffle(order)
-    next_id = num_groups * full_prefix_blocks
-    t = 0.0
-    out: List[SimRequest] = []
-    for i, g in enumerate(order):
-        t += rng.expovariate(rate)
-        ids = [g * full_prefix_blocks + b for b in range(full_prefix_blocks)]
-        for _ in range(nblk - full_prefix_blocks):
-            ids.append(next_id)
-            next_id += 1
-        out.append(SimRequest(i, t, n_in, output_len, ids, trace_block))
-    return out
+    return [SimRequest(i, t, n_in, output_len, ids, trace_block)
+            for i, (_, t, ids) in enumerate(shared_prefix_hash_ids(num_groups, requests_per_group, prefix_len,
+                                                                     suffix_len, rate, seed, trace_block))]
 
 
 def write_trace(reqs: Sequence[SimRequest], path: str) -> None:
@@ -204,17 +149,6 @@ def write_trace(reqs: Sequence[SimRequest], path: str) -> None:
 
 def ideal_reuse(reqs: Sequence[SimRequest]) -> float:
     """Ideal prefix reuse (single infinite cache, trace-block granularity): for each request count its leading ids
-    already seen, ``hit += min(k · block, input_len)``; divided by total input tokens (routing-anchors notes §3)."""
-    seen = set()
-    hit = tot = 0
-    for r in reqs:
-        k = 0
-        for h in r.hash_ids:
-            if h in seen:
-                k += 1
-            else:
-                break
-        hit += min(k * r.trace_block, r.input_len)
-        tot += r.input_len
-        seen.update(r.hash_ids)
-    return hit / tot if tot else 0.0
+    already seen, ``hit += min(k · block, input_len)``; divided by total input tokens (routing-anchors notes §3;
+    :func:`dlmix.workloads.ideal_reuse_of_keys`)."""
+    return ideal_reuse_of_keys((r.hash_ids, r.input_len, r.trace_block) for r in reqs)
