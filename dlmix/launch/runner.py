@@ -24,7 +24,6 @@ import contextlib
 import json
 import os
 import secrets
-import shutil
 import signal
 import socket
 import subprocess
@@ -141,57 +140,38 @@ def _resolve_model(ref: Optional[str]) -> str:
     return str(p) if p.exists() else ref
 
 
-def _vllm_argv(dep: Deployment, i: int, model: str, kv_transfer: Optional[dict], kv_events: Optional[str]
-               ) -> List[str]:
+def _vllm_spec(dep: Deployment, i: int, model: str, kv_transfer: Optional[dict], kv_events: Optional[str]
+               ) -> VLLMServerSpec:
+    """The :class:`VLLMServerSpec` of instance ``i``: its command line and environment additions."""
     inst = dep.instances[i]
-    py = inst.python or sys.executable
-    cmd = [py, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--host", inst.host,
-           "--port", str(inst.port), "--served-model-name", dep.served_name_of(i),
-           "--max-model-len", str(inst.max_model_len), "--seed", "0"]
-    eager = inst.enforce_eager if inst.enforce_eager is not None else inst.device == "cpu"
-    if eager:
-        cmd.append("--enforce-eager")
     kv = inst.kv
-    if kv.block_size:
-        cmd += ["--block-size", str(kv.block_size)]
-    if kv.dtype:
-        cmd += ["--dtype", kv.dtype]
-    if kv.cache_dtype:
-        cmd += ["--kv-cache-dtype", kv.cache_dtype]
-    cache_bytes = kv.cache_bytes or (CPU_DEFAULT_KV_BYTES if inst.device == "cpu" else None)
-    if cache_bytes:
-        cmd += ["--kv-cache-memory-bytes", str(cache_bytes)]
-    if kv.gpu_memory_utilization:
-        cmd += ["--gpu-memory-utilization", str(kv.gpu_memory_utilization)]
-    if inst.tensor_parallel_size > 1:
-        cmd += ["--tensor-parallel-size", str(inst.tensor_parallel_size)]
+    extra: List[str] = []
     if kv_transfer:
-        cmd += ["--kv-transfer-config", json.dumps(kv_transfer, separators=(",", ":"))]
+        extra += ["--kv-transfer-config", json.dumps(kv_transfer, separators=(",", ":"))]
     if dep.router_enabled():
         algo = str(dep.router.config.get("hash_algo", "sha256_cbor"))  # type: ignore[union-attr]
         if "--prefix-caching-hash-algo" not in inst.extra_args:
-            cmd += ["--prefix-caching-hash-algo", algo]
+            extra += ["--prefix-caching-hash-algo", algo]
     if kv_events:
-        cmd += ["--kv-events-config", json.dumps({"enable_kv_cache_events": True, "publisher": "zmq",
-                                                  "endpoint": kv_events})]
-    cmd += list(inst.extra_args)
-    if inst.device != "cpu" and inst.cpus and shutil.which("taskset"):
-        cmd = ["taskset", "-c", inst.cpus] + cmd
-    return cmd
-
-
-def _engine_env(dep: Deployment, inst: Instance, model: str) -> Dict[str, str]:
-    env = {"VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
-    if model and Path(model).is_dir():  # local folder: never reach for the hub
-        env.update(HF_HUB_OFFLINE=os.environ.get("HF_HUB_OFFLINE", "1"),
-                   TRANSFORMERS_OFFLINE=os.environ.get("TRANSFORMERS_OFFLINE", "1"))
-    if inst.device == "cpu" and inst.cpus:
-        env["VLLM_CPU_OMP_THREADS_BIND"] = inst.cpus
-    if inst.device != "cpu" and inst.devices:
+        extra += ["--kv-events-config", json.dumps({"enable_kv_cache_events": True, "publisher": "zmq",
+                                                    "endpoint": kv_events})]
+    cpu = inst.device == "cpu"
+    env: Dict[str, str] = {}
+    if not cpu and inst.devices:
         env[DEVICE_VISIBILITY_ENV[inst.device]] = inst.devices
     env.update(dep.env)
     env.update(inst.env)
-    return env
+    return VLLMServerSpec(
+        model=model, port=inst.port, host=inst.host, python=inst.python,
+        served_model_name=dep.served_name_of(i), max_model_len=inst.max_model_len, seed=0,
+        enforce_eager=inst.enforce_eager if inst.enforce_eager is not None else cpu,
+        block_size=kv.block_size, dtype=kv.dtype, kv_cache_dtype=kv.cache_dtype,
+        kv_cache_bytes=kv.cache_bytes or (CPU_DEFAULT_KV_BYTES if cpu else None),
+        gpu_memory_utilization=kv.gpu_memory_utilization, tensor_parallel_size=inst.tensor_parallel_size,
+        extra_args=extra + list(inst.extra_args),
+        taskset_cpus=inst.cpus if not cpu else None, cpu_bind=inst.cpus if cpu and inst.cpus else None,
+        hub_offline=bool(model) and Path(model).is_dir(),  # local folder: never reach for the hub
+        env=env)
 
 
 def _router_argv(config_path: Path) -> List[str]:
@@ -270,13 +250,15 @@ def plan(dep: Deployment, secret: str, log_dir: Path, models: Optional[Dict[int,
         ev = (f"ipc://{Path(log_dir).resolve()}/{name}-kv-events.ipc"
               if dep.router_enabled() and dep.router.kv_events and inst.engine == "vllm"  # type: ignore[union-attr]
               else None)
+        vspec = _vllm_spec(dep, i, models[i], kv_transfer, ev)
+        env = vspec.env_additions()  # mock engines get the same environment
         if inst.engine == "vllm":
-            argv = _vllm_argv(dep, i, models[i], kv_transfer, ev)
+            argv = vspec.argv()
         else:  # mock test engine
             argv = [inst.python or sys.executable, "-m", "dlmix.bench.mock_server", "--host", inst.host,
                     "--port", str(inst.port), "--model", dep.served_name_of(i),
                     "--block-size", str(inst.kv.block_size or 16)] + list(inst.extra_args)
-        plans.append(ProcessPlan(name=name, kind="engine", argv=argv, env=_engine_env(dep, inst, models[i]), host=inst.host,
+        plans.append(ProcessPlan(name=name, kind="engine", argv=argv, env=env, host=inst.host,
                                  port=inst.port, index=i, self_registers=self_reg,
                                  ready_timeout_s=inst.ready_timeout_s))
         if router_url and not self_reg:
