@@ -11,7 +11,10 @@ destination, scattered over shuffled block ids in larger pools):
 * ``pack_unpack`` (extra): the wire path for the rechunk pair, ``pack`` into a 64 MiB staging buffer and ``unpack``
   from it, chunk by chunk. That is two copies of every byte, so 0.5x of one copy is its ceiling.
 
-Baseline: ``dst.copy_(src)`` between two contiguous tensors of the counted bytes on the same device. Each figure
+Baseline: ``dst.copy_(src)`` between two contiguous tensors of the counted bytes on the same device. For
+``identity`` a second reference is reported, ``identity_vs_blockcopy``: the same shuffled blocks copied one by one
+(CPU: one libc ``memmove`` per K or V block, in token order; CUDA: one ``copy_`` per block), which shows how much of
+the gap to the flat copy is the scattered access itself rather than conversion overhead. Each figure
 is the median of ``--repeats`` runs, copy and conversion alternating. GB/s = 1e9 bytes / s. On CPU with one torch
 thread (the default) the seconds are this process's CPU time (``time.process_time``), so other jobs on a shared
 machine do not count as our time; otherwise wall-clock time.
@@ -22,6 +25,7 @@ Prints the figures last as one JSON line with ``identity_vs_copy``, ``rechunk_vs
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import random
 import statistics
@@ -65,7 +69,7 @@ def _pool(layout: KVLayout, n_tokens: int, device: torch.device, rng: random.Ran
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--quick", action="store_true", help="256 MiB, 3 repeats")
+    ap.add_argument("--quick", action="store_true", help="256 MiB, 5 repeats")
     ap.add_argument("--mib", type=int, default=None, help="destination KV MiB per case (default 512, quick 256)")
     ap.add_argument("--repeats", type=int, default=None)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -76,7 +80,7 @@ def main() -> None:
     if a.threads > 0:
         torch.set_num_threads(a.threads)
     mib = a.mib or (256 if a.quick else 512)
-    repeats = a.repeats or (3 if a.quick else 5)
+    repeats = a.repeats or (5 if a.quick else 7)
     device = torch.device(a.device)
     rng = random.Random(0)
 
@@ -88,23 +92,31 @@ def main() -> None:
                                   "clock": "process_cpu_time" if cpu_clock else "wall",
                                   "kv_mib": mib, "repeats": repeats, "model": "llama3-8b-kv(32x8x128)"}
 
-    def measure(name: str, nbytes: int, run_conv) -> None:
+    def measure(name: str, nbytes: int, run_conv, blockcopy=None) -> None:
         a_src = torch.empty(nbytes, dtype=torch.uint8, device=device).random_(0, 255)
         a_dst = torch.empty_like(a_src)
         run_conv()  # warm-up
         a_dst.copy_(a_src)
-        t_copy, t_conv = [], []
+        t_copy, t_conv, t_block = [], [], []
         for _ in range(repeats):
             t_copy.append(_time(lambda: a_dst.copy_(a_src), device, cpu_clock))
             t_conv.append(_time(run_conv, device, cpu_clock))
+            if blockcopy is not None:
+                t_block.append(_time(blockcopy, device, cpu_clock))
         del a_src, a_dst
         copy_gbps = nbytes / statistics.median(t_copy) / 1e9
         conv_gbps = nbytes / statistics.median(t_conv) / 1e9
         results[f"{name}_GBps"] = round(conv_gbps, 3)
         results[f"{name}_copy_GBps"] = round(copy_gbps, 3)
         results[f"{name}_vs_copy"] = round(conv_gbps / copy_gbps, 3)
+        extra = ""
+        if t_block:
+            block_gbps = nbytes / statistics.median(t_block) / 1e9
+            results[f"{name}_blockcopy_GBps"] = round(block_gbps, 3)
+            results[f"{name}_vs_blockcopy"] = round(conv_gbps / block_gbps, 3)
+            extra = f"  blockcopy {block_gbps:7.2f} GB/s  ratio {conv_gbps / block_gbps:5.2f}"
         print(f"{name:9s} {nbytes / 2**20:8.0f} MiB  convert {conv_gbps:7.2f} GB/s  copy {copy_gbps:7.2f} GB/s  "
-              f"ratio {conv_gbps / copy_gbps:5.2f}", flush=True)
+              f"ratio {conv_gbps / copy_gbps:5.2f}{extra}", flush=True)
 
     bf16_tok = lay(32).kv_bytes_per_token()
     n = mib * 2**20 // bf16_tok
@@ -113,7 +125,21 @@ def main() -> None:
     s, d = lay(32), lay(32)
     sc, sb = _pool(s, n, device, rng)
     dc, db = _pool(d, n, device, rng)
-    measure("identity", d.wire_bytes(n), lambda: convert(s, sc, sb, d, dc, db, n))
+    def blockcopy() -> None:  # the same shuffled blocks, one copy per block, K and V, in token order
+        pairs = list(zip(sb, db))
+        for x, y in zip(sc, dc):
+            for plane in range(2):
+                xs, ys = x[plane], y[plane]
+                if device.type == "cpu":
+                    w = xs[0].numel() * xs.element_size()
+                    xp, yp = xs.data_ptr(), ys.data_ptr()
+                    for i, j in pairs:
+                        ctypes.memmove(yp + j * w, xp + i * w, w)
+                else:
+                    for i, j in pairs:
+                        ys[j].copy_(xs[i])
+
+    measure("identity", d.wire_bytes(n), lambda: convert(s, sc, sb, d, dc, db, n), blockcopy)
     del dc
 
     # re-chunk 32 -> 128

@@ -884,10 +884,11 @@ def _transfer_direct(srcs: Sequence[_Src], dl: KVLayout, dst_caches: Sequence[An
         sbl = s.bids.tolist()
         runs: list[tuple[int, int, int]] = []
         edges = [(skip, n)]
-        if identical:  # whole blocks, all planes at once, consecutive block runs merged
+        if identical:  # whole blocks, all planes at once, in source order, consecutive block runs merged
             f0, f1 = (skip + Nd - 1) // Nd, n // Nd
             if f1 > f0:
-                runs = sorted(_merge([(sbl[p], dbl[p], 1) for p in range(f0, f1)]))
+                # ascending source addresses keep the reads streaming (measured ~+4 % with shuffled ids)
+                runs = _merge(sorted((sbl[p], dbl[p], 1) for p in range(f0, f1)))
                 edges = [(skip, f0 * Nd), (f1 * Nd, n)]
         segs = [x for e0, e1 in edges if e1 > e0 for x in _segments(sbl, dbl, Ns, Nd, e0, e1)]
         plans.append((runs, _SegPlan(segs, Ns, Nd) if segs else None))
