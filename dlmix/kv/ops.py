@@ -10,8 +10,12 @@ How data moves (Python loops only over layers, planes, bounded chunks and block-
 heads, and over single tokens only in ``memmove`` of non-adjacent rows of at least 16 KiB each): every arrangement exposes per plane a strided *view* ``[num_blocks, N, H, D]`` of the engine tensor, so
 any pair of arrangements is one copy between two views. The token range ``skip_tokens..num_tokens`` is split at
 every source and destination block edge into *segments* (each inside one source block and one destination block;
-``_segments``). Two paths move them:
+``_segments``). Three paths move them:
 
+* CPU, equal block sizes, no re-encoding, not identical (TP re-sharding, arrangement changes), segments of at
+  least :data:`DIRECT_MIN_BYTES`: whole blocks with one ``index_select(..., out=destination run)`` per run of
+  consecutive destination ids and source rank, K and V together where they stack (:func:`_transfer_blocks`);
+  partial blocks as below.
 * CPU, segments of at least :data:`DIRECT_MIN_BYTES`: each segment (or run of segments whose slots continue on
   both sides) is copied directly, with libc ``memmove`` when both sides are dense rows of one dtype, else with one
   ``torch._foreach_copy_`` per layer and plane (``copy_`` also casts bf16/fp16/fp32). One pass, no scratch.
@@ -751,7 +755,7 @@ def _copy_segments(dv: torch.Tensor, sv: torch.Tensor, plan: _SegPlan) -> None:
 
 def _transfer_assembled(srcs: Sequence[_Src], dl: KVLayout, dst_caches: Sequence[Any], db: torch.Tensor,
                         skip: int, n: int, d_slice: slice) -> None:
-    """CPU path for several source ranks (TP re-sharding): per chunk, each rank's token rows are ``memmove``d into
+    """CPU path for several source ranks (TP re-sharding) when block sizes differ or values are cast: per chunk, each rank's token rows are ``memmove``d into
     its own token-major scratch ``[T, h_rank, D]``, interleaved into ``[T, H, D]`` with one strided ``copy_`` per
     rank (in cache), and the assembled rows are ``memmove``d into the destination blocks. Per-segment strided copies
     straight into the destination measured ~0.3x of a flat copy; this keeps the many small moves as ``memmove``."""
@@ -894,7 +898,7 @@ def _transfer_direct(srcs: Sequence[_Src], dl: KVLayout, dst_caches: Sequence[An
         plans.append((runs, _SegPlan(segs, Ns, Nd) if segs else None))
     memo: dict = {}
     for layer in range(dl.model.num_layers):
-        dviews = plane_views(dl, dst_caches[layer])
+        dviews = None
         for s, (runs, plan) in zip(srcs, plans):
             sl = s.layout
             if runs:
@@ -904,6 +908,8 @@ def _transfer_direct(srcs: Sequence[_Src], dl: KVLayout, dst_caches: Sequence[An
                         _copy_many([d2[d0:d0 + k] for _, d0, k in runs], [s2[b0:b0 + k] for b0, _, k in runs])
             if plan is None:
                 continue
+            if dviews is None:
+                dviews = plane_views(dl, dst_caches[layer])
             for p, sv in enumerate(plane_views(sl, s.caches[layer])):
                 svp, dvp = sv[:, :, s.h_slice], dviews[p][:, :, d_slice][:, :, s.x_slice]
                 if svp.dtype != dvp.dtype and _same_encoding(sl, dl, p):
