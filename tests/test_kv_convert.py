@@ -443,3 +443,19 @@ def test_strided_engine_tensors_blnhc(direct: bool) -> None:
     # blocks outside the request and the 16th slot of the last block keep the sentinel
     assert (back_buf[[2, 4]].float() == SENTINEL).all()
     assert (back_buf[5, :, 3].float() == SENTINEL).all()
+
+
+@pytest.mark.parametrize("same", [True, False])
+def test_later_layer_with_fewer_blocks_refused(same: bool) -> None:
+    """Block ids are checked against layer 0; a later layer holding fewer blocks must raise ValueError (the CPU
+    whole-block paths move raw memory), whether the layouts are identical (memmove) or only block sizes match."""
+    m = ModelIdentity("Llama", 3, 2, 128)
+    src = KVLayout(m, 32, "bf16", "vllm_flash_nhd")
+    dst = src if same else KVLayout(m, 32, "bf16", "vllm_flashinfer_nhd")
+    sc = allocate(src, 4)
+    dc = allocate(dst, 4, fill=SENTINEL)
+    dc[2] = allocate(dst, 2, fill=SENTINEL)[2]
+    before = snapshot(dc)
+    with pytest.raises(ValueError, match="destination layer 2 cache holds 2 blocks"):
+        convert(src, sc, [0, 1, 2, 3], dst, dc, [3, 2, 1, 0], 128)
+    assert all(torch.equal(a, b) for a, b in zip(before, snapshot(dc))), "nothing written before the error"

@@ -563,6 +563,9 @@ def _transfer(sources: Sequence[tuple[KVLayout, Sequence[Any], Any, tuple[int, .
     db = _block_tensor(dl, dst_block_ids, num_tokens, _num_blocks(dv0), device, "destination", True)
     if num_tokens == skip_tokens:
         return 0
+    _check_layers(dl, dst_caches, db, "destination")
+    for s in srcs:
+        _check_layers(s.layout, s.caches, s.bids, "source")
     P, D, Nd = dl.num_planes, dl.model.head_size, dl.block_size
     s0 = srcs[0]
     sl = s0.layout
@@ -874,6 +877,27 @@ def _transfer_blocks(srcs: Sequence[_Src], dl: KVLayout, dst_caches: Sequence[An
                 torch.index_select(sv, dim, idx[j], out=pieces[piece[j]])
 
 
+def _sig(t: Any) -> tuple | None:
+    """``(shape, strides, dtype)`` of a per-layer cache tensor (None for ``(K, V)`` tuples)."""
+    return (tuple(t.shape), t.stride(), t.dtype) if isinstance(t, torch.Tensor) else None
+
+
+def _check_layers(layout: KVLayout, caches: Sequence[Any], bids: torch.Tensor, what: str) -> None:
+    """Every layer's cache matches ``layout`` and holds every block id in ``bids`` (ids were checked against
+    layer 0 only; the CPU paths move raw memory). Layers shaped and strided like the previous checked one are
+    not re-checked. Raises ValueError."""
+    need = int(bids.max()) + 1 if bids.numel() else 0
+    last: Any = ()
+    for layer, c in enumerate(caches):
+        sig = tuple(_sig(x) for x in c) if isinstance(c, (tuple, list)) else _sig(c)
+        if sig == last:
+            continue
+        nb = _num_blocks(plane_views(layout, c))
+        if nb < need:
+            raise ValueError(f"{what} layer {layer} cache holds {nb} blocks; the block table uses id {need - 1}")
+        last = sig
+
+
 def _transfer_direct(srcs: Sequence[_Src], dl: KVLayout, dst_caches: Sequence[Any], db: torch.Tensor,
                      skip: int, n: int, d_slice: slice, identical: bool) -> None:
     """CPU path: one ``copy_`` per segment (see :data:`DIRECT_MIN_BYTES`); no scratch buffers."""
@@ -897,15 +921,37 @@ def _transfer_direct(srcs: Sequence[_Src], dl: KVLayout, dst_caches: Sequence[An
         segs = [x for e0, e1 in edges if e1 > e0 for x in _segments(sbl, dbl, Ns, Nd, e0, e1)]
         plans.append((runs, _SegPlan(segs, Ns, Nd) if segs else None))
     memo: dict = {}
+    # identical layouts, whole blocks: layers whose engine tensors match layer 0's (shape, strides, dtype) reuse its
+    # raw-block pointer offsets and byte offsets (per-layer view building measured ~5 % of the copy time)
+    fast: tuple[Any, list[tuple[int, int, list[tuple[int, int, int]]]]] | None = None
     for layer in range(dl.model.num_layers):
         dviews = None
         for s, (runs, plan) in zip(srcs, plans):
             sl = s.layout
             if runs:
-                for sr, dr in zip(_raw_blocks(sl, s.caches[layer]), _raw_blocks(dl, dst_caches[layer])):
-                    s2, d2 = _widen(_rows(sr), _rows(dr.view(sr.dtype)))
-                    if not _memmove_rows(d2, s2, runs, memo):
-                        _copy_many([d2[d0:d0 + k] for _, d0, k in runs], [s2[b0:b0 + k] for b0, _, k in runs])
+                sc, dc = s.caches[layer], dst_caches[layer]
+                sig = (_sig(sc), _sig(dc))
+                if fast is not None and sig == fast[0]:
+                    sp0, dp0 = sc.data_ptr(), dc.data_ptr()
+                    move = ctypes.memmove
+                    for so_, do_, offs in fast[1]:
+                        sp, dp = sp0 + so_, dp0 + do_
+                        for do, so, nb in offs:
+                            move(dp + do, sp + so, nb)
+                else:
+                    ptrs: list[tuple[int, int, list[tuple[int, int, int]]]] | None = []
+                    for sr, dr in zip(_raw_blocks(sl, sc), _raw_blocks(dl, dc)):
+                        s2, d2 = _widen(_rows(sr), _rows(dr.view(sr.dtype)))
+                        if _memmove_rows(d2, s2, runs, memo):
+                            if ptrs is not None and sig[0] is not None and sig[1] is not None:
+                                isz = d2.element_size()
+                                ptrs.append((s2.data_ptr() - sc.data_ptr(), d2.data_ptr() - dc.data_ptr(),
+                                             memo[(d2.stride(0) * isz, s2.stride(0) * isz, d2.shape[1] * isz)]))
+                        else:
+                            ptrs = None
+                            _copy_many([d2[d0:d0 + k] for _, d0, k in runs], [s2[b0:b0 + k] for b0, _, k in runs])
+                    if fast is None and ptrs and sig[0] is not None and sig[1] is not None:
+                        fast = (sig, ptrs)
             if plan is None:
                 continue
             if dviews is None:
