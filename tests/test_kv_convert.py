@@ -459,3 +459,21 @@ def test_later_layer_with_fewer_blocks_refused(same: bool) -> None:
     with pytest.raises(ValueError, match="destination layer 2 cache holds 2 blocks"):
         convert(src, sc, [0, 1, 2, 3], dst, dc, [3, 2, 1, 0], 128)
     assert all(torch.equal(a, b) for a, b in zip(before, snapshot(dc))), "nothing written before the error"
+
+
+def test_pack_unpack_refuse_short_later_layer() -> None:
+    """The wire path checks every layer's cache against the block table too (ValueError, nothing written)."""
+    m = ModelIdentity("Llama", 3, 2, 128)
+    lay = KVLayout(m, 32, "bf16", "vllm_flash_nhd")
+    sc = allocate(lay, 4)
+    wire = pack(lay, sc, [0, 1], lay, 0, 64)
+    short = list(sc)
+    short[1] = allocate(lay, 1)[1]
+    with pytest.raises(ValueError, match="source layer 1 cache holds 1 blocks"):
+        pack(lay, short, [0, 1], lay, 0, 64)
+    dc = allocate(lay, 4, fill=SENTINEL)
+    dc[2] = allocate(lay, 1, fill=SENTINEL)[2]
+    before = snapshot(dc)
+    with pytest.raises(ValueError, match="destination layer 2 cache holds 1 blocks"):
+        unpack(lay, dc, [3, 2], wire, 0, 64)
+    assert all(torch.equal(a, b) for a, b in zip(before, snapshot(dc)))

@@ -1053,6 +1053,7 @@ def pack(src_layout: KVLayout, src_caches: Sequence[Any], src_block_ids: Any, ds
         return buf
     wire = buf.view(_storage_dtype(dst_layout)).view(L, P, T, len(hs), D)
     s0 = srcs[0]
+    _check_layers(src_layout, src_caches, s0.bids, "source")
     same = all(_same_encoding(src_layout, dst_layout, p) for p in range(P))
     seg_bytes = min(src_layout.block_size, T) * len(hs) * D * dst_layout.itemsize
     if device.type == "cpu" and (same or not (src_layout.is_fp8 or dst_layout.is_fp8)) \
@@ -1103,6 +1104,7 @@ def unpack(dst_layout: KVLayout, dst_caches: Sequence[Any], dst_block_ids: Any, 
     dv0 = plane_views(dst_layout, dst_caches[0])
     device = dv0[0].device
     db = _block_tensor(dst_layout, dst_block_ids, end, _num_blocks(dv0), device, "destination", True)
+    _check_layers(dst_layout, dst_caches, db, "destination")
     w = wire.to(device).contiguous().view(_storage_dtype(dst_layout)).view(L, P, T, len(hs), D)
     Nd = dst_layout.block_size
     if device.type == "cpu" and min(Nd, T) * len(hs) * D * dst_layout.itemsize >= DIRECT_MIN_BYTES:
