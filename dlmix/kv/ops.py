@@ -758,10 +758,11 @@ def _copy_segments(dv: torch.Tensor, sv: torch.Tensor, plan: _SegPlan) -> None:
 
 def _transfer_assembled(srcs: Sequence[_Src], dl: KVLayout, dst_caches: Sequence[Any], db: torch.Tensor,
                         skip: int, n: int, d_slice: slice) -> None:
-    """CPU path for several source ranks (TP re-sharding) when block sizes differ or values are cast: per chunk, each rank's token rows are ``memmove``d into
-    its own token-major scratch ``[T, h_rank, D]``, interleaved into ``[T, H, D]`` with one strided ``copy_`` per
-    rank (in cache), and the assembled rows are ``memmove``d into the destination blocks. Per-segment strided copies
-    straight into the destination measured ~0.3x of a flat copy; this keeps the many small moves as ``memmove``."""
+    """CPU path for several source ranks (TP re-sharding) when block sizes differ or values are cast: per chunk,
+    each rank's token rows are ``memmove``d into its own token-major scratch ``[T, h_rank, D]``, interleaved into
+    ``[T, H, D]`` with one strided ``copy_`` per rank (in cache), and the assembled rows are ``memmove``d into the
+    destination blocks. Per-segment strided copies straight into the destination measured ~0.3x of a flat copy;
+    this keeps the many small moves as ``memmove``."""
     Nd, D, P = dl.block_size, dl.model.head_size, dl.num_planes
     H = d_slice.stop - d_slice.start
     dbl = db.tolist()
