@@ -176,7 +176,9 @@ def test_prefill_instance_dies_no_request_lost(lt):
 
 @pytest.mark.parametrize("policy", ["prefix", "cost"])
 def test_shared_prefix_spreads_with_high_hits(lt, policy):
-    engines = [MockEngine(name=f"e{i}", ttft=0.05, record=False) for i in range(4)]
+    # ttft long enough that all 200 requests are in flight together even on a loaded machine: the balance guard
+    # acts on in-flight load, so totals then reflect it (with short requests they depend on the client's pace)
+    engines = [MockEngine(name=f"e{i}", ttft=1.0, record=False) for i in range(4)]
     c = Cluster(lt, engines, policy=policy,
                 policy_params={"balance_abs_threshold": 2, "balance_rel_threshold": 1.5})
     prefix = "System: you answer questions about the dlmix project. " * 40  # ~2.2 KB shared
@@ -192,7 +194,9 @@ def test_shared_prefix_spreads_with_high_hits(lt, policy):
         assert all(r.status_code == 200 for r in rs)
         counts = [e.requests for e in engines]
         assert sum(counts) == 200
-        assert max(counts) / min(counts) <= 1.5, counts
+        # the guard (SGLang's rule) admits a request to an instance while max <= rel * min: one request of
+        # granularity above the configured 1.5 ratio, never more
+        assert max(counts) <= 1.5 * min(counts) + 1, counts
         reg = c.router.metrics.registry
         hit = sum(reg.get_sample_value("dlmix_router_prefix_hit_tokens_total", {"instance": e.name}) or 0
                   for e in engines)
