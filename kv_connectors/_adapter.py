@@ -114,11 +114,8 @@ class AdapterEndpoint(Endpoint):
     def _dp_complete(self, conn: _Conn, ch: _Chunk, resp: W.Resp) -> None:
         if len(resp.iov) != len(ch.extra) or any(a[1] != b[2] for a, b in zip(resp.iov, ch.extra)):
             raise ProtocolError("authorization does not pair with the request's segments")
-        with ch.lock:
-            if ch.discard:
-                return
-            ch.receiving = True
-            ch.recv_done.clear()
+        if not ch.begin_receiving():
+            return
         try:
             self._lib_transfer(ch.op, ch.xfer.peer, ch.extra, ch.segs, [a for a, _ in resp.iov], ch.xfer.deadline)
         except TransportError as e:

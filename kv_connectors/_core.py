@@ -113,6 +113,18 @@ class _Chunk:
         self.conn: _Conn | None = None
         self.extra: Any = None
 
+    def begin_receiving(self) -> bool:
+        """Mark bytes as about to land in this chunk's local memory, unless it was cancelled (``discard``).
+
+        Returns False when cancelled: the caller must then not touch local memory. Cancellation waits on
+        ``recv_done`` so it returns only once no byte can still land."""
+        with self.lock:
+            if self.discard:
+                return False
+            self.receiving = True
+            self.recv_done.clear()
+            return True
+
 
 class _Xfer:
     __slots__ = ("handle", "peer", "op", "chunks", "remaining", "moved", "lock", "deadline", "key", "cause")
@@ -696,11 +708,7 @@ class Endpoint(Transport):
         if ch.op == "r" and ch.dp == "tcp":
             if plen != ch.nbytes:
                 raise ProtocolError(f"read response carries {plen} B, expected {ch.nbytes} B")
-            with ch.lock:
-                discard = ch.discard
-                if not discard:
-                    ch.receiving = True
-                    ch.recv_done.clear()
+            discard = not ch.begin_receiving()
             if discard:
                 W.drain(conn.sock, plen)
                 return

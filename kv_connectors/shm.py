@@ -151,11 +151,8 @@ class ShmTransport(Endpoint):
         local = ch.extra
         if len(resp.iov) != len(local) or any(a[1] != b[1] for a, b in zip(resp.iov, local)):
             raise ProtocolError("cma authorization does not pair with the request's segments")
-        with ch.lock:
-            if ch.discard:
-                return
-            ch.receiving = True
-            ch.recv_done.clear()
+        if not ch.begin_receiving():
+            return
         try:
             cma_copy(int(conn.info["pid"]), local, [tuple(v) for v in resp.iov], to_remote=(ch.op == "w"))
         except (OSError, ValueError) as e:
