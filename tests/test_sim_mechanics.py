@@ -243,10 +243,32 @@ def test_kv_event_delay_hides_fresh_blocks_from_the_router(tmp_path):
     placed = {}
     for delay in (0.0, 100.0):
         reqs = [R(0, 0.0, 1024, 2, [1, 2]), R(1, 5.0, 1024, 2, [1, 2])]
-        sim = Simulator(dep, "smollm2", "prefix", kv_event_delay=delay)
+        sim = Simulator(dep, "smollm2", "prefix", kv_event_delay=delay, approx_index=False)
         res = sim.run(reqs)
         placed[delay] = [r.decode_inst.idx for r in res.records]
         # delayed events are applied in the end: every instance that computed the prefix holds it
         assert sim.index.match(reqs[0].block_keys(64)) == {i: 16 for i in set(placed[delay])}
     assert placed[0.0] == [0, 0]      # the router sees request 0's blocks on instance 0
     assert placed[100.0] == [0, 1]    # not yet: least loaded / fewest processed
+    # with the router's approximate index (the default, as in the live router) the dispatch itself is recorded
+    reqs = [R(0, 0.0, 1024, 2, [1, 2]), R(1, 5.0, 1024, 2, [1, 2])]
+    res = Simulator(dep, "smollm2", "prefix", kv_event_delay=100.0).run(reqs)
+    assert [r.decode_inst.idx for r in res.records] == [0, 0]
+
+
+def test_early_rejection_is_counted_and_uses_no_capacity():
+    # 6 requests of 16k tokens arrive together on one H100: each prefill takes ~0.35 s by the cost model, so with a
+    # 1 s TTFT target the first ones are admitted and the rest predicted late and refused
+    dep = {"name": "one", "block_size": 64, "instances": [{"chip": "H100", "count": 1}]}
+    reqs = [R(i, 0.0, 16384, 4, [100 + i]) for i in range(6)]
+    params = {"ttft_target": 1.0, "reject_ttft_factor": 1.0}
+    res = Simulator(dep, "llama-3.1-8b", "cost", policy_params=params).run(reqs, slo_ttft=1.0)
+    s = res.summary
+    rejected = [r for r in res.records if r.rejected]
+    assert 0 < s["rejected"] == len(rejected) == s["failed"] < 6
+    assert all(r.decode_inst is None for r in rejected)  # never dispatched
+    inst = s["per_instance"]["H100-both-0"]
+    assert inst["requests"] == 6 - s["rejected"]
+    assert inst["prefill_tokens"] == (6 - s["rejected"]) * 16384
+    ok = [r for r in res.records if not r.rejected]
+    assert max(r.first_token - r.req.arrival for r in ok) <= 1.0 * 1.2  # admitted ones roughly keep the target

@@ -118,6 +118,15 @@ class ApproxIndex:
             for k in list(islice(m, drop)):
                 del m[k]
 
+    def record_decision(self, req, decision) -> None:
+        """The router dispatched ``req`` (a :class:`~dlmix.router.state.RouteRequest`) as ``decision``: record its
+        block hashes (at each instance's block size) on the decode instance and, for PD, on the prefill instance.
+        Called by the live router and by the simulator at dispatch, so in-flight prefixes are known before the
+        engines' KV events arrive."""
+        for inst in (decision.decode, decision.prefill):
+            if inst is not None:
+                self.record(inst.slot, req.block_hashes(inst.block_size))
+
     def clear(self, slot: int) -> None:
         """Forget everything recorded for ``slot``."""
         bit = 1 << slot

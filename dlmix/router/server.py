@@ -566,9 +566,7 @@ class Router:
 
     def _record(self, rr: RouteRequest, dec) -> None:
         """Approximate index: remember that these prefixes now live on the chosen instance(s)."""
-        for inst in (dec.decode, dec.prefill):
-            if inst is not None:
-                self.approx.record(inst.slot, rr.block_hashes(inst.block_size))
+        self.approx.record_decision(rr, dec)
         if self.metrics and dec.hit_tokens:
             self.metrics.hit(self.rt.get((dec.prefill or dec.decode).id), dec.hit_tokens)
 

@@ -29,8 +29,8 @@ from typing import List, Optional, Sequence, Union
 
 from dlmix.hw.cost import CostModel, ModelSpec
 from dlmix.router.policies.base import ClusterView, Policy, begin, end, prefill_done
-from dlmix.router.prefix_index import PrefixIndex
-from dlmix.router.state import InstanceState, NoInstanceError, RouteRequest
+from dlmix.router.prefix_index import ApproxIndex, PrefixIndex
+from dlmix.router.state import InstanceState, NoInstanceError, OverloadedError, RouteRequest
 from dlmix.sim.config import Deployment, load_deployment, load_model
 from dlmix.sim.engine import FULL, PREFILL, RECV, Seq, SimInstance
 from dlmix.sim.metrics import SimResult, summarize
@@ -44,7 +44,7 @@ class ReqRecord:
     """Per-request outcome: times (s), placement and prefix hit (tokens at the instance that prefilled)."""
 
     __slots__ = ("req", "rr", "decision", "first_token", "finish", "hit", "prefill_inst", "decode_inst",
-                 "failed", "pseq", "xfer_s", "prefilled")
+                 "failed", "pseq", "xfer_s", "prefilled", "rejected")
 
     def __init__(self, req: SimRequest, rr: RouteRequest):
         self.req = req
@@ -59,6 +59,7 @@ class ReqRecord:
         self.pseq: Optional[Seq] = None
         self.xfer_s = 0.0
         self.prefilled = False
+        self.rejected = False  # refused by the policy's admission control (OverloadedError)
 
     def on_admit(self, inst: SimInstance, seq: Seq) -> None:
         """Called by the instance when the prefill leg is admitted (records the true prefix hit)."""
@@ -88,15 +89,20 @@ class Simulator:
         kv_event_delay: seconds between an engine's cache change and the router's index update (0 = instant).
         know_output_len: tell the router each request's output length as ``max_tokens`` (default: unknown).
         policy_params: keyword arguments for a policy given by name.
+        approx_index: give policies the router-side approximate index, which records every dispatch as the live
+            router does (default). False, or a policy with ``exact_index_only``: KV-event index only.
+        approx_index_capacity: blocks that index keeps (the live router's ``approx_index_capacity``).
     """
 
     def __init__(self, deployment: Union[Deployment, str, dict], model: Union[ModelSpec, str],
                  policy: Union[Policy, str] = "cost", cost_model: Optional[CostModel] = None, seed: int = 0,
-                 kv_event_delay: float = 0.0, know_output_len: bool = False, policy_params: Optional[dict] = None):
+                 kv_event_delay: float = 0.0, know_output_len: bool = False, policy_params: Optional[dict] = None,
+                 approx_index: bool = True, approx_index_capacity: int = 1 << 20):
         self.dep = deployment if isinstance(deployment, Deployment) else load_deployment(deployment)
         self.model = load_model(model)
         cat = self.dep.catalog
         self.index = PrefixIndex()
+        self.approx = ApproxIndex(approx_index_capacity)
         self.kv_event_delay = float(kv_event_delay)
         self.know_output_len = know_output_len
         self.seed = seed
@@ -128,6 +134,7 @@ class Simulator:
 
             policy = make_sim_policy(policy, seed=seed, **(policy_params or {}))
         self.policy = policy
+        self._approx = None if not approx_index or getattr(policy, "exact_index_only", False) else self.approx
         if hasattr(policy, "bind_simulator"):
             policy.bind_simulator(self)
         self.now = 0.0
@@ -217,15 +224,17 @@ class Simulator:
         rec.req.drop_keys()
 
     def _route(self, rec: ReqRecord) -> None:
-        view = ClusterView(self.states, index=self.index, cost=self.cost)
+        view = ClusterView(self.states, index=self.index, cost=self.cost, approx_index=self._approx)
         try:
             dec = self.policy.choose(rec.rr, view)
-        except NoInstanceError:
+        except NoInstanceError as ex:
+            rec.rejected = isinstance(ex, OverloadedError)
             rec.failed = True
             rec.finish = self.now
             return
         rec.decision = dec
         begin(dec, rec.rr)
+        self.approx.record_decision(rec.rr, dec)
         self.policy.on_dispatch(rec.rr, dec, view)
         req = rec.req
         d = self.instances[dec.decode.slot]

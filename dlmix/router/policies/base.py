@@ -90,12 +90,16 @@ class Policy:
 
     Class attributes:
         name: registry name (``--policy NAME``).
+        exact_index_only: see below.
         needs_prompt: True if the policy uses prefix hits; the router then extracts/tokenizes the prompt and builds
             block hashes (costly), otherwise it only reads ``model``/``stream`` from the body.
     """
 
     name = "base"
     needs_prompt = False
+    #: True for baselines that, as published, score prefixes from engine KV events only; the simulator then gives
+    #: them no router-side approximate index (the live router always passes both indexes).
+    exact_index_only = False
 
     def filter(self, req: RouteRequest, cands: List[InstanceState], view: ClusterView) -> List[InstanceState]:
         """Drop candidates that must not be used. Default: keep all."""

@@ -31,6 +31,7 @@ class DynamoKV(Policy):
 
     name = "dynamo_kv"
     needs_prompt = True
+    exact_index_only = True  # Dynamo's overlap scores come from the engines' KV events (its radix tree)
 
     def __init__(self, overlap_score_weight: float = 1.0, temperature: float = 0.0, seed: int = 0, **_):
         self.w = float(overlap_score_weight)
