@@ -141,3 +141,50 @@ def test_cost_avoids_full_kv_cache():
     xs[1].load.kv_usage = 0.99  # engine-reported
     xs[0].load.inflight = 1
     assert p.choose(req(1000), cost_view(xs)).decode.id == "i0"
+
+
+def test_cost_keeps_a_prefix_hit_on_the_busier_instance():
+    # i0 caches 6144 of the 7344 prompt tokens but decodes 3x more requests than i1. A miss on i1 would prefill
+    # 7344 tokens (~6x the work) and stall i1's decodes for that long; the SLO-normalised harm term keeps the hit.
+    xs = [inst(0), inst(1)]
+    for x, b in ((xs[0], 12), (xs[1], 4)):
+        x.load.inflight = x.load.inflight_decode = b
+        x.load.decode_ctx_tokens = b * 7344
+    ix = PrefixIndex()
+    ix.store(0, list(range(384)))  # 384 blocks of 16 tokens
+    p = make_policy("cost", itl_target=0.025)
+    r = req(7344, hashes=range(459))
+    d = p.choose(r, cost_view(xs, ix))
+    assert (d.decode.id, d.hit_tokens, d.reason) == ("i0", 6144, "cost:local")
+    assert p.choose(r, cost_view(xs)).decode.id == "i1"  # without the prefix: the less loaded instance
+
+
+def test_cost_prefill_harm_moves_prefill_off_a_busy_decode_instance():
+    # 1000 uncached tokens: on an idle decode instance the local prefill is the better plan (no transfer); once it
+    # decodes 40 requests, stalling them for the local prefill costs more than prefilling on the prefill instance
+    xs = [inst(0, "prefill", "H100"), inst(1, "decode", "H100")]
+    p = make_policy("cost", itl_target=0.025, pd_margin_s=0.0)
+    cm = CostModel("llama-3.1-8b")
+    t_local = cm.prefill_time("H100", 1000)
+    t_pd = cm.prefill_time("H100", 1000) + cm.transfer_time(1000, "rdma-100g") + cm.t1
+    assert t_local < t_pd  # idle: local is faster (no transfer)
+    assert p.choose(req(1000), cost_view(xs)).reason == "cost:local"
+    xs[1].load.inflight = xs[1].load.inflight_decode = 40
+    xs[1].load.decode_ctx_tokens = 40 * 1000
+    d = p.choose(req(1000), cost_view(xs))
+    assert (d.prefill.id, d.decode.id, d.reason) == ("i0", "i1", "cost:pd")
+
+
+def test_cost_early_rejection_raises_overloaded():
+    from dlmix.router.state import OverloadedError
+
+    xs = [inst(0, "both", "H20")]
+    cm = CostModel("llama-3.1-8b")
+    n = 40_000
+    assert cm.prefill_time("H20", n) > 2.0  # cannot meet a 2 s TTFT target on an idle H20
+    assert make_policy("cost").choose(req(n), cost_view(xs)).decode.id == "i0"  # off by default
+    p = make_policy("cost", ttft_target=2.0, reject_ttft_factor=1.0)
+    with pytest.raises(OverloadedError, match="early rejection"):
+        p.choose(req(n), cost_view(xs))
+    assert p.choose(req(1000), cost_view(xs)).decode.id == "i0"  # a short prompt is admitted
+    assert issubclass(OverloadedError, NoInstanceError)  # the router answers 503

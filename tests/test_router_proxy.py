@@ -418,3 +418,19 @@ def test_online_calibration_and_metrics(lt):
         assert 'dlmix_router_requests_total{route="cost:local"} 3.0' in m
     finally:
         c.close()
+
+
+def test_cost_early_rejection_answers_503_without_touching_the_engine(lt):
+    e = MockEngine(name="rej")
+    # a TTFT target no plan can meet: every request is refused by admission control
+    c = Cluster(lt, [e], chips=["H100"], policy="cost", model_spec="llama-3.1-8b",
+                policy_params={"ttft_target": 1e-6, "reject_ttft_factor": 1.0})
+    try:
+        with httpx.Client(timeout=10) as h:
+            r = h.post(c.base + "/v1/completions", json=BODY)
+            assert r.status_code == 503
+            assert "early rejection" in r.json()["error"]
+        assert e.requests == 0
+        assert c.router.rt["rej"].state.load.inflight == 0
+    finally:
+        c.close()

@@ -159,6 +159,12 @@ class NoInstanceError(Exception):
     """No healthy instance can serve the request (the router answers 503)."""
 
 
+class OverloadedError(NoInstanceError):
+    """A policy's admission control refused the request because no plan is predicted to meet its SLO (early
+    rejection, Mooncake FAST'25 §7.2). The router answers 503 with the message; the simulator counts the request as
+    rejected (not good)."""
+
+
 def prompt_len_from_hashes(req: RouteRequest, block_size: int) -> int:
     """Helper: number of tokens covered by full blocks of the request at ``block_size`` (tokens)."""
     return len(req.block_hashes(block_size)) * block_size
@@ -171,6 +177,7 @@ __all__ = [
     "RouteRequest",
     "Decision",
     "NoInstanceError",
+    "OverloadedError",
     "prompt_len_from_hashes",
 ]
 

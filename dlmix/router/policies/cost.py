@@ -1,29 +1,43 @@
-"""``cost`` (default): joint prefill/decode placement by predicted TTFT on heterogeneous chips.
+"""``cost`` (default): joint prefill/decode placement on heterogeneous chips, scored against the SLO.
 
-For a request of N prompt tokens (h_X = prefix-hit tokens on instance X, from the KV-event index or the approximate
-index), every decode-capable instance D is scored for two plans (Mooncake FAST'25 Alg. 1 "Conductor", DistServe
-OSDI'24 placement, Splitwise ISCA'24 phase split; formulas in :mod:`dlmix.hw.cost`):
+For a request of N prompt tokens (h_X = prefix-hit tokens on instance X, from the KV-event index or the router's
+approximate index), every decode-capable instance D is scored for two plans (Mooncake FAST'25 Alg. 1 "Conductor",
+DistServe OSDI'24 placement, Splitwise ISCA'24 phase split; time formulas in :mod:`dlmix.hw.cost`):
 
 * local (no disaggregation): ``TTFT = Q_D + T_pre_D(N, h_D)·r_D``; ``Q_X`` = time to prefill the uncached tokens
   already queued on X (router-counted, linear term ``2·P·q/(MFU·F)``), ``r_X`` = X's online TTFT calibration ratio;
 * PD with each prefill-role instance P: ``TTFT = Q_P + T_pre_P(N, h_P)·r_P + T_xfer(P→D, N − h_D) + t1``.
 
-Memory: a D whose KV cache would overflow (router-counted Σctx + N above the chip's KV capacity, see
-``CostModel.kv_capacity_tokens``) or whose engine reports ``kv_usage ≥ kv_usage_limit`` gets ``penalty_s``.
+Each plan's score is the share of SLO budgets it uses (goodput counts requests meeting TTFT ≤ ``ttft_target`` and
+TPOT ≤ ``itl_target``; DistServe's goodput):
 
-Constraint: D must keep its ITL target after admitting the request, ``T_step_D(B_D+1, Σctx_D+N)·r_itl_D ≤ itl_target``;
-instances breaking it get a penalty of ``penalty_s`` per 100 % excess, so they are used only if all break it.
-Local prefill stalls D's running batch; that costs ``interference × T_pre_D`` when D has running decodes.
-Disaggregate only if it beats local by ``pd_margin_s`` and D lacks more than ``local_max_uncached`` tokens
-(short or mostly cached prompts prefill on the decode instance, as Dynamo's ``isl_bounding``).
+    score = TTFT / ttft_target + T_step_D / itl_target + interference · T_pre_X · (B_X / (out · itl_target)
+            + W_X / ttft_target)
 
-Without prefill-role instances (aggregated or cross-cluster mode, ``both`` instances on different chips) the objective
-is the predicted completion time ``TTFT + out · T_step_D`` (out = max_tokens or ``default_output_tokens``), which
-balances per-chip speed against queueing.
+* ``T_step_D = T_step(B_D+1, Σctx_D+N)·r_itl_D``: D's decode step after admitting the request (its own TPOT);
+* the last term is the harm of the prefill to the requests already on the prefilling instance X (D for local, P for
+  PD): each of its ``B_X`` decoding requests stalls for ``T_pre_X`` (chunked prefill shares the iteration), which uses
+  ``T_pre_X / (out · itl_target)`` of a TPOT budget of ``out`` tokens (``default_output_tokens``), and each of its
+  ``W_X`` requests still waiting for their prefill (router-counted in flight minus decoding) starts that much later.
+  This term is what keeps requests on the instance that caches their prefix (a hit prefills few tokens) and keeps
+  long prefills off busy decode instances; it is zero on a prefill-role instance with nothing queued.
 
-Load guard: before scoring, decode candidates and prefill candidates are each passed through
-:func:`~dlmix.router.policies.base.balance_filter` (``balance_abs_threshold``, ``balance_rel_threshold``), so a hot
-prefix cannot pile every request onto the instance that caches it even when the model underestimates its queue.
+Penalties (``penalty_s``, in score units): D's step above ``itl_target`` (per 100 % excess, so such a D is used only
+if every D breaks it); a D whose KV cache would overflow (router-counted Σctx + N above the chip's KV capacity,
+``CostModel.kv_capacity_tokens``) or whose engine reports ``kv_usage ≥ kv_usage_limit``.
+Disaggregate only if PD beats local by ``pd_margin_s`` of TTFT and D lacks more than ``local_max_uncached`` tokens
+(short or mostly cached prompts prefill on the decode instance, as Dynamo's ``isl_bounding``). With only ``both``
+instances (aggregated or cross-cluster mode, different chips) the local plans compete alone: the TTFT and step
+terms weigh each chip's speed against its queue.
+
+Early rejection (off by default; Mooncake FAST'25 §7.2 "prediction-based early rejection", Alg. 1's final check):
+with ``reject_ttft_factor = f > 0``, a request whose best plan's predicted TTFT exceeds ``f · ttft_target`` raises
+:class:`~dlmix.router.state.OverloadedError` (the router answers 503 at once), so overload does not queue work that
+would miss its SLO anyway and delay every request behind it.
+
+Optional load guard (``balance_abs_threshold`` > 0): decode and prefill candidates are first passed through
+:func:`~dlmix.router.policies.base.balance_filter`, the SGLang router's imbalance rule, for deployments where the
+model's queue estimate is far off.
 
 Pure object: reads instance state and the view, no I/O. Needs a :class:`dlmix.hw.cost.CostModel` on the view (else it
 falls back to least-load scoring). The arithmetic is inlined from :class:`~dlmix.hw.cost.CostModel` with per-chip
@@ -32,21 +46,25 @@ constants (``CostModel.coefs``) because it runs for every request and every cand
 from __future__ import annotations
 
 from dlmix.router.policies.base import ClusterView, Policy, balance_filter
-from dlmix.router.state import Decision, InstanceState, NoInstanceError, RouteRequest
+from dlmix.router.state import Decision, InstanceState, NoInstanceError, OverloadedError, RouteRequest
 
 
 class CostPolicy(Policy):
-    """Args (seconds unless noted): itl_target (decode ITL SLO), local_max_uncached (tokens), pd_margin_s,
-    interference (fraction of a local prefill charged to a busy D), penalty_s, default_output_tokens (tokens),
-    balance_abs_threshold / balance_rel_threshold (load guard, see module docstring)."""
+    """Args (seconds unless noted): ttft_target and itl_target (the SLO: TTFT and TPOT/ITL), local_max_uncached
+    (tokens), pd_margin_s, interference (weight of the stall a prefill imposes on the prefilling instance's requests),
+    penalty_s (score units), default_output_tokens (tokens, when the request has no ``max_tokens``), kv_usage_limit
+    (fraction), reject_ttft_factor (0 = never reject), balance_abs_threshold (requests; 0 = no load guard) /
+    balance_rel_threshold. See the module docstring."""
 
     name = "cost"
     needs_prompt = True
 
     def __init__(self, itl_target: float = 0.05, local_max_uncached: int = 256, pd_margin_s: float = 0.002,
-                 interference: float = 0.5, penalty_s: float = 10.0, default_output_tokens: int = 256,
-                 balance_abs_threshold: float = 4, balance_rel_threshold: float = 1.5,
-                 kv_usage_limit: float = 0.95, **_):
+                 interference: float = 1.0, penalty_s: float = 10.0, default_output_tokens: int = 256,
+                 balance_abs_threshold: float = 0, balance_rel_threshold: float = 1.5,
+                 kv_usage_limit: float = 0.95, ttft_target: float = 2.0, reject_ttft_factor: float = 0.0, **_):
+        self.ttft_target = float(ttft_target)
+        self.reject_ttft_factor = float(reject_ttft_factor)
         self.kv_usage_limit = float(kv_usage_limit)
         self.abs_t = float(balance_abs_threshold)
         self.rel_t = float(balance_rel_threshold)
@@ -82,57 +100,73 @@ class CostPolicy(Policy):
         return self.penalty_s * (step / self.itl_target - 1.0)
 
     def choose(self, req: RouteRequest, view: ClusterView) -> Decision:
-        """Best (P, D) or local plan. Raises NoInstanceError when no decode-capable instance is available."""
-        dcands = balance_filter(view.decode_candidates(req), self.abs_t, self.rel_t)
+        """Best (P, D) or local plan by SLO-normalised cost. Raises NoInstanceError when no decode-capable
+        instance is available."""
+        dcands = view.decode_candidates(req)
+        if self.abs_t > 0:
+            dcands = balance_filter(dcands, self.abs_t, self.rel_t)
         if not dcands:
             raise NoInstanceError(f"no available instance for model {req.model!r}")
         cost = view.cost
         if cost is None:
             d = min(dcands, key=lambda c: (c.load.queue_len(), c.load.processed))
             return Decision(decode=d, hit_tokens=view.hit_tokens(req, d), reason="cost:noload")
-        pcands = balance_filter(view.prefill_candidates(req), self.abs_t, self.rel_t)
+        pcands = view.prefill_candidates(req)
+        if self.abs_t > 0:
+            pcands = balance_filter(pcands, self.abs_t, self.rel_t)
         n = req.prompt_len
         n2 = n * n
         lin, quad, t0 = cost._lin, cost._quad, cost.t0
         out = req.max_tokens or self.default_output_tokens
+        inv_t = 1.0 / self.ttft_target
+        inv_i = 1.0 / self.itl_target
+        # stall of s seconds on an instance with B decoding and W queued requests costs
+        # s * (B / (out * itl_target) + W / ttft_target)  (share of their SLO budgets)
+        w_dec = self.interference / (self.default_output_tokens * self.itl_target)
+        w_q = self.interference * inv_t
         pplans = []
         for p in pcands:
             hp = view.hit_tokens(req, p)
             if hp > n:
                 hp = n
             c0 = cost.coefs(p.chip, p.num_chips)[0]
-            tp = self.queue_time(cost, p) + (t0 + (lin * (n - hp) + quad * (n2 - hp * hp)) * c0) * p.ttft_ratio
-            pplans.append((tp, p, hp))
+            pre = (t0 + (lin * (n - hp) + quad * (n2 - hp * hp)) * c0) * p.ttft_ratio
+            tp = self.queue_time(cost, p) + pre
+            lp = p.load
+            harm = pre * (lp.inflight_decode * w_dec + max(lp.inflight - lp.inflight_decode, 0) * w_q)
+            pplans.append((tp, harm, p, hp))
         best = None
-        interf = self.interference
+        margin = self.pd_margin_s * inv_t
         for d in dcands:
             hd = view.hit_tokens(req, d)
             if hd > n:
                 hd = n
-            step = self.step_time(cost, d, n)
-            pen = 0.0 if step <= self.itl_target else self.penalty_s * (step / self.itl_target - 1.0)
             ld = d.load
+            step = self.step_time(cost, d, n)
+            base = step * inv_i
+            if step > self.itl_target:
+                base += self.penalty_s * (step / self.itl_target - 1.0)
             if ld.kv_usage >= self.kv_usage_limit or \
                     ld.decode_ctx_tokens + n > cost.kv_capacity_tokens(d.chip, d.num_chips):
-                pen += self.penalty_s
+                base += self.penalty_s
             c0 = cost.coefs(d.chip, d.num_chips)[0]
             t_pre = (t0 + (lin * (n - hd) + quad * (n2 - hd * hd)) * c0) * d.ttft_ratio
             t_local = self.queue_time(cost, d) + t_pre
-            obj = t_local + pen
-            if d.load.inflight_decode > 0:
-                obj += interf * t_pre
-            if not pplans:
-                obj += out * step
-            cand = (obj, t_local, d, None, hd, "cost:local")
+            harm = t_pre * (ld.inflight_decode * w_dec + max(ld.inflight - ld.inflight_decode, 0) * w_q)
+            cand = (base + t_local * inv_t + harm, t_local, d, None, hd, "cost:local")
             if pplans and n - hd > self.local_max_uncached:
-                for tp, p, hp in pplans:
+                for tp, hp_harm, p, hp in pplans:
                     t = tp + cost.transfer_time(n - hd, cost.link_between(p.transport, d.transport)) + cost.t1
-                    if t + pen + self.pd_margin_s < cand[0]:
-                        cand = (t + pen, t, d, p, hp, "cost:pd")
+                    obj = base + t * inv_t + hp_harm
+                    if obj + margin < cand[0]:
+                        cand = (obj, t, d, p, hp, "cost:pd")
             if best is None or cand[0] < best[0] or (cand[0] == best[0] and
                                                      cand[2].load.processed < best[2].load.processed):
                 best = cand
         _, ttft, d, p, hit, why = best
+        if self.reject_ttft_factor > 0 and ttft > self.reject_ttft_factor * self.ttft_target:
+            raise OverloadedError(f"predicted TTFT {ttft:.2f} s exceeds {self.reject_ttft_factor:g} x the "
+                                  f"{self.ttft_target:g} s target on every instance (early rejection)")
         if p is None and pplans:
             why = "cost:local:short" if n - best[4] <= self.local_max_uncached else "cost:local"
         return Decision(decode=d, prefill=p, predicted_ttft=ttft, hit_tokens=hit, reason=why)
