@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
-from typing import Optional
+from typing import List, Optional
 
 import typer
 
@@ -52,8 +52,12 @@ def sim_command(
     output_len: int = typer.Option(128, "--output-len", help="synthetic: output tokens"),
     rate: float = typer.Option(4.0, "--rate", help="synthetic: request rate, req/s (before --speedup)"),
     out: Optional[str] = typer.Option(None, "--out", "-o", help="folder for sim.json and PNG plots"),
+    policy_param: Optional[List[str]] = typer.Option(
+        None, "--policy-param", help="policy argument KEY=VALUE[,KEY=VALUE] (repeatable; the router's flag), given to "
+        "every policy that accepts it; the cost policy gets ttft_target/itl_target from --slo-* unless set here"),
 ) -> None:
     """Simulate a heterogeneous cluster with the router's own policies (see docs/simulator.md)."""
+    from dlmix.router.config import ConfigError as RouterConfigError, parse_kv_list
     from dlmix.sim.config import ConfigError, load_deployment, load_model
     from dlmix.sim.metrics import format_instances, format_table
     from dlmix.sim.registry import sim_policies
@@ -71,13 +75,20 @@ def sim_command(
         spec = load_model(model)
         reqs = build_workload(workload, speedup, limit, groups, per_group, prefix_len, suffix_len, output_len,
                               rate, seed)
-    except (ConfigError, WorkloadError, ValueError) as ex:
+        params = {}
+        for item in policy_param or []:
+            params.update(parse_kv_list(item))
+    except (ConfigError, RouterConfigError, WorkloadError, ValueError) as ex:
         typer.echo(f"error: {ex}", err=True)
         raise typer.Exit(2)
     results = []
     for n in names:
         t = time.perf_counter()
-        res = Simulator(dep, spec, n, seed=seed, kv_event_delay=kv_event_delay_ms / 1000.0).run(
+        pp = dict(params)
+        if n == "cost":  # the SLO the goodput is measured against is the operator's target for the policy
+            pp.setdefault("ttft_target", slo_ttft_ms / 1000.0)
+            pp.setdefault("itl_target", slo_itl_ms / 1000.0)
+        res = Simulator(dep, spec, n, seed=seed, kv_event_delay=kv_event_delay_ms / 1000.0, policy_params=pp).run(
             reqs, slo_ttft_ms / 1000.0, slo_itl_ms / 1000.0, label=n)
         res.summary["sim_wall_s"] = time.perf_counter() - t
         results.append(res)

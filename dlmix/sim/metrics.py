@@ -7,7 +7,8 @@
   they gave to already-decoding sequences (exact, no per-token records).
 * Goodput (vLLM ``--goodput ttft:MS tpot:MS``; Dynamo recipe TTFT ≤ 2 s, ITL ≤ 25 ms): a request is *good* when
   TTFT ≤ ``slo_ttft`` and its mean inter-token latency (TPOT) ≤ ``slo_itl``; ``request_goodput`` = good / duration
-  (req/s), ``good_fraction`` = good / all requests (failed ones count as not good).
+  (req/s), ``good_fraction`` = good / all requests (failed ones count as not good; ``rejected`` counts those a
+  policy's admission control refused, a subset of ``failed``).
 * Prefix-hit rate = Σ prefix-hit tokens at the instance that ran the prefill / Σ prompt tokens.
 * Per-instance utilization = busy time (sum of iteration durations) / duration.
 Times in the summary are milliseconds where the key ends in ``_ms``, else seconds.
@@ -85,6 +86,7 @@ def summarize(recs: Sequence, insts: Sequence, step_dt: List[float], step_w: Lis
         "num_requests": n,
         "completed": len(ok),
         "failed": n - len(ok),
+        "rejected": sum(1 for r in recs if getattr(r, "rejected", False)),
         "duration_s": dur,
         "request_throughput": len(ok) / dur,
         "output_throughput": out_tok / dur,
@@ -106,13 +108,16 @@ def summarize(recs: Sequence, insts: Sequence, step_dt: List[float], step_w: Lis
 
 
 def format_table(rows: Sequence[dict], title: str = "") -> str:
-    """Plain-text table of summaries (one row each): goodput, TTFT/ITL/TPOT percentiles, hit rate, throughput."""
-    hdr = ["label", "good%", "goodput/s", "TTFT mean", "TTFT p50", "TTFT p90", "TTFT p99", "ITL p50", "ITL p99",
+    """Plain-text table of summaries (one row each): good and rejected %, goodput, TTFT/ITL/TPOT percentiles, hit
+    rate, throughput."""
+    hdr = ["label", "good%", "rej%", "goodput/s", "TTFT mean", "TTFT p50", "TTFT p90", "TTFT p99", "ITL p50", "ITL p99",
            "TPOT p90", "hit%", "out tok/s"]
     lines = [title] if title else []
     body = []
     for s in rows:
-        body.append([str(s.get("label", "")), f"{100 * s['good_fraction']:.1f}", f"{s['request_goodput']:.3f}",
+        n = max(s.get("num_requests", 0), 1)
+        body.append([str(s.get("label", "")), f"{100 * s['good_fraction']:.1f}", f"{100 * s.get('rejected', 0) / n:.1f}",
+                     f"{s['request_goodput']:.3f}",
                      f"{s['ttft_ms']['mean']:.0f}", f"{s['ttft_ms']['median']:.0f}", f"{s['ttft_ms']['p90']:.0f}",
                      f"{s['ttft_ms']['p99']:.0f}", f"{s['itl_ms']['median']:.1f}", f"{s['itl_ms']['p99']:.1f}",
                      f"{s['tpot_ms']['p90']:.1f}", f"{100 * s['prefix_hit_rate']:.1f}",
