@@ -23,8 +23,10 @@ TPOT ≤ ``itl_target``; DistServe's goodput):
   long prefills off busy decode instances; it is zero on a prefill-role instance with nothing queued.
 
 Penalties (``penalty_s``, in score units): D's step above ``itl_target`` (per 100 % excess, so such a D is used only
-if every D breaks it); a D whose KV cache would overflow (router-counted Σctx + N above the chip's KV capacity,
-``CostModel.kv_capacity_tokens``) or whose engine reports ``kv_usage ≥ kv_usage_limit``.
+if every D breaks it; when every D breaks it there is no penalty, since spreading requests away from their cached
+prefixes on an overloaded cluster only adds prefill work); a D whose KV cache would overflow (router-counted Σctx + N above the chip's KV capacity,
+``CostModel.kv_capacity_tokens``) or whose engine reports ``kv_usage ≥ kv_usage_limit``, again only while some D
+has room.
 Disaggregate only if PD beats local by ``pd_margin_s`` of TTFT and D lacks more than ``local_max_uncached`` tokens
 (short or mostly cached prompts prefill on the decode instance, as Dynamo's ``isl_bounding``). With only ``both``
 instances (aggregated or cross-cluster mode, different chips) the local plans compete alone: the TTFT and step
@@ -60,7 +62,7 @@ class CostPolicy(Policy):
     needs_prompt = True
 
     def __init__(self, itl_target: float = 0.05, local_max_uncached: int = 256, pd_margin_s: float = 0.002,
-                 interference: float = 1.0, penalty_s: float = 10.0, default_output_tokens: int = 256,
+                 interference: float = 1.0, penalty_s: float = 0.2, default_output_tokens: int = 256,
                  balance_abs_threshold: float = 0, balance_rel_threshold: float = 1.5,
                  kv_usage_limit: float = 0.95, ttft_target: float = 2.0, reject_ttft_factor: float = 0.0, **_):
         self.ttft_target = float(ttft_target)
@@ -137,17 +139,23 @@ class CostPolicy(Policy):
             pplans.append((tp, harm, p, hp))
         best = None
         margin = self.pd_margin_s * inv_t
-        for d in dcands:
+        steps = [self.step_time(cost, d, n) for d in dcands]
+        full = [d.load.kv_usage >= self.kv_usage_limit or
+                d.load.decode_ctx_tokens + n > cost.kv_capacity_tokens(d.chip, d.num_chips) for d in dcands]
+        # the ITL and memory guards steer requests to a D that keeps the target / has room; when none can, they would
+        # only spread requests away from their cached prefixes (more prefill work on an overloaded cluster), so they
+        # are off then (the engine queues the request until memory frees)
+        guard = min(steps) <= self.itl_target
+        mem_guard = not all(full)
+        for d, step, d_full in zip(dcands, steps, full):
             hd = view.hit_tokens(req, d)
             if hd > n:
                 hd = n
             ld = d.load
-            step = self.step_time(cost, d, n)
             base = step * inv_i
-            if step > self.itl_target:
+            if guard and step > self.itl_target:
                 base += self.penalty_s * (step / self.itl_target - 1.0)
-            if ld.kv_usage >= self.kv_usage_limit or \
-                    ld.decode_ctx_tokens + n > cost.kv_capacity_tokens(d.chip, d.num_chips):
+            if mem_guard and d_full:
                 base += self.penalty_s
             c0 = cost.coefs(d.chip, d.num_chips)[0]
             t_pre = (t0 + (lin * (n - hd) + quad * (n2 - hd * hd)) * c0) * d.ttft_ratio
