@@ -159,20 +159,23 @@ def test_cost_keeps_a_prefix_hit_on_the_busier_instance():
     assert p.choose(r, cost_view(xs)).decode.id == "i1"  # without the prefix: the less loaded instance
 
 
-def test_cost_prefill_harm_moves_prefill_off_a_busy_decode_instance():
-    # 1000 uncached tokens: on an idle decode instance the local prefill is the better plan (no transfer); once it
-    # decodes 40 requests, stalling them for the local prefill costs more than prefilling on the prefill instance
+def test_cost_conditional_disaggregation_keeps_long_prefills_off_decode_instances():
+    # the only prefill instance has a long queue and the decode instance is idle: a long prompt is still
+    # disaggregated (a local prefill would stall a decode chip), a short one is prefilled on D
     xs = [inst(0, "prefill", "H100"), inst(1, "decode", "H100")]
-    p = make_policy("cost", itl_target=0.025, pd_margin_s=0.0)
-    cm = CostModel("llama-3.1-8b")
-    t_local = cm.prefill_time("H100", 1000)
-    t_pd = cm.prefill_time("H100", 1000) + cm.transfer_time(1000, "rdma-100g") + cm.t1
-    assert t_local < t_pd  # idle: local is faster (no transfer)
-    assert p.choose(req(1000), cost_view(xs)).reason == "cost:local"
-    xs[1].load.inflight = xs[1].load.inflight_decode = 40
-    xs[1].load.decode_ctx_tokens = 40 * 1000
-    d = p.choose(req(1000), cost_view(xs))
+    xs[0].load.inflight_prefill_tokens = 20 * 10_000  # 20 queued prompts of 10k tokens
+    xs[0].load.inflight_prefill_sq = 20 * 10_000 ** 2
+    xs[0].load.inflight = 20
+    p = make_policy("cost", itl_target=0.025)
+    d = p.choose(req(4096), cost_view(xs))
     assert (d.prefill.id, d.decode.id, d.reason) == ("i0", "i1", "cost:pd")
+    cm = CostModel("llama-3.1-8b")
+    # the queue (linear and attention terms) is in the prediction
+    queue = 20 * (cm.prefill_time("H100", 10_000) - cm.t0)
+    exp = queue + cm.prefill_time("H100", 4096) + cm.transfer_time(4096, "rdma-100g") + cm.t1
+    assert d.predicted_ttft == pytest.approx(exp)
+    d = p.choose(req(200), cost_view(xs))
+    assert (d.prefill, d.decode.id, d.reason) == (None, "i1", "cost:local:short")
 
 
 def test_cost_early_rejection_raises_overloaded():

@@ -53,6 +53,7 @@ from dlmix.router.engines import get_engine
 from dlmix.router.hashing import BlockHasher, char_chunk_keys
 from dlmix.router.metrics import Metrics
 from dlmix.router.policies import ClusterView, begin, end, make_policy, prefill_done
+from dlmix.router.policies.base import prefill_work
 from dlmix.router.prefix_index import ApproxIndex, PrefixIndex
 from dlmix.router.proxy import BackendError, Pool, build_request, forward_headers, request
 from dlmix.router.state import ROLES, InstanceState, NoInstanceError, RouteRequest
@@ -630,16 +631,16 @@ class Router:
     @staticmethod
     def _move_prefill(dec, rr: RouteRequest, new) -> None:
         """Re-assign the prefill leg (load bookkeeping): to another prefill instance, or to D (``new`` None)."""
-        unc = max(rr.prompt_len - dec.hit_tokens, 0)
+        work = prefill_work(dec, rr)
         old = dec.prefill.load
         old.inflight = max(old.inflight - 1, 0)
-        old.inflight_prefill_tokens = max(old.inflight_prefill_tokens - unc, 0)
+        old.unqueue_prefill(*work)
         if new is None:
-            dec.decode.load.inflight_prefill_tokens += unc
+            dec.decode.load.queue_prefill(*work)
         else:
             new.load.inflight += 1
             new.load.processed += 1
-            new.load.inflight_prefill_tokens += unc
+            new.load.queue_prefill(*work)
         dec.prefill = new
 
     async def _models(self, conn) -> None:

@@ -25,6 +25,8 @@ class InstanceLoad:
         inflight: requests the router has sent to this instance and not seen finish (any leg).
         inflight_prefill_tokens: uncached prompt tokens the router has sent for prefill and whose prefill has not
             finished yet (tokens); the policy's prefill-queue term.
+        inflight_prefill_sq: Σ (N² − h²) over those prefills (tokens², N = prompt tokens, h = prefix hit): the
+            attention part of the queued work, whose FLOPs grow with the square of the prompt length.
         inflight_decode: decoding requests (router-counted) -- the decode batch size B.
         decode_ctx_tokens: sum of context lengths of those decoding requests (tokens), Σctx of the decode step.
         waiting: engine-reported waiting requests (heartbeat), 0 if unknown.
@@ -35,6 +37,7 @@ class InstanceLoad:
 
     inflight: int = 0
     inflight_prefill_tokens: int = 0
+    inflight_prefill_sq: int = 0
     inflight_decode: int = 0
     decode_ctx_tokens: int = 0
     waiting: int = 0
@@ -45,6 +48,16 @@ class InstanceLoad:
     def queue_len(self) -> int:
         """Requests queued or running as best known: max of the router's own count and the engine's report."""
         return max(self.inflight, self.waiting + self.running)
+
+    def queue_prefill(self, tokens: int, sq: int) -> None:
+        """Count a prefill of ``tokens`` uncached tokens and ``sq`` = N² − h² (tokens²) as queued here."""
+        self.inflight_prefill_tokens += tokens
+        self.inflight_prefill_sq += sq
+
+    def unqueue_prefill(self, tokens: int, sq: int) -> None:
+        """Remove a prefill counted by :meth:`queue_prefill` (finished, failed or moved); never below 0."""
+        self.inflight_prefill_tokens = max(self.inflight_prefill_tokens - tokens, 0)
+        self.inflight_prefill_sq = max(self.inflight_prefill_sq - sq, 0)
 
 
 @dataclass

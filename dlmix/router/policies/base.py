@@ -164,9 +164,15 @@ def balance_filter(cands: List[InstanceState], abs_t: float, rel_t: float) -> Li
 
 # ---- load bookkeeping shared by the router and the simulator -------------------------------------------------
 
+def prefill_work(decision: Decision, req: RouteRequest) -> tuple:
+    """``(uncached tokens, N² − h²)`` of the request's prefill (N = prompt tokens, h = the decision's prefix hit)."""
+    n = req.prompt_len
+    h = min(decision.hit_tokens, n)
+    return n - h, n * n - h * h
+
+
 def begin(decision: Decision, req: RouteRequest) -> None:
     """Count a dispatched request in the instances' load (router-side counters of :class:`InstanceLoad`)."""
-    uncached = max(req.prompt_len - decision.hit_tokens, 0)
     d = decision.decode.load
     d.inflight += 1
     d.processed += 1
@@ -174,22 +180,20 @@ def begin(decision: Decision, req: RouteRequest) -> None:
         p = decision.prefill.load
         p.inflight += 1
         p.processed += 1
-        p.inflight_prefill_tokens += uncached
+        p.queue_prefill(*prefill_work(decision, req))
     else:
-        d.inflight_prefill_tokens += uncached
+        d.queue_prefill(*prefill_work(decision, req))
 
 
 def prefill_done(decision: Decision, req: RouteRequest) -> None:
     """The prefill finished (prefill leg returned, or first token of a local prefill): move the request from the
     prefill queue to the decode batch."""
-    uncached = max(req.prompt_len - decision.hit_tokens, 0)
     if decision.prefill is not None:
         p = decision.prefill.load
         p.inflight = max(p.inflight - 1, 0)
-        p.inflight_prefill_tokens = max(p.inflight_prefill_tokens - uncached, 0)
+        p.unqueue_prefill(*prefill_work(decision, req))
     else:
-        d0 = decision.decode.load
-        d0.inflight_prefill_tokens = max(d0.inflight_prefill_tokens - uncached, 0)
+        decision.decode.load.unqueue_prefill(*prefill_work(decision, req))
     d = decision.decode.load
     d.inflight_decode += 1
     d.decode_ctx_tokens += req.prompt_len
@@ -202,16 +206,14 @@ def end(decision: Decision, req: RouteRequest, prefilled: bool = True) -> None:
     if prefilled:
         d.inflight_decode = max(d.inflight_decode - 1, 0)
         d.decode_ctx_tokens = max(d.decode_ctx_tokens - req.prompt_len, 0)
+    elif decision.prefill is not None:
+        p = decision.prefill.load
+        p.inflight = max(p.inflight - 1, 0)
+        p.unqueue_prefill(*prefill_work(decision, req))
     else:
-        uncached = max(req.prompt_len - decision.hit_tokens, 0)
-        if decision.prefill is not None:
-            p = decision.prefill.load
-            p.inflight = max(p.inflight - 1, 0)
-            p.inflight_prefill_tokens = max(p.inflight_prefill_tokens - uncached, 0)
-        else:
-            d.inflight_prefill_tokens = max(d.inflight_prefill_tokens - uncached, 0)
+        d.unqueue_prefill(*prefill_work(decision, req))
 
 
-__all__ = ["ClusterView", "Policy", "begin", "prefill_done", "end", "Decision", "RouteRequest", "NoInstanceError"]
+__all__ = ["ClusterView", "Policy", "begin", "prefill_done", "end", "prefill_work", "Decision", "RouteRequest", "NoInstanceError"]
 
 _Opt = Optional

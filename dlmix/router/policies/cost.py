@@ -4,8 +4,9 @@ For a request of N prompt tokens (h_X = prefix-hit tokens on instance X, from th
 approximate index), every decode-capable instance D is scored for two plans (Mooncake FAST'25 Alg. 1 "Conductor",
 DistServe OSDI'24 placement, Splitwise ISCA'24 phase split; time formulas in :mod:`dlmix.hw.cost`):
 
-* local (no disaggregation): ``TTFT = Q_D + T_pre_D(N, h_D)·r_D``; ``Q_X`` = time to prefill the uncached tokens
-  already queued on X (router-counted, linear term ``2·P·q/(MFU·F)``), ``r_X`` = X's online TTFT calibration ratio;
+* local (no disaggregation): ``TTFT = Q_D + T_pre_D(N, h_D)·r_D``; ``Q_X`` = time to prefill the work already
+  queued on X (router-counted: ``(2·P·q + 2·L·n_q·d·Σ(N² − h²))/(MFU·F)``, q uncached tokens), ``r_X`` = X's
+  online TTFT calibration ratio;
 * PD with each prefill-role instance P: ``TTFT = Q_P + T_pre_P(N, h_P)·r_P + T_xfer(P→D, N − h_D) + t1``.
 
 Each plan's score is the share of SLO budgets it uses (goodput counts requests meeting TTFT ≤ ``ttft_target`` and
@@ -27,10 +28,14 @@ if every D breaks it; when every D breaks it there is no penalty, since spreadin
 prefixes on an overloaded cluster only adds prefill work); a D whose KV cache would overflow (router-counted Σctx + N above the chip's KV capacity,
 ``CostModel.kv_capacity_tokens``) or whose engine reports ``kv_usage ≥ kv_usage_limit``, again only while some D
 has room.
-Disaggregate only if PD beats local by ``pd_margin_s`` of TTFT and D lacks more than ``local_max_uncached`` tokens
-(short or mostly cached prompts prefill on the decode instance, as Dynamo's ``isl_bounding``). With only ``both``
-instances (aggregated or cross-cluster mode, different chips) the local plans compete alone: the TTFT and step
-terms weigh each chip's speed against its queue.
+Conditional disaggregation (as Dynamo's ``isl_bounding``): when prefill-role instances are available, a request whose
+uncached part on D (``N − h_D``) exceeds ``local_max_uncached`` tokens is always disaggregated (the score picks the
+(P, D) pair), and a shorter one, short or mostly cached on D, is prefilled on D (the score picks D). Letting the
+score also send long prompts to a decode instance when the prefill queues look long was measured worse on the full
+Mooncake trace (2× H100 + 2× H20: goodput 0.885 vs 0.967 req/s at speedup 0.5): the prefill stalls a
+bandwidth-rich, compute-poor decode chip far beyond the prediction. With only ``both`` instances (aggregated or
+cross-cluster mode, different chips) the local plans compete alone: the TTFT and step terms weigh each chip's speed
+against its queue.
 
 Early rejection (off by default; Mooncake FAST'25 §7.2 "prediction-based early rejection", Alg. 1's final check):
 with ``reject_ttft_factor = f > 0``, a request whose best plan's predicted TTFT exceeds ``f · ttft_target`` raises
@@ -53,38 +58,41 @@ from dlmix.router.state import Decision, InstanceState, NoInstanceError, Overloa
 
 class CostPolicy(Policy):
     """Args (seconds unless noted): ttft_target and itl_target (the SLO: TTFT and TPOT/ITL), local_max_uncached
-    (tokens), pd_margin_s, interference (weight of the stall a prefill imposes on the prefilling instance's requests),
-    penalty_s (score units), default_output_tokens (tokens, when the request has no ``max_tokens``), kv_usage_limit
+    (tokens), interference (weight of the stall a prefill imposes on the prefilling instance's requests),
+    penalty_s (score units per 100 % ITL excess), mem_penalty (score units, KV cache full), default_output_tokens (tokens, when the request has no ``max_tokens``), kv_usage_limit
     (fraction), reject_ttft_factor (0 = never reject), balance_abs_threshold (requests; 0 = no load guard) /
     balance_rel_threshold. See the module docstring."""
 
     name = "cost"
     needs_prompt = True
 
-    def __init__(self, itl_target: float = 0.05, local_max_uncached: int = 256, pd_margin_s: float = 0.002,
+    def __init__(self, itl_target: float = 0.05, local_max_uncached: int = 256,
                  interference: float = 1.0, penalty_s: float = 0.2, default_output_tokens: int = 256,
                  balance_abs_threshold: float = 0, balance_rel_threshold: float = 1.5,
-                 kv_usage_limit: float = 0.95, ttft_target: float = 2.0, reject_ttft_factor: float = 0.0, **_):
+                 kv_usage_limit: float = 0.95, ttft_target: float = 2.0, reject_ttft_factor: float = 0.0,
+                 mem_penalty: float = 1.0, **_):
         self.ttft_target = float(ttft_target)
+        self.mem_penalty = float(mem_penalty)
         self.reject_ttft_factor = float(reject_ttft_factor)
         self.kv_usage_limit = float(kv_usage_limit)
         self.abs_t = float(balance_abs_threshold)
         self.rel_t = float(balance_rel_threshold)
         self.itl_target = float(itl_target)
         self.local_max_uncached = int(local_max_uncached)
-        self.pd_margin_s = float(pd_margin_s)
         self.interference = float(interference)
         self.penalty_s = float(penalty_s)
         self.default_output_tokens = int(default_output_tokens)
 
     # --- pieces, public for the simulator and tests -------------------------------------------------------------
     def queue_time(self, cost, inst: InstanceState) -> float:
-        """Seconds of prefill work already queued on ``inst``: ``2·P·q / (MFU·F)`` × TTFT ratio (q = router-counted
-        uncached tokens; the quadratic attention term of queued requests is ignored)."""
-        q = inst.load.inflight_prefill_tokens
+        """Seconds of prefill work already queued on ``inst``: ``(2·P·q + 2·L·n_q·d·Σ(N² − h²)) / (MFU·F)`` × TTFT
+        ratio (q = router-counted uncached tokens, Σ(N² − h²) their attention term)."""
+        ld = inst.load
+        q = ld.inflight_prefill_tokens
         if q <= 0:
             return 0.0
-        return cost._lin * q * cost.coefs(inst.chip, inst.num_chips)[0] * inst.ttft_ratio
+        return (cost._lin * q + cost._quad * ld.inflight_prefill_sq) * cost.coefs(inst.chip, inst.num_chips)[0] \
+            * inst.ttft_ratio
 
     def step_time(self, cost, d: InstanceState, n: int) -> float:
         """Predicted decode step (s) of D after admitting ``n`` more context tokens, × ITL ratio."""
@@ -138,10 +146,9 @@ class CostPolicy(Policy):
             harm = pre * (lp.inflight_decode * w_dec + max(lp.inflight - lp.inflight_decode, 0) * w_q)
             pplans.append((tp, harm, p, hp))
         best = None
-        margin = self.pd_margin_s * inv_t
         steps = [self.step_time(cost, d, n) for d in dcands]
         full = [d.load.kv_usage >= self.kv_usage_limit or
-                d.load.decode_ctx_tokens + n > cost.kv_capacity_tokens(d.chip, d.num_chips) for d in dcands]
+                d.load.decode_ctx_tokens + n + out > cost.kv_capacity_tokens(d.chip, d.num_chips) for d in dcands]
         # the ITL and memory guards steer requests to a D that keeps the target / has room; when none can, they would
         # only spread requests away from their cached prefixes (more prefill work on an overloaded cluster), so they
         # are off then (the engine queues the request until memory frees)
@@ -156,18 +163,21 @@ class CostPolicy(Policy):
             if guard and step > self.itl_target:
                 base += self.penalty_s * (step / self.itl_target - 1.0)
             if mem_guard and d_full:
-                base += self.penalty_s
+                base += self.mem_penalty
             c0 = cost.coefs(d.chip, d.num_chips)[0]
             t_pre = (t0 + (lin * (n - hd) + quad * (n2 - hd * hd)) * c0) * d.ttft_ratio
             t_local = self.queue_time(cost, d) + t_pre
             harm = t_pre * (ld.inflight_decode * w_dec + max(ld.inflight - ld.inflight_decode, 0) * w_q)
-            cand = (base + t_local * inv_t + harm, t_local, d, None, hd, "cost:local")
-            if pplans and n - hd > self.local_max_uncached:
+            if pplans and n - hd > self.local_max_uncached:  # long: disaggregated, on the best P for this D
+                cand = None
                 for tp, hp_harm, p, hp in pplans:
                     t = tp + cost.transfer_time(n - hd, cost.link_between(p.transport, d.transport)) + cost.t1
                     obj = base + t * inv_t + hp_harm
-                    if obj + margin < cand[0]:
+                    if cand is None or obj < cand[0]:
                         cand = (obj, t, d, p, hp, "cost:pd")
+            else:
+                cand = (base + t_local * inv_t + harm, t_local, d, None, hd,
+                        "cost:local:short" if pplans else "cost:local")
             if best is None or cand[0] < best[0] or (cand[0] == best[0] and
                                                      cand[2].load.processed < best[2].load.processed):
                 best = cand
@@ -175,6 +185,4 @@ class CostPolicy(Policy):
         if self.reject_ttft_factor > 0 and ttft > self.reject_ttft_factor * self.ttft_target:
             raise OverloadedError(f"predicted TTFT {ttft:.2f} s exceeds {self.reject_ttft_factor:g} x the "
                                   f"{self.ttft_target:g} s target on every instance (early rejection)")
-        if p is None and pplans:
-            why = "cost:local:short" if n - best[4] <= self.local_max_uncached else "cost:local"
         return Decision(decode=d, prefill=p, predicted_ttft=ttft, hit_tokens=hit, reason=why)
