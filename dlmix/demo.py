@@ -238,7 +238,7 @@ def run_demo(deployment: str | Path | None = None, max_tokens: int = 48, free_po
     """
     from rich.console import Console
 
-    from dlmix.engine_process import free_port
+    from dlmix.engine_process import free_port_block
     from dlmix.launch import ConfigError, Deployment, LaunchError, launch
     from dlmix.models import ModelError
 
@@ -249,10 +249,11 @@ def run_demo(deployment: str | Path | None = None, max_tokens: int = 48, free_po
     except (ConfigError, OSError) as e:
         console.print(f"[red]demo: cannot use {path}: {e}")
         return 2
-    if free_ports:
-        dep.router.port = free_port()  # type: ignore[union-attr]
-        for inst in dep.instances:
-            inst.port = free_port()
+    if free_ports:  # below the ephemeral range: engines starting meanwhile cannot take them (free_port_block)
+        taken: set = set()
+        for obj in [dep.router, *dep.instances]:
+            obj.port = free_port_block(1, "127.0.0.1", taken)  # type: ignore[union-attr]
+            taken.add(obj.port)
     if not dep.router_enabled():
         console.print(f"[red]demo: {path} has no router")
         return 2

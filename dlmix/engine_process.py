@@ -39,6 +39,47 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+def port_free(host: str, port: int) -> bool:
+    """True if a TCP socket can bind ``(host, port)`` right now (SO_REUSEADDR, so TIME_WAIT does not count)."""
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+            return True
+        except OSError:
+            return False
+
+
+def _ephemeral_low() -> int:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux default
+
+
+def free_port_block(n: int = 1, host: str = "127.0.0.1", taken=()) -> int:
+    """First of ``n`` consecutive TCP ports free on ``host`` now, for a server that binds them *later*.
+
+    The ports come from below the kernel's ephemeral range (``net.ipv4.ip_local_port_range``, from 10000 up), at a
+    random start: a port the OS hands out meanwhile to another process (vLLM's internal ZMQ and torch.distributed
+    sockets bind port 0 while an engine starts) then cannot be the one chosen here. :func:`free_port` returns an
+    ephemeral port, which such a process may take before the intended server binds it. ``taken``: ports already
+    promised to others. Raises RuntimeError when no block is found in 2000 tries.
+    """
+    import random
+
+    hi = max(_ephemeral_low() - n, 10001)
+    rng = random.SystemRandom()
+    for _ in range(2000):
+        p = rng.randrange(10000, hi)
+        if any(p + k in taken for k in range(n)):
+            continue
+        if all(port_free(host, p + k) for k in range(n)):
+            return p
+    raise RuntimeError(f"no block of {n} free ports below {hi + n} on {host}")
+
+
 @dataclass
 class VLLMServerSpec:
     """What a vLLM OpenAI server needs: model folder, port, KV cache size (bytes), and extra CLI flags. The one

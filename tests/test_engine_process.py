@@ -63,3 +63,22 @@ def test_port_in_use_is_refused(tmp_path):
         spec.port = s.getsockname()[1]
         with pytest.raises(EngineStartError, match="in use"):
             EngineProcess(spec, name="fake", log_dir=tmp_path).start()
+
+
+def test_free_port_block_is_below_the_ephemeral_range_and_skips_taken_ports():
+    import socket
+
+    from dlmix.engine_process import _ephemeral_low, free_port_block, port_free
+
+    low = _ephemeral_low()
+    for _ in range(20):
+        p = free_port_block(3)
+        assert 10000 <= p and p + 3 <= low
+        assert all(port_free("127.0.0.1", p + k) for k in range(3))
+    # a bound port is not free; a block overlapping "taken" is never returned
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", p))
+        assert not port_free("127.0.0.1", p)
+    taken = set(range(10000, low - 2000))  # leave only the top 2000 ports below the range
+    q = free_port_block(2, taken=taken)
+    assert q >= low - 2000 and not {q, q + 1} & taken

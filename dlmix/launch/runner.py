@@ -25,7 +25,6 @@ import json
 import os
 import secrets
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -37,7 +36,7 @@ from typing import Callable, Dict, Iterator, List, Optional
 
 import httpx
 
-from dlmix.engine_process import EngineProcess, VLLMServerSpec, free_port
+from dlmix.engine_process import EngineProcess, VLLMServerSpec, free_port_block, port_free as _port_free
 from dlmix.launch.config import DEVICE_VISIBILITY_ENV, Deployment, Instance
 
 __all__ = ["LaunchError", "PortInUseError", "ProcessFailedError", "RunningInstance", "RunningDeployment", "launch",
@@ -190,21 +189,9 @@ def _router_argv(config_path: Path) -> List[str]:
 
 
 def _free_block(n: int, taken: set) -> int:
-    while True:
-        p = free_port()
-        if all(p + k not in taken for k in range(n)) and all(_port_free("127.0.0.1", p + k) for k in range(n)):
-            taken.update(range(p, p + n))
-            return p
-
-
-def _port_free(host: str, port: int) -> bool:
-    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind((host, port))
-            return True
-        except OSError:
-            return False
+    p = free_port_block(n, "127.0.0.1", taken)
+    taken.update(range(p, p + n))
+    return p
 
 
 def plan(dep: Deployment, secret: str, log_dir: Path, models: Optional[Dict[int, str]] = None) -> List[ProcessPlan]:
