@@ -11,7 +11,7 @@ What it runs (model Llama-3.1-8B, chips from ``dlmix/data/chips.yaml``, SLO TTFT
 * policies: the published baselines (round_robin, least_load, DLRouter prefix_cache / min_expected_latency, SGLang
   cache_aware with both fallbacks, Dynamo KV cost), dlmix's ``prefix``, ``cost`` (told the SLO as its
   ``ttft_target``/``itl_target``, as an operator sets ``--policy-param`` on the router), ``cost_admit`` (the same with
-  early rejection, ``reject_ttft_factor=1``: Mooncake FAST'25 §7.2) and the ``oracle``;
+  early rejection, ``reject_ttft_factor=1``: Mooncake FAST'25 §7) and the ``oracle``;
 * hardware-blind vs hardware-aware PD placement on the same 2× H100 + 2× H20: aware = H100s prefill, H20s decode,
   ``cost`` with the true chip profiles; blind = every one of the 6 ways to give two of the four chips the prefill
   role (the expectation of a random role assignment), ``cost`` told every chip is the same (``router_chip: H100``).

@@ -174,7 +174,7 @@ class NoInstanceError(Exception):
 
 class OverloadedError(NoInstanceError):
     """A policy's admission control refused the request because no plan is predicted to meet its SLO (early
-    rejection, Mooncake FAST'25 §7.2). The router answers 503 with the message; the simulator counts the request as
+    rejection, Mooncake FAST'25 §7). The router answers 503 with the message; the simulator counts the request as
     rejected (not good)."""
 
 
