@@ -90,7 +90,8 @@ class CostPolicy(Policy):
     # --- pieces, public for the simulator and tests -------------------------------------------------------------
     def queue_time(self, cost, inst: InstanceState) -> float:
         """Seconds of prefill work already queued on ``inst``:
-        ``(2·P·q + 2·L·n_q·d·Σ(N² − h²)) / (MFU·F)`` × TTFT ratio (q = router-counted uncached tokens, Σ(N² − h²) their attention term)."""
+        ``(2·P·q + 2·L·n_q·d·Σ(N² − h²)) / (MFU·F)`` × TTFT ratio (q = router-counted uncached tokens,
+        Σ(N² − h²) their attention term)."""
         ld = inst.load
         q = ld.inflight_prefill_tokens
         if q <= 0:
