@@ -272,3 +272,25 @@ def test_early_rejection_is_counted_and_uses_no_capacity():
     assert inst["prefill_tokens"] == (6 - s["rejected"]) * 16384
     ok = [r for r in res.records if not r.rejected]
     assert max(r.first_token - r.req.arrival for r in ok) <= 1.0 * 1.2  # admitted ones roughly keep the target
+
+
+def test_sim_cli_policy_param_and_slo_reach_the_cost_policy():
+    import json
+
+    from typer.testing import CliRunner
+
+    from dlmix.cli import app
+
+    args = ["sim", "-d", "homog_h100x4", "-w", "mooncake", "--limit", "300", "--speedup", "2", "-p", "cost"]
+    base = CliRunner().invoke(app, args)
+    assert base.exit_code == 0, base.output
+    rej = CliRunner().invoke(app, args + ["--policy-param", "reject_ttft_factor=1"])
+    assert rej.exit_code == 0, rej.output
+    s0, s1 = json.loads(base.output.strip().splitlines()[-1])[0], json.loads(rej.output.strip().splitlines()[-1])[0]
+    assert s0["rejected"] == 0 and s1["rejected"] > 0  # admission control only when asked for
+    assert "rej%" in rej.output
+    # a tighter --slo-ttft-ms is the cost policy's target too: more requests predicted to miss it are refused
+    tight = CliRunner().invoke(app, args + ["--policy-param", "reject_ttft_factor=1", "--slo-ttft-ms", "500"])
+    assert json.loads(tight.output.strip().splitlines()[-1])[0]["rejected"] > s1["rejected"]
+    bad = CliRunner().invoke(app, args + ["--policy-param", "oops"])
+    assert bad.exit_code == 2 and "key=value" in bad.output

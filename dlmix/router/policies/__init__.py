@@ -4,7 +4,7 @@ Interface and bookkeeping: :mod:`dlmix.router.policies.base`. Build one with :fu
 """
 from __future__ import annotations
 
-from dlmix.router.policies.base import ClusterView, Policy, begin, end, prefill_done  # noqa: F401
+from dlmix.router.policies.base import ClusterView, Policy, begin, end, prefill_done, prefill_work  # noqa: F401
 from dlmix.router.policies.cost import CostPolicy
 from dlmix.router.policies.least_load import LeastLoad
 from dlmix.router.policies.prefix import PrefixAware

@@ -90,15 +90,14 @@ class Policy:
 
     Class attributes:
         name: registry name (``--policy NAME``).
-        exact_index_only: see below.
+        exact_index_only: True for baselines that, as published, score prefixes from engine KV events only; the
+            simulator then gives them no router-side approximate index (the live router always passes both).
         needs_prompt: True if the policy uses prefix hits; the router then extracts/tokenizes the prompt and builds
             block hashes (costly), otherwise it only reads ``model``/``stream`` from the body.
     """
 
     name = "base"
     needs_prompt = False
-    #: True for baselines that, as published, score prefixes from engine KV events only; the simulator then gives
-    #: them no router-side approximate index (the live router always passes both indexes).
     exact_index_only = False
 
     def filter(self, req: RouteRequest, cands: List[InstanceState], view: ClusterView) -> List[InstanceState]:
@@ -214,6 +213,7 @@ def end(decision: Decision, req: RouteRequest, prefilled: bool = True) -> None:
         d.unqueue_prefill(*prefill_work(decision, req))
 
 
-__all__ = ["ClusterView", "Policy", "begin", "prefill_done", "end", "prefill_work", "Decision", "RouteRequest", "NoInstanceError"]
+__all__ = ["ClusterView", "Policy", "begin", "prefill_done", "end", "prefill_work", "Decision", "RouteRequest",
+           "NoInstanceError"]
 
 _Opt = Optional
