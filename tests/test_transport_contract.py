@@ -395,29 +395,3 @@ def test_await_handle(kind, local, spawn):
     assert asyncio.run(go()) == [size // 4] * 4
     assert sha(dst) == sha(pattern(size, 14))
 
-
-@pytest.mark.parametrize("kind", ["dlslime"])
-def test_dlslime_writes_use_acknowledged_tcp_and_reads_use_dlslime(kind, spawn, monkeypatch):
-    # DLSlime 0.1.23 can report a write complete before the owner's memory holds the bytes (kv_connectors/dlslime.py,
-    # defect 3), so the adapter writes over dlmix's TCP path and reads through DLSlime
-    why = skip_reason("dlslime")
-    if why:
-        pytest.skip(why)
-    from dlmix_kv_connectors.dlslime import DLSlimeTransport
-
-    ops = []
-    real = DLSlimeTransport._lib_transfer
-    monkeypatch.setattr(DLSlimeTransport, "_lib_transfer",
-                        lambda self, op, *a: (ops.append(op), real(self, op, *a))[1])
-    local = make_transport("dlslime", name="local", secret=SECRET)
-    try:
-        size = MiB
-        p, dst = _setup_pair(local, spawn, size)
-        assert local.read("remote", [Segment("kv", 0, "kv", 0, size)], "t").result(60) == size
-        assert bytes(dst) == bytes(pattern(size, 1)) and ops == ["r"]
-        dst[:] = pattern(size, 3)
-        assert local.write("remote", [Segment("kv", 0, "kv", 0, size)], "t").result(60) == size
-        assert ops == ["r"]  # the write did not go through DLSlime
-        assert p.call("sha", name="kv", off=0, len=size)["sha"] == sha(dst)
-    finally:
-        local.close()
