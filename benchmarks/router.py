@@ -280,7 +280,7 @@ def tokenize_costs() -> dict:
     import timeit
 
     sys.path.insert(0, ROOT)
-    from dlmix.router.hashing import BlockHasher, char_chunk_keys
+    from dlmix.routing.hashing import BlockHasher, char_chunk_keys
     from dlmix.router.tokenize import PromptExtractor
 
     out = {"char_chunks_us_1kb": round(timeit.timeit(lambda: char_chunk_keys(PROMPT, 16), number=2000) / 2 * 1e3, 1)}
@@ -324,7 +324,7 @@ def index_mib_per_million(n: int = 1_000_000) -> float:
     import tracemalloc
 
     sys.path.insert(0, ROOT)
-    from dlmix.router.prefix_index import PrefixIndex
+    from dlmix.routing.prefix_index import PrefixIndex
 
     rng = random.Random(0)
     tracemalloc.start()

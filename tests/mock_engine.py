@@ -24,7 +24,7 @@ from typing import List, Optional
 import msgspec
 
 from dlmix.router import kv_events, proxy
-from dlmix.router.hashing import BlockHasher
+from dlmix.routing.hashing import BlockHasher
 from dlmix.router.tokenize import PromptExtractor
 
 _enc = msgspec.json.Encoder()

@@ -25,7 +25,7 @@ def test_plain_install_pulls_no_engine(tmp_path):
     names = {p["name"].lower() for p in json.loads(listed)}
     assert "dlmix" in names
     assert not (names & ENGINES), names & ENGINES
-    out = subprocess.run([str(py), "-c", "import dlmix, dlmix.router.policies, dlmix.hw, dlmix.kv.layout, dlmix.cli, sys; print(dlmix.__version__, 'torch' in sys.modules)"],
+    out = subprocess.run([str(py), "-c", "import dlmix, dlmix.routing.policies, dlmix.hw, dlmix.kv.layout, dlmix.cli, sys; print(dlmix.__version__, 'torch' in sys.modules)"],
                          check=True, capture_output=True, text=True, cwd=tmp_path).stdout.split()
     assert out == [__import__("dlmix").__version__, "False"]
 

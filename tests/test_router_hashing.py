@@ -5,9 +5,9 @@ import random
 
 import pytest
 
-from dlmix.router.hashing import BlockHasher, char_chunk_keys, none_hash, to_key
+from dlmix.routing.hashing import BlockHasher, char_chunk_keys, none_hash, to_key
 from dlmix.router.kv_events import apply_batch, decode_batch
-from dlmix.router.prefix_index import ApproxIndex, PrefixIndex
+from dlmix.routing.prefix_index import ApproxIndex, PrefixIndex
 
 kcu = pytest.importorskip("vllm.v1.core.kv_cache_utils")
 vh = pytest.importorskip("vllm.utils.hashing")

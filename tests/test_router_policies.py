@@ -4,9 +4,9 @@ from __future__ import annotations
 import pytest
 
 from dlmix.hw.cost import CostModel
-from dlmix.router.policies import ClusterView, begin, end, make_policy, prefill_done
-from dlmix.router.prefix_index import PrefixIndex
-from dlmix.router.state import InstanceState, NoInstanceError, RouteRequest
+from dlmix.routing.policies import ClusterView, begin, end, make_policy, prefill_done
+from dlmix.routing.prefix_index import PrefixIndex
+from dlmix.routing.state import InstanceState, NoInstanceError, RouteRequest
 
 
 def inst(i, role="both", chip="H100", **kw):
@@ -179,7 +179,7 @@ def test_cost_conditional_disaggregation_keeps_long_prefills_off_decode_instance
 
 
 def test_cost_early_rejection_raises_overloaded():
-    from dlmix.router.state import OverloadedError
+    from dlmix.routing.state import OverloadedError
 
     xs = [inst(0, "both", "H20")]
     cm = CostModel("llama-3.1-8b")

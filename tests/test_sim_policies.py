@@ -1,13 +1,13 @@
 """Baseline policies (published formulas) on hand-made router state."""
 import pytest
 
-from dlmix.router.policies.base import ClusterView
-from dlmix.router.policies.dlrouter_min_latency import DLRouterMinExpectedLatency
-from dlmix.router.policies.dlrouter_prefix_cache import DLRouterPrefixCache
-from dlmix.router.policies.dynamo_kv import DynamoKV
-from dlmix.router.policies.sglang_cache_aware import SGLangCacheAware, SGLangCacheAwareSmallestTree
-from dlmix.router.prefix_index import PrefixIndex
-from dlmix.router.state import InstanceState, RouteRequest
+from dlmix.routing.policies.base import ClusterView
+from dlmix.routing.policies.dlrouter_min_latency import DLRouterMinExpectedLatency
+from dlmix.routing.policies.dlrouter_prefix_cache import DLRouterPrefixCache
+from dlmix.routing.policies.dynamo_kv import DynamoKV
+from dlmix.routing.policies.sglang_cache_aware import SGLangCacheAware, SGLangCacheAwareSmallestTree
+from dlmix.routing.prefix_index import PrefixIndex
+from dlmix.routing.state import InstanceState, RouteRequest
 from dlmix.sim.registry import make_sim_policy, sim_policies
 
 

@@ -423,7 +423,7 @@ def _cross_checks(dep: Deployment, marks: Dict[Path_, Tuple[int, int]], origin: 
         if not dep.router_enabled():
             bad(("router",), "prefill/decode instances need the router (add a 'router:' section)")
     if dep.router is not None and dep.router.enabled:
-        from dlmix.router.policies import POLICIES
+        from dlmix.routing.policies import POLICIES
 
         if dep.router.policy not in POLICIES:
             bad(("router", "policy"), f"unknown policy {dep.router.policy!r}; choose one of {', '.join(POLICIES)}")

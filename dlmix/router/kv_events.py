@@ -6,7 +6,7 @@ Wire format (read from ``vllm/distributed/kv_events.py``, vLLM 0.32, ``ZmqEventP
 class name: ``BlockStored{block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium, lora_name,
 extra_keys?, group_idx?, ...}``, ``BlockRemoved{block_hashes, medium, group_idx?, ...}``, ``AllBlocksCleared{}``.
 Block hashes are 64-bit ints by default (``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1``) or 32-byte strings; both map
-to :func:`dlmix.router.hashing.to_key`. Engine flag: ``--kv-events-config '{"enable_kv_cache_events": true,
+to :func:`dlmix.routing.hashing.to_key`. Engine flag: ``--kv-events-config '{"enable_kv_cache_events": true,
 "publisher": "zmq", "endpoint": "tcp://*:5557"}'``. The router connects a SUB socket to the instance's endpoint.
 """
 from __future__ import annotations
@@ -16,7 +16,7 @@ from typing import Any, List, Optional, Union
 
 import msgspec
 
-from dlmix.router.hashing import to_key
+from dlmix.routing.hashing import to_key
 
 Hash = Union[int, bytes]
 
@@ -70,7 +70,7 @@ def encode_batch(batch: KVEventBatch) -> bytes:
 
 
 def apply_batch(index, slot: int, batch: KVEventBatch, media=("GPU", None)) -> int:
-    """Apply a batch to a :class:`~dlmix.router.prefix_index.PrefixIndex` for instance ``slot``.
+    """Apply a batch to a :class:`~dlmix.routing.prefix_index.PrefixIndex` for instance ``slot``.
 
     Only events of the listed storage media count (default: device tier ``GPU`` or unspecified; offloaded CPU/disk
     blocks are not prefix hits of the engine's own cache). Returns the number of events applied.

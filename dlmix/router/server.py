@@ -50,12 +50,12 @@ from dlmix.hw.profiles import load_catalog
 from dlmix.router import kv_events, proxy
 from dlmix.router.config import ConfigError, RouterConfig
 from dlmix.router.engines import get_engine
-from dlmix.router.hashing import BlockHasher, char_chunk_keys
+from dlmix.routing.hashing import BlockHasher, char_chunk_keys
 from dlmix.router.metrics import Metrics
-from dlmix.router.policies import ClusterView, begin, end, make_policy, prefill_done, prefill_work
-from dlmix.router.prefix_index import ApproxIndex, PrefixIndex
+from dlmix.routing.policies import ClusterView, begin, end, make_policy, prefill_done, prefill_work
+from dlmix.routing.prefix_index import ApproxIndex, PrefixIndex
 from dlmix.router.proxy import BackendError, Pool, build_request, forward_headers, request
-from dlmix.router.state import ROLES, InstanceState, NoInstanceError, RouteRequest
+from dlmix.routing.state import ROLES, InstanceState, NoInstanceError, RouteRequest
 from dlmix.router.tokenize import PromptExtractor
 
 _json = msgspec.json.Encoder()

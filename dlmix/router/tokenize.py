@@ -9,7 +9,7 @@ Modes (router config ``tokenizer``):
   is. Results are cached by text (bounded). Exact block hashes → hits against engine KV events.
 * ``bytes``: token ids = UTF-8 bytes of the text (test mode; the mock engines use the same rule).
 * ``None`` (default): no tokenizer; the text is hashed in character chunks (4 chars ≈ 1 token, see
-  :func:`dlmix.router.hashing.char_chunk_keys`), which only feeds the approximate index. Cheap (a few µs per KB).
+  :func:`dlmix.routing.hashing.char_chunk_keys`), which only feeds the approximate index. Cheap (a few µs per KB).
 
 Speed: a byte-level BPE encode of 1 KB costs hundreds of µs. The HF mode therefore splits the text at the
 tokenizer's added special tokens (``<|im_start|>`` …), which HF tokenizers also do before pre-tokenization, encodes each

@@ -31,7 +31,7 @@ import yaml
 
 from dlmix.hw.cost import PRESETS, ModelSpec
 from dlmix.hw.profiles import Catalog, load_catalog
-from dlmix.router.state import ROLES
+from dlmix.routing.state import ROLES
 
 MODEL_ALIASES = {"smollm2": "smollm2-135m", "llama3.1-8b": "llama-3.1-8b", "llama-8b": "llama-3.1-8b",
                  "qwen2.5": "qwen2.5-7b", "qwen3": "qwen3-8b"}

@@ -1,21 +1,21 @@
-"""Policies the simulator can run by name: the router's registry (:data:`dlmix.router.policies.POLICIES`) plus the
-published baselines and the oracle (one file each in ``dlmix/router/policies/``)."""
+"""Policies the simulator can run by name: the router's registry (:data:`dlmix.routing.policies.POLICIES`) plus the
+published baselines and the oracle (one file each in ``dlmix/routing/policies/``)."""
 from __future__ import annotations
 
 import inspect
 from typing import Dict
 
-from dlmix.router.policies import POLICIES
-from dlmix.router.policies.base import Policy
+from dlmix.routing.policies import POLICIES
+from dlmix.routing.policies.base import Policy
 
 
 def sim_policies() -> Dict[str, type]:
     """Name → policy class: router policies, baselines, oracle."""
-    from dlmix.router.policies.dlrouter_prefix_cache import DLRouterPrefixCache
-    from dlmix.router.policies.dlrouter_min_latency import DLRouterMinExpectedLatency
-    from dlmix.router.policies.sglang_cache_aware import SGLangCacheAware, SGLangCacheAwareSmallestTree
-    from dlmix.router.policies.dynamo_kv import DynamoKV
-    from dlmix.router.policies.oracle import OracleTTFT
+    from dlmix.routing.policies.dlrouter_prefix_cache import DLRouterPrefixCache
+    from dlmix.routing.policies.dlrouter_min_latency import DLRouterMinExpectedLatency
+    from dlmix.routing.policies.sglang_cache_aware import SGLangCacheAware, SGLangCacheAwareSmallestTree
+    from dlmix.routing.policies.dynamo_kv import DynamoKV
+    from dlmix.routing.policies.oracle import OracleTTFT
 
     out = dict(POLICIES)
     for c in (DLRouterPrefixCache, DLRouterMinExpectedLatency, SGLangCacheAware, SGLangCacheAwareSmallestTree,

@@ -2,13 +2,13 @@
 
 Event loop: one ``heapq`` of ``(time, seq, kind, obj)``; kinds are request arrivals, engine-iteration ends (one
 event per iteration of one instance, see :mod:`dlmix.sim.engine`) and KV-transfer completions. Per arrival the
-simulator does what the live router does (:mod:`dlmix.router.policies.base`)::
+simulator does what the live router does (:mod:`dlmix.routing.policies.base`)::
 
     view = ClusterView(instance_states, index=prefix_index, cost=cost_model)
     decision = policy.choose(route_request, view)
     begin(decision, rr); policy.on_dispatch(rr, decision, view)   ... prefill_done(...) ... end(...)
 
-``prefix_index`` is a :class:`dlmix.router.prefix_index.PrefixIndex` fed by the simulated engines' KV events
+``prefix_index`` is a :class:`dlmix.routing.prefix_index.PrefixIndex` fed by the simulated engines' KV events
 (BlockStored when a full prompt block is computed or received, BlockRemoved on LRU eviction), optionally delayed by
 ``kv_event_delay`` seconds. The router's ``InstanceState.load`` carries its own counters (``begin``/``end``) plus an
 instant heartbeat (waiting, running, KV usage) refreshed after each iteration.
@@ -28,9 +28,9 @@ import heapq
 from typing import List, Optional, Sequence, Union
 
 from dlmix.hw.cost import CostModel, ModelSpec
-from dlmix.router.policies.base import ClusterView, Policy, begin, end, prefill_done
-from dlmix.router.prefix_index import ApproxIndex, PrefixIndex
-from dlmix.router.state import InstanceState, NoInstanceError, OverloadedError, RouteRequest
+from dlmix.routing.policies.base import ClusterView, Policy, begin, end, prefill_done
+from dlmix.routing.prefix_index import ApproxIndex, PrefixIndex
+from dlmix.routing.state import InstanceState, NoInstanceError, OverloadedError, RouteRequest
 from dlmix.sim.config import Deployment, load_deployment, load_model
 from dlmix.sim.engine import FULL, PREFILL, RECV, Seq, SimInstance
 from dlmix.sim.metrics import SimResult, summarize

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 from typing import List
 
-from dlmix.router.policies.base import ClusterView, Policy
-from dlmix.router.state import InstanceState, NoInstanceError, RouteRequest
+from dlmix.routing.policies.base import ClusterView, Policy
+from dlmix.routing.state import InstanceState, NoInstanceError, RouteRequest
 
 
 class RoundRobin(Policy):

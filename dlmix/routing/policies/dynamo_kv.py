@@ -22,8 +22,8 @@ import math
 import random
 from typing import List
 
-from dlmix.router.policies.base import ClusterView, Policy
-from dlmix.router.state import Decision, InstanceState, NoInstanceError, RouteRequest
+from dlmix.routing.policies.base import ClusterView, Policy
+from dlmix.routing.state import Decision, InstanceState, NoInstanceError, RouteRequest
 
 
 class DynamoKV(Policy):

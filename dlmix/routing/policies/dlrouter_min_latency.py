@@ -10,8 +10,8 @@ from __future__ import annotations
 import random
 from typing import List
 
-from dlmix.router.policies.base import ClusterView, Policy
-from dlmix.router.state import InstanceState, NoInstanceError, RouteRequest
+from dlmix.routing.policies.base import ClusterView, Policy
+from dlmix.routing.state import InstanceState, NoInstanceError, RouteRequest
 
 
 class DLRouterMinExpectedLatency(Policy):

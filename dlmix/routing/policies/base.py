@@ -1,8 +1,8 @@
 """Policy interface: filter -> score -> pick, as pure objects over plain state.
 
-A policy is a small object with no I/O: it reads :class:`~dlmix.router.state.InstanceState` objects (load, health,
-chip, role), a :class:`~dlmix.router.state.RouteRequest`, and prefix hits through a :class:`ClusterView`, and returns a
-:class:`~dlmix.router.state.Decision`. The live router and the simulator (``dlmix.sim``) both drive policies the same
+A policy is a small object with no I/O: it reads :class:`~dlmix.routing.state.InstanceState` objects (load, health,
+chip, role), a :class:`~dlmix.routing.state.RouteRequest`, and prefix hits through a :class:`ClusterView`, and returns a
+:class:`~dlmix.routing.state.Decision`. The live router and the simulator (``dlmix.sim``) both drive policies the same
 way::
 
     view = ClusterView(instances, index=prefix_index, cost=cost_model)
@@ -12,9 +12,9 @@ way::
     ... prefill finishes ...  prefill_done(decision, req)
     ... request finishes ...  end(decision, req)
 
-Writing a policy (one file in ``dlmix/router/policies/``): subclass :class:`Policy`, set ``name``, override
+Writing a policy (one file in ``dlmix/routing/policies/``): subclass :class:`Policy`, set ``name``, override
 ``score`` (lower is better) and optionally ``filter``/``pick``/``choose``, then add it to ``POLICIES`` in
-``dlmix/router/policies/__init__.py``.
+``dlmix/routing/policies/__init__.py``.
 
 PD disaggregation for the baseline policies: if the view has available ``prefill``-role instances, the base
 ``choose`` picks the decode instance from decode-capable instances and, independently, a prefill instance from the
@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from typing import Dict, List, Optional, Sequence
 
-from dlmix.router.state import Decision, InstanceState, NoInstanceError, RouteRequest
+from dlmix.routing.state import Decision, InstanceState, NoInstanceError, RouteRequest
 
 
 class ClusterView:
@@ -34,7 +34,7 @@ class ClusterView:
     Args:
         instances: all registered instances (the view filters availability itself).
         index: a prefix index with ``match(hashes: Sequence[int]) -> dict[slot, blocks]`` (see
-            :class:`dlmix.router.prefix_index.PrefixIndex`), or None (no prefix information).
+            :class:`dlmix.routing.prefix_index.PrefixIndex`), or None (no prefix information).
         cost: a :class:`dlmix.hw.cost.CostModel` or None (only the ``cost`` policy needs one).
         approx_index: optional second index (router-recorded prefixes) consulted when ``index`` has no hit for an
             instance; hits from it count the same.

@@ -119,7 +119,7 @@ class ApproxIndex:
                 del m[k]
 
     def record_decision(self, req, decision) -> None:
-        """The router dispatched ``req`` (a :class:`~dlmix.router.state.RouteRequest`) as ``decision``: record its
+        """The router dispatched ``req`` (a :class:`~dlmix.routing.state.RouteRequest`) as ``decision``: record its
         block hashes (at each instance's block size) on the decode instance and, for PD, on the prefill instance.
         Called by the live router and by the simulator at dispatch, so in-flight prefixes are known before the
         engines' KV events arrive."""

@@ -15,8 +15,8 @@ from __future__ import annotations
 
 from typing import List
 
-from dlmix.router.policies.base import ClusterView, Policy, balance_filter
-from dlmix.router.state import InstanceState, RouteRequest
+from dlmix.routing.policies.base import ClusterView, Policy, balance_filter
+from dlmix.routing.state import InstanceState, RouteRequest
 
 
 class PrefixAware(Policy):

@@ -19,8 +19,8 @@ compare it with the ``cost`` policy, which estimates the same quantities from ro
 """
 from __future__ import annotations
 
-from dlmix.router.policies.base import ClusterView, Policy
-from dlmix.router.state import Decision, NoInstanceError, RouteRequest
+from dlmix.routing.policies.base import ClusterView, Policy
+from dlmix.routing.state import Decision, NoInstanceError, RouteRequest
 
 
 class OracleTTFT(Policy):

@@ -24,8 +24,8 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import Dict, List
 
-from dlmix.router.policies.base import ClusterView, Policy
-from dlmix.router.state import InstanceState, NoInstanceError, RouteRequest
+from dlmix.routing.policies.base import ClusterView, Policy
+from dlmix.routing.state import InstanceState, NoInstanceError, RouteRequest
 
 
 class SGLangCacheAware(Policy):

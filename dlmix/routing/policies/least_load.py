@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import List
 
-from dlmix.router.policies.base import ClusterView, Policy
-from dlmix.router.state import InstanceState, RouteRequest
+from dlmix.routing.policies.base import ClusterView, Policy
+from dlmix.routing.state import InstanceState, RouteRequest
 
 
 class LeastLoad(Policy):

@@ -43,11 +43,11 @@ against its queue.
 
 Early rejection (off by default; Mooncake FAST'25 §7 "overload-oriented scheduling" and Alg. 1's final check):
 with ``reject_ttft_factor = f > 0``, a request whose best plan's predicted TTFT exceeds ``f · ttft_target`` raises
-:class:`~dlmix.router.state.OverloadedError` (the router answers 503 at once), so overload does not queue work that
+:class:`~dlmix.routing.state.OverloadedError` (the router answers 503 at once), so overload does not queue work that
 would miss its SLO anyway and delay every request behind it.
 
 Optional load guard (``balance_abs_threshold`` > 0): decode and prefill candidates are first passed through
-:func:`~dlmix.router.policies.base.balance_filter`, the SGLang router's imbalance rule, for deployments where the
+:func:`~dlmix.routing.policies.base.balance_filter`, the SGLang router's imbalance rule, for deployments where the
 model's queue estimate is far off.
 
 Pure object: reads instance state and the view, no I/O. Needs a :class:`dlmix.hw.cost.CostModel` on the view (else it
@@ -56,8 +56,8 @@ constants (``CostModel.coefs``) because it runs for every request and every cand
 """
 from __future__ import annotations
 
-from dlmix.router.policies.base import ClusterView, Policy, balance_filter
-from dlmix.router.state import Decision, InstanceState, NoInstanceError, OverloadedError, RouteRequest
+from dlmix.routing.policies.base import ClusterView, Policy, balance_filter
+from dlmix.routing.state import Decision, InstanceState, NoInstanceError, OverloadedError, RouteRequest
 
 
 class CostPolicy(Policy):
