@@ -221,8 +221,9 @@ class Planner:
         """Every PD-valid combination of :meth:`group_options`, with its analytic capacity, best first."""
         out = []
         for combo in itertools.product(*self.group_options(keep_tp)):
-            if all(c.role == "unused" for c in combo):
-                continue
+            roles = {c.role for c in combo}
+            if roles == {"unused"} or {"prefill", "both"} <= roles:
+                continue  # with prefill-role instances the router treats "both" exactly as "decode"
             lam, why = self.analytic(combo)
             if why == "invalid":
                 continue
@@ -331,17 +332,14 @@ class Planner:
     # ------------------------------------------------------------------ the plan
     def infeasible_reasons(self) -> List[str]:
         """Why no option of any group can prefill or decode within the SLO: per group, the reason at its largest
-        TP size (the most favourable), for the prefill side (``prefill``/``both``) and the decode side."""
+        TP size (the most favourable), for the prefill side (as ``both``: no KV transfer) and the decode side (as
+        ``decode``: the full ITL target)."""
         out = []
-        for side, roles in (("prefill (TTFT)", ("prefill", "both")), ("decode (ITL)", ("decode", "both"))):
+        for side, roles, shown in (("prefill", ("prefill", "both"), "both"), ("decode", ("decode", "both"), "decode")):
             if any(self.estimate(g.chip, tp, r).ok for g in self.inv.groups for tp in g.tp_sizes() for r in roles):
                 continue
-            parts = []
-            for g in self.inv.groups:
-                tp = g.tp_sizes()[-1]
-                e = self.estimate(g.chip, tp, roles[0])
-                parts.append(e.reason)
-            out.append(f"no chip group can {side.split()[0]} within the SLO: " + "; ".join(parts))
+            parts = [self.estimate(g.chip, g.tp_sizes()[-1], shown).reason for g in self.inv.groups]
+            out.append(f"no chip group can {side} within the SLO: " + "; ".join(p for p in parts if p))
         return out
 
     def plan(self, top_k: int = 4, pareto_points: int = 3, refine: bool = True) -> PlanResult:
