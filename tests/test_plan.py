@@ -179,3 +179,15 @@ def test_cli_infeasible_and_plan(tmp_path):
     load_deployment(str(tmp_path / "deploy_sim.yaml"))
     res = CliRunner().invoke(app, ["plan", "-i", "nope", "-n", "60"])
     assert res.exit_code == 2 and "not found" in res.output
+
+
+def test_plan_for_a_fixed_rate_prefers_fewer_chips(wl):
+    pl = Planner(load_inventory("h100x4_h20x4"), LLAMA, SLO(5.0, 0.05, 80), wl, rate=0.5)
+    r = pl.plan(top_k=3, pareto_points=2, refine=False)
+    assert r.feasible and r.rate == 0.5
+    ok = [c for c in r.simulated if (c.goodput or 0) > 0]
+    assert all(c.summary["good_fraction"] >= 0.8 for c in ok)
+    assert r.best.chips_used == min(c.chips_used for c in ok)
+    assert r.best.goodput == pytest.approx(r.best.summary["request_goodput"])
+    with pytest.raises(ValueError, match="rate must be > 0"):
+        Planner(load_inventory("h100x4_h20x4"), LLAMA, SLO(5.0, 0.05, 80), wl, rate=-1)

@@ -6,8 +6,9 @@
    all the instances its chips form (``Σ_host ⌊count / TP⌋``).
 2. **Analytic ranking** of every combination (cartesian product over groups, PD-valid ones) by the cluster capacity
    of :func:`dlmix.plan.analytic.cluster_capacity`.
-3. **Simulation** (:class:`dlmix.sim.Simulator`, the router's own policy) of the ``top_k`` analytic best and, for the
-   Pareto front, the analytic best at other chip counts: the goodput is the largest request rate, on a geometric
+3. **Simulation** (:class:`dlmix.sim.Simulator`, the router's own policy) of the analytic best of each of the
+   ``top_k`` best role patterns (which groups prefill / decode / both / unused) plus the runner-up of the best
+   pattern, and, for the Pareto front, the analytic best at other chip counts: the goodput is the largest request rate, on a geometric
    grid of ratio :data:`RATE_GRID`, at which at least ``pct`` % of the sample's requests meet both targets
    (DistServe's SLO-attainment goodput); with a fixed ``rate``, the simulated goodput at that rate.
 4. **Refinement** of the winner: router policy and KV block size variants, simulated the same way.
@@ -222,8 +223,9 @@ class Planner:
         out = []
         for combo in itertools.product(*self.group_options(keep_tp)):
             roles = {c.role for c in combo}
-            if roles == {"unused"} or {"prefill", "both"} <= roles:
-                continue  # with prefill-role instances the router treats "both" exactly as "decode"
+            if roles == {"unused"} or {"prefill", "both"} <= roles or ("decode" in roles and "prefill" not in roles):
+                continue  # the router treats "both" and "decode" alike: with prefill-role instances as decode,
+                # without them as aggregated
             lam, why = self.analytic(combo)
             if why == "invalid":
                 continue
@@ -354,7 +356,16 @@ class Planner:
             reasons = self.infeasible_reasons() or ["no prefill+decode-capable combination of the groups fits"]
             return PlanResult(False, None, [], [], [], reasons, 0, self.sims, time.perf_counter() - t0, self.rate,
                               self.slo, self.inv, self.model, self.wl, time.process_time() - c0)
-        pick = cands[:top_k]
+        # the analytic best of each of the top_k role patterns (which groups prefill / decode / both / unused): the
+        # roofline capacities rank candidates of one pattern well but can misjudge PD against aggregation, so the
+        # simulator sees every leading pattern; then the runner-up TP variant of the leading pattern
+        pats: Dict[tuple, List[Candidate]] = {}
+        for c in cands:
+            pats.setdefault(tuple(ch.role for ch in c.choices), []).append(c)
+        heads = sorted(pats.values(), key=lambda cs: self._analytic_order(cs[0]))[:top_k]
+        pick = [cs[0] for cs in heads]
+        if len(heads[0]) > 1:
+            pick.append(heads[0][1])
         # Pareto helpers: analytic best at other chip counts (below the leader's)
         levels: Dict[int, Candidate] = {}
         for c in cands:
