@@ -191,3 +191,25 @@ def test_plan_for_a_fixed_rate_prefers_fewer_chips(wl):
     assert r.best.goodput == pytest.approx(r.best.summary["request_goodput"])
     with pytest.raises(ValueError, match="rate must be > 0"):
         Planner(load_inventory("h100x4_h20x4"), LLAMA, SLO(5.0, 0.05, 80), wl, rate=-1)
+
+
+def test_baselines_structure_and_ratios(small_plan):
+    from dlmix.plan.baselines import baselines, ratios
+
+    pl, r = small_plan
+    base = baselines(pl)
+    assert {"homog_H100", "homog_H20", "homog_best", "homog_sum", "all_aggregated", "blind_pd",
+            "blind_pd_reversed"} <= set(base)
+    assert all(ch.role == "both" for ch in base["all_aggregated"].choices)
+    assert base["all_aggregated"].chips_used == 8
+    b = base["blind_pd"]
+    assert [(ch.chip, ch.role) for ch in b.choices] == [("H100", "prefill"), ("H20", "decode")]
+    assert b.router_chip == "H100"
+    assert [(ch.chip, ch.role) for ch in base["blind_pd_reversed"].choices] == [("H20", "prefill"),
+                                                                                  ("H100", "decode")]
+    assert base["homog_best"].goodput == max(base[k].goodput for k in ("homog_H100", "homog_H20"))
+    assert base["homog_sum"].goodput == pytest.approx(base["homog_H100"].goodput + base["homog_H20"].goodput)
+    rt = ratios(r.best.goodput, base)
+    for k, c in base.items():
+        v = rt[f"plan_vs_{k}"]
+        assert v is None if not c.goodput else v == pytest.approx(r.best.goodput / c.goodput, abs=1e-3)

@@ -10,7 +10,8 @@
 * ``blind_pd``: a hardware-blind PD split: the chips in inventory order, the first half (rounded to whole chip
   groups, at least one group) prefill, the rest decode, each at the smallest fitting TP, and the router told every
   instance is the first group's chip (so its cost model cannot tell the chips apart). A one-group inventory splits
-  its instances in two halves.
+  its instances in two halves. A blind operator is as likely to list the chips the other way round:
+  ``blind_pd_reversed`` is the same rule on the reversed inventory order.
 """
 from __future__ import annotations
 
@@ -48,9 +49,11 @@ def baselines(pl: Planner, progress=None) -> Dict[str, Candidate]:
             agg.append(GroupChoice(g.chip, "both", tp, g.instances(tp)))
     if agg:
         jobs.append(("all_aggregated", Candidate(tuple(agg), pl.policy, pl.block_size, name="all_aggregated")))
-    blind = _blind(pl)
-    if blind is not None:
-        jobs.append(("blind_pd", blind))
+    for name, rev in (("blind_pd", False), ("blind_pd_reversed", True)):
+        blind = _blind(pl, rev)
+        if blind is not None:
+            blind.name = name
+            jobs.append((name, blind))
     for i, (name, c) in enumerate(jobs):
         c.analytic, c.binding = pl.analytic(c.choices)
         if progress:
@@ -75,8 +78,8 @@ def _fits(pl: Planner, chip: str, tp: int) -> bool:
     return not e.reason.startswith("memory")
 
 
-def _blind(pl: Planner):
-    groups = pl.inv.groups
+def _blind(pl: Planner, reverse: bool = False):
+    groups = pl.inv.groups[::-1] if reverse else pl.inv.groups
     total = pl.inv.total_chips
     tps = {g.chip: _min_tp(pl, g.chip, "prefill") for g in groups}
     usable = [g for g in groups if tps[g.chip]]

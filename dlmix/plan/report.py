@@ -193,6 +193,9 @@ def plot_pareto(r: PlanResult, path: Path, base: Optional[Dict[str, Candidate]] 
         if n == "homog_sum":
             continue
         ax.scatter([c.chips_used], [c.goodput or 0], marker="x", s=50, c=f"C{(i % 8) + 1}", label=n)
+    from matplotlib.ticker import MaxNLocator
+
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_xlabel("chips used")
     ax.set_ylabel(f"goodput, req/s (p{r.slo.pct:g} within TTFT {r.slo.ttft:g} s, ITL {r.slo.itl * 1e3:g} ms)")
     ax.set_title(f"dlmix plan: {r.inventory.name}, {r.model.name}", fontsize=10)

@@ -11,7 +11,9 @@
    pattern, and, for the Pareto front, the analytic best at other chip counts: the goodput is the largest request rate, on a geometric
    grid of ratio :data:`RATE_GRID`, at which at least ``pct`` % of the sample's requests meet both targets
    (DistServe's SLO-attainment goodput); with a fixed ``rate``, the simulated goodput at that rate.
-4. **Refinement** of the winner: router policy and KV block size variants, simulated the same way.
+4. **Refinement** of the winner: a local search over the TP size of each of its groups (every size that passes
+   the analytic checks), then router policy and KV block size variants; each variant is first simulated one grid
+   step above the winner's goodput and searched further only if it meets the SLO there.
 
 Units: req/s, seconds, tokens.
 """
@@ -387,6 +389,28 @@ class Planner:
         sim.sort(key=order)
         best = sim[0]
         if refine and (best.goodput or 0) > 0:
+            # local search: the winner with one group at another TP size that passes the analytic checks (the
+            # roofline capacity hardly separates TP sizes; the simulated TTFT tail does)
+            seen = {c.key for c in sim}
+            for gi, ch in enumerate(best.choices):
+                if ch.role == "unused":
+                    continue
+                g = self.inv.group(ch.chip)
+                for tp in g.tp_sizes():
+                    if tp == ch.tp or not self.estimate(ch.chip, tp, ch.role).ok:
+                        continue
+                    chs = list(best.choices)
+                    chs[gi] = GroupChoice(ch.chip, ch.role, tp, g.instances(tp))
+                    v = Candidate(tuple(chs), best.policy, best.block_size)
+                    if v.key in seen:
+                        continue
+                    seen.add(v.key)
+                    v.analytic, v.binding = self.analytic(v.choices)
+                    self.progress(f"local search {v.label()}", done, total)
+                    self.evaluate_variant(v, best)
+                    sim.append(v)
+            sim.sort(key=order)
+            best = sim[0]
             variants = [replace(best, policy=p, goodput=None, summary=None, tried={}) for p in REFINE_POLICIES
                         if p != best.policy]
             variants += [replace(best, block_size=b, goodput=None, summary=None, tried={}) for b in REFINE_BLOCKS
