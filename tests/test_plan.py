@@ -38,6 +38,10 @@ def test_builtin_inventories_load():
     # the S4000 host has no link entry: TCP 25G (default) is its group's slowest link
     assert inv.group("MTT-S4000").link == "tcp-25g"
     assert load_inventory("h100x4_h20x4").group("H100").link == "rdma-100g"
+    # a deployment's link per group: the slowest towards the groups it exchanges KV with
+    assert inv.link_to("H20", ["Ascend910B", "K100"]) == "rdma-100g"
+    assert inv.link_to("H20", ["Ascend910B", "MTT-S4000"]) == "tcp-25g"
+    assert inv.link_to("H20", []) == "nvlink"
 
 
 def test_inventory_errors(tmp_path):

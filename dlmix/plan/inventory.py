@@ -14,12 +14,14 @@ Inventory YAML (a file, or a built-in name: ``dlmix/data/plan_inv_<name>.yaml``)
     default_link: tcp-25g         # between hosts without an entry in ``links``
 
 A *chip group* is one chip type over all hosts that carry it. Tensor parallelism stays inside a host, so a group
-supports TP size ``t`` with ``Σ_host ⌊count_host / t⌋`` instances. A group's KV link is the slowest link between
-its hosts and every other host of the inventory (the planner does not know yet where the peer instances will be).
+supports TP size ``t`` with ``Σ_host ⌊count_host / t⌋`` instances. A group's ``link`` (used for analytic pruning,
+before the peers are known) is the fastest link from its hosts to another host (its own host's link when the
+inventory has one host): optimistic, so pruning never drops an option a good placement could use. A deployment's
+KV link per group is :meth:`Inventory.link_to`: the slowest link between the group's hosts and its peers' hosts.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple, Union
@@ -104,6 +106,21 @@ class Inventory:
     groups: List[ChipGroup]
     spec: InventorySpec
     catalog: Catalog
+    _pair: Dict[frozenset, Union[str, dict]] = field(default_factory=dict, repr=False)
+
+    def between(self, a: str, b: str) -> Union[str, dict]:
+        """KV link descriptor between hosts ``a`` and ``b`` (the host's own link when equal)."""
+        if a == b:
+            return next(h.link for h in self.spec.hosts if h.name == a)
+        return self._pair.get(frozenset((a, b)), self.spec.default_link)
+
+    def link_to(self, chip: str, peers: List[str]) -> Union[str, dict]:
+        """Slowest link between the hosts of ``chip`` and the hosts of the ``peers`` chip types (its own hosts'
+        links when ``peers`` is empty)."""
+        mine = [h for h, _ in self.group(chip).per_host]
+        other = [h for p in peers for h, _ in self.group(p).per_host] or mine
+        cands = [self.between(a, b) for a in mine for b in other]
+        return min(cands, key=lambda x: (_link(self.catalog, x).bytes_per_s, -_link(self.catalog, x).setup_ms))
 
     @property
     def total_chips(self) -> int:
@@ -180,10 +197,10 @@ def inventory_from_dict(d: dict, origin: str = "<dict>", catalog: Optional[Catal
     groups = []
     for chip, per_host in by_chip.items():
         mine = [h for h, _ in per_host]
-        cands = [between(a, b) for a in mine for b in hosts]  # includes its own host(s)
-        slowest = min(cands, key=lambda x: (_link(cat, x).bytes_per_s, -_link(cat, x).setup_ms))
-        groups.append(ChipGroup(chip, tuple(per_host), slowest))
-    return Inventory(spec.name, groups, spec, cat)
+        cands = [between(a, b) for a in mine for b in hosts if b != a] or [between(a, a) for a in mine]
+        fastest = max(cands, key=lambda x: (_link(cat, x).bytes_per_s, -_link(cat, x).setup_ms))
+        groups.append(ChipGroup(chip, tuple(per_host), fastest))
+    return Inventory(spec.name, groups, spec, cat, pair)
 
 
 def builtin_inventories() -> List[str]:

@@ -242,13 +242,16 @@ class Planner:
 
     # ------------------------------------------------------------------ simulation
     def deployment_dict(self, c: Candidate, name: str = "plan") -> dict:
-        """The candidate as a ``dlmix sim`` deployment mapping (:func:`dlmix.sim.config.deployment_from_dict`)."""
+        """The candidate as a ``dlmix sim`` deployment mapping (:func:`dlmix.sim.config.deployment_from_dict`); each
+        group's KV link is the slowest between its hosts and the hosts of the groups it exchanges KV with
+        (:meth:`Inventory.link_to`)."""
         inst = []
-        for ch in c.choices:
-            if ch.role == "unused":
-                continue
-            g = self.inv.group(ch.chip)
-            e = {"chip": ch.chip, "count": ch.instances, "role": ch.role, "num_chips": ch.tp, "link": g.link}
+        used = [ch for ch in c.choices if ch.role != "unused"]
+        for ch in used:
+            peer_roles = {"prefill": ("decode", "both"), "decode": ("prefill",), "both": ("prefill",)}[ch.role]
+            peers = sorted({p.chip for p in used if p.role in peer_roles})
+            e = {"chip": ch.chip, "count": ch.instances, "role": ch.role, "num_chips": ch.tp,
+                 "link": self.inv.link_to(ch.chip, peers)}
             if c.router_chip:
                 e["router_chip"] = c.router_chip
             inst.append(e)
