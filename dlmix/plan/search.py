@@ -23,7 +23,7 @@ import itertools
 import math
 import time
 from dataclasses import dataclass, field, replace
-from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from dlmix.hw.cost import CostModel, ModelSpec
 from dlmix.plan.analytic import SLO, RoleEstimate, cluster_capacity, estimate_role
