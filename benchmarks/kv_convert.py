@@ -147,22 +147,54 @@ def main() -> None:
     dc, db = _pool(d, n, device, rng)
     measure("rechunk", d.wire_bytes(n), lambda: convert(s, sc, sb, d, dc, db, n))
 
-    # wire path for the same pair, 64 MiB staging buffer
+    # wire path for the same pair, 64 MiB staging buffer: pack (source blocks -> wire) and unpack (wire ->
+    # destination blocks) each move every byte once, so each is compared with one plain copy
     staging = torch.empty(64 << 20, dtype=torch.uint8, device=device)
     chunks = wire_chunks(d, 0, n, staging.numel())
+    wire = torch.empty(d.wire_bytes(n), dtype=torch.uint8, device=device)
+    offs = [d.wire_bytes(x) for x, _ in chunks]
 
     def packed() -> None:
-        for x, y in chunks:
-            unpack(d, dc, db, pack(s, sc, sb, d, x, y, out=staging), x, y)
+        for (x, y), o in zip(chunks, offs):
+            pack(s, sc, sb, d, x, y, out=wire[o:])
 
-    measure("pack_unpack", d.wire_bytes(n), packed)
-    del dc, staging
+    def unpacked() -> None:
+        for (x, y), o in zip(chunks, offs):
+            unpack(d, dc, db, wire[o:o + d.wire_bytes(y - x)], x, y)
+
+    measure("pack", d.wire_bytes(n), packed)
+    measure("unpack", d.wire_bytes(n), unpacked)
+    del dc, staging, wire
 
     # cast bf16 -> fp32 (destination bytes counted)
     d = lay(32, "fp32")
     dc, db = _pool(d, n, device, rng)
     measure("cast", d.wire_bytes(n), lambda: convert(s, sc, sb, d, dc, db, n))
-    del dc, sc
+    del dc
+
+    # fp8 quantization bf16 -> fp8_e4m3 with per-tensor scales (source bytes counted: the bf16 side)
+    d = KVLayout(MODEL, 32, "fp8_e4m3", "vllm_flash_nhd", k_scale=0.5, v_scale=0.25)
+    dc, db = _pool(d, n, device, rng)
+    measure("fp8", s.wire_bytes(n), lambda: convert(s, sc, sb, d, dc, db, n))
+    del dc
+
+    # arrangement changes at equal block size and dtype: NHD -> HND, HND -> NHD, NHD -> vLLM CPU (K transposed)
+    d = lay(32, arr="vllm_flash_hnd")
+    dc, db = _pool(d, n, device, rng)
+    measure("nhd_to_hnd", d.wire_bytes(n), lambda: convert(s, sc, sb, d, dc, db, n))
+    s2, sc2, sb2 = d, dc, db
+    d = lay(32)
+    dc, db = _pool(d, n, device, rng)
+    measure("hnd_to_nhd", d.wire_bytes(n), lambda: convert(s2, sc2, sb2, d, dc, db, n))
+    del dc, sc2
+    d = lay(32, arr="vllm_cpu")
+    dc, db = _pool(d, n, device, rng)
+    measure("to_vllm_cpu", d.wire_bytes(n), lambda: convert(s, sc, sb, d, dc, db, n))
+    # vLLM CPU -> vLLM CPU with a block size change (the decode side of a vLLM CPU PD pair)
+    d2 = lay(64, arr="vllm_cpu")
+    dc2, db2 = _pool(d2, n, device, rng)
+    measure("vllm_cpu_rechunk", d2.wire_bytes(n), lambda: convert(d, dc, db, d2, dc2, db2, n))
+    del dc, dc2, sc
 
     # TP re-shard 2 -> 1
     srcs = []

@@ -28,6 +28,7 @@ from dlmix.kv import (  # noqa: E402
     write_kv,
 )
 from dlmix.kv import ops  # noqa: E402
+from dlmix.kv import plan as kv_plan  # noqa: E402
 
 MHA_ARRS = [a for a in ARRANGEMENTS if a != "mla"]
 DTYPES = ["fp32", "bf16", "fp16", "fp8_e4m3", "fp8_e5m2"]
@@ -38,16 +39,16 @@ SENTINEL = 7.0  # exactly representable in every dtype
 def chunk_bytes(n: int, direct: bool = False):
     """Force small scratch chunks (``n`` bytes) and choose the CPU per-segment ``copy_`` path or the
     gather/scatter path, so both code paths and their chunk edges are exercised."""
-    old = dict(ops.CHUNK_BYTES)
-    old_direct = ops.DIRECT_MIN_BYTES
-    ops.CHUNK_BYTES.update(cpu=n, cuda=n)
-    ops.DIRECT_MIN_BYTES = 0 if direct else 1 << 62
+    old = dict(kv_plan.CHUNK_BYTES)
+    old_direct = kv_plan.DIRECT_MIN_BYTES
+    kv_plan.CHUNK_BYTES.update(cpu=n, cuda=n)
+    kv_plan.DIRECT_MIN_BYTES = 0 if direct else 1 << 62
     try:
         yield
     finally:
-        ops.CHUNK_BYTES.clear()
-        ops.CHUNK_BYTES.update(old)
-        ops.DIRECT_MIN_BYTES = old_direct
+        kv_plan.CHUNK_BYTES.clear()
+        kv_plan.CHUNK_BYTES.update(old)
+        kv_plan.DIRECT_MIN_BYTES = old_direct
 
 
 def tensors(caches):

@@ -66,8 +66,11 @@ be given as the torch fp8 dtype or as ``uint8`` storage (vLLM stores ``uint8``).
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
+
+from .registry import ARRANGEMENT_TABLE, Arrangement, get_arrangement
 
 __all__ = [
     "ARRANGEMENTS",
@@ -93,20 +96,10 @@ _DTYPE_ALIASES = {
     "fp8_e5m2": "fp8_e5m2", "float8_e5m2": "fp8_e5m2",
 }
 
-#: Arrangement name -> (separate K/V tensors per layer?, latent MLA cache?).
-ARRANGEMENTS: dict[str, tuple[bool, bool]] = {
-    "vllm_flash_nhd": (False, False),
-    "vllm_flash_hnd": (False, False),
-    "vllm_flashinfer_nhd": (False, False),
-    "vllm_flashinfer_hnd": (False, False),
-    "vllm_lbnhc": (False, False),
-    "vllm_lbhnc": (False, False),
-    "vllm_cpu": (False, False),
-    "sglang_nhd": (True, False),
-    "sglang_hnd": (True, False),
-    "lmdeploy": (True, False),
-    "mla": (False, True),
-}
+#: Live read-only mapping: registered arrangement name -> (separate K/V tensors per layer?, latent MLA cache?).
+#: The arrangements themselves live in :mod:`dlmix.kv.arrangements` (one file per engine family) and are added
+#: with :func:`dlmix.kv.registry.register` or the ``dlmix.kv_arrangements`` entry-point group.
+ARRANGEMENTS: Mapping[str, tuple[bool, bool]] = ARRANGEMENT_TABLE
 
 ATTENTION_KINDS = ("mha", "gqa", "mla")
 SCALE_CONVENTIONS = ("per_tensor",)
@@ -209,8 +202,7 @@ class KVLayout:
         if isinstance(self.model, dict):
             object.__setattr__(self, "model", ModelIdentity(**self.model))
         object.__setattr__(self, "dtype", _canon_dtype(self.dtype))
-        if self.arrangement not in ARRANGEMENTS:
-            raise ValueError(f"unknown arrangement {self.arrangement!r}; known: {sorted(ARRANGEMENTS)}")
+        arr = get_arrangement(self.arrangement)  # ValueError naming the known ones
         if int(self.block_size) <= 0:
             raise ValueError(f"block_size must be positive, got {self.block_size}")
         if self.scale_convention not in SCALE_CONVENTIONS:
@@ -219,16 +211,10 @@ class KVLayout:
             raise ValueError("k_scale and v_scale must be positive")
         if not self.is_fp8 and (self.k_scale != 1.0 or self.v_scale != 1.0):
             raise ValueError(f"k_scale/v_scale apply only to fp8 caches, not {self.dtype}")
-        is_mla_arr = ARRANGEMENTS[self.arrangement][1]
-        if is_mla_arr != (self.model.attention == "mla"):
+        if arr.latent != (self.model.attention == "mla"):
             raise ValueError(
                 f"arrangement {self.arrangement!r} does not fit attention kind {self.model.attention!r}")
-        if self.arrangement == "vllm_cpu" and self.block_size % 32:
-            raise ValueError(f"vllm_cpu (CPU_ATTN) needs a block size multiple of 32, got {self.block_size}")
-        if self.arrangement == "lmdeploy" and self.model.attention != "mla" \
-                and self.tp_size > self.model.num_kv_heads:
-            raise ValueError(f"LMDeploy cannot replicate {self.model.num_kv_heads} KV heads over TP={self.tp_size} "
-                             "(cache_engine/schema.py asserts num_heads % world_size == 0)")
+        arr.check_layout(self)
         if self.model.attention == "mla":
             if not 0 <= self.tp_rank < self.tp_size:
                 raise ValueError(f"tp_rank {self.tp_rank} is outside 0..{self.tp_size - 1}")
@@ -244,7 +230,12 @@ class KVLayout:
     @property
     def separate_kv(self) -> bool:
         """True when each layer's cache is a ``(K, V)`` tuple of tensors."""
-        return ARRANGEMENTS[self.arrangement][0]
+        return self.arrangement_spec.separate_kv
+
+    @property
+    def arrangement_spec(self) -> Arrangement:
+        """The registered :class:`~dlmix.kv.registry.Arrangement` named by ``arrangement``."""
+        return get_arrangement(self.arrangement)
 
     @property
     def num_planes(self) -> int:
@@ -292,22 +283,8 @@ class KVLayout:
     def layer_shape(self, num_blocks: int) -> tuple[int, ...] | tuple[tuple[int, ...], tuple[int, ...]]:
         """Per-layer tensor shape an engine allocates for ``num_blocks`` blocks (a (K, V) pair of shapes for
         separate-K/V arrangements; ``sglang_nhd`` counts ``num_blocks * block_size`` slots)."""
-        B, N, H, D = int(num_blocks), self.block_size, self.num_local_heads, self.model.head_size
-        a = self.arrangement
-        shapes: dict[str, Any] = {
-            "vllm_flash_nhd": (2, B, N, H, D),
-            "vllm_flash_hnd": (2, B, H, N, D),
-            "vllm_flashinfer_nhd": (B, 2, N, H, D),
-            "vllm_flashinfer_hnd": (B, 2, H, N, D),
-            "vllm_lbnhc": (B, N, H, 2 * D),
-            "vllm_lbhnc": (B, H, N, 2 * D),
-            "vllm_cpu": (B, H, N, 2 * D),
-            "sglang_nhd": ((B * N, H, D), (B * N, H, D)),
-            "sglang_hnd": ((B, H, N, D), (B, H, N, D)),
-            "lmdeploy": ((B, N, H, D), (B, N, H, D)),
-            "mla": (B, N, D),
-        }
-        return shapes[a]
+        return self.arrangement_spec.layer_shape(int(num_blocks), self.block_size, self.num_local_heads,
+                                                 self.model.head_size)
 
     # ---- serialization ---------------------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
