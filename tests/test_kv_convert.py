@@ -28,6 +28,7 @@ from dlmix.kv import (  # noqa: E402
     write_kv,
 )
 from dlmix.kv import ops  # noqa: E402
+from dlmix.kv import cells as kv_cells  # noqa: E402
 from dlmix.kv import plan as kv_plan  # noqa: E402
 
 MHA_ARRS = [a for a in ARRANGEMENTS if a != "mla"]
@@ -38,17 +39,21 @@ SENTINEL = 7.0  # exactly representable in every dtype
 @contextmanager
 def chunk_bytes(n: int, direct: bool = False):
     """Force small scratch chunks (``n`` bytes) and choose the CPU per-segment ``copy_`` path or the
-    gather/scatter path, so both code paths and their chunk edges are exercised."""
+    gather/scatter path, so both code paths and their chunk edges are exercised (direct: cells of any size take the
+    ``numpy.take`` cell path too)."""
     old = dict(kv_plan.CHUNK_BYTES)
     old_direct = kv_plan.DIRECT_MIN_BYTES
+    old_cell = kv_cells.MIN_CELL_BYTES
     kv_plan.CHUNK_BYTES.update(cpu=n, cuda=n)
     kv_plan.DIRECT_MIN_BYTES = 0 if direct else 1 << 62
+    kv_cells.MIN_CELL_BYTES = 1 if direct else old_cell
     try:
         yield
     finally:
         kv_plan.CHUNK_BYTES.clear()
         kv_plan.CHUNK_BYTES.update(old)
         kv_plan.DIRECT_MIN_BYTES = old_direct
+        kv_cells.MIN_CELL_BYTES = old_cell
 
 
 def tensors(caches):
@@ -478,3 +483,43 @@ def test_pack_unpack_refuse_short_later_layer() -> None:
     with pytest.raises(ValueError, match="destination layer 2 cache holds 1 blocks"):
         unpack(lay, dc, [3, 2], wire, 0, 64)
     assert all(torch.equal(a, b) for a, b in zip(before, snapshot(dc)))
+
+
+@pytest.mark.parametrize("src_arr,dst_arr,ns,nd,dtype", [
+    ("vllm_flash_nhd", "vllm_flash_hnd", 32, 32, "bf16"),
+    ("vllm_flash_hnd", "vllm_flash_nhd", 32, 32, "fp16"),
+    ("vllm_cpu", "vllm_cpu", 32, 64, "bf16"),
+    ("vllm_cpu", "vllm_cpu", 64, 32, "fp8_e4m3"),
+    ("sglang_hnd", "vllm_flash_hnd", 64, 32, "bf16"),
+    ("vllm_flashinfer_hnd", "vllm_lbnhc", 32, 16, "fp32"),
+])
+def test_cell_path_is_taken_and_exact(monkeypatch: pytest.MonkeyPatch, src_arr: str, dst_arr: str, ns: int,
+                                      nd: int, dtype: str) -> None:
+    """Re-arrangements between non-token-row layouts at realistic sizes go through the ``numpy.take`` cell path
+    (default thresholds), write exactly the source values and nothing outside the requested tokens."""
+    used = []
+    real = kv_cells.plan_cells
+
+    def spy(*a, **k):
+        p = real(*a, **k)
+        used.append(p is not None)
+        return p
+
+    monkeypatch.setattr(kv_cells, "plan_cells", spy)
+    model = ModelIdentity("Llama", 2, 8, 128, "gqa")  # blocks of >= DIRECT_MIN_BYTES per plane
+    src = KVLayout(model, ns, dtype, src_arr, k_scale=0.5 if dtype.startswith("fp8") else 1.0)
+    dst = KVLayout(model, nd, dtype, dst_arr, k_scale=0.5 if dtype.startswith("fp8") else 1.0)
+    n, skip = 5 * max(ns, nd) + 7, 3
+    sb = [(i * 7 + 3) % (n // ns + 4) for i in range(-(-n // ns))]
+    db = [(i * 5 + 1) % (n // nd + 4) for i in range(-(-n // nd))]
+    sc, dc = allocate(src, n // ns + 4), allocate(dst, n // nd + 4, fill=SENTINEL)
+    fill_random(src, sc, torch.Generator().manual_seed(3))
+    before = snapshot(dc)
+    convert(src, sc, sb, dst, dc, db, n, skip)
+    assert used == [True]
+
+    def truth(tok, layer):
+        return read_kv(src, sc, sb, tok, layer)
+
+    for got, want in zip(snapshot(dc), expected_after(dst, before, db, skip, n, truth)):
+        assert torch.equal(bits(got), bits(want))

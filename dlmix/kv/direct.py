@@ -71,7 +71,7 @@ def _transfer_blocks(srcs: Sequence[_Src], dl: KVLayout, dst_caches: Sequence[An
 
     Measured on the 2-core dev box (one thread, Llama-3-8B KV, TP 2 -> 1, shuffled ids): ~0.5x of a flat copy
     against 0.35x for assembling blocks in scratch (two passes) and 0.3x for one strided ``copy_`` per block."""
-    N, P = dl.block_size, dl.num_planes
+    N = dl.block_size
     dbl = db.tolist()
     f0, f1 = (skip + N - 1) // N, n // N
     runs = _block_runs(dbl, f0, f1) if f1 > f0 else []

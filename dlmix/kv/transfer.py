@@ -12,6 +12,7 @@ from typing import Any
 
 from . import plan as _plan
 from .cast import _same_encoding
+from .cells import _transfer_cells
 from .chunked import _transfer_chunked
 from .direct import _transfer_blocks, _transfer_direct
 from .layout import KVLayout
@@ -24,6 +25,7 @@ from .plan import (
     _resolve_heads,
     plan_heads,
 )
+from .move import _flat2d, _token_rows
 from .views import _num_blocks, plane_views
 
 
@@ -58,6 +60,11 @@ def _transfer(sources: Sequence[tuple[KVLayout, Sequence[Any], Any, tuple[int, .
     seg_bytes = min_block * min_heads * D * dl.itemsize * (P if identical else 1)
     same_blocks = all(s.layout.block_size == Nd and all(_same_encoding(s.layout, dl, p) for p in range(P))
                       for s in srcs)
+    if device.type == "cpu" and len(srcs) == 1 and not identical \
+            and seg_bytes >= _plan.DIRECT_MIN_BYTES and all(_same_encoding(sl, dl, p) for p in range(P)) \
+            and not _rows_both(sl, s0.caches[0], dl, dst_caches[0]) \
+            and _transfer_cells(s0, dl, dst_caches, db, skip_tokens, num_tokens, d_slice):
+        return dl.wire_bytes(num_tokens - skip_tokens, heads)
     if device.type == "cpu" and same_blocks and not identical and seg_bytes >= _plan.DIRECT_MIN_BYTES:
         _transfer_blocks(srcs, dl, dst_caches, db, skip_tokens, num_tokens, d_slice)
         return dl.wire_bytes(num_tokens - skip_tokens, heads)
@@ -106,3 +113,13 @@ def convert_from_ranks(sources: Sequence[tuple[KVLayout, Sequence[Any], Any]], d
     plan = plan_heads([s[0] for s in sources], dst_layout)
     spec = [(sources[i][0], sources[i][1], sources[i][2], hs) for i, hs in plan]
     return _transfer(spec, dst_layout, dst_caches, dst_block_ids, num_tokens, skip_tokens, relax_fingerprint)
+
+
+def _rows_both(sl: KVLayout, s_cache: Any, dl: KVLayout, d_cache: Any) -> bool:
+    """True when every plane of both sides is dense token rows (``[slots, h*D]``): the ``memmove`` and
+    ``index_select`` paths move those best, whole rows at a time."""
+    for v in (*plane_views(sl, s_cache), *plane_views(dl, d_cache)):
+        r = _token_rows(v)
+        if r is None or _flat2d(r) is None:
+            return False
+    return True
