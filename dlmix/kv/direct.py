@@ -18,9 +18,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from .cast import _same_encoding
+from .cast import _copy_cast, _same_encoding
 from .layout import KVLayout
-from .move import _copy_many, _copy_segments, _memmove_rows, _rows, _widen, _Work
+from .move import _copy_many, _copy_segments, _memmove_rows, _rows, _token_rows, _widen, _Work
 from .plan import _chunk_tokens, _merge, _ranges, _SegPlan, _segments, _sig, _Src
 from .views import _raw_blocks, _storage_dtype, plane_views
 
@@ -66,10 +66,8 @@ _NP_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 def _np(t: torch.Tensor) -> np.ndarray:
-    """A numpy view (no copy) of a CPU tensor view as bytes (last axis in bytes when it is dense), else as an
-    integer type of the same width (numpy has no bfloat16; moving bits is all this path does)."""
-    if t.dim() and t.stride(-1) == 1:
-        return t.view(torch.uint8).numpy()
+    """A numpy view (no copy) of a CPU tensor view as an integer type of the same width (numpy has no bfloat16;
+    moving bits is all this path does)."""
     return t.view(_NP_INT[t.element_size()]).numpy()
 
 
@@ -182,3 +180,24 @@ def _transfer_direct(srcs: Sequence[_Src], dl: KVLayout, dst_caches: Sequence[An
                 if svp.dtype != dvp.dtype and _same_encoding(sl, dl, p):
                     svp = svp.view(dvp.dtype)
                 _copy_segments(dvp, svp, plan)
+
+
+def _transfer_lookup(s: _Src, dl: KVLayout, dst_caches: Sequence[Any], db: torch.Tensor, skip: int, n: int,
+                     d_slice: slice) -> bool:
+    """CPU path for fp8 re-encoding from a source of at most 2 bytes per element (one source rank): each run of
+    token rows goes through the lookup table of :mod:`dlmix.kv.cast` with one ``numpy.take`` straight into the
+    destination rows (one pass, no float32 scratch). Returns False, having written nothing, unless both sides are
+    dense token rows."""
+    sl = s.layout
+    sv0, dv0 = plane_views(sl, s.caches[0]), plane_views(dl, dst_caches[0])
+    if sl.itemsize > 2 or any(_token_rows(v) is None for v in (*sv0, *dv0)):
+        return False
+    runs = _merge(_segments(s.bids.tolist(), db.tolist(), sl.block_size, dl.block_size, skip, n))
+    for layer in range(dl.model.num_layers):
+        svs, dvs = plane_views(sl, s.caches[layer]), plane_views(dl, dst_caches[layer])
+        for p, (sv, dv) in enumerate(zip(svs, dvs)):
+            sr, dr = _token_rows(sv[:, :, s.h_slice]), _token_rows(dv[:, :, d_slice][:, :, s.x_slice])
+            assert sr is not None and dr is not None
+            for a, d, k in runs:
+                _copy_cast(dr[d:d + k], sr[a:a + k], sl, dl, p)
+    return True

@@ -14,7 +14,7 @@ from . import plan as _plan
 from .cast import _same_encoding
 from .cells import _transfer_cells
 from .chunked import _transfer_chunked
-from .direct import _transfer_blocks, _transfer_direct
+from .direct import _transfer_blocks, _transfer_direct, _transfer_lookup
 from .layout import KVLayout
 from .plan import (
     _block_tensor,
@@ -67,6 +67,9 @@ def _transfer(sources: Sequence[tuple[KVLayout, Sequence[Any], Any, tuple[int, .
         return dl.wire_bytes(num_tokens - skip_tokens, heads)
     if device.type == "cpu" and same_blocks and not identical and seg_bytes >= _plan.DIRECT_MIN_BYTES:
         _transfer_blocks(srcs, dl, dst_caches, db, skip_tokens, num_tokens, d_slice)
+        return dl.wire_bytes(num_tokens - skip_tokens, heads)
+    if device.type == "cpu" and fp8 and len(srcs) == 1 and seg_bytes >= _plan.DIRECT_MIN_BYTES \
+            and not identical and _transfer_lookup(s0, dl, dst_caches, db, skip_tokens, num_tokens, d_slice):
         return dl.wire_bytes(num_tokens - skip_tokens, heads)
     if device.type == "cpu" and (identical or not fp8) and seg_bytes >= _plan.DIRECT_MIN_BYTES:
         _transfer_direct(srcs, dl, dst_caches, db, skip_tokens, num_tokens, d_slice, identical)
