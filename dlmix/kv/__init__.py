@@ -1,8 +1,10 @@
 """KV cache layouts and conversion.
 
-The layout descriptor and the compatibility check (:mod:`dlmix.kv.layout`) are torch-free and imported eagerly.
-The tensor functions (:mod:`dlmix.kv.ops`: ``convert``, ``convert_from_ranks``, ``pack``, ``unpack``,
-``read_kv``, ...) need torch (``pip install dlmix[torch]``) and are imported on first attribute access.
+The layout descriptor and the compatibility check (:mod:`dlmix.kv.layout`) and the registry of memory arrangements
+(:mod:`dlmix.kv.registry`, one file per arrangement in :mod:`dlmix.kv.arrangements`, third-party ones through the
+``dlmix.kv_arrangements`` entry-point group) are torch-free and imported eagerly. The tensor functions
+(:mod:`dlmix.kv.ops`: ``convert``, ``convert_from_ranks``, ``pack``, ``unpack``, ``read_kv``, ...) need torch
+(``pip install dlmix[torch]``) and are imported on first attribute access. See ``docs/kv_layouts.md``.
 """
 
 from __future__ import annotations

