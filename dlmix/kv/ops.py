@@ -10,7 +10,9 @@ This module gathers the tensor API in one import (``from dlmix.kv.ops import pac
 * :mod:`dlmix.kv.plan`: block tables, TP head plans (:func:`plan_heads`), token segments, tunables;
 * :mod:`dlmix.kv.move`: byte movers (``memmove`` runs, batched copies, gathers, scratch buffers);
 * :mod:`dlmix.kv.direct`: one-pass CPU paths (identity ``memmove``, equal-block re-arrangement and TP re-shard,
-  re-blocking and casts segment by segment);
+  re-blocking and casts segment by segment, fp8 by lookup table);
+* :mod:`dlmix.kv.cells`: one-pass CPU cell gather (``numpy.take``) for re-arrangements between layouts without
+  dense token rows (NHD <-> HND, vLLM CPU re-blocking);
 * :mod:`dlmix.kv.chunked`: the general path through scratch (CUDA, fp8 re-scaling, tiny segments);
 * :mod:`dlmix.kv.transfer`: :func:`convert` and :func:`convert_from_ranks` and the choice of path;
 * :mod:`dlmix.kv.wire`: :func:`pack`, :func:`unpack`, :func:`wire_chunks` (the transport's wire form);

@@ -16,6 +16,7 @@ from .cells import _transfer_cells
 from .chunked import _transfer_chunked
 from .direct import _transfer_blocks, _transfer_direct, _transfer_lookup
 from .layout import KVLayout
+from .move import _flat2d, _token_rows
 from .plan import (
     _block_tensor,
     _check_layers,
@@ -25,13 +26,19 @@ from .plan import (
     _resolve_heads,
     plan_heads,
 )
-from .move import _flat2d, _token_rows
 from .views import _num_blocks, plane_views
 
 
 def _transfer(sources: Sequence[tuple[KVLayout, Sequence[Any], Any, tuple[int, ...]]], dl: KVLayout,
               dst_caches: Sequence[Any], dst_block_ids: Any, num_tokens: int, skip_tokens: int,
               relax_fingerprint: bool) -> int:
+    """Validate, then move tokens ``skip_tokens..num_tokens`` by the first path that applies: on CPU with segments
+    of at least :data:`~dlmix.kv.plan.DIRECT_MIN_BYTES`, (1) one source, same encoding, a side without dense token
+    rows: the cell gather (:mod:`dlmix.kv.cells`); (2) equal block sizes, same encoding: one
+    ``numpy.concatenate`` per destination block (:func:`~dlmix.kv.direct._transfer_blocks`); (3) one source, fp8
+    re-encoding: the lookup table (:func:`~dlmix.kv.direct._transfer_lookup`); (4) no fp8 re-scaling: segment
+    copies (:func:`~dlmix.kv.direct._transfer_direct`); otherwise (CUDA, small blocks, fp8 from fp32) the chunked
+    path through scratch (:mod:`dlmix.kv.chunked`). Returns the destination bytes written."""
     if not 0 <= skip_tokens <= num_tokens:
         raise ValueError(f"need 0 <= skip_tokens ({skip_tokens}) <= num_tokens ({num_tokens})")
     srcs, heads, device = _prepare_sources(sources, dl, num_tokens, relax_fingerprint)
