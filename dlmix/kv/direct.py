@@ -6,7 +6,9 @@
 * block size changes and casts: each segment (or run of segments whose slots continue on both sides) copied
   directly, ``memmove`` when both sides are dense rows of one dtype, else one ``torch._foreach_copy_`` per layer
   and plane (``copy_`` also casts bf16/fp16/fp32) (:func:`_transfer_direct`);
-* several source ranks with block size changes or casts: assembled per chunk (:func:`_transfer_assembled`).
+* several source ranks with block size changes or casts: assembled per chunk (:func:`_transfer_assembled`);
+* fp8 re-encoding from a 1- or 2-byte source: each run of token rows through the lookup table of
+  :mod:`dlmix.kv.cast` with one ``numpy.take`` (:func:`_transfer_lookup`).
 """
 
 from __future__ import annotations
@@ -15,13 +17,12 @@ import ctypes
 from collections.abc import Sequence
 from typing import Any
 
-import numpy as np
 import torch
 
 from .cast import _copy_cast, _same_encoding
 from .layout import KVLayout
-from .move import _copy_many, _copy_segments, _memmove_rows, _rows, _token_rows, _widen, _Work
-from .plan import _chunk_tokens, _merge, _ranges, _SegPlan, _segments, _sig, _Src
+from .move import _copy_many, _copy_segments, _memmove_rows, _rows, _stack_planes, _token_rows, _widen, _widen_last, _Work
+from .plan import _block_runs, _chunk_tokens, _merge, _ranges, _SegPlan, _segments, _sig, _Src
 from .views import _raw_blocks, _storage_dtype, plane_views
 
 
@@ -62,59 +63,51 @@ def _transfer_assembled(srcs: Sequence[_Src], dl: KVLayout, dst_caches: Sequence
                 _copy_segments(dviews[p][:, :, d_slice], y.unsqueeze(0), out)
 
 
-_NP_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-
-
-def _np(t: torch.Tensor) -> np.ndarray:
-    """A numpy view (no copy) of a CPU tensor view as an integer type of the same width (numpy has no bfloat16;
-    moving bits is all this path does)."""
-    return t.view(_NP_INT[t.element_size()]).numpy()
-
-
 def _transfer_blocks(srcs: Sequence[_Src], dl: KVLayout, dst_caches: Sequence[Any], db: torch.Tensor,
                      skip: int, n: int, d_slice: slice) -> None:
     """CPU path for equal block sizes without re-encoding (TP re-sharding, arrangement changes): per layer and
-    whole destination block, one ``numpy.concatenate`` of the source ranks' blocks along the head axis straight
-    into the (strided) destination block, one call per plane (K and V stacked in one call measured slower).
-    One pass, numpy's C loop (each contiguous run one copy), no scratch. Partial blocks (below ``skip`` and the
-    last one) go per segment.
+    source rank, one ``index_select(src_view, block_dim, src_ids, out=dst_view[d0:d0 + k])`` per run of
+    consecutive destination block ids, K and V together when both sides stack them (:func:`_stack_planes`). The
+    source blocks are gathered straight into the strided head slice of the destination blocks (one pass, torch's
+    C loop over blocks, no scratch). Partial blocks (below ``skip`` and the last one) go per segment.
 
-    Measured on the 2-core dev box (one thread, Llama-3-8B KV, TP 2 -> 1, shuffled ids), side by side: 0.47-0.62x
-    of a flat copy against 0.42-0.54x for one ``index_select(..., out=)`` per run of destination blocks, 0.35x
-    for assembling blocks in scratch (two passes) and 0.3x for one strided ``copy_`` per block."""
+    Measured on the 2-core dev box (one thread, Llama-3-8B KV, TP 2 -> 1, shuffled ids): ~0.5x of a flat copy
+    against 0.35x for assembling blocks in scratch (two passes) and 0.3x for one strided ``copy_`` per block."""
     N = dl.block_size
     dbl = db.tolist()
     f0, f1 = (skip + N - 1) // N, n // N
+    runs = _block_runs(dbl, f0, f1) if f1 > f0 else []
     edges = [(skip, f0 * N), (f1 * N, n)] if f1 > f0 else [(skip, n)]
-    order = sorted(range(len(srcs)), key=lambda i: srcs[i].x_slice.start)
-    srcs = [srcs[i] for i in order]
     plans = []
-    sbls = []
     for s in srcs:
         sbl = s.bids.tolist()
-        sbls.append(sbl)
+        idx = [torch.tensor([sbl[i] for i in pos], dtype=torch.int64) for _, pos in runs]
         segs = [x for e0, e1 in edges if e1 > e0 for x in _segments(sbl, dbl, N, N, e0, e1)]
-        plans.append(_SegPlan(segs, N, N) if segs else None)
-    pairs = [(dbl[k], [sbl[k] for sbl in sbls]) for k in range(f0, f1)]
-    cat = np.concatenate
+        plans.append((idx, _SegPlan(segs, N, N) if segs else None))
+    # destination ids where runs start and end, for one tensor_split per view (cheaper than a slice per run)
+    cuts = sorted({c for d0, pos in runs for c in (d0, d0 + len(pos))})
+    piece = [cuts.index(d0) + 1 for d0, _ in runs]
     for layer in range(dl.model.num_layers):
-        dviews = [v[:, :, d_slice] for v in plane_views(dl, dst_caches[layer])]
-        per_src = []
-        for s, plan in zip(srcs, plans):
-            svs = []
+        dviews = plane_views(dl, dst_caches[layer])
+        jobs = []  # (source view, its pieces of the destination view, block dim, run index tensors)
+        for s, (idx, plan) in zip(srcs, plans):
+            svs, dvs = [], []
             for p, sv in enumerate(plane_views(s.layout, s.caches[layer])):
-                sv = sv[:, :, s.h_slice]
-                svs.append(sv.view(dviews[p].dtype) if sv.dtype != dviews[p].dtype else sv)
+                dv = dviews[p][:, :, d_slice][:, :, s.x_slice]
+                svs.append(sv[:, :, s.h_slice].view(dv.dtype) if sv.dtype != dv.dtype else sv[:, :, s.h_slice])
+                dvs.append(dv)
             if plan is not None:
-                for sv, dv in zip(svs, dviews):
-                    _copy_segments(dv[:, :, s.x_slice], sv, plan)
-            per_src.append(svs)
-        if not pairs:
-            continue
-        for p, dv in enumerate(dviews):  # per plane: measured faster than K and V stacked in one call
-            d_np, s_nps = _np(dv), [_np(svs[p]) for svs in per_src]  # [B, N, h, D]
-            for d, sb in pairs:
-                cat([x[i] for x, i in zip(s_nps, sb)], axis=1, out=d_np[d])
+                for sv, dv in zip(svs, dvs):
+                    _copy_segments(dv, sv, plan)
+            if runs:
+                sf, df = _stack_planes(svs), _stack_planes(dvs)
+                pairs = [(sf, df, 1)] if sf is not None and df is not None else [(a, b, 0) for a, b in zip(svs, dvs)]
+                for sv, dv, dim in pairs:
+                    sv, dv = _widen_last(sv, dv)
+                    jobs.append((sv, dv.tensor_split(cuts, dim), dim, idx))
+        for j in range(len(runs)):  # both halves of a destination run while its lines are still in cache
+            for sv, pieces, dim, idx in jobs:
+                torch.index_select(sv, dim, idx[j], out=pieces[piece[j]])
 
 
 def _transfer_direct(srcs: Sequence[_Src], dl: KVLayout, dst_caches: Sequence[Any], db: torch.Tensor,
