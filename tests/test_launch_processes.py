@@ -173,10 +173,10 @@ def test_cli_sigint_stops_every_child(tmp_path):
     assert not _cmdline_pids(str(logs))
 
 
-def test_engine_dying_after_ready_is_reported_and_everything_stops(tmp_path):
+def test_engine_dying_after_ready_is_reported_and_everything_stops_when_unsupervised(tmp_path):
     logs = tmp_path / "logs"
     with pytest.raises(ProcessFailedError) as ei:
-        with launch(_deployment(tmp_path, router=False), log_dir=logs) as running:  # a path works too
+        with launch(_deployment(tmp_path, router=False), log_dir=logs, supervise=False) as running:  # a path works
             assert running.router_url is None and running.url == running.instances[0].url
             pgids = set(running.pgids())
             os.kill(running.instances[1].pid, signal.SIGKILL)

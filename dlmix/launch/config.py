@@ -33,7 +33,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 __all__ = ["ConfigError", "Deployment", "Instance", "KVSettings", "RouterSettings", "ConnectorSettings",
-           "DEVICE_VISIBILITY_ENV", "parse_deployment"]
+           "RestartPolicy", "DEVICE_VISIBILITY_ENV", "parse_deployment"]
 
 # Environment variable that restricts the visible devices of an engine, per device kind.
 DEVICE_VISIBILITY_ENV = {
@@ -81,6 +81,31 @@ class KVSettings(_Strict):
     gpu_memory_utilization: Optional[float] = Field(default=None, gt=0, le=1)
 
 
+class RestartPolicy(_Strict):
+    """Supervision of a process after the deployment is ready (:mod:`dlmix.launch.supervisor`).
+
+    A process that exits (or whose restart does not answer ``/health`` within its ``ready_timeout_s``) is restarted
+    after ``min(backoff_s * 2**k, backoff_max_s)`` seconds, ``k`` = restarts so far (exponential back-off, as
+    Kubernetes' CrashLoopBackOff and systemd's ``RestartSec``/``RestartSteps``). After ``max_restarts`` restarts
+    in a row it is given up; a process that served for ``reset_after_s`` seconds has its count reset to 0.
+
+    Attributes:
+        max_restarts: restarts before giving up (0 = never restart).
+        backoff_s: first delay, seconds.
+        backoff_max_s: largest delay, seconds.
+        reset_after_s: seconds of healthy running after which the restart count starts again at 0.
+    """
+
+    max_restarts: int = Field(default=5, ge=0)
+    backoff_s: float = Field(default=1.0, ge=0)
+    backoff_max_s: float = Field(default=60.0, ge=0)
+    reset_after_s: float = Field(default=300.0, gt=0)
+
+    def delay(self, k: int) -> float:
+        """Seconds to wait before restart number ``k + 1`` (``k`` >= 0 restarts done so far)."""
+        return min(self.backoff_s * (2.0 ** min(k, 60)), self.backoff_max_s)
+
+
 class ConnectorSettings(_Strict):
     """KV connector of an instance (vLLM ``--kv-transfer-config``).
 
@@ -123,7 +148,8 @@ class Instance(_Strict):
         python: interpreter that runs the engine (e.g. another venv's ``bin/python``); default: this one.
         extra_args: further engine flags, passed as they are.
         env: extra environment variables.
-        ready_timeout_s: seconds to wait for ``/health``.
+        ready_timeout_s: seconds to wait for ``/health`` (at start and after each restart).
+        restart: :class:`RestartPolicy` of this instance (default: the deployment's ``restart``).
     """
 
     name: Optional[str] = None
@@ -146,6 +172,7 @@ class Instance(_Strict):
     extra_args: List[str] = Field(default_factory=list)
     env: Dict[str, str] = Field(default_factory=dict)
     ready_timeout_s: float = Field(default=600.0, gt=0)
+    restart: Optional[RestartPolicy] = None
 
     @field_validator("device")
     @classmethod
@@ -192,6 +219,8 @@ class RouterSettings(_Strict):
         kv_events: start vLLM KV-event publishers (ZMQ on loopback) and let the router subscribe.
         config: further router config keys (see :class:`dlmix.router.config.RouterConfig`), passed as they are.
         ready_timeout_s: seconds to wait for the router and for every instance to appear in it.
+        restart: :class:`RestartPolicy` of the router process (default: the deployment's ``restart``).
+        replicas: router replicas in Kubernetes manifests (``--emit k8s``); a local launch runs one.
     """
 
     enabled: bool = True
@@ -205,6 +234,8 @@ class RouterSettings(_Strict):
     kv_events: bool = False
     config: Dict[str, Any] = Field(default_factory=dict)
     ready_timeout_s: float = Field(default=120.0, gt=0)
+    restart: Optional[RestartPolicy] = None
+    replicas: int = Field(default=2, ge=1)
 
     @property
     def url(self) -> str:
@@ -223,6 +254,7 @@ class Deployment(_Strict):
         router: :class:`RouterSettings` or None (engines alone).
         instances: the engine instances (at least one).
         env: environment variables for every process.
+        restart: default :class:`RestartPolicy` of every process (engines and router).
         source: file the deployment came from (set by :meth:`from_file`).
     """
 
@@ -233,6 +265,7 @@ class Deployment(_Strict):
     router: Optional[RouterSettings] = None
     instances: List[Instance] = Field(min_length=1)
     env: Dict[str, str] = Field(default_factory=dict)
+    restart: RestartPolicy = Field(default_factory=RestartPolicy)
     source: Optional[str] = Field(default=None, exclude=True)
 
     # ------------------------------------------------------------------ construction
@@ -266,6 +299,11 @@ class Deployment(_Strict):
         """Name of instance ``i`` (explicit or ``ROLE-INDEX``)."""
         inst = self.instances[i]
         return inst.name or f"{inst.role}-{i}"
+
+    def restart_of(self, i: int) -> RestartPolicy:
+        """Restart policy of instance ``i`` (its own, else the deployment's); ``i = -1``: the router's."""
+        own = (self.router.restart if self.router else None) if i < 0 else self.instances[i].restart
+        return own or self.restart
 
     def model_of(self, i: int) -> Optional[str]:
         """Model reference of instance ``i`` (its own or the deployment default)."""

@@ -5,6 +5,9 @@ sends SIGINT to every group at once, waits up to ``grace_s`` seconds, then SIGKI
 sub-processes (vLLM's EngineCore and workers) never outlive the launcher -- also when a group leader has already
 exited and left children behind.
 
+Once everything is ready, a :class:`~dlmix.launch.supervisor.Supervisor` watches the processes: one that dies is
+reported and restarted with exponential back-off (``restart:`` in the deployment file), the others keep serving.
+
 Python API (used by ``dlmix demo``)::
 
     from dlmix.launch import Deployment, launch
@@ -38,6 +41,7 @@ import httpx
 
 from dlmix.engine_process import EngineProcess, VLLMServerSpec, free_port_block, port_free as _port_free
 from dlmix.launch.config import DEVICE_VISIBILITY_ENV, Deployment, Instance
+from dlmix.launch.supervisor import Supervised, Supervisor, SupervisorEvent
 
 __all__ = ["LaunchError", "PortInUseError", "ProcessFailedError", "RunningInstance", "RunningDeployment", "launch",
            "start", "plan"]
@@ -306,6 +310,13 @@ class RunningDeployment:
         self.processes: List[EngineProcess] = []
         self._stopped = False
         self._follower: Optional["LogFollower"] = None
+        self.supervisor: Optional[Supervisor] = None
+        self._lock = threading.Lock()
+
+    @property
+    def events(self) -> List[SupervisorEvent]:
+        """What the supervisor saw and did (exits, restarts, give-ups), oldest first; empty without one."""
+        return list(self.supervisor.events) if self.supervisor else []
 
     def pgids(self) -> List[int]:
         """Process group ids of every started process (equal to their pids)."""
@@ -319,7 +330,16 @@ class RunningDeployment:
         return None
 
     def wait(self, poll_s: float = 0.5) -> None:
-        """Block until a process exits (raises :class:`ProcessFailedError`) or KeyboardInterrupt."""
+        """Block until the deployment fails (raises :class:`ProcessFailedError`) or KeyboardInterrupt.
+
+        Supervised (the default): fails when the router or every engine was given up after its restarts.
+        Unsupervised (``start(..., supervise=False)``): fails as soon as any process exits.
+        """
+        if self.supervisor is not None:
+            while True:
+                reason = self.supervisor.wait_fatal(poll_s)
+                if reason is not None:
+                    raise ProcessFailedError(f"deployment failed: {reason}")
         while True:
             p = self.failed()
             if p is not None:
@@ -332,7 +352,10 @@ class RunningDeployment:
         if self._stopped:
             return
         self._stopped = True
-        stop_groups(self.processes, grace_s)
+        if self.supervisor is not None:
+            self.supervisor.stop()  # no restart after this point
+        with self._lock:
+            stop_groups(self.processes, grace_s)
         if self._follower:
             self._follower.stop()
 
@@ -470,9 +493,10 @@ class _Progress:
                 self.console.print()
 
 
-def start(dep: Deployment | str | os.PathLike, *, log_dir: Optional[str | os.PathLike] = None, console=None, follow_logs: bool = False,
-          log_writer: Optional[Callable[[str, str], None]] = None, grace_s: float = 10.0,
-          poll_s: float = 0.5) -> RunningDeployment:
+def start(dep: Deployment | str | os.PathLike, *, log_dir: Optional[str | os.PathLike] = None, console=None,
+          follow_logs: bool = False, log_writer: Optional[Callable[[str, str], None]] = None, grace_s: float = 10.0,
+          poll_s: float = 0.5, supervise: bool = True,
+          on_event: Optional[Callable[[SupervisorEvent], None]] = None) -> RunningDeployment:
     """Start ``dep`` and wait until every process is ready (and registered with the router).
 
     Args:
@@ -481,6 +505,10 @@ def start(dep: Deployment | str | os.PathLike, *, log_dir: Optional[str | os.Pat
         console: ``rich.console.Console`` for the progress display (None = no display).
         follow_logs: stream every log, prefixed ``[name]``, to ``log_writer`` (default: print to ``console``).
         grace_s: seconds between SIGINT and SIGKILL when stopping.
+        poll_s: seconds between readiness polls (and supervisor polls).
+        supervise: restart processes that die after start-up, per the file's ``restart`` policies
+            (:mod:`dlmix.launch.supervisor`); False: :meth:`RunningDeployment.wait` fails at the first exit.
+        on_event: called with each :class:`~dlmix.launch.supervisor.SupervisorEvent` (from the supervisor thread).
 
     Returns:
         :class:`RunningDeployment` (call :meth:`RunningDeployment.stop` when done; :func:`launch` does).
@@ -534,6 +562,14 @@ def start(dep: Deployment | str | os.PathLike, *, log_dir: Optional[str | os.Pat
                     _wait_registered(running, engines, client, prog, poll_s, router_plan.ready_timeout_s)
             finally:
                 client.close()
+        if supervise:
+            items = []
+            for pl in plans:
+                proc = running.router if pl.kind == "router" else next(
+                    p for p in running.processes if p.name == pl.name)
+                items.append(Supervised(plan=pl, process=proc, policy=dep.restart_of(pl.index)))
+            running.supervisor = Supervisor(items, on_event=on_event, poll_s=min(poll_s, 0.5),
+                                            lock=running._lock).start()
     except BaseException:
         running.stop(grace_s)
         raise

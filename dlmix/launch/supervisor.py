@@ -1,0 +1,229 @@
+"""Supervision of a running deployment: a process that dies is reported and restarted with exponential back-off.
+
+:func:`dlmix.launch.runner.start` hands every started process to a :class:`Supervisor` once the deployment is ready.
+A background thread polls the processes every ``poll_s`` seconds (a state machine per process, nothing blocks on
+one process):
+
+* ``running`` -> the process exited: its whole process group is killed (children such as vLLM's EngineCore would
+  otherwise keep the port and the accelerator memory), the exit is reported, and a restart is scheduled after
+  :meth:`RestartPolicy.delay` seconds -- or, when ``max_restarts`` restarts in a row are used up, it is given up;
+* ``backoff`` -> the delay passed: the same command line is started again on the same port, same log file (appended);
+* ``starting`` -> ``GET /health`` answers (200; the router also 503 = listening, no instance yet): ``running``
+  again. Exit or no answer within the process's ``ready_timeout_s``: counted as a failed restart.
+
+The other processes are untouched and keep serving. The router takes a dead engine out of rotation by itself (a
+refused connection does it at once, health checks every ``health_interval_s`` otherwise; the request is retried on
+another instance) and puts it back after its next successful health check; engines with the DLMix connector
+re-register on their own (a heartbeat answered 404 makes them register again, so a restarted router relearns them).
+
+The deployment fails as a whole (:meth:`Supervisor.fatal` is set; :meth:`RunningDeployment.wait` raises) only when
+the router is given up or every engine is given up.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable, List, Optional
+
+import httpx
+
+from dlmix.launch.config import RestartPolicy
+
+__all__ = ["Supervised", "Supervisor", "SupervisorEvent", "kill_group"]
+
+
+@dataclass
+class SupervisorEvent:
+    """One thing the supervisor did or saw.
+
+    Attributes:
+        t: ``time.time()`` of the event (seconds since the epoch).
+        name: process name.
+        kind: ``exited``, ``restarting``, ``started``, ``healthy``, ``start_failed``, ``gave_up``.
+        message: one human-readable line.
+        restarts: restarts used so far in the current run of failures.
+    """
+
+    t: float
+    name: str
+    kind: str
+    message: str
+    restarts: int = 0
+
+
+@dataclass
+class Supervised:
+    """A process under supervision: its plan (command, URL, kind), its :class:`EngineProcess`, its policy and state.
+
+    ``state`` is ``running``, ``backoff``, ``starting`` or ``failed``; ``restarts`` counts restarts in a row (reset
+    after ``policy.reset_after_s`` of running); ``total_restarts`` never resets.
+    """
+
+    plan: object  # dlmix.launch.runner.ProcessPlan (name, kind, url, ready_timeout_s)
+    process: object  # dlmix.engine_process.EngineProcess
+    policy: RestartPolicy
+    state: str = "running"
+    restarts: int = 0
+    total_restarts: int = 0
+    since: float = field(default_factory=time.monotonic)
+    due: float = 0.0
+    last_exit: Optional[int] = None
+
+    @property
+    def name(self) -> str:
+        return self.plan.name  # type: ignore[attr-defined]
+
+
+def kill_group(pgid: int, timeout_s: float = 10.0) -> None:
+    """SIGKILL process group ``pgid`` until no live member is left (bounded by ``timeout_s``); by id only."""
+    from dlmix.launch.runner import group_members
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(pgid, signal.SIGKILL)
+        if not group_members({pgid}) or time.monotonic() > deadline:
+            return
+        time.sleep(0.05)
+
+
+class Supervisor:
+    """Watches processes and restarts the ones that die (see the module docstring).
+
+    Args:
+        items: the processes (:class:`Supervised`).
+        on_event: called with every :class:`SupervisorEvent` from the supervisor thread (e.g. print it).
+        poll_s: seconds between polls.
+        lock: held while a process is (re)started, so :meth:`stop` never races a spawn.
+    """
+
+    def __init__(self, items: List[Supervised], on_event: Optional[Callable[[SupervisorEvent], None]] = None,
+                 poll_s: float = 0.5, lock: Optional[threading.Lock] = None):
+        self.items = items
+        self.on_event = on_event
+        self.poll_s = poll_s
+        self.events: List[SupervisorEvent] = []
+        self.fatal: Optional[str] = None
+        self.lock = lock or threading.Lock()
+        self._stop = threading.Event()
+        self._fatal_evt = threading.Event()
+        self._t = threading.Thread(target=self._run, daemon=True, name="dlmix-launch-supervisor")
+        self._client = httpx.Client(timeout=1.0)
+
+    def start(self) -> "Supervisor":
+        self._t.start()
+        return self
+
+    def stop(self) -> None:
+        """Stop supervising (no further restarts); returns after the thread ended."""
+        self._stop.set()
+        if self._t.is_alive() and threading.current_thread() is not self._t:
+            self._t.join(30)
+        self._client.close()
+
+    def wait_fatal(self, timeout: Optional[float] = None) -> Optional[str]:
+        """Block until the deployment failed as a whole (returns the reason) or ``timeout`` s (returns None)."""
+        self._fatal_evt.wait(timeout)
+        return self.fatal
+
+    # ------------------------------------------------------------------ internals
+    def _emit(self, s: Supervised, kind: str, message: str) -> None:
+        ev = SupervisorEvent(time.time(), s.name, kind, message, s.restarts)
+        self.events.append(ev)
+        if self.on_event is not None:
+            with contextlib.suppress(Exception):
+                self.on_event(ev)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            for s in self.items:
+                if self._stop.is_set():
+                    break
+                try:
+                    self._step(s, time.monotonic())
+                except Exception as e:  # noqa: BLE001 - supervision must survive anything a step raises
+                    self._emit(s, "error", f"supervisor error on {s.name}: {type(e).__name__}: {e}")
+            self._check_fatal()
+            self._stop.wait(self.poll_s)
+
+    def _check_fatal(self) -> None:
+        if self.fatal is not None:
+            return
+        router = [s for s in self.items if s.plan.kind == "router"]  # type: ignore[attr-defined]
+        engines = [s for s in self.items if s.plan.kind == "engine"]  # type: ignore[attr-defined]
+        reason = None
+        if any(s.state == "failed" for s in router):
+            reason = "the router was given up"
+        elif engines and all(s.state == "failed" for s in engines):
+            reason = "every engine was given up"
+        if reason:
+            last = [e.message for e in self.events if e.kind in ("gave_up", "exited", "start_failed")][-3:]
+            self.fatal = reason + (": " + " | ".join(last) if last else "")
+            self._fatal_evt.set()
+
+    def _healthy(self, s: Supervised) -> bool:
+        try:
+            code = self._client.get(s.plan.url + "/health").status_code  # type: ignore[attr-defined]
+        except httpx.HTTPError:
+            return False
+        return code == 200 or (s.plan.kind == "router" and code == 503)  # type: ignore[attr-defined]
+
+    def _step(self, s: Supervised, now: float) -> None:
+        p = s.process
+        if s.state in ("running", "starting"):
+            rc = p.proc.poll() if p.proc is not None else -1  # type: ignore[attr-defined]
+            if rc is not None:
+                self._died(s, now, f"{s.name} exited with code {rc}", rc)
+            elif s.state == "starting":
+                if self._healthy(s):
+                    s.state, s.since = "running", now
+                    self._emit(s, "healthy", f"{s.name} is healthy again after restart {s.restarts} "
+                                             f"({p.url})")  # type: ignore[attr-defined]
+                elif now - s.since > s.plan.ready_timeout_s:  # type: ignore[attr-defined]
+                    self._died(s, now, f"{s.name} was not healthy {s.plan.ready_timeout_s:.0f} s after its "
+                                       f"restart", None)  # type: ignore[attr-defined]
+            elif s.restarts and now - s.since >= s.policy.reset_after_s:
+                s.restarts = 0
+        elif s.state == "backoff" and now >= s.due:
+            with self.lock:
+                if self._stop.is_set():
+                    return
+                s.restarts += 1
+                s.total_restarts += 1
+                try:
+                    p.start()  # type: ignore[attr-defined]
+                except Exception as e:  # noqa: BLE001 - e.g. the port is still held
+                    self._emit(s, "start_failed", f"{s.name}: restart {s.restarts} failed: {e}")
+                    self._schedule(s, time.monotonic())
+                    return
+            s.state, s.since = "starting", time.monotonic()
+            self._emit(s, "started", f"{s.name} restarted (restart {s.restarts} of {s.policy.max_restarts}, "
+                                     f"pid {p.proc.pid})")  # type: ignore[attr-defined]
+
+    def _died(self, s: Supervised, now: float, what: str, rc: Optional[int]) -> None:
+        p = s.process
+        s.last_exit = rc
+        if p.proc is not None:  # type: ignore[attr-defined]
+            kill_group(p.proc.pid)  # type: ignore[attr-defined]  # leftovers of the group go too
+            with contextlib.suppress(Exception):
+                p.proc.wait(5)  # type: ignore[attr-defined]
+        if s.state == "running" and now - s.since >= s.policy.reset_after_s:
+            s.restarts = 0
+        tail = p.log_tail(5).strip().replace("\n", " | ")  # type: ignore[attr-defined]
+        self._emit(s, "exited", f"{what}; log {p.log_path}: {tail[-300:]}")  # type: ignore[attr-defined]
+        self._schedule(s, now)
+
+    def _schedule(self, s: Supervised, now: float) -> None:
+        if s.restarts >= s.policy.max_restarts:
+            s.state = "failed"
+            self._emit(s, "gave_up", f"{s.name} given up after {s.restarts} restart(s) in a row "
+                                     f"(max_restarts {s.policy.max_restarts}); the other processes keep running")
+            return
+        d = s.policy.delay(s.restarts)
+        s.state, s.due = "backoff", now + d
+        self._emit(s, "restarting", f"restarting {s.name} in {d:.1f} s (restart {s.restarts + 1} of "
+                                    f"{s.policy.max_restarts})")
