@@ -73,13 +73,40 @@ class LinkProfile:
         return self.eff * self.bandwidth_gbps * 1e9 / 8
 
 
+@dataclass(frozen=True)
+class VendorProfile:
+    """How a cluster manager places a vendor's chips (``vendors:`` in the catalog).
+
+    Attributes:
+        name: vendor name as chips give it (``ChipProfile.vendor``).
+        k8s_resource: extended resource of the vendor's Kubernetes device plugin (``nvidia.com/gpu``,
+            ``huawei.com/Ascend910``, ...); None when none is published (CPU, or unknown).
+        k8s_node_label: node label whose value names the chip model (value = the chip's catalog name); None = no
+            node selector.
+        confidence, source: provenance.
+    """
+
+    name: str
+    k8s_resource: Optional[str] = None
+    k8s_node_label: Optional[str] = None
+    confidence: str = "medium"
+    source: str = ""
+
+
 @dataclass
 class Catalog:
-    """Chips and links by name (lookups are case-insensitive and accept aliases)."""
+    """Chips, links and vendors by name (chip lookups are case-insensitive and accept aliases)."""
 
     chips: Dict[str, ChipProfile] = field(default_factory=dict)
     links: Dict[str, LinkProfile] = field(default_factory=dict)
+    vendors: Dict[str, VendorProfile] = field(default_factory=dict)
     _alias: Dict[str, str] = field(default_factory=dict)
+
+    def vendor_of(self, chip: str) -> VendorProfile:
+        """Vendor placement profile of ``chip`` (name or alias); an empty profile (no resource, no label) for a
+        vendor the catalog does not list. Raises KeyError for an unknown chip."""
+        v = self.chip(chip).vendor
+        return self.vendors.get(v) or VendorProfile(name=v, confidence="low", source="vendor not in the catalog")
 
     def chip(self, name: str) -> ChipProfile:
         """Profile by name or alias. Raises KeyError naming the known chips."""
@@ -143,6 +170,16 @@ def _load_into(cat: Catalog, data: dict, origin: str) -> None:
                                  confidence=str(merged.get("confidence", "low")),
                                  source=str(merged.get("source", "")),
                                  aliases=tuple(merged.get("aliases") or ()), **vals))
+    for name, e in (data.get("vendors") or {}).items():
+        if not isinstance(e, dict):
+            raise CatalogError(f"{origin}: vendor {name!r} must be a mapping")
+        unknown = set(e) - {"k8s_resource", "k8s_node_label", "confidence", "source"}
+        if unknown:
+            raise CatalogError(f"{origin}: vendor {name!r} has unknown key(s) {', '.join(sorted(unknown))}")
+        res, lab = e.get("k8s_resource"), e.get("k8s_node_label")
+        cat.vendors[str(name)] = VendorProfile(str(name), None if res is None else str(res),
+                                               None if lab is None else str(lab),
+                                               str(e.get("confidence", "medium")), str(e.get("source", "")))
     for name, e in (data.get("links") or {}).items():
         try:
             cat.links[name] = LinkProfile(name, float(e["bandwidth_gbps"]), float(e.get("setup_ms", 2.0)),

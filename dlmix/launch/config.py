@@ -33,7 +33,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 __all__ = ["ConfigError", "Deployment", "Instance", "KVSettings", "RouterSettings", "ConnectorSettings",
-           "RestartPolicy", "DEVICE_VISIBILITY_ENV", "parse_deployment"]
+           "RestartPolicy", "K8sSettings", "K8sInstanceSettings", "DEVICE_VISIBILITY_ENV", "parse_deployment"]
 
 # Environment variable that restricts the visible devices of an engine, per device kind.
 DEVICE_VISIBILITY_ENV = {
@@ -106,6 +106,49 @@ class RestartPolicy(_Strict):
         return min(self.backoff_s * (2.0 ** min(k, 60)), self.backoff_max_s)
 
 
+class K8sSettings(_Strict):
+    """Kubernetes settings of the whole deployment (``dlmix launch FILE --emit k8s DIR``; see docs/launch.md).
+
+    Attributes:
+        namespace: namespace of every object (None: the one ``kubectl`` uses).
+        image: container image with dlmix and the engine installed (engines and router); per instance ``k8s.image``
+            overrides (e.g. a vllm-ascend based image for Ascend instances).
+        router_image: image of the router (default ``image``).
+        image_pull_policy: ``Always``, ``IfNotPresent`` or ``Never``.
+        service_type: type of the router's client Service (``ClusterIP``, ``NodePort``, ``LoadBalancer``).
+        python: interpreter inside the images (replaces the local ``python`` paths).
+        labels: extra labels on every object.
+    """
+
+    namespace: Optional[str] = None
+    image: str = "dlmix:latest"
+    router_image: Optional[str] = None
+    image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = "IfNotPresent"
+    service_type: Literal["ClusterIP", "NodePort", "LoadBalancer"] = "ClusterIP"
+    python: str = "python3"
+    labels: Dict[str, str] = Field(default_factory=dict)
+
+
+class K8sInstanceSettings(_Strict):
+    """Kubernetes settings of one instance group (its Deployment).
+
+    Attributes:
+        replicas: pods of this group (each one an engine instance; self-registering engines register their pod IP).
+        image: container image (default: the deployment's ``k8s.image``).
+        resource: device resource name (default: the chip vendor's ``k8s_resource`` in the chip catalog).
+        node_selector: node labels (default ``{vendor k8s_node_label: chip name}`` from the chip catalog).
+        tolerations: pod tolerations (Kubernetes ``Toleration`` objects as mappings).
+        requests: extra container resource requests and limits (e.g. ``{memory: 64Gi, cpu: "8"}``).
+    """
+
+    replicas: int = Field(default=1, ge=0)
+    image: Optional[str] = None
+    resource: Optional[str] = None
+    node_selector: Optional[Dict[str, str]] = None
+    tolerations: List[Dict[str, Any]] = Field(default_factory=list)
+    requests: Dict[str, str] = Field(default_factory=dict)
+
+
 class ConnectorSettings(_Strict):
     """KV connector of an instance (vLLM ``--kv-transfer-config``).
 
@@ -150,6 +193,7 @@ class Instance(_Strict):
         env: extra environment variables.
         ready_timeout_s: seconds to wait for ``/health`` (at start and after each restart).
         restart: :class:`RestartPolicy` of this instance (default: the deployment's ``restart``).
+        k8s: :class:`K8sInstanceSettings` (only used by ``--emit k8s``).
     """
 
     name: Optional[str] = None
@@ -173,6 +217,7 @@ class Instance(_Strict):
     env: Dict[str, str] = Field(default_factory=dict)
     ready_timeout_s: float = Field(default=600.0, gt=0)
     restart: Optional[RestartPolicy] = None
+    k8s: K8sInstanceSettings = Field(default_factory=K8sInstanceSettings)
 
     @field_validator("device")
     @classmethod
@@ -220,7 +265,8 @@ class RouterSettings(_Strict):
         config: further router config keys (see :class:`dlmix.router.config.RouterConfig`), passed as they are.
         ready_timeout_s: seconds to wait for the router and for every instance to appear in it.
         restart: :class:`RestartPolicy` of the router process (default: the deployment's ``restart``).
-        replicas: router replicas in Kubernetes manifests (``--emit k8s``); a local launch runs one.
+        replicas: router replicas in Kubernetes manifests (``--emit k8s``); a local launch runs one. Replicas
+            share no state yet: engines that register themselves reach one replica each, so keep 1 for them.
     """
 
     enabled: bool = True
@@ -235,7 +281,7 @@ class RouterSettings(_Strict):
     config: Dict[str, Any] = Field(default_factory=dict)
     ready_timeout_s: float = Field(default=120.0, gt=0)
     restart: Optional[RestartPolicy] = None
-    replicas: int = Field(default=2, ge=1)
+    replicas: int = Field(default=1, ge=1)
 
     @property
     def url(self) -> str:
@@ -255,6 +301,7 @@ class Deployment(_Strict):
         instances: the engine instances (at least one).
         env: environment variables for every process.
         restart: default :class:`RestartPolicy` of every process (engines and router).
+        k8s: :class:`K8sSettings` (only used by ``--emit k8s``).
         source: file the deployment came from (set by :meth:`from_file`).
     """
 
@@ -266,6 +313,7 @@ class Deployment(_Strict):
     instances: List[Instance] = Field(min_length=1)
     env: Dict[str, str] = Field(default_factory=dict)
     restart: RestartPolicy = Field(default_factory=RestartPolicy)
+    k8s: K8sSettings = Field(default_factory=K8sSettings)
     source: Optional[str] = Field(default=None, exclude=True)
 
     # ------------------------------------------------------------------ construction
