@@ -37,8 +37,8 @@ def launch_cmd(
     check: bool = typer.Option(False, "--check", help="validate the file and exit"),
     dry_run: bool = typer.Option(False, "--dry-run", help="print the command lines without starting anything"),
     grace: float = typer.Option(10.0, "--grace", help="seconds between SIGINT and SIGKILL when stopping"),
-    emit: Tuple[str, Path] = typer.Option((None, None), "--emit", metavar="FORMAT DIR",
-                                          help="write manifests instead of starting: 'k8s DIR' (Kubernetes)"),
+    emit: Optional[Tuple[str, str]] = typer.Option(None, "--emit", metavar="FORMAT DIR",
+                                                   help="write manifests instead of starting: 'k8s DIR' (Kubernetes)"),
 ) -> None:
     """Start engines and the router of a deployment file, wait until all are ready, print where to send
     requests, restart a process that dies (with back-off, see `restart:` in the file), and stop every process on
@@ -60,19 +60,19 @@ def launch_cmd(
         console.print(f"{deployment}: ok ({len(dep.instances)} instance(s), router: "
                       f"{'yes' if dep.router_enabled() else 'no'})")
         return
-    if emit[0] is not None:
+    if emit:
         if emit[0] != "k8s":
             console.print(f"[red]unknown --emit format {emit[0]!r}[/]; supported: k8s", highlight=False)
             raise typer.Exit(2)
         from dlmix.launch.k8s import emit_k8s
 
         try:
-            m = emit_k8s(dep, emit[1])
+            m = emit_k8s(dep, Path(emit[1]))
         except ConfigError as e:
             console.print(f"[red]cannot emit Kubernetes manifests[/]\n{e}", highlight=False)
             raise typer.Exit(2)
         for f in m.files:
-            console.print(f"  {emit[1] / f}", highlight=False)
+            console.print(f"  {Path(emit[1]) / f}", highlight=False)
         for n in m.notes:
             console.print(f"[yellow]note:[/] {n}", highlight=False)
         console.print(f"wrote {len(m.files)} object(s); deploy with: kubectl apply -f {emit[1]}", highlight=False)
