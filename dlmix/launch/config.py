@@ -20,6 +20,9 @@ A deployment file describes engine instances and, optionally, a dlmix router in 
         cpus: "1"
         kv: {block_size: 128, dtype: float32}
 
+Optional sections: ``restart:`` (supervision after start-up, :class:`RestartPolicy`; also per instance and on the
+router) and ``k8s:`` (``--emit k8s`` manifests, :class:`K8sSettings`; per instance :class:`K8sInstanceSettings`).
+
 Every error names the field path and the YAML line: ``cpu-pd.yaml:14:9: instances[1].kv.block_size: ...``.
 Unknown keys are errors (a typo never falls back to a default). See ``examples/*.yaml`` and docs.
 """
