@@ -15,21 +15,6 @@ def _raise_interrupt(signum, frame):  # SIGTERM/SIGHUP -> same clean stop as Ctr
     raise KeyboardInterrupt
 
 
-_EVENT_STYLE = {"exited": "red", "gave_up": "bold red", "start_failed": "red", "restarting": "yellow",
-                "started": "yellow", "healthy": "green"}
-
-
-def _print_event(console, ev) -> None:
-    """One supervisor event as a time-stamped, coloured line."""
-    import time
-
-    from rich.markup import escape
-
-    style = _EVENT_STYLE.get(ev.kind, "white")
-    console.print(f"[dim]{time.strftime('%H:%M:%S', time.localtime(ev.t))}[/] [{style}]supervisor[/] "
-                  f"{escape(ev.message)}", highlight=False, soft_wrap=True)
-
-
 def launch_cmd(
     deployment: Path = typer.Argument(..., help="deployment YAML (see examples/*.yaml)"),
     follow_logs: bool = typer.Option(False, "--follow-logs", "-f", help="stream every log, prefixed [name]"),
@@ -89,8 +74,7 @@ def launch_cmd(
     old = {s: signal.signal(s, _raise_interrupt) for s in (signal.SIGTERM, signal.SIGHUP)}
     running = None
     try:
-        running = start(dep, log_dir=log_dir, console=console, follow_logs=follow_logs, grace_s=grace,
-                        on_event=lambda ev: _print_event(console, ev))
+        running = start(dep, log_dir=log_dir, console=console, follow_logs=follow_logs, grace_s=grace)
         model = running.instances[0].served_model_name
         console.print(f"\n[bold green]ready[/]: send OpenAI requests to [bold]{running.url}[/]  (model {model!r})")
         if running.router_url:

@@ -41,7 +41,7 @@ import httpx
 
 from dlmix.engine_process import EngineProcess, VLLMServerSpec, free_port_block, port_free as _port_free
 from dlmix.launch.config import DEVICE_VISIBILITY_ENV, Deployment, Instance
-from dlmix.launch.supervisor import Supervised, Supervisor, SupervisorEvent
+from dlmix.launch.supervisor import Supervised, Supervisor, SupervisorEvent, console_printer
 
 __all__ = ["LaunchError", "PortInUseError", "ProcessFailedError", "RunningInstance", "RunningDeployment", "launch",
            "start", "plan"]
@@ -508,7 +508,8 @@ def start(dep: Deployment | str | os.PathLike, *, log_dir: Optional[str | os.Pat
         poll_s: seconds between readiness polls (and supervisor polls).
         supervise: restart processes that die after start-up, per the file's ``restart`` policies
             (:mod:`dlmix.launch.supervisor`); False: :meth:`RunningDeployment.wait` fails at the first exit.
-        on_event: called with each :class:`~dlmix.launch.supervisor.SupervisorEvent` (from the supervisor thread).
+        on_event: called with each :class:`~dlmix.launch.supervisor.SupervisorEvent` (from the supervisor thread);
+            default: printed on ``console`` when one is given.
 
     Returns:
         :class:`RunningDeployment` (call :meth:`RunningDeployment.stop` when done; :func:`launch` does).
@@ -568,6 +569,8 @@ def start(dep: Deployment | str | os.PathLike, *, log_dir: Optional[str | os.Pat
                 proc = running.router if pl.kind == "router" else next(
                     p for p in running.processes if p.name == pl.name)
                 items.append(Supervised(plan=pl, process=proc, policy=dep.restart_of(pl.index)))
+            if on_event is None and console is not None:
+                on_event = console_printer(console)
             running.supervisor = Supervisor(items, on_event=on_event, poll_s=min(poll_s, 0.5),
                                             lock=running._lock).start()
     except BaseException:

@@ -33,7 +33,7 @@ import httpx
 
 from dlmix.launch.config import RestartPolicy
 
-__all__ = ["Supervised", "Supervisor", "SupervisorEvent", "kill_group"]
+__all__ = ["Supervised", "Supervisor", "SupervisorEvent", "kill_group", "console_printer"]
 
 
 @dataclass
@@ -53,6 +53,22 @@ class SupervisorEvent:
     kind: str
     message: str
     restarts: int = 0
+
+
+_EVENT_STYLE = {"exited": "red", "gave_up": "bold red", "start_failed": "red", "restarting": "yellow",
+                "started": "yellow", "healthy": "green"}
+
+
+def console_printer(console) -> Callable[[SupervisorEvent], None]:
+    """An ``on_event`` callback printing each event as one time-stamped, coloured line on a rich ``console``."""
+    from rich.markup import escape
+
+    def show(ev: SupervisorEvent) -> None:
+        style = _EVENT_STYLE.get(ev.kind, "white")
+        console.print(f"[dim]{time.strftime('%H:%M:%S', time.localtime(ev.t))}[/] [{style}]supervisor[/] "
+                      f"{escape(ev.message)}", highlight=False, soft_wrap=True)
+
+    return show
 
 
 @dataclass
