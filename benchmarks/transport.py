@@ -7,7 +7,9 @@ Measured in one run, interleaved round by round so load changes hit every conten
 * ``memcpy``: ``numpy.copyto`` of the same sizes inside one process (the same-host ceiling).
 * every dlmix transport (``tcp``, ``shm``) and every installed adapter (``dlslime``, ``nixl``, ``mooncake``): the
   owner is a peer process (``dlmix_kv_connectors.testing``) with a 64 MiB region and a read grant; this process pulls
-  ``read(...).result()``.
+  ``read(...).result()``. NIXL runs twice: ``nixl`` = UCX restricted to TCP on the loopback device (``UCX_TLS=tcp``,
+  ``UCX_NET_DEVICES=lo``; the like-for-like rival of dlmix ``tcp``) and ``nixl_sm`` = UCX's defaults, which on one
+  host move the bytes through shared memory / CMA (the rival of dlmix ``shm``).
 
 Sizes 4 KiB, 256 KiB, 4 MiB, 64 MiB. For each contender and size: ``lat_us`` = median seconds per transfer;
 ``GBps`` = bytes / fastest transfer (on a shared, oversubscribed box noise only ever adds time, so the minimum is the
@@ -16,8 +18,9 @@ stable estimate of what the path can do; timeit's rule) and ``GBps_median`` = by
 re-executes itself inside a private network namespace (``unshare -n``, loopback up); otherwise Mooncake is skipped.
 
 Prints a table, then ONE JSON line last with ratios ``WHAT_vs_BASELINE`` (GB/s ratios, higher is better):
-tcp_vs_socket_4mib, tcp_vs_socket_64mib, tcp_vs_mooncake (64 MiB), tcp_vs_dlslime (64 MiB), tcp_vs_nixl (64 MiB),
-shm_vs_memcpy (64 MiB).
+tcp_vs_socket_4mib, tcp_vs_socket_64mib, tcp_vs_nixl_4mib, tcp_vs_nixl_64mib, tcp_vs_nixl_sm (64 MiB),
+tcp_vs_mooncake (64 MiB), tcp_vs_dlslime (64 MiB), shm_vs_nixl_sm (64 MiB), shm_vs_memcpy (64 MiB), and
+``tcp_latency_vs_socket_4kib`` = the plain socket's median 4 KiB latency / dlmix tcp's (higher is better).
 
     python benchmarks/transport.py --quick
 """

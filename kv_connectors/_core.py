@@ -695,11 +695,16 @@ class Endpoint(Transport):
 
     def _drive(self, h: TransferHandle, deadline: float | None) -> None:
         """Called by a thread about to wait on ``h`` (``result``/``wait``): when all of its chunks travel on one
-        outbound connection and no other thread is reading it, read that connection here until ``h`` is done or
-        ``deadline`` (``time.monotonic()``) passes. This saves the wake-up of the reader thread and the hand-off back
+        outbound connection and the wait is at least as long as the transfer's own deadline, read that connection
+        here (after any frame another thread is handling) until ``h`` is done or ``deadline`` (``time.monotonic()``)
+        passes. This saves the wake-up of the reader thread and the hand-off back
         (the latency of a small transfer); otherwise it returns at once and the reader thread completes ``h``."""
         x: _Xfer | None = getattr(h, "_xfer", None)
         if x is None or not x.chunks:
+            return
+        if deadline is not None and deadline < x.deadline:
+            # a shorter wait than the transfer's own deadline: reading here could overrun it mid-frame (a stalled
+            # peer is only cut off at the transfer's deadline), so leave the reading to the reader thread
             return
         conn = x.chunks[0].conn
         if conn is None or not conn.outbound or any(c.conn is not conn for c in x.chunks):
@@ -722,8 +727,11 @@ class Endpoint(Transport):
                 reason = self._read_frame(conn, driving=True)
                 if reason is not None:
                     return
-        except BaseException as e:
+        except Exception as e:
             reason = self._conn_error(conn, e)
+        except BaseException:  # e.g. KeyboardInterrupt mid-frame: the stream is out of step, drop it and re-raise
+            reason = "interrupted while reading a frame"
+            raise
         finally:
             conn.rx_lock.release()
             if reason is not None:
