@@ -201,6 +201,20 @@ class _Conn:
         self.cpoll = select.poll()  # used only under rx_lock
         self.rx_owner = 0  # thread id of the reader thread while it holds rx_lock
         self.cpoll.register(sock, select.POLLIN)
+        self.fd = sock.fileno()
+        # the reader thread of an outbound connection waits on this epoll; a waiter reading its own response
+        # disarms it meanwhile, so the reader thread is not woken by bytes it would not read
+        self.ep = select.epoll() if outbound and hasattr(select, "epoll") else None
+        if self.ep is not None:
+            self.ep.register(self.fd, select.EPOLLIN)
+
+    def arm(self, on: bool) -> None:
+        """(Dis)arm the reader thread's wake-up on readable bytes (EPOLLHUP/EPOLLERR always wake it)."""
+        if self.ep is not None:
+            try:
+                self.ep.modify(self.fd, select.EPOLLIN if on else 0)
+            except (OSError, ValueError):  # closed meanwhile
+                pass
 
     def shutdown(self) -> None:
         self.alive = False
@@ -673,11 +687,15 @@ class Endpoint(Transport):
                         break
                 return
             rx, lock, me = conn.rx, conn.rx_lock, threading.get_ident()
-            poller = select.poll()
-            poller.register(conn.sock, select.POLLIN)
+            if conn.ep is not None:
+                wait = conn.ep.poll
+            else:
+                poller = select.poll()
+                poller.register(conn.sock, select.POLLIN)
+                wait = poller.poll
             while conn.alive:
                 if rx.start == rx.end:
-                    poller.poll()
+                    wait()
                 with lock:
                     conn.rx_owner = me
                     try:
@@ -692,6 +710,8 @@ class Endpoint(Transport):
             reason = self._conn_error(conn, e)
         finally:
             self._drop_conn(conn, reason)
+            if conn.ep is not None:
+                conn.ep.close()
 
     def _drive(self, h: TransferHandle, deadline: float | None) -> None:
         """Called by a thread about to wait on ``h`` (``result``/``wait``): when all of its chunks travel on one
@@ -715,6 +735,7 @@ class Endpoint(Transport):
         if not conn.rx_lock.acquire(timeout=-1 if deadline is None else max(0.0, deadline - time.monotonic())):
             return
         reason = None
+        conn.arm(False)
         try:
             rx = conn.rx
             while not h.done() and conn.alive:
@@ -733,6 +754,7 @@ class Endpoint(Transport):
             reason = "interrupted while reading a frame"
             raise
         finally:
+            conn.arm(True)
             conn.rx_lock.release()
             if reason is not None:
                 self._drop_conn(conn, reason)
