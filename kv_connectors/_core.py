@@ -8,7 +8,10 @@ Threads (all daemons, owned by the endpoint):
 * one reader per connection. On an *inbound* connection (a peer → us) it serves the peer's one-sided requests: checks
   the grant, then receives a write's payload straight into the region (``recvmsg_into`` on memoryviews of the region)
   or sends a read's bytes straight from the region (``sendmsg`` of memoryviews). On an *outbound* connection (us → the
-  peer) it receives responses, a read's payload straight into the destination views;
+  peer) it receives responses, a read's payload straight into the destination views; but a thread that waits on its
+  own transfer (``result()``/``wait()``) reads the response itself (``Endpoint._drive``: no wake-up of the reader and
+  no hand-off back), with the reader's epoll disarmed meanwhile. Every connection reads through a buffered
+  :class:`._wire.FrameReader` (header, body and a small payload in one ``recv``);
 * one sender per outbound connection for large write payloads (small ones are sent inline by the caller);
 * one reaper that fails transfers past their deadline (:class:`TransferTimeout`) and purges expired grants.
 
