@@ -7,7 +7,9 @@ Measured in one run, interleaved round by round so load changes hit every conten
 * ``memcpy``: ``numpy.copyto`` of the same sizes inside one process (the same-host ceiling).
 * every dlmix transport (``tcp``, ``shm``) and every installed adapter (``dlslime``, ``nixl``, ``mooncake``): the
   owner is a peer process (``dlmix_kv_connectors.testing``) with a 64 MiB region and a read grant; this process pulls
-  ``read(...).result()``.
+  ``read(...).result()``. NIXL runs twice: ``nixl`` = UCX restricted to TCP on the loopback device (``UCX_TLS=tcp``,
+  ``UCX_NET_DEVICES=lo``; the like-for-like rival of dlmix ``tcp``) and ``nixl_sm`` = UCX's defaults, which on one
+  host move the bytes through shared memory / CMA (the rival of dlmix ``shm``).
 
 Sizes 4 KiB, 256 KiB, 4 MiB, 64 MiB. For each contender and size: ``lat_us`` = median seconds per transfer;
 ``GBps`` = bytes / fastest transfer (on a shared, oversubscribed box noise only ever adds time, so the minimum is the
@@ -16,8 +18,9 @@ stable estimate of what the path can do; timeit's rule) and ``GBps_median`` = by
 re-executes itself inside a private network namespace (``unshare -n``, loopback up); otherwise Mooncake is skipped.
 
 Prints a table, then ONE JSON line last with ratios ``WHAT_vs_BASELINE`` (GB/s ratios, higher is better):
-tcp_vs_socket_4mib, tcp_vs_socket_64mib, tcp_vs_mooncake (64 MiB), tcp_vs_dlslime (64 MiB), tcp_vs_nixl (64 MiB),
-shm_vs_memcpy (64 MiB).
+tcp_vs_socket_4mib, tcp_vs_socket_64mib, tcp_vs_nixl_4mib, tcp_vs_nixl_64mib, tcp_vs_nixl_sm (64 MiB),
+tcp_vs_mooncake (64 MiB), tcp_vs_dlslime (64 MiB), shm_vs_nixl_sm (64 MiB), shm_vs_memcpy (64 MiB), and
+``tcp_latency_vs_socket_4kib`` = the plain socket's median 4 KiB latency / dlmix tcp's (higher is better).
 
     python benchmarks/transport.py --quick
 """
@@ -106,17 +109,34 @@ class Memcpy:
         pass
 
 
+#: NIXL contenders: ``nixl`` = UCX restricted to its TCP transport on the loopback device (``UCX_TLS=tcp``,
+#: ``UCX_NET_DEVICES=lo``: the like-for-like rival of dlmix ``tcp``); ``nixl_sm`` = UCX's defaults, which on one
+#: host pick shared memory / CMA (the rival of dlmix ``shm``, not of a socket transport).
+NIXL_ENV = {"nixl": {"UCX_TLS": "tcp", "UCX_NET_DEVICES": "lo"}, "nixl_sm": {}}
+
+
 class TransportBench:
-    def __init__(self, kind: str, cfg: dict | None = None):
+    def __init__(self, name: str, cfg: dict | None = None):
         from dlmix_kv_connectors import Segment, make_transport
         from dlmix_kv_connectors.testing import PeerProcess
 
-        self.name = kind
+        kind = "nixl" if name in NIXL_ENV else name
+        env = NIXL_ENV.get(name, {})
+        self.name = name
         self.Segment = Segment
-        self.peer = PeerProcess(kind, "owner", SECRET, cfg)
+        self.peer = PeerProcess(kind, "owner", SECRET, cfg, env=env)
         self.peer.call("region", name="kv", size=max(SIZES), seed=2)
         self.peer.call("grant", peer="bench", tid="b", ranges=[["kv", 0, max(SIZES)]], mode="rw", expires_s=None)
-        self.t = make_transport(kind, name="bench", secret=SECRET, **(cfg or {}))
+        saved = {k: os.environ.get(k) for k in env}
+        os.environ.update(env)  # UCX reads its environment when the agent starts
+        try:
+            self.t = make_transport(kind, name="bench", secret=SECRET, **(cfg or {}))
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
         self.dst = np.zeros(max(SIZES), dtype=np.uint8)
         self.t.register("kv", self.dst)
         self.t.connect(self.peer.desc)
@@ -175,6 +195,8 @@ def main() -> None:
     if os.environ.get("DLMIX_MOONCAKE_OFF"):
         skipped["mooncake"] = "skipped: private netns unavailable"
     kinds = ["tcp", "shm"] + [k for k in ("dlslime", "nixl", "mooncake") if k not in skipped]
+    if "nixl" in kinds:
+        kinds.append("nixl_sm")
     if args.kinds:
         want = args.kinds.split(",")
         kinds = [k for k in kinds if k in want]
@@ -223,14 +245,21 @@ def main() -> None:
         return None
 
     pairs = {"tcp_vs_socket_4mib": ("tcp", "socket", "4MiB"), "tcp_vs_socket_64mib": ("tcp", "socket", "64MiB"),
+             "tcp_vs_nixl_4mib": ("tcp", "nixl", "4MiB"), "tcp_vs_nixl_64mib": ("tcp", "nixl", "64MiB"),
              "tcp_vs_mooncake": ("tcp", "mooncake", "64MiB"), "tcp_vs_dlslime": ("tcp", "dlslime", "64MiB"),
-             "tcp_vs_nixl": ("tcp", "nixl", "64MiB"), "shm_vs_nixl": ("shm", "nixl", "64MiB"),
+             "shm_vs_nixl_sm": ("shm", "nixl_sm", "64MiB"), "tcp_vs_nixl_sm": ("tcp", "nixl_sm", "64MiB"),
              "shm_vs_memcpy": ("shm", "memcpy", "64MiB")}
+
+    def lat_ratio(base: str, who: str, size: str) -> float | None:  # base latency / who latency (medians)
+        if base in res and who in res:
+            return round(res[base][size]["lat_us"] / res[who][size]["lat_us"], 3)
+        return None
 
     out = {
         "bench": "transport",
         "quick": args.quick,
         **{k: ratio(*v) for k, v in pairs.items()},
+        "tcp_latency_vs_socket_4kib": lat_ratio("socket", "tcp", "4KiB"),
         "ratios_median": {k: ratio(*v, key="GBps_median") for k, v in pairs.items()},
         "shm_cma": extra.get("shm", {}).get("cma"),
         "skipped": skipped,

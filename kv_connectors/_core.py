@@ -8,7 +8,10 @@ Threads (all daemons, owned by the endpoint):
 * one reader per connection. On an *inbound* connection (a peer → us) it serves the peer's one-sided requests: checks
   the grant, then receives a write's payload straight into the region (``recvmsg_into`` on memoryviews of the region)
   or sends a read's bytes straight from the region (``sendmsg`` of memoryviews). On an *outbound* connection (us → the
-  peer) it receives responses, a read's payload straight into the destination views;
+  peer) it receives responses, a read's payload straight into the destination views; but a thread that waits on its
+  own transfer (``result()``/``wait()``) reads the response itself (``Endpoint._drive``: no wake-up of the reader and
+  no hand-off back), with the reader's epoll disarmed meanwhile. Every connection reads through a buffered
+  :class:`._wire.FrameReader` (header, body and a small payload in one ``recv``);
 * one sender per outbound connection for large write payloads (small ones are sent inline by the caller);
 * one reaper that fails transfers past their deadline (:class:`TransferTimeout`) and purges expired grants.
 
@@ -24,6 +27,7 @@ import itertools
 import logging
 import os
 import queue
+import select
 import socket
 import threading
 import time
@@ -92,6 +96,34 @@ class _Grant:
         self.table[mode][region] = (ms, me)
 
 
+class _Gate:
+    """A cheap ``threading.Event`` stand-in for "no byte is landing in this chunk": a lock held while bytes may land.
+    ``clear()`` (receiver, before receiving), ``set()`` (receiver, after; idempotent), ``wait(timeout)`` (cancel)."""
+
+    __slots__ = ("_l",)
+
+    def __init__(self):
+        self._l = threading.Lock()
+
+    def clear(self) -> None:
+        self._l.acquire()
+
+    def set(self) -> None:
+        try:
+            self._l.release()
+        except RuntimeError:  # already set
+            pass
+
+    def wait(self, timeout: float | None = None) -> bool:
+        if self._l.acquire(timeout=-1 if timeout is None else timeout):
+            self._l.release()
+            return True
+        return False
+
+    def is_set(self) -> bool:
+        return not self._l.locked()
+
+
 class _Chunk:
     __slots__ = ("id", "xfer", "op", "dp", "segs", "views", "nbytes", "iov", "lock", "receiving", "recv_done",
                  "discard", "conn", "extra")
@@ -107,8 +139,7 @@ class _Chunk:
         self.iov = iov or []
         self.lock = threading.Lock()
         self.receiving = False
-        self.recv_done = threading.Event()
-        self.recv_done.set()
+        self.recv_done = _Gate()
         self.discard = False
         self.conn: _Conn | None = None
         self.extra: Any = None
@@ -167,6 +198,26 @@ class _Conn:
         self.alive = True
         self.sendq: queue.SimpleQueue | None = None
         self.queued_bytes = 0
+        self.rx = W.FrameReader(sock)
+        #: held by whoever reads frames of an outbound connection (its reader thread, or a waiter in ``_drive``)
+        self.rx_lock = threading.Lock()
+        self.cpoll = select.poll()  # used only under rx_lock
+        self.rx_owner = 0  # thread id of the reader thread while it holds rx_lock
+        self.cpoll.register(sock, select.POLLIN)
+        self.fd = sock.fileno()
+        # the reader thread of an outbound connection waits on this epoll; a waiter reading its own response
+        # disarms it meanwhile, so the reader thread is not woken by bytes it would not read
+        self.ep = select.epoll() if outbound and hasattr(select, "epoll") else None
+        if self.ep is not None:
+            self.ep.register(self.fd, select.EPOLLIN)
+
+    def arm(self, on: bool) -> None:
+        """(Dis)arm the reader thread's wake-up on readable bytes (EPOLLHUP/EPOLLERR always wake it)."""
+        if self.ep is not None:
+            try:
+                self.ep.modify(self.fd, select.EPOLLIN if on else 0)
+            except (OSError, ValueError):  # closed meanwhile
+                pass
 
     def shutdown(self) -> None:
         self.alive = False
@@ -179,12 +230,16 @@ class _Conn:
 def _norm_segments(segments) -> list[Segment]:
     out = []
     for s in segments:
-        s = Segment(*s)
-        if not isinstance(s.local_region, str) or not isinstance(s.remote_region, str):
-            raise ValueError(f"segment {s}: region names must be str")
-        for v in (s.local_offset, s.remote_offset, s.length):
-            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
-                raise ValueError(f"segment {s}: offsets and length must be non-negative ints")
+        if type(s) is not Segment:
+            s = Segment(*s)
+        lr, lo, rr, ro, ln = s
+        if type(lr) is not str or type(rr) is not str:
+            if not isinstance(lr, str) or not isinstance(rr, str):
+                raise ValueError(f"segment {s}: region names must be str")
+        if type(lo) is not int or type(ro) is not int or type(ln) is not int or lo < 0 or ro < 0 or ln < 0:
+            for v in (lo, ro, ln):
+                if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+                    raise ValueError(f"segment {s}: offsets and length must be non-negative ints")
         out.append(s)
     return out
 
@@ -413,7 +468,7 @@ class Endpoint(Transport):
                                       descriptor["port"])
         except KeyError as e:
             raise ValueError(f"descriptor lacks {e}") from None
-        if kind not in self.COMPATIBLE_KINDS:
+        if kind not in self.COMPATIBLE_KINDS and kind != self.kind:
             raise ValueError(f"cannot connect a {self.kind!r} transport to a {kind!r} peer")
         if not isinstance(peer, str) or not isinstance(host, str) or not isinstance(port, int):
             raise ValueError("descriptor name/host must be str and port int")
@@ -584,39 +639,128 @@ class Endpoint(Transport):
         return self._open_link(peer, self.timeout_s)
 
     # ------------------------------------------------------------------ connection I/O
+    def _read_frame(self, conn: _Conn, driving: bool = False) -> str | None:
+        """Read and handle one frame of ``conn`` (caller holds ``conn.rx_lock`` on an outbound connection). Returns a
+        reason when the connection must close (the peer sent ERROR), else None. ``driving``: called by a thread
+        waiting on its own transfer (:meth:`_drive`), so a notification handler runs on a fresh thread, not there."""
+        rx = conn.rx
+        ftype, blen, plen = rx.header(self.max_body, self.max_payload)
+        body = rx.body(ftype, blen)
+        if ftype == W.REQ and not conn.outbound:
+            self._serve_req(conn, body, plen)
+        elif ftype == W.RESP and conn.outbound:
+            self._on_resp(conn, body, plen)
+        elif ftype == W.NOTIFY and plen == 0:
+            n = Notification(conn.peer, body.msg)
+            if driving and self._handler is not None:
+                threading.Thread(target=self._deliver, args=(n,), daemon=True).start()
+            else:
+                self._deliver(n)
+        elif ftype == W.ERROR and plen == 0:
+            log.warning("dlmix-kv %s: %s sent ERROR: %s", self._name, conn.peer, body.reason)
+            return f"peer error: {body.reason}"
+        else:
+            raise ProtocolError(f"unexpected {W.FRAME_NAMES[ftype]} frame (payload {plen} B) on "
+                                f"{'outbound' if conn.outbound else 'inbound'} connection")
+        return None
+
+    def _conn_error(self, conn: _Conn, e: BaseException) -> str:
+        """Log ``e`` (raised while reading ``conn``) and return the reason to drop the connection with."""
+        if isinstance(e, ProtocolError):
+            self.stats["protocol_errors"] += 1
+            log.warning("dlmix-kv %s: closing connection with %s: %s", self._name, conn.peer, e)
+            _try_send(conn.sock, W.pack(W.ERROR, W.Error(str(e)[:200])))
+            return f"protocol error: {e}"
+        if isinstance(e, (PeerError, OSError)):
+            return f"connection lost: {e}"
+        # a bug, or a peer-triggered corner case: drop this connection, keep serving
+        log.error("dlmix-kv %s: connection with %s failed", self._name, conn.peer, exc_info=e)
+        return f"internal error: {e!r}"
+
     def _reader_loop(self, conn: _Conn) -> None:
-        hdr = memoryview(bytearray(W.HEADER_SIZE))
-        sock = conn.sock
+        """Serve an inbound connection (blocking reads), or watch an outbound one: wait until it is readable without
+        holding ``rx_lock``, then handle every frame that is there, so a thread waiting on its own transfer can read
+        its response itself (:meth:`_drive`, no thread hand-off) while this one stays out of the way."""
         reason = "closed"
         try:
+            if not conn.outbound:
+                while conn.alive:
+                    reason = self._read_frame(conn) or reason
+                    if reason != "closed":
+                        break
+                return
+            rx, lock, me = conn.rx, conn.rx_lock, threading.get_ident()
+            if conn.ep is not None:
+                wait = conn.ep.poll
+            else:
+                poller = select.poll()
+                poller.register(conn.sock, select.POLLIN)
+                wait = poller.poll
             while conn.alive:
-                ftype, blen, plen = W.read_frame_header(sock, hdr, self.max_body, self.max_payload)
-                body = W.read_body(sock, ftype, blen)
-                if ftype == W.REQ and not conn.outbound:
-                    self._serve_req(conn, body, plen)
-                elif ftype == W.RESP and conn.outbound:
-                    self._on_resp(conn, body, plen)
-                elif ftype == W.NOTIFY and plen == 0:
-                    self._deliver(Notification(conn.peer, body.msg))
-                elif ftype == W.ERROR and plen == 0:
-                    reason = f"peer error: {body.reason}"
-                    log.warning("dlmix-kv %s: %s sent ERROR: %s", self._name, conn.peer, body.reason)
-                    break
-                else:
-                    raise ProtocolError(f"unexpected {W.FRAME_NAMES[ftype]} frame (payload {plen} B) on "
-                                        f"{'outbound' if conn.outbound else 'inbound'} connection")
-        except ProtocolError as e:
-            self.stats["protocol_errors"] += 1
-            reason = f"protocol error: {e}"
-            log.warning("dlmix-kv %s: closing connection with %s: %s", self._name, conn.peer, e)
-            _try_send(sock, W.pack(W.ERROR, W.Error(str(e)[:200])))
-        except (PeerError, OSError) as e:
-            reason = f"connection lost: {e}"
-        except Exception as e:  # a bug, or a peer-triggered corner case: drop this connection, keep serving
-            reason = f"internal error: {e!r}"
-            log.exception("dlmix-kv %s: connection with %s failed", self._name, conn.peer)
+                if rx.start == rx.end:
+                    wait()
+                with lock:
+                    conn.rx_owner = me
+                    try:
+                        while conn.alive and rx.ready():
+                            r = self._read_frame(conn)
+                            if r is not None:
+                                reason = r
+                                return
+                    finally:
+                        conn.rx_owner = 0
+        except BaseException as e:
+            reason = self._conn_error(conn, e)
         finally:
             self._drop_conn(conn, reason)
+            if conn.ep is not None:
+                conn.ep.close()
+
+    def _drive(self, h: TransferHandle, deadline: float | None) -> None:
+        """Called by a thread about to wait on ``h`` (``result``/``wait``): when all of its chunks travel on one
+        outbound connection and the wait is at least as long as the transfer's own deadline, read that connection
+        here (after any frame another thread is handling) until ``h`` is done or ``deadline`` (``time.monotonic()``)
+        passes. This saves the wake-up of the reader thread and the hand-off back
+        (the latency of a small transfer); otherwise it returns at once and the reader thread completes ``h``."""
+        x: _Xfer | None = getattr(h, "_xfer", None)
+        if x is None or not x.chunks:
+            return
+        if deadline is not None and deadline < x.deadline:
+            # a shorter wait than the transfer's own deadline: reading here could overrun it mid-frame (a stalled
+            # peer is only cut off at the transfer's deadline), so leave the reading to the reader thread
+            return
+        conn = x.chunks[0].conn
+        if conn is None or not conn.outbound or any(c.conn is not conn for c in x.chunks):
+            return
+        if conn.rx_owner == threading.get_ident():  # e.g. a notification handler on the reader thread
+            return
+        # frames are ordered on a connection: one another thread is handling comes before this transfer's response
+        if not conn.rx_lock.acquire(timeout=-1 if deadline is None else max(0.0, deadline - time.monotonic())):
+            return
+        reason = None
+        conn.arm(False)
+        try:
+            rx = conn.rx
+            while not h.done() and conn.alive:
+                if rx.start == rx.end:
+                    wait_ms = None if deadline is None else max(0, int((deadline - time.monotonic()) * 1000) + 1)
+                    if not conn.cpoll.poll(wait_ms):
+                        return
+                    if not rx.ready():
+                        continue
+                reason = self._read_frame(conn, driving=True)
+                if reason is not None:
+                    return
+        except Exception as e:
+            reason = self._conn_error(conn, e)
+        except BaseException:  # e.g. KeyboardInterrupt mid-frame: the stream is out of step, drop it and re-raise
+            reason = "interrupted while reading a frame"
+            raise
+        finally:
+            conn.arm(True)
+            conn.rx_lock.release()
+            if reason is not None:
+                self._drop_conn(conn, reason)
 
     def _drop_conn(self, conn: _Conn, reason: str) -> None:
         conn.shutdown()
@@ -641,7 +785,6 @@ class Endpoint(Transport):
                                    f"{ch.xfer.handle.transfer_id!r}"))
 
     def _serve_req(self, conn: _Conn, req: W.Req, plen: int) -> None:
-        sock = conn.sock
         if req.op not in ("r", "w"):
             raise ProtocolError(f"bad op {req.op!r}")
         if len(req.segs) > self.max_segs:
@@ -662,14 +805,14 @@ class Endpoint(Transport):
             self.stats["refused_ops"] += 1
             log.info("dlmix-kv %s: refused %s from %s: %s", self._name, req.op, conn.peer, e)
             if plen:
-                W.drain(sock, plen)
+                conn.rx.skip(plen)
             self._send(conn, [W.pack(W.RESP, W.Resp(req.id, False, code="grant", err=str(e)))])
             return
         self.stats["served_ops"] += 1
         if req.dp == "tcp":
             views = [reg.view[off:off + ln] for reg, off, ln in checked]
             if req.op == "w":
-                W.recv_views(sock, views)
+                conn.rx.into(views)
                 self._send(conn, [W.pack(W.RESP, W.Resp(req.id, True, n=total))])
             else:
                 self._send(conn, [W.pack(W.RESP, W.Resp(req.id, True, n=total), total)] + views)
@@ -686,7 +829,7 @@ class Endpoint(Transport):
             ch = conn.pending.pop(resp.id, None)
         if ch is None:  # cancelled/timed out: throw the bytes away
             if plen:
-                W.drain(conn.sock, plen)
+                conn.rx.skip(plen)
             return
         try:
             self._complete(conn, ch, resp, plen)
@@ -700,7 +843,7 @@ class Endpoint(Transport):
     def _complete(self, conn: _Conn, ch: _Chunk, resp: W.Resp, plen: int) -> None:
         if not resp.ok:
             if plen:
-                W.drain(conn.sock, plen)
+                conn.rx.skip(plen)
             cls = GrantError if resp.code == "grant" else TransportError
             ch.xfer.fail(cls(f"peer {conn.peer!r} refused {'read' if ch.op == 'r' else 'write'} of transfer "
                              f"{ch.xfer.handle.transfer_id!r}: {resp.err}"))
@@ -710,10 +853,10 @@ class Endpoint(Transport):
                 raise ProtocolError(f"read response carries {plen} B, expected {ch.nbytes} B")
             discard = not ch.begin_receiving()
             if discard:
-                W.drain(conn.sock, plen)
+                conn.rx.skip(plen)
                 return
             try:
-                W.recv_views(conn.sock, list(ch.views))
+                conn.rx.into(list(ch.views))
             finally:
                 ch.receiving = False
                 ch.recv_done.set()
@@ -728,9 +871,14 @@ class Endpoint(Transport):
         self._chunk_ok(ch, resp)
 
     def _chunk_ok(self, ch: _Chunk, resp: W.Resp) -> None:
-        if ch.xfer.chunk_done(ch.nbytes):
+        x = ch.xfer
+        if x.chunk_done(ch.nbytes):
             with self._lock:
-                self._xfers.pop(ch.xfer.key, None)
+                self._xfers.pop(x.key, None)
+            # break the handle <-> transfer <-> chunk cycles now: freed by reference counting, not by the cyclic GC
+            # (whose collections cost more per transfer than the transfer's own Python work)
+            x.chunks = []
+            x.handle._xfer = None
 
     def _sender_loop(self, conn: _Conn) -> None:
         q = conn.sendq
@@ -787,19 +935,22 @@ class Endpoint(Transport):
         if not isinstance(tid, str):
             raise ValueError("transfer_id must be a str")
         segs = _norm_segments(segments)
+        total = 0
         with self._lock:
+            regions = self._regions
             for s in segs:
-                reg = self._regions.get(s.local_region)
+                reg = regions.get(s.local_region)
                 if reg is None:
                     raise KeyError(f"unknown local region {s.local_region!r}")
                 if s.local_offset + s.length > reg.length:
                     raise ValueError(f"segment {tuple(s)} ends past local region {s.local_region!r} ({reg.length} B)")
                 if op == "r" and reg.readonly:
                     raise ValueError(f"cannot read into read-only region {s.local_region!r}")
+                total += s.length
         conns = self._conns_for(peer)
-        total = sum(s.length for s in segs)
         timeout = self.timeout_s if timeout_s is None else float(timeout_s)
         h = TransferHandle(tid, total, canceller=self._cancel)
+        h._drive = self._drive
         x = _Xfer(h, peer, op, time.monotonic() + timeout)
         h._xfer = x  # type: ignore[attr-defined]
         with self._lock:

@@ -39,9 +39,11 @@ Typical use (vLLM prefill worker = owner, decode worker = initiator that pulls):
     h.result()                                                            # or poll h.done() every step
     d.notify("prefill-0", {"type": "blocks_consumed", "req": req_id})
 
-Creating transports: :func:`make_transport` looks the kind up in a registry. A new transport is one module whose class
-is decorated with :func:`register_transport`; built-in kinds are imported lazily by name (see
-:data:`BUILTIN_KINDS`), others may be given as ``"package.module:ClassName"``.
+Creating transports: :func:`make_transport` looks the kind up in a registry. A new transport is ONE module whose
+class is decorated with :func:`register_transport`: a file ``dlmix_kv_connectors/<kind>.py`` (found by its name and
+imported on first use, see :data:`BUILTIN_KINDS`), or a module of any installed distribution that declares it under
+the ``dlmix.transports`` entry-point group (:data:`ENTRY_POINT_GROUP`); ``"package.module:ClassName"`` works as a
+kind too. :func:`transport_kinds` lists every known kind without importing any.
 """
 from __future__ import annotations
 
@@ -74,6 +76,8 @@ __all__ = [
     "make_transport",
     "available_transports",
     "BUILTIN_KINDS",
+    "ENTRY_POINT_GROUP",
+    "transport_kinds",
     "NOTIFY_BLOCKS_READY",
     "NOTIFY_BLOCKS_CONSUMED",
     "NOTIFY_ABORT",
@@ -269,51 +273,87 @@ class TransferHandle:
         self.transfer_id = transfer_id
         #: total bytes this transfer moves (sum of segment lengths)
         self.nbytes = nbytes
-        self._fut: cf.Future = cf.Future()
-        self._fut.set_running_or_notify_cancel()
+        # completion: one plain lock, held while the transfer runs and released once it is done (waiters acquire
+        # and release it); lighter than a concurrent.futures.Future (no Condition, no waiter list per handle)
+        self._state = 0  # 0 running, 1 ok, 2 failed
+        self._value = 0
+        self._exc: BaseException | None = None
+        self._running = threading.Lock()
+        self._running.acquire()
+        self._cbs: list | None = None
         self._canceller = canceller
         self._lock = threading.Lock()
         self.started = time.monotonic()
         self.finished: float | None = None
+        #: set by a transport that can make progress in the waiting thread: ``_drive(handle, deadline)`` is called
+        #: by ``result``/``wait``/``exception`` before blocking (``deadline`` = ``time.monotonic()`` value or None)
+        self._drive: Callable[["TransferHandle", float | None], None] | None = None
 
     # -- producer side (transports) --
-    def _set_result(self, value: int) -> bool:
+    def _finish(self, state: int, value: int, exc: BaseException | None) -> bool:
         with self._lock:
-            if self._fut.done():
+            if self._state:
                 return False
             self.finished = time.monotonic()
-            self._fut.set_result(value)
-            return True
+            self._value, self._exc, self._state = value, exc, state
+            cbs, self._cbs = self._cbs, None
+            self._running.release()
+        if cbs:
+            for fn in cbs:
+                try:
+                    fn(self)
+                except Exception:  # a callback's failure is not the transfer's
+                    import logging
+
+                    logging.getLogger("dlmix_kv_connectors").exception("transfer done-callback failed")
+        return True
+
+    def _set_result(self, value: int) -> bool:
+        return self._finish(1, value, None)
 
     def _set_exception(self, exc: BaseException) -> bool:
-        with self._lock:
-            if self._fut.done():
-                return False
-            self.finished = time.monotonic()
-            self._fut.set_exception(exc)
-            return True
+        return self._finish(2, 0, exc)
 
     # -- consumer side --
     def done(self) -> bool:
         """True when the transfer finished (successfully or not). Non-blocking."""
-        return self._fut.done()
+        return self._state != 0
+
+    def _progress(self, timeout: float | None) -> float | None:
+        """Let the transport complete the transfer in this thread (see ``_drive``); return the timeout left."""
+        drive = self._drive
+        if drive is None or self._state:
+            return timeout
+        deadline = None if timeout is None else time.monotonic() + timeout
+        drive(self, deadline)
+        return None if deadline is None else max(0.0, deadline - time.monotonic())
 
     def wait(self, timeout: float | None = None) -> bool:
         """Block up to ``timeout`` seconds (None = forever) until done; return :meth:`done`. Never raises."""
-        cf.wait([self._fut], timeout=timeout)
-        return self._fut.done()
+        if self._state:
+            return True
+        timeout = self._progress(timeout)
+        if not self._state and self._running.acquire(timeout=-1 if timeout is None else timeout):
+            self._running.release()
+        return self._state != 0
 
     def result(self, timeout: float | None = None) -> int:
         """Wait and return the number of bytes moved, or raise the transfer's :class:`TransportError`."""
-        return self._fut.result(timeout)
+        if not self.wait(timeout):
+            raise cf.TimeoutError(f"transfer {self.transfer_id!r} still running after {timeout} s")
+        if self._exc is not None:
+            raise self._exc
+        return self._value
 
     def exception(self, timeout: float | None = None) -> BaseException | None:
         """Wait and return the transfer's error, or None on success."""
-        return self._fut.exception(timeout)
+        if not self.wait(timeout):
+            raise cf.TimeoutError(f"transfer {self.transfer_id!r} still running after {timeout} s")
+        return self._exc
 
     def ok(self) -> bool:
         """True when done and successful. Non-blocking."""
-        return self._fut.done() and self._fut.exception() is None
+        return self._state == 1
 
     def cancel(self) -> bool:
         """Cancel the transfer. Returns True if it was still running (it now fails with :class:`TransferCancelled`)."""
@@ -325,7 +365,13 @@ class TransferHandle:
 
     def add_done_callback(self, fn: Callable[["TransferHandle"], None]) -> None:
         """Call ``fn(handle)`` once done (from the transport's thread, or at once if already done)."""
-        self._fut.add_done_callback(lambda _f: fn(self))
+        with self._lock:
+            if not self._state:
+                if self._cbs is None:
+                    self._cbs = []
+                self._cbs.append(fn)
+                return
+        fn(self)
 
     @property
     def elapsed_s(self) -> float:
@@ -333,12 +379,22 @@ class TransferHandle:
         return (self.finished or time.monotonic()) - self.started
 
     def __await__(self):
-        return asyncio.wrap_future(self._fut).__await__()
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+
+        def settle(h: "TransferHandle") -> None:
+            if fut.done():
+                return
+            if h._exc is not None:
+                fut.set_exception(h._exc)
+            else:
+                fut.set_result(h._value)
+
+        self.add_done_callback(lambda h: loop.call_soon_threadsafe(settle, h))
+        return fut.__await__()
 
     def __repr__(self) -> str:
-        state = "running"
-        if self._fut.done():
-            state = "ok" if self._fut.exception() is None else f"failed({type(self._fut.exception()).__name__})"
+        state = ("running", "ok", f"failed({type(self._exc).__name__})")[self._state]
         return f"<TransferHandle {self.transfer_id!r} {self.nbytes} B {state}>"
 
 
@@ -518,22 +574,41 @@ class Transport(abc.ABC):
 # Registry
 # --------------------------------------------------------------------------------------------------------------------
 
-#: built-in kinds → the module that registers them (imported on first use).
-BUILTIN_KINDS: dict[str, str] = {
-    "tcp": "dlmix_kv_connectors.tcp",
-    "shm": "dlmix_kv_connectors.shm",
-    "mooncake": "dlmix_kv_connectors.mooncake",
-    "nixl": "dlmix_kv_connectors.nixl",
-    "dlslime": "dlmix_kv_connectors.dlslime",
-}
+#: entry-point group of third-party transports: ``kind = "package.module:Class"`` (or ``"package.module"`` whose
+#: import registers ``kind`` with :func:`register_transport`). Declared in the distribution's metadata, e.g.
+#: ``[project.entry-points."dlmix.transports"] mykind = "my_pkg.transport:MyTransport"`` in its pyproject.toml.
+ENTRY_POINT_GROUP = "dlmix.transports"
+#: modules of this package that are not transports
+_NOT_TRANSPORTS = frozenset({"base", "testing"})
+
+
+def _builtin_kinds() -> dict[str, str]:
+    """Built-in kinds → module, discovered from the package's files without importing them: every public module of
+    ``dlmix_kv_connectors`` (except ``base`` and ``testing``) is a transport whose kind is its file name."""
+    import os
+    import pkgutil
+
+    pkg = __name__.rpartition(".")[0]
+    return {m.name: f"{pkg}.{m.name}" for m in pkgutil.iter_modules([os.path.dirname(os.path.abspath(__file__))])
+            if not m.name.startswith("_") and m.name not in _NOT_TRANSPORTS}
+
+
+#: built-in kinds → the module that registers them (imported on first use); adding ``kv_connectors/<kind>.py`` with
+#: a :func:`register_transport` class adds a kind, nothing else to edit.
+BUILTIN_KINDS: dict[str, str] = _builtin_kinds()
 
 _REGISTRY: dict[str, type[Transport]] = {}
 
 
 def register_transport(kind: str) -> Callable[[type[Transport]], type[Transport]]:
-    """Class decorator: make ``make_transport(kind, ...)`` build this class. Raises ValueError on a duplicate kind."""
+    """Class decorator: make ``make_transport(kind, ...)`` build this class. Raises ValueError on a duplicate kind or
+    a kind that is not a non-empty name without ``":"`` (that form means ``"module:Class"``)."""
+    if not isinstance(kind, str) or not kind or ":" in kind:
+        raise ValueError(f"transport kind must be a non-empty str without ':', not {kind!r}")
 
     def deco(cls: type[Transport]) -> type[Transport]:
+        if not (isinstance(cls, type) and issubclass(cls, Transport)):
+            raise ValueError(f"{cls!r} is not a Transport subclass")
         if kind in _REGISTRY and _REGISTRY[kind] is not cls:
             raise ValueError(f"transport kind {kind!r} already registered by {_REGISTRY[kind].__qualname__}")
         cls.kind = kind
@@ -543,30 +618,72 @@ def register_transport(kind: str) -> Callable[[type[Transport]], type[Transport]
     return deco
 
 
+def _entry_points() -> dict[str, Any]:
+    """Kind → entry point of every installed distribution's ``dlmix.transports`` group (read afresh each call, so a
+    distribution added to ``sys.path`` at run time is seen)."""
+    from importlib.metadata import entry_points
+
+    return {ep.name: ep for ep in entry_points(group=ENTRY_POINT_GROUP)}
+
+
+def _load_entry_point(kind: str, ep: Any) -> type[Transport]:
+    try:
+        obj = ep.load()
+    except ImportError:
+        raise
+    except Exception as e:  # a broken plugin: say which one
+        raise ValueError(f"transport kind {kind!r}: loading entry point {ep.value!r} failed: "
+                         f"{type(e).__name__}: {e}") from None
+    if isinstance(obj, type) and issubclass(obj, Transport):
+        if _REGISTRY.get(kind) is not obj:
+            register_transport(kind)(obj)
+        return obj
+    if kind in _REGISTRY:  # a module whose import registered the kind
+        return _REGISTRY[kind]
+    raise ValueError(f"transport kind {kind!r}: entry point {ep.value!r} is neither a Transport subclass nor a module "
+                     f"registering {kind!r}")
+
+
+def transport_kinds() -> list[str]:
+    """Every kind :func:`make_transport` knows, without importing any transport: registered ones, the package's own
+    modules (:data:`BUILTIN_KINDS`) and the ``dlmix.transports`` entry points. Sorted; includes kinds whose optional
+    package is missing (see :func:`available_transports` for which can be built here)."""
+    return sorted(set(_REGISTRY) | set(BUILTIN_KINDS) | set(_entry_points()))
+
+
 def _resolve(kind: str) -> type[Transport]:
+    if not isinstance(kind, str):
+        raise ValueError(f"transport kind must be a str, not {type(kind).__name__}")
     if kind in _REGISTRY:
         return _REGISTRY[kind]
     if kind in BUILTIN_KINDS:
         importlib.import_module(BUILTIN_KINDS[kind])  # ImportError (missing optional package) propagates
         if kind in _REGISTRY:
             return _REGISTRY[kind]
+        raise ValueError(f"module {BUILTIN_KINDS[kind]} registers no transport kind {kind!r} (a built-in transport "
+                         "module must be named after its kind)")
     if ":" in kind:
         mod, _, attr = kind.partition(":")
         cls = getattr(importlib.import_module(mod), attr)
         if not (isinstance(cls, type) and issubclass(cls, Transport)):
             raise ValueError(f"{kind!r} is not a Transport subclass")
         return cls
-    raise ValueError(f"unknown transport kind {kind!r}; known: {sorted(set(BUILTIN_KINDS) | set(_REGISTRY))}")
+    ep = _entry_points().get(kind)
+    if ep is not None:
+        return _load_entry_point(kind, ep)
+    raise ValueError(f"unknown transport kind {kind!r}; known: {transport_kinds()}")
 
 
 def make_transport(kind: str = "tcp", **cfg: Any) -> Transport:
     """Build a transport of ``kind`` from config keywords (see :class:`Transport` for the common ones).
 
-    ``kind`` is a registered name (``"tcp"``, ``"shm"``, ``"mooncake"``, ``"nixl"``, ``"dlslime"``, or any kind
-    registered with :func:`register_transport`) or ``"package.module:ClassName"``.
+    ``kind`` is a known name (:func:`transport_kinds`: ``"tcp"``, ``"shm"``, ``"mooncake"``, ``"nixl"``,
+    ``"dlslime"``, any kind registered with :func:`register_transport` or declared under the ``dlmix.transports``
+    entry-point group) or ``"package.module:ClassName"``.
 
     Raises:
-        ValueError: unknown kind. ImportError: the kind's optional package is not installed (message names it).
+        ValueError: unknown kind (the message lists the known ones) or a broken entry point. ImportError: the
+        kind's optional package is not installed (message names it).
     """
     return _resolve(kind)(**cfg)
 
@@ -574,7 +691,7 @@ def make_transport(kind: str = "tcp", **cfg: Any) -> Transport:
 def available_transports() -> dict[str, str | None]:
     """Map every built-in/registered kind to None when it can be built here, else the reason (e.g. the ImportError)."""
     out: dict[str, str | None] = {}
-    for kind in sorted(set(BUILTIN_KINDS) | set(_REGISTRY)):
+    for kind in transport_kinds():
         try:
             cls = _resolve(kind)
             check = getattr(cls, "check_available", None)

@@ -263,3 +263,54 @@ def test_dlslime_calls_carry_at_most_32_assignments():
     finally:
         b.close()
         a.close()
+
+
+def test_frame_reader_reassembles_any_fragmentation():
+    """The buffered reader returns the same headers, bodies and payload bytes however the stream is cut: byte by
+    byte, several frames per recv, a body larger than its buffer, payloads below and above the direct-receive size."""
+    import threading
+
+    frames = []
+    rng = np.random.default_rng(5)
+    for i, plen in enumerate([0, 1, 4096, W.RX_DIRECT - 1, W.RX_DIRECT, 300_000, 7]):
+        body = W.Req(i, "w", "t" * (i + 1), "tcp", [("kv", 0, plen)])
+        frames.append((W.pack(W.REQ, body, plen), rng.integers(0, 256, plen, dtype=np.uint8).tobytes()))
+    big = W.Notify({"blob": "x" * (W.RX_BUFFER + 1000)})  # body larger than the reader's buffer
+    frames.append((W.pack(W.NOTIFY, big), b""))
+    stream = b"".join(h + p for h, p in frames)
+
+    for cut in (5, 97, 4096, len(stream)):
+        a, b = socket.socketpair()
+        try:
+            def feed():  # the first 64 KiB in pieces of `cut` bytes (headers split anywhere), then the rest at once
+                n = min(len(stream), 64 << 10)
+                for i in range(0, n, cut):
+                    b.sendall(stream[i:min(i + cut, n)])
+                b.sendall(stream[n:])
+
+            th = threading.Thread(target=feed, daemon=True)
+            th.start()
+            rx = W.FrameReader(a, size=W.RX_BUFFER)
+            for k, (head, payload) in enumerate(frames):
+                ftype, blen, plen = rx.header(8 << 20, 1 << 20)
+                msg = rx.body(ftype, blen)
+                assert plen == len(payload)
+                if ftype == W.REQ:
+                    assert msg.id == k and msg.segs == [("kv", 0, plen)]
+                    if k % 2:  # scatter into two views
+                        dst = bytearray(plen)
+                        mv = memoryview(dst)
+                        rx.into([mv[:plen // 3], mv[plen // 3:]])
+                        assert bytes(dst) == payload
+                    else:
+                        rx.skip(plen)
+                else:
+                    assert msg.msg == big.msg
+            th.join(10)
+            assert rx.start == rx.end  # nothing left over
+            b.close()
+            with pytest.raises(PeerError):
+                rx.header(1 << 20, 1 << 20)  # EOF
+        finally:
+            a.close()
+            b.close()

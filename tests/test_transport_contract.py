@@ -25,13 +25,16 @@ from dlmix_kv_connectors import (
     TransferCancelled,
     TransferTimeout,
     make_transport,
+    transport_kinds,
 )
 from dlmix_kv_connectors import _wire as W
 from dlmix_kv_connectors.base import _resolve
 from dlmix_kv_connectors.testing import PeerProcess, pattern, sha
 
 SECRET = "contract-secret"
+# the built-in kinds, then every third-party kind installed under the ``dlmix.transports`` entry-point group
 KINDS = ["tcp", "shm", "dlslime", "mooncake", "nixl"]
+KINDS += [k for k in transport_kinds() if k not in KINDS]
 MiB = 1 << 20
 
 
@@ -41,6 +44,8 @@ def skip_reason(kind: str) -> str | None:
         cls = _resolve(kind)
     except ImportError as e:
         return f"{kind} adapter: package not installed ({e})"
+    except ValueError as e:  # a broken third-party entry point
+        return f"{kind}: {e}"
     check = getattr(cls, "check_available", None)
     if check is not None and (why := check()):
         return why

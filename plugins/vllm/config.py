@@ -11,13 +11,23 @@ Validation errors are raised as :class:`DLMixConfigError` with one line per bad 
 from __future__ import annotations
 
 import ipaddress
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 __all__ = ["DLMixConfigError", "DLMixSettings", "parse_settings"]
 
-TRANSPORTS = ("tcp", "shm", "mooncake", "nixl", "dlslime")
+
+
+def _known_transport(kind: str) -> str:
+    """Accept a kind of the transport registry (built-in file, ``dlmix.transports`` entry point, registered class) or
+    ``"package.module:Class"``; refuse anything else with the known kinds."""
+    from dlmix_kv_connectors import transport_kinds
+
+    known = transport_kinds()
+    if kind in known or (":" in kind and all(kind.partition(":")[::2])):
+        return kind
+    raise ValueError(f"unknown transport {kind!r}; known: {', '.join(known)} (or 'package.module:Class')")
 
 
 class DLMixConfigError(ValueError):
@@ -39,7 +49,7 @@ class DLMixSettings(BaseModel):
     Fields:
       transport: ``dlmix_kv_connectors`` transport kind each worker runs: ``tcp`` (default, built in), ``shm``
         (same host), ``mooncake``, ``nixl``, ``dlslime`` (need their packages; start-up fails with the transport's
-        error when missing).
+        error when missing), or any kind of the transport registry (``dlmix_kv_connectors.transport_kinds()``).
       host: address the worker's transport endpoint binds to and advertises (default 127.0.0.1).
       port: transport port of TP rank 0 (rank r uses ``port + r``); ``None`` = any free port (peers learn it from
         ``kv_transfer_params``).
@@ -70,7 +80,7 @@ class DLMixSettings(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    transport: Literal["tcp", "shm", "mooncake", "nixl", "dlslime"] = "tcp"
+    transport: Annotated[str, AfterValidator(_known_transport)] = "tcp"
     host: str = "127.0.0.1"
     port: int | None = Field(default=None, ge=1, le=65535)
     shared_secret: str | None = None
