@@ -72,6 +72,13 @@ class LinkProfile:
         """Usable bytes/s = eff × line rate / 8."""
         return self.eff * self.bandwidth_gbps * 1e9 / 8
 
+    def transfer_time(self, nbytes: float) -> float:
+        """Seconds to move ``nbytes`` bytes: ``setup_ms · 1e-3 + nbytes / bytes_per_s`` (Mooncake FAST'25 §5,
+        DistServe OSDI'24 §4.3); 0 bytes cost 0 (nothing to move)."""
+        if nbytes <= 0:
+            return 0.0
+        return self.setup_ms * 1e-3 + nbytes / self.bytes_per_s
+
 
 @dataclass
 class Catalog:
