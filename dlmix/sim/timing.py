@@ -10,7 +10,8 @@ One engine iteration (vLLM V1 continuous batching with chunked prefill) runs, in
 DistServe OSDI'24 §3, Splitwise ISCA'24 §3, Vidur MLSys'24) plus a fixed overhead ``t_step`` per iteration
 (scheduler, sampling, kernel launches): ``T_iter = t_step + max(compute, memory)``.
 
-:class:`LinearTiming` is the calibratable form (routing-anchors notes §2, "fitted forms per chip")::
+:class:`LinearTiming` is the calibratable form (one linear fit per chip and engine of measured iteration
+times over the roofline's terms)::
 
     T_iter = c0 + c_tok·T_p + c_quad·Q + c_seq·B + c_ctx·S
 

@@ -1,7 +1,7 @@
 """``dlrouter_min_expected_latency``: DLRouter's default strategy, as a baseline.
 
-Source: ``DeepLink-org/DLRouter`` ``dlrouter/routing/`` (``min_expected_latency``), read at ``4f902a8``; routing-anchors
-notes §1.1: argmin ``L_i / speed_i`` with a random tie-break, ``L_i`` = router-counted unfinished requests,
+Source: ``DeepLink-org/DLRouter`` ``dlrouter/routing/`` (``min_expected_latency``), read at ``4f902a8``:
+argmin ``L_i / speed_i`` with a random tie-break, ``L_i`` = router-counted unfinished requests,
 ``speed_i`` only settable through ``/nodes/add`` (nothing else sets it, so all nodes are equal: speed 1.0) —
 effectively join-shortest-queue. PD: prefill and decode chosen independently (base ``choose``).
 """

@@ -1,7 +1,7 @@
 """``dlrouter_prefix_cache``: DLRouter's ``prefix_cache`` strategy, as a baseline.
 
 Source: ``DeepLink-org/DLRouter`` ``dlrouter/routing/prefix_cache.py`` (key from ``core/proxy_engine.py``
-``_extract_prompt_for_prefix_cache``), read at ``4f902a8``; summarised in the routing-anchors notes §1.1:
+``_extract_prompt_for_prefix_cache``), read at ``4f902a8``:
 
 * key = the prompt text (message contents joined with ``\\n``, whitespace normalised), cut to its first **100
   characters**; a character trie whose nodes store ``instance → last_used``;

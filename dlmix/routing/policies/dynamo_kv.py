@@ -1,7 +1,7 @@
 """``dynamo_kv``: NVIDIA Dynamo's KV router cost, as a baseline.
 
 Source: ``ai-dynamo/dynamo`` ``docs/components/router/router-concepts.md``, ``router-disaggregated-serving.md``,
-``docs/architecture/kv_cache_routing.md`` (routing-anchors notes §1.4). Blocks are the unit of work (bs = the
+``docs/architecture/kv_cache_routing.md``. Blocks are the unit of work (bs = the
 instance's engine block size):
 
     cost_i = w · prefill_blocks_i + decode_blocks_i

@@ -1,5 +1,5 @@
 """``prefix``: cache-aware placement with load guards, after SGLang's router ``cache_aware``
-(``lightseekorg/smg: model_gateway/src/policies/cache_aware.rs``; see the routing-anchors notes §1.2).
+(``lightseekorg/smg: model_gateway/src/policies/cache_aware.rs``).
 
 Differences, on purpose:
 * the balance guard is applied per candidate instead of globally: an instance is *overloaded* iff

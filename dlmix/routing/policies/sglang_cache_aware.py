@@ -1,7 +1,7 @@
 """``cache_aware``: SGLang router / SMG ``cache_aware`` policy, as a baseline (approximate mode).
 
 Source: ``lightseekorg/smg`` ``model_gateway/src/policies/cache_aware.rs`` (and the vLLM router fork
-``vllm-project/router`` ``src/policies/cache_aware.rs``); routing-anchors notes §1.2. With L_i = router-counted
+``vllm-project/router`` ``src/policies/cache_aware.rs``). With L_i = router-counted
 in-flight requests:
 
 1. imbalanced iff ``max L − min L > balance_abs_threshold`` **and** ``max L > balance_rel_threshold × min L``
