@@ -98,7 +98,7 @@ class LinkProfile:
         DistServe OSDI'24 §4.3); 0 bytes cost 0 (nothing to move)."""
         if nbytes <= 0:
             return 0.0
-        return self.setup_ms * 1e-3 + nbytes / self.bytes_per_s
+        return self.setup_ms * 1e-3 + nbytes / (self.eff * self.bandwidth_gbps * 1e9 / 8)
 
 
 @dataclass

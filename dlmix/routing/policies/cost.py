@@ -143,12 +143,13 @@ class CostPolicy(Policy):
         # s * (B / (out * itl_target) + W / ttft_target)  (share of their SLO budgets)
         w_dec = self.interference / (self.default_output_tokens * self.itl_target)
         w_q = self.interference * inv_t
+        on = cost.on
         pplans = []
         for p in pcands:
             hp = view.hit_tokens(req, p)
             if hp > n:
                 hp = n
-            pre = cost.on(p.chip, p.num_chips).prefill_time(n, hp) * p.ttft_ratio
+            pre = on(p.chip, p.num_chips).prefill_time(n, hp) * p.ttft_ratio
             tp = self.queue_time(cost, p) + pre
             lp = p.load
             harm = pre * (lp.inflight_decode * w_dec + max(lp.inflight - lp.inflight_decode, 0) * w_q)
@@ -172,13 +173,14 @@ class CostPolicy(Policy):
                 base += self.mem_penalty
             if pplans and n - hd > self.local_max_uncached:  # long: disaggregated, on the best P for this D
                 cand = None
+                xfer_bytes = (n - hd) * cost.kv_bpt  # KV that D lacks, moved over each P -> D link
                 for tp, hp_harm, p, hp in pplans:
-                    t = tp + cost.transfer_time(n - hd, cost.link_between(p.transport, d.transport)) + cost.t1
+                    t = tp + cost.link_between(p.transport, d.transport).transfer_time(xfer_bytes) + cost.t1
                     obj = base + t * inv_t + hp_harm
                     if cand is None or obj < cand[0]:
                         cand = (obj, t, d, p, hp, "cost:pd")
             else:
-                t_pre = cost.on(d.chip, d.num_chips).prefill_time(n, hd) * d.ttft_ratio
+                t_pre = on(d.chip, d.num_chips).prefill_time(n, hd) * d.ttft_ratio
                 t_local = self.queue_time(cost, d) + t_pre
                 harm = t_pre * (ld.inflight_decode * w_dec + max(ld.inflight - ld.inflight_decode, 0) * w_q)
                 cand = (base + t_local * inv_t + harm, t_local, d, None, hd,
