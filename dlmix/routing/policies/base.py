@@ -61,15 +61,6 @@ class PolicyParams(pydantic.BaseModel):
         return list(cls.model_fields)
 
     @classmethod
-    def describe(cls) -> str:
-        """``name: type = default`` of every parameter, comma separated (for error messages and ``--help``)."""
-        out = []
-        for k, f in cls.model_fields.items():
-            t = getattr(f.annotation, "__name__", None) or str(f.annotation).replace("typing.", "")
-            out.append(f"{k}: {t} = {f.default!r}")
-        return ", ".join(out) or "(none)"
-
-    @classmethod
     def parse(cls, policy: str, values: Mapping[str, Any]) -> "PolicyParams":
         """Validate ``values`` for the policy named ``policy``. Raises :class:`PolicyParamError` naming the unknown
         parameter(s) and the valid ones, or the field whose value is invalid."""
