@@ -35,7 +35,7 @@ from dlmix.routing.state import InstanceState, NoInstanceError, OverloadedError,
 from dlmix.sim.config import Deployment, load_deployment, load_model
 from dlmix.sim.engine import FULL, PREFILL, RECV, Seq, SimInstance
 from dlmix.sim.metrics import SimResult, summarize
-from dlmix.sim.oracle import OracleTTFT
+from dlmix.sim.oracle import OracleTTFT  # noqa: F401  (registers the simulator-only ``oracle`` policy)
 from dlmix.sim.timing import LinearTiming, RooflineTiming
 from dlmix.sim.workload import SimRequest
 
@@ -89,7 +89,8 @@ class Simulator:
         deployment: :class:`Deployment`, a YAML path or a built-in name.
         model: :class:`ModelSpec` or a preset name / config path.
         policy: a :class:`Policy` object or a registry name (:func:`dlmix.routing.policies.make_policy`; the
-            simulator-only ``oracle`` is registered by :mod:`dlmix.sim.oracle`).
+            simulator-only ``oracle`` is registered by :mod:`dlmix.sim.oracle`). A policy with a
+            ``bind_simulator(sim)`` method is given this simulator (to read its true state).
         cost_model: the router's :class:`CostModel` (default: built from ``model`` and the deployment's catalog with
             ``t0 = r0 + t_step`` and ``t1 = t_step`` of the first instance).
         seed: seeds the policy's random tie-breaks (given as its ``seed`` parameter when it declares one and
@@ -138,8 +139,9 @@ class Simulator:
             policy = make_policy(policy, **params)
         self.policy = policy
         self._approx = None if not approx_index or policy.exact_index_only else self.approx
-        if isinstance(policy, OracleTTFT):
-            policy.bind_simulator(self)
+        bind = getattr(policy, "bind_simulator", None)  # simulator-only policies (the oracle) read the true state
+        if bind is not None:
+            bind(self)
         self.now = 0.0
         self._heap: list = []
         self._n = 0
