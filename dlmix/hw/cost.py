@@ -275,6 +275,12 @@ class CostModel:
             c = self._on[key] = ChipCost(self.catalog.chip(chip), self.model, num_chips, self.t0, self.t1)
         return c
 
+    def coefs(self, chip: str, num_chips: int = 1) -> tuple:
+        """``(s_per_flop, s_per_byte)`` of :meth:`on` (``1/(MFU·F·chips)``, ``1/(η·BW·chips)``), for vectorised
+        callers that apply the formulas to arrays."""
+        c = self.on(chip, num_chips)
+        return c.s_per_flop, c.s_per_byte
+
     def prefill_flops(self, n_tokens: int, n_cached: int = 0) -> float:
         """FLOPs to prefill ``n_tokens`` total prompt tokens of which ``n_cached`` hit the prefix cache."""
         u = max(n_tokens - n_cached, 0)
