@@ -68,3 +68,34 @@ def test_ewma_ratio():
     assert ewma_ratio(1.0, 2.0, 1.0, alpha=0.5) == 1.5
     assert ewma_ratio(1.0, 0.0, 1.0) == 1.0
     assert ewma_ratio(1.0, 1e6, 1.0, alpha=1.0) == 50.0
+
+
+def test_one_roofline_shared_by_router_and_simulator():
+    """The router's estimates are the two ends of the simulator's iteration roofline; KV capacity is one formula."""
+    from dlmix.hw.cost import ChipCost, kv_capacity_bytes
+    from dlmix.sim.config import load_deployment
+    from dlmix.sim.timing import RooflineTiming
+
+    m = PRESETS["llama-3.1-8b"]
+    cat = load_catalog()
+    cm = CostModel(m, cat, t0=0.0, t1=0.0)
+    for chip, tp in (("H100", 1), ("H20", 2)):
+        cc = cm.on(chip, tp)
+        assert isinstance(cc, ChipCost) and cc is cm.on(chip, tp)  # memoised
+        p = cat.chip(chip)
+        assert cc.s_per_flop == 1.0 / (p.mfu * p.flops * tp) and cc.s_per_byte == 1.0 / (p.bw_eff * p.mem_bw * tp)
+        # prefill of 8192 tokens (1024 cached) is compute-bound: the iteration's compute term (B = S = 0)
+        n, h = 8192, 1024
+        assert cm.prefill_time(chip, n, h, tp) == pytest.approx(cc.iteration(n - h, n * n - h * h, 0, 0, 0),
+                                                                rel=1e-12)
+        # a small decode batch is memory-bound: the iteration's memory term
+        assert cm.decode_step_time(chip, 8, 8 * 2048, tp) == pytest.approx(cc.iteration(0, 0, 0, 8, 8 * 2048),
+                                                                          rel=1e-12)
+        # the simulator's roofline timing is that iteration plus its fixed overhead
+        rt = RooflineTiming(p, m, tp, t_step=0.003)
+        assert rt.iteration(512, 512 ** 2, 512, 16, 30000) == 0.003 + cc.iteration(512, 512 ** 2, 512, 16, 30000)
+        assert cm.kv_capacity_tokens(chip, tp) == int(kv_capacity_bytes(p, m, tp, 0.9) / m.kv_bytes_per_token)
+    dep = load_deployment("hetero_pd")
+    for spec in dep.instances:
+        cap = kv_capacity_bytes(cat.chip(spec.chip), m, spec.num_chips, dep.gpu_memory_utilization)
+        assert dep.kv_blocks(spec, m) == int(cap // (spec.block_size * m.kv_bytes_per_token)) > 0

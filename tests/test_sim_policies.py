@@ -8,7 +8,8 @@ from dlmix.routing.policies.dynamo_kv import DynamoKV
 from dlmix.routing.policies.sglang_cache_aware import SGLangCacheAware, SGLangCacheAwareSmallestTree
 from dlmix.routing.prefix_index import PrefixIndex
 from dlmix.routing.state import InstanceState, RouteRequest
-from dlmix.sim.registry import make_sim_policy, sim_policies
+import dlmix.sim  # noqa: F401  (registers the simulator-only oracle)
+from dlmix.routing.policies import POLICIES, make_policy
 
 
 def insts(n, role="both", bs=16):
@@ -23,11 +24,11 @@ def req(n_tokens=64, keys=(), text=None, bs=16):
 
 
 def test_registry_has_every_baseline():
-    names = set(sim_policies())
+    names = set(POLICIES)
     assert {"round_robin", "least_load", "prefix", "cost", "dlrouter_prefix_cache", "dlrouter_min_expected_latency",
             "cache_aware", "cache_aware_smallest_tree", "dynamo_kv", "oracle"} <= names
     with pytest.raises(ValueError, match="unknown policy"):
-        make_sim_policy("nope")
+        make_policy("nope")
 
 
 def test_dlrouter_prefix_cache_one_char_hit_ignores_load():
@@ -108,4 +109,4 @@ def test_dynamo_kv_disaggregated_decode_ignores_overlap():
 def test_oracle_needs_a_simulator():
     s = insts(1)
     with pytest.raises(RuntimeError, match="simulator"):
-        make_sim_policy("oracle").choose(req(), ClusterView(s))
+        make_policy("oracle").choose(req(), ClusterView(s))

@@ -1,22 +1,40 @@
-"""Analytical PD cost model: prefill time, decode step time and KV transfer time per chip, with online calibration.
+"""The one analytical cost model (roofline): engine-iteration, prefill, decode-step, KV-transfer times and KV capacity
+per chip, used by the router's ``cost`` policy, the simulator's roofline timing and the planner.
 
-Formulas (dense decoder with GQA; P params, L layers, h_kv KV heads, d head dim, n_q query heads, b bytes/element):
+Formulas (dense decoder with GQA; P params, L layers, h_kv KV heads, d head dim, n_q query heads, b bytes/element,
+F peak FLOP/s, BW peak bytes/s, MFU and η their achievable fractions, ``chips`` the instance's TP×PP):
 
 * KV bytes per token ``kv_bpt = 2 · L · h_kv · d · b`` (K and V for every layer).
-* Prefill of N prompt tokens with h already cached (compute-bound; DistServe OSDI'24 §3, Splitwise ISCA'24 §3):
-  ``FLOPs = 2·P·(N−h) + 2·L·n_q·d·(N² − h²)`` and ``T_pre = t0 + FLOPs / (MFU · F · chips)``.
-* Decode step of a batch of B sequences with Σctx context tokens (memory-bound; Splitwise, Vidur MLSys'24):
+* One engine iteration (vLLM V1 continuous batching with chunked prefill; DistServe OSDI'24 §3, Splitwise ISCA'24
+  §3, Vidur MLSys'24) computing ``T_p`` new prompt tokens in chunks ``[a_k, b_k)`` (attention work
+  ``Q = Σ (b_k² − a_k²)``) plus ``B`` decode tokens over ``S`` context tokens, :meth:`ChipCost.iteration`::
+
+      compute = (2·P·(T_p + B) + 2·L·n_q·d·Q + 4·L·n_q·d·S) / (MFU · F · chips)
+      memory  = (P·b + (S + Σ b_k) · kv_bpt) / (η · BW · chips)
+      T_iter  = max(compute, memory)                 (+ the engine's fixed per-iteration overhead)
+
+* The router's two estimates are the two ends of that formula:
+  prefill of N prompt tokens with h cached (compute-bound: the compute term with ``T_p = N − h``,
+  ``Q = N² − h²``, B = S = 0), :meth:`ChipCost.prefill_time`: ``T_pre = t0 + (2·P·(N−h) + 2·L·n_q·d·(N² − h²)) /
+  (MFU·F·chips)``; decode step of B sequences over Σctx tokens (memory-bound; the per-token attention FLOPs, ~2 % of
+  the memory term for Llama-3.1-8B on an H100, are left out), :meth:`ChipCost.decode_step_time`:
   ``T_step = t1 + max((P·b + Σctx·kv_bpt) / (η·BW·chips), 2·P·B / (MFU·F·chips))``.
 * KV transfer of n tokens over a link (Mooncake FAST'25 §5, DistServe §4.3):
   ``T_xfer = setup + n · kv_bpt / (η_link · link_BW)``.
+* KV capacity (vLLM's ``gpu_memory_utilization`` share of memory minus the weights; activations ignored):
+  ``mem_util · mem_GB · 1e9 · chips − P·b`` bytes, :func:`kv_capacity_bytes`.
 * Online refinement: per instance, an EWMA of measured/predicted TTFT and ITL multiplies the predictions
   (Vidur reports < 9 % error for profiled models; the ratio absorbs wrong datasheet figures and engine overheads).
+
+Every coefficient is public: :class:`ModelSpec` (``flops_per_token``, ``attn_flops_per_token2``, ``weight_bytes``,
+``kv_bytes_per_token``) and :class:`ChipCost` (seconds per unit of each term, for one chip type × chip count).
 
 Units: seconds, tokens, bytes, FLOP.
 """
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Union
@@ -43,6 +61,22 @@ class ModelSpec:
     def kv_bytes_per_token(self) -> int:
         """``2 · layers · kv_heads · head_dim · dtype_bytes`` bytes (K and V, all layers)."""
         return 2 * self.layers * self.kv_heads * self.head_dim * self.dtype_bytes
+
+    @property
+    def flops_per_token(self) -> float:
+        """``2 · params`` FLOPs per token through the weights (prefill or decode)."""
+        return 2.0 * self.params
+
+    @property
+    def attn_flops_per_token2(self) -> float:
+        """``2 · layers · q_heads · head_dim`` attention FLOPs per unit of ``N² − h²`` (prefill of positions h..N);
+        a decode token over ``ctx`` context tokens costs ``2 × this × ctx``."""
+        return 2.0 * self.layers * self.q_heads * self.head_dim
+
+    @property
+    def weight_bytes(self) -> float:
+        """``params · dtype_bytes``: bytes of weights read once per iteration."""
+        return self.params * self.dtype_bytes
 
     @classmethod
     def from_hf_config(cls, cfg: Union[str, Path, dict], params: Optional[float] = None) -> "ModelSpec":
@@ -83,6 +117,117 @@ PRESETS = {
 }
 
 
+def kv_capacity_bytes(chip: ChipProfile, model: ModelSpec, num_chips: int = 1, mem_util: float = 0.9) -> float:
+    """Bytes of KV cache on ``num_chips`` of ``chip``: ``mem_GB · 1e9 · chips · mem_util − weight bytes`` (vLLM's
+    ``gpu_memory_utilization`` share of device memory minus the weights; activations ignored). Negative when the
+    weights do not fit."""
+    return chip.mem_gb * 1e9 * num_chips * mem_util - model.weight_bytes
+
+
+def _sum_lin(a: float, b: float, lo: int, hi: int) -> float:
+    """Σ_{i=lo}^{hi-1} (a + b·i)."""
+    n = hi - lo
+    if n <= 0:
+        return 0.0
+    return n * a + b * n * (hi + lo - 1) / 2.0
+
+
+def _sum_max_lin(a1: float, b1: float, a2: float, b2: float, j: int) -> float:
+    """Σ_{i<j} max(a1 + b1·i, a2 + b2·i) in closed form (two lines cross at most once)."""
+    if j <= 0:
+        return 0.0
+    da, db = a1 - a2, b1 - b2
+    first_is_1 = da >= 0                      # which line is on top at i = 0
+    if db == 0:
+        m = j                                 # parallel: the same line stays on top
+    else:
+        m = min(max(int(math.ceil(-da / db)), 0), j)  # first i where the order may flip
+        if m == 0:
+            first_is_1 = db > 0
+            m = j
+    top, other = ((a1, b1), (a2, b2)) if first_is_1 else ((a2, b2), (a1, b1))
+    return _sum_lin(top[0], top[1], 0, m) + _sum_lin(other[0], other[1], m, j)
+
+
+class ChipCost:
+    """The roofline of one model on ``num_chips`` of one chip type (module docstring), as public per-unit times.
+
+    Args:
+        chip: :class:`ChipProfile`. model: :class:`ModelSpec`. num_chips: chips of the instance (≥ 1; compute and
+        bandwidth scale linearly). t0 / t1: fixed prefill / decode-step overheads, s (the router's estimates only;
+        :meth:`iteration` has none: the caller adds its engine's per-iteration overhead).
+
+    Attributes (seconds per unit):
+        s_per_flop: ``1 / (MFU · F · chips)``. s_per_byte: ``1 / (η · BW · chips)``.
+        tok_s: compute per token through the weights, ``2·P · s_per_flop`` (prefill and decode tokens alike).
+        attn_s: compute per unit of ``Σ (b² − a²)`` (prefill attention), ``2·L·n_q·d · s_per_flop``.
+        ctx_s: compute per context token of a decode token, ``4·L·n_q·d · s_per_flop``.
+        weights_s: memory time to read the weights once, ``P·b · s_per_byte``.
+        kv_s: memory time per token of KV read, ``kv_bpt · s_per_byte``.
+    Raises ValueError for ``num_chips < 1``.
+    """
+
+    __slots__ = ("chip", "model", "num_chips", "t0", "t1", "s_per_flop", "s_per_byte", "tok_s", "attn_s", "ctx_s",
+                 "weights_s", "kv_s")
+
+    def __init__(self, chip: ChipProfile, model: ModelSpec, num_chips: int = 1, t0: float = 0.0, t1: float = 0.0):
+        if num_chips < 1:
+            raise ValueError(f"num_chips must be >= 1, got {num_chips}")
+        self.chip = chip
+        self.model = model
+        self.num_chips = num_chips
+        self.t0 = float(t0)
+        self.t1 = float(t1)
+        f = chip.mfu * chip.flops * num_chips
+        bw = chip.bw_eff * chip.mem_bw * num_chips
+        self.s_per_flop = 1.0 / f
+        self.s_per_byte = 1.0 / bw
+        self.tok_s = model.flops_per_token / f
+        self.attn_s = model.attn_flops_per_token2 / f
+        self.ctx_s = 2.0 * model.attn_flops_per_token2 / f
+        self.weights_s = model.weight_bytes / bw
+        self.kv_s = model.kv_bytes_per_token / bw
+
+    def iteration(self, t_prefill: int, quad: float, prefill_end_sum: int, batch: int, sum_ctx: int) -> float:
+        """Seconds of one engine iteration without fixed overhead: ``t_prefill`` new prompt tokens whose chunks
+        ``[a_k, b_k)`` have attention work ``quad`` = Σ (b_k² − a_k²) and end positions summing to
+        ``prefill_end_sum``, plus ``batch`` decode tokens over ``sum_ctx`` context tokens: max(compute, memory)."""
+        comp = self.tok_s * (t_prefill + batch) + self.attn_s * quad + self.ctx_s * sum_ctx
+        mem = self.weights_s + self.kv_s * (sum_ctx + prefill_end_sum)
+        return comp if comp > mem else mem
+
+    def decode_span(self, batch: int, sum_ctx: int, j: int) -> float:
+        """Seconds of ``j`` consecutive decode-only iterations of ``batch`` sequences starting from ``sum_ctx``
+        context tokens (each adds ``batch`` tokens), without overheads: closed form of
+        Σ_{i<j} iteration(0, 0, 0, B, S + i·B) (a sum of the max of two lines)."""
+        b = batch
+        return _sum_max_lin(self.tok_s * b + self.ctx_s * sum_ctx, self.ctx_s * b,
+                            self.weights_s + self.kv_s * sum_ctx, self.kv_s * b, j)
+
+    def prefill_compute(self, tokens: int, sq: float) -> float:
+        """Seconds of prefill compute for ``tokens`` uncached prompt tokens with attention work ``sq`` = Σ (N² − h²):
+        ``tok_s · tokens + attn_s · sq`` (the compute term of :meth:`iteration`; no overhead)."""
+        return self.tok_s * tokens + self.attn_s * sq
+
+    def prefill_time(self, n_tokens: int, n_cached: int = 0) -> float:
+        """``t0 +`` :meth:`prefill_compute` of ``n_tokens`` prompt tokens, ``n_cached`` of them cached (clamped to
+        [0, n_tokens]); 0 uncached tokens still cost ``t0``."""
+        h = min(max(n_cached, 0), n_tokens)
+        return self.t0 + self.tok_s * (n_tokens - h) + self.attn_s * (n_tokens * n_tokens - h * h)
+
+    def decode_step_time(self, batch: int, sum_ctx: int) -> float:
+        """``t1 + max(weights_s + kv_s · sum_ctx, tok_s · batch)``: a decode step of ``batch`` sequences over
+        ``sum_ctx`` context tokens (memory term vs compute term of :meth:`iteration`, attention FLOPs left out)."""
+        mem = self.weights_s + self.kv_s * sum_ctx
+        comp = self.tok_s * batch
+        return self.t1 + (mem if mem > comp else comp)
+
+    def kv_capacity_tokens(self, mem_util: float = 0.9) -> int:
+        """Tokens of KV cache that fit (:func:`kv_capacity_bytes` / ``kv_bpt``); 0 if the weights do not fit."""
+        return max(int(kv_capacity_bytes(self.chip, self.model, self.num_chips, mem_util)
+                       / self.model.kv_bytes_per_token), 0)
+
+
 def ewma_ratio(old: float, measured: float, predicted: float, alpha: float = 0.2,
                lo: float = 0.05, hi: float = 50.0) -> float:
     """Calibration step: ``(1−α)·old + α·(measured/predicted)``, clamped to [lo, hi]. Ignores non-positive inputs."""
@@ -93,12 +238,15 @@ def ewma_ratio(old: float, measured: float, predicted: float, alpha: float = 0.2
 
 
 class CostModel:
-    """Predicts prefill, decode-step and KV-transfer times for a model on catalog chips.
+    """Predicts prefill, decode-step and KV-transfer times for a model on catalog chips (the router's view).
 
     Args:
         model: :class:`ModelSpec` (or a preset name).
-        catalog: :class:`~dlmix.hw.profiles.Catalog` (default: built-in).
+        catalog: :class:`~dlmix.hw.profiles.Catalog` (default: built-in plus plugins, :func:`load_catalog`).
         t0: fixed prefill overhead per request, s. t1: fixed decode-step overhead, s.
+
+    Per-chip figures come from :meth:`on` (a memoised :class:`ChipCost`); the other methods are shorthands by chip
+    name. Raises KeyError for an unknown preset or chip name (naming the known ones).
     """
 
     def __init__(self, model: Union[ModelSpec, str], catalog: Optional[Catalog] = None,
@@ -111,62 +259,52 @@ class CostModel:
         self.catalog = catalog or load_catalog()
         self.t0 = t0
         self.t1 = t1
-        self._chips: dict = {}
-        self._coefs: dict = {}
-        m = model
-        self._lin = 2.0 * m.params
-        self._quad = 2.0 * m.layers * m.q_heads * m.head_dim
-        self._wbytes = m.params * m.dtype_bytes
-        self.kv_bpt = m.kv_bytes_per_token
+        self.kv_bpt = model.kv_bytes_per_token
+        self._on: dict = {}
+        self._cap: dict = {}
 
     def chip(self, name: str) -> ChipProfile:
-        """Catalog lookup, memoised. Raises KeyError."""
-        p = self._chips.get(name)
-        if p is None:
-            p = self._chips[name] = self.catalog.chip(name)
-        return p
+        """Catalog lookup. Raises KeyError."""
+        return self.catalog.chip(name)
+
+    def on(self, chip: str, num_chips: int = 1) -> ChipCost:
+        """The :class:`ChipCost` of ``num_chips`` of ``chip`` with this model's ``t0``/``t1``, memoised."""
+        key = (chip, num_chips)
+        c = self._on.get(key)
+        if c is None:
+            c = self._on[key] = ChipCost(self.catalog.chip(chip), self.model, num_chips, self.t0, self.t1)
+        return c
 
     def coefs(self, chip: str, num_chips: int = 1) -> tuple:
-        """Per-chip constants for hot loops: ``(1/(MFU·F·chips), 1/(η·BW·chips))`` in s/FLOP and s/byte, memoised.
-
-        ``prefill_time = t0 + prefill_flops · c[0]``; ``decode_step_time = t1 + max((P·b + Σctx·kv_bpt) · c[1],
-        2·P·B · c[0])``."""
-        key = (chip, num_chips)
-        c = self._coefs.get(key)
-        if c is None:
-            p = self.chip(chip)
-            c = self._coefs[key] = (1.0 / (p.mfu * p.flops * num_chips), 1.0 / (p.bw_eff * p.mem_bw * num_chips))
-        return c
+        """``(s_per_flop, s_per_byte)`` of :meth:`on` (``1/(MFU·F·chips)``, ``1/(η·BW·chips)``), for vectorised
+        callers that apply the formulas to arrays."""
+        c = self.on(chip, num_chips)
+        return c.s_per_flop, c.s_per_byte
 
     def prefill_flops(self, n_tokens: int, n_cached: int = 0) -> float:
         """FLOPs to prefill ``n_tokens`` total prompt tokens of which ``n_cached`` hit the prefix cache."""
         u = max(n_tokens - n_cached, 0)
-        return self._lin * u + self._quad * max(n_tokens * n_tokens - n_cached * n_cached, 0)
+        m = self.model
+        return m.flops_per_token * u + m.attn_flops_per_token2 * max(n_tokens * n_tokens - n_cached * n_cached, 0)
 
     def prefill_time(self, chip: str, n_tokens: int, n_cached: int = 0, num_chips: int = 1) -> float:
         """Seconds to prefill ``n_tokens`` (``n_cached`` of them cached) on ``num_chips`` of ``chip``
-        (compute-bound). 0 uncached tokens still costs ``t0``."""
-        p = self.chip(chip)
-        return self.t0 + self.prefill_flops(n_tokens, n_cached) / (p.mfu * p.flops * num_chips)
+        (:meth:`ChipCost.prefill_time`)."""
+        return self.on(chip, num_chips).prefill_time(n_tokens, n_cached)
 
     def decode_step_time(self, chip: str, batch: int, sum_ctx: int, num_chips: int = 1) -> float:
-        """Seconds per decode step for ``batch`` sequences with ``sum_ctx`` total context tokens: the slower of the
-        memory term (weights + KV read once per step) and the compute term (roofline)."""
-        p = self.chip(chip)
-        mem = (self._wbytes + sum_ctx * self.kv_bpt) / (p.bw_eff * p.mem_bw * num_chips)
-        comp = self._lin * batch / (p.mfu * p.flops * num_chips)
-        return self.t1 + (mem if mem > comp else comp)
+        """Seconds per decode step for ``batch`` sequences with ``sum_ctx`` total context tokens
+        (:meth:`ChipCost.decode_step_time`)."""
+        return self.on(chip, num_chips).decode_step_time(batch, sum_ctx)
 
     def kv_capacity_tokens(self, chip: str, num_chips: int = 1, mem_util: float = 0.9) -> int:
-        """Tokens of KV cache that fit: ``(mem_util · memory · chips − weight bytes) / kv_bytes_per_token``
-        (vLLM's ``gpu_memory_utilization`` default 0.9; activations ignored). 0 if the weights do not fit."""
-        key = ("cap", chip, num_chips, mem_util)
-        c = self._coefs.get(key)
+        """Tokens of KV cache that fit (:meth:`ChipCost.kv_capacity_tokens`), memoised. 0 if the weights do not
+        fit."""
+        key = (chip, num_chips, mem_util)
+        c = self._cap.get(key)
         if c is None:
-            p = self.chip(chip)
-            c = self._coefs[key] = max(int((mem_util * p.mem_gb * 1e9 * num_chips - self._wbytes) / self.kv_bpt), 0)
+            c = self._cap[key] = self.on(chip, num_chips).kv_capacity_tokens(mem_util)
         return c
-
     def kv_bytes(self, n_tokens: int) -> int:
         """KV bytes of ``n_tokens`` tokens (``n · kv_bytes_per_token``)."""
         return max(n_tokens, 0) * self.kv_bpt
@@ -178,7 +316,7 @@ class CostModel:
             return 0.0
         if not isinstance(link, LinkProfile):
             link = self.catalog.link(link)
-        return link.setup_ms * 1e-3 + n_tokens * self.kv_bpt / link.bytes_per_s
+        return link.transfer_time(n_tokens * self.kv_bpt)
 
     def link_between(self, t_p: Optional[dict], t_d: Optional[dict]) -> LinkProfile:
         """Effective link between two instances' transport descriptors: the slower of the two ends, the larger setup."""

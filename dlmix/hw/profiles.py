@@ -1,15 +1,36 @@
-"""Chip and link profiles loaded from YAML (``dlmix/data/chips.yaml`` plus user files that add or override chips).
+"""Chip and link profiles loaded from YAML (``dlmix/data/chips.yaml`` plus files that add or override chips).
 
-A newcomer adds a chip by editing YAML only; see the schema comment at the top of ``chips.yaml``.
+A chip is one YAML file (schema: the comment at the top of ``chips.yaml``; a file may hold several chips and links).
+:func:`load_catalog` reads, in this order (a later file overrides or extends a chip of an earlier one):
+
+1. the built-in ``dlmix/data/chips.yaml``;
+2. files published by installed packages in the entry-point group ``dlmix.chips`` (:data:`ENTRY_POINT_GROUP`),
+   sorted by entry-point name. The entry point names an object that is a path to a YAML file or folder (``str``,
+   ``os.PathLike`` or an ``importlib.resources`` Traversable), or a callable returning one::
+
+       [project.entry-points."dlmix.chips"]
+       my_npu = "my_pkg:CHIPS_YAML"       # my_pkg/__init__.py: CHIPS_YAML = Path(__file__).with_name("chips.yaml")
+
+3. the paths in the environment variable ``DLMIX_CHIPS`` (:data:`ENV_VAR`), separated by ``os.pathsep``
+   (``:`` on Linux); a folder stands for its ``*.yaml``/``*.yml`` files in name order;
+4. the ``extra`` files of the caller (the router's ``--chips``).
 """
 from __future__ import annotations
 
+import functools
+import os
 from dataclasses import dataclass, field
 from importlib import resources
+from importlib.metadata import entry_points
 from pathlib import Path
-from typing import Dict, Iterable, Optional, Union
+from typing import Dict, Iterable, List, Optional, Union
 
 import yaml
+
+#: Entry-point group of packages that publish chip YAML files.
+ENTRY_POINT_GROUP = "dlmix.chips"
+#: Environment variable listing extra chip YAML files or folders (``os.pathsep``-separated).
+ENV_VAR = "DLMIX_CHIPS"
 
 
 class CatalogError(ValueError):
@@ -71,6 +92,13 @@ class LinkProfile:
     def bytes_per_s(self) -> float:
         """Usable bytes/s = eff × line rate / 8."""
         return self.eff * self.bandwidth_gbps * 1e9 / 8
+
+    def transfer_time(self, nbytes: float) -> float:
+        """Seconds to move ``nbytes`` bytes: ``setup_ms · 1e-3 + nbytes / bytes_per_s`` (Mooncake FAST'25 §5,
+        DistServe OSDI'24 §4.3); 0 bytes cost 0 (nothing to move)."""
+        if nbytes <= 0:
+            return 0.0
+        return self.setup_ms * 1e-3 + nbytes / (self.eff * self.bandwidth_gbps * 1e9 / 8)
 
 
 @dataclass(frozen=True)
@@ -188,19 +216,60 @@ def _load_into(cat: Catalog, data: dict, origin: str) -> None:
             raise CatalogError(f"{origin}: link {name!r} is invalid ({ex!r})") from None
 
 
-def load_catalog(extra: Optional[Iterable[Union[str, Path]]] = None) -> Catalog:
-    """Built-in catalog plus ``extra`` YAML files applied in order (a later entry overrides or extends a chip).
+@functools.lru_cache(maxsize=1)
+def _builtin() -> dict:
+    return yaml.safe_load(resources.files("dlmix").joinpath("data/chips.yaml").read_text())
 
-    Raises CatalogError for a missing/invalid file or entry.
+
+def _expand(p: Path, origin: str) -> List[Path]:
+    """A YAML file, or a folder's ``*.yaml``/``*.yml`` files in name order. Raises CatalogError if missing."""
+    if p.is_dir():
+        return sorted(q for q in p.iterdir() if q.suffix in (".yaml", ".yml") and q.is_file())
+    if not p.exists():
+        raise CatalogError(f"chips file {p} (from {origin}) does not exist")
+    return [p]
+
+
+def plugin_chip_files() -> List[tuple]:
+    """``(path, origin)`` of the chip files of the ``dlmix.chips`` entry points (by name) and of ``DLMIX_CHIPS``.
+
+    Raises CatalogError naming the entry point or variable whose value is unusable (fails to import, is not a path,
+    names a missing file)."""
+    out = []
+    for ep in sorted(entry_points(group=ENTRY_POINT_GROUP), key=lambda e: e.name):
+        origin = f"entry point {ENTRY_POINT_GROUP}:{ep.name} ({ep.value})"
+        try:
+            obj = ep.load()
+            if callable(obj) and not isinstance(obj, (str, os.PathLike)):
+                obj = obj()
+        except Exception as ex:
+            raise CatalogError(f"{origin} failed to load: {type(ex).__name__}: {ex}") from None
+        if isinstance(obj, (str, os.PathLike)):
+            path = Path(obj)
+        elif hasattr(obj, "is_file") and hasattr(obj, "read_text"):  # importlib.resources Traversable
+            path = Path(str(obj))
+        else:
+            raise CatalogError(f"{origin} must name a YAML path (str, PathLike or Traversable), got {type(obj).__name__}")
+        out += [(q, origin) for q in _expand(path, origin)]
+    for part in filter(None, os.environ.get(ENV_VAR, "").split(os.pathsep)):
+        out += [(q, f"${ENV_VAR}") for q in _expand(Path(part), f"${ENV_VAR}")]
+    return out
+
+
+def load_catalog(extra: Optional[Iterable[Union[str, Path]]] = None) -> Catalog:
+    """Built-in catalog, then the plugin files (``dlmix.chips`` entry points, ``DLMIX_CHIPS``; see the module
+    docstring), then ``extra`` YAML files, applied in order (a later entry overrides or extends a chip).
+
+    Raises CatalogError for a missing/invalid file or entry (the message names the file and its origin).
     """
     cat = Catalog()
-    text = resources.files("dlmix").joinpath("data/chips.yaml").read_text()
-    _load_into(cat, yaml.safe_load(text), "dlmix/data/chips.yaml")
-    for p in extra or ():
+    _load_into(cat, _builtin(), "dlmix/data/chips.yaml")
+    files = plugin_chip_files() + [(Path(p), "extra") for p in extra or ()]
+    for p, origin in files:
         try:
             data = yaml.safe_load(Path(p).read_text())
         except OSError as ex:
-            raise CatalogError(f"cannot read chips file {p}: {ex}") from None
+            raise CatalogError(f"cannot read chips file {p} (from {origin}): {ex}") from None
         except yaml.YAMLError as ex:
             raise CatalogError(f"{p}: invalid YAML: {ex}") from None
         _load_into(cat, data or {}, str(p))

@@ -83,7 +83,8 @@ class _WorkStats:
         self.n_mean = float(n.mean())
         self.o_mean = float(wl.output_len.mean())
         self.ctx = self.n_mean + self.o_mean / 2
-        self.flops = cost._lin * (n - h) + cost._quad * (n * n - h * h)  # per request, FLOP
+        m = cost.model
+        self.flops = m.flops_per_token * (n - h) + m.attn_flops_per_token2 * (n * n - h * h)  # per request, FLOP
         self.flops_mean = float(self.flops.mean())
         self.n_tokens = n
         self.uncached_mean = float((n - h).mean())
@@ -145,8 +146,8 @@ def estimate_role(cost: CostModel, wl: PlanWorkload, slo: SLO, chip: str, tp: in
                  f"{itl * 1e3:.1f} ms{' (75 % of the target: aggregated)' if role == 'both' else ''}")
             est.reason = est.reason + "; " + r if est.reason else r
         else:
-            bw_b = ((itl - cost.t1) / c_b - cost._wbytes) / (st.ctx * cost.kv_bpt)
-            fl_b = (itl - cost.t1) / (cost._lin * c_f)
+            bw_b = ((itl - cost.t1) / c_b - cost.model.weight_bytes) / (st.ctx * cost.kv_bpt)
+            fl_b = (itl - cost.t1) / (cost.model.flops_per_token * c_f)
             b = max(1.0, min(bw_b, fl_b, cap / (st.n_mean + st.o_mean), MAX_NUM_SEQS))
             step = cost.decode_step_time(chip, int(b), int(b * st.ctx), tp)
             est.d = b / (st.o_mean * step)

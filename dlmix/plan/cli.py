@@ -64,10 +64,11 @@ def plan_command(
         spec = load_model(model)
         wl = load_plan_workload(workload, requests)
         slo = SLO(slo_ttft_ms / 1000.0, slo_itl_ms / 1000.0, slo_pct)
-        from dlmix.sim.registry import sim_policies
+        import dlmix.sim  # noqa: F401  (registers the simulator-only oracle)
+        from dlmix.routing.policies import POLICIES
 
-        if policy not in sim_policies():
-            raise ValueError(f"unknown policy {policy!r}; choose one of {', '.join(sim_policies())}")
+        if policy not in POLICIES:
+            raise ValueError(f"unknown policy {policy!r}; choose one of {', '.join(POLICIES)}")
         with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
                       TimeElapsedColumn(), console=Console(stderr=True), transient=True) as prog:
             task = prog.add_task("planning", total=1)

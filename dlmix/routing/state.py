@@ -9,7 +9,7 @@ Units: tokens are token counts, times are seconds, bandwidths bytes/second, size
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional, Sequence
+from typing import Callable, Optional, Sequence, Tuple
 
 ROLES = ("prefill", "decode", "both")
 
@@ -58,6 +58,25 @@ class InstanceLoad:
         """Remove a prefill counted by :meth:`queue_prefill` (finished, failed or moved); never below 0."""
         self.inflight_prefill_tokens = max(self.inflight_prefill_tokens - tokens, 0)
         self.inflight_prefill_sq = max(self.inflight_prefill_sq - sq, 0)
+
+    def add_request(self) -> None:
+        """A request (or a request's leg) was sent here: one more in flight, one more ever processed."""
+        self.inflight += 1
+        self.processed += 1
+
+    def drop_request(self) -> None:
+        """A request (or leg) counted by :meth:`add_request` left (finished, failed or moved); never below 0."""
+        self.inflight = max(self.inflight - 1, 0)
+
+    def start_decode(self, ctx: int) -> None:
+        """A request of ``ctx`` context tokens joined the decode batch (B += 1, Σctx += ctx)."""
+        self.inflight_decode += 1
+        self.decode_ctx_tokens += ctx
+
+    def stop_decode(self, ctx: int) -> None:
+        """A request counted by :meth:`start_decode` left the decode batch; never below 0."""
+        self.inflight_decode = max(self.inflight_decode - 1, 0)
+        self.decode_ctx_tokens = max(self.decode_ctx_tokens - ctx, 0)
 
 
 @dataclass
@@ -159,6 +178,13 @@ class Decision:
         predicted_ttft: the policy's TTFT estimate in seconds, if it made one (else None).
         hit_tokens: prefix-hit tokens expected on the instance that prefills.
         reason: short machine-readable reason, e.g. ``"local:short"``, ``"pd"``, ``"rr"``; goes to metrics labels.
+
+    Load bookkeeping (the router and the simulator call these, in this order, for every dispatched request; they
+    update the router-side counters of :class:`InstanceLoad`)::
+
+        decision.begin(req)            # dispatched: counted in flight, its prefill queued where it prefills
+        decision.prefill_done(req)     # prefill finished: out of the prefill queue, into D's decode batch
+        decision.end(req)              # finished or failed (prefilled=False when prefill_done never ran)
     """
 
     decode: InstanceState
@@ -166,6 +192,43 @@ class Decision:
     predicted_ttft: Optional[float] = None
     hit_tokens: int = 0
     reason: str = ""
+
+    def prefill_work(self, req: "RouteRequest") -> Tuple[int, int]:
+        """``(uncached tokens, N² − h²)`` of the request's prefill (N = ``req.prompt_len`` tokens, h = this
+        decision's prefix hit, capped at N): the prefill-queue figures :class:`InstanceLoad` counts."""
+        n = req.prompt_len
+        h = min(self.hit_tokens, n)
+        return n - h, n * n - h * h
+
+    def _prefiller(self) -> InstanceLoad:
+        return (self.prefill if self.prefill is not None else self.decode).load
+
+    def begin(self, req: "RouteRequest") -> None:
+        """Count the dispatched request in the instances' load: in flight on D (and on P for PD), its prefill work
+        queued on the instance that prefills."""
+        self.decode.load.add_request()
+        if self.prefill is not None:
+            self.prefill.load.add_request()
+        self._prefiller().queue_prefill(*self.prefill_work(req))
+
+    def prefill_done(self, req: "RouteRequest") -> None:
+        """The prefill finished (prefill leg returned, or first token of a local prefill): the request leaves the
+        prefill queue (and P's in-flight count for PD) and joins D's decode batch with ``prompt_len`` context."""
+        if self.prefill is not None:
+            self.prefill.load.drop_request()
+        self._prefiller().unqueue_prefill(*self.prefill_work(req))
+        self.decode.load.start_decode(req.prompt_len)
+
+    def end(self, req: "RouteRequest", prefilled: bool = True) -> None:
+        """The request finished (or failed). ``prefilled`` says whether :meth:`prefill_done` ran for it (if not,
+        its prefill is taken off the queue and P's in-flight count here)."""
+        self.decode.load.drop_request()
+        if prefilled:
+            self.decode.load.stop_decode(req.prompt_len)
+            return
+        if self.prefill is not None:
+            self.prefill.load.drop_request()
+        self._prefiller().unqueue_prefill(*self.prefill_work(req))
 
 
 class NoInstanceError(Exception):
@@ -193,5 +256,3 @@ __all__ = [
     "OverloadedError",
     "prompt_len_from_hashes",
 ]
-
-_ = Any  # re-exported typing helper for policy authors

@@ -54,40 +54,43 @@ def sim_command(
     out: Optional[str] = typer.Option(None, "--out", "-o", help="folder for sim.json and PNG plots"),
     policy_param: Optional[List[str]] = typer.Option(
         None, "--policy-param", help="policy argument KEY=VALUE[,KEY=VALUE] (repeatable; the router's flag), given to "
-        "every policy that accepts it; the cost policy gets ttft_target/itl_target from --slo-* unless set here"),
+        "every listed policy that declares it (a name no listed policy declares is an error naming the valid ones); "
+        "the cost policy gets ttft_target/itl_target from --slo-* unless set here"),
 ) -> None:
     """Simulate a heterogeneous cluster with the router's own policies (see docs/simulator.md)."""
     from dlmix.router.config import ConfigError as RouterConfigError, parse_kv_list
     from dlmix.sim.config import ConfigError, load_deployment, load_model
     from dlmix.sim.metrics import format_instances, format_table
-    from dlmix.sim.registry import sim_policies
+    from dlmix.routing.policies import POLICIES, split_params
     from dlmix.sim.simulator import Simulator
     from dlmix.sim.workload import WorkloadError
 
     names = [p.strip() for p in policy.split(",") if p.strip()]
-    known = sim_policies()
-    bad = [n for n in names if n not in known]
+    bad = [n for n in names if n not in POLICIES]
     if bad or not names:
-        typer.echo(f"error: unknown policy {bad or policy!r}; choose from {', '.join(known)}", err=True)
+        typer.echo(f"error: unknown policy {bad or policy!r}; choose from {', '.join(POLICIES)}", err=True)
         raise typer.Exit(2)
     try:
+        params = {}
+        for item in policy_param or []:
+            params.update(parse_kv_list(item))
+        per_policy = split_params(names, params)
+        if "cost" in per_policy:  # the SLO the goodput is measured against is the operator's target for the policy
+            per_policy["cost"].setdefault("ttft_target", slo_ttft_ms / 1000.0)
+            per_policy["cost"].setdefault("itl_target", slo_itl_ms / 1000.0)
+        for n, pp in per_policy.items():  # bad values are refused before any simulation runs
+            POLICIES[n].Params.parse(n, pp)
         dep = load_deployment(deployment)
         spec = load_model(model)
         reqs = build_workload(workload, speedup, limit, groups, per_group, prefix_len, suffix_len, output_len,
                               rate, seed)
-        params = {}
-        for item in policy_param or []:
-            params.update(parse_kv_list(item))
     except (ConfigError, RouterConfigError, WorkloadError, ValueError) as ex:
         typer.echo(f"error: {ex}", err=True)
         raise typer.Exit(2)
     results = []
     for n in names:
         t = time.perf_counter()
-        pp = dict(params)
-        if n == "cost":  # the SLO the goodput is measured against is the operator's target for the policy
-            pp.setdefault("ttft_target", slo_ttft_ms / 1000.0)
-            pp.setdefault("itl_target", slo_itl_ms / 1000.0)
+        pp = per_policy[n]
         res = Simulator(dep, spec, n, seed=seed, kv_event_delay=kv_event_delay_ms / 1000.0, policy_params=pp).run(
             reqs, slo_ttft_ms / 1000.0, slo_itl_ms / 1000.0, label=n)
         res.summary["sim_wall_s"] = time.perf_counter() - t

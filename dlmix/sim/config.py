@@ -18,7 +18,8 @@ Deployment YAML (a file, or a built-in name: ``dlmix/data/sim_deploy_<name>.yaml
       # block_size / max_num_batched_tokens / max_num_seqs / t_step overrides.
 
 Roles: ``both`` (aggregated), ``prefill`` (kv_producer), ``decode`` (kv_consumer). KV capacity per instance, when
-not given: ``(mem_gb·1e9·num_chips·gpu_memory_utilization − params·dtype_bytes) / (block_size · kv_bytes_per_token)``.
+not given: the cost model's :func:`dlmix.hw.cost.kv_capacity_bytes` (``mem_gb·1e9·num_chips·gpu_memory_utilization −
+params·dtype_bytes``) in whole blocks of ``block_size · kv_bytes_per_token`` bytes.
 """
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ from typing import List, Optional, Union
 
 import yaml
 
-from dlmix.hw.cost import PRESETS, ModelSpec
+from dlmix.hw.cost import PRESETS, ModelSpec, kv_capacity_bytes
 from dlmix.hw.profiles import Catalog, load_catalog
 from dlmix.routing.state import ROLES
 
@@ -96,8 +97,7 @@ class Deployment:
         when the weights do not fit."""
         if inst.num_gpu_blocks:
             return int(inst.num_gpu_blocks)
-        chip = self.catalog.chip(inst.chip)
-        free = chip.mem_gb * 1e9 * inst.num_chips * self.gpu_memory_utilization - model.params * model.dtype_bytes
+        free = kv_capacity_bytes(self.catalog.chip(inst.chip), model, inst.num_chips, self.gpu_memory_utilization)
         n = int(free // (inst.block_size * model.kv_bytes_per_token))
         if n < 1:
             raise ConfigError(f"instance {inst.id}: {model.name or 'model'} weights do not fit on "

@@ -203,6 +203,13 @@ class SimInstance:
         self.step_no = 0              # iterations completed
         self.busy = False             # an iteration is in flight
         self.busy_time = 0.0
+        # the simulator's clock bookkeeping for this instance (dlmix.sim.simulator)
+        self.link_free = 0.0          # time the egress link's FIFO drains, s
+        self.step_start = 0.0         # start of the iteration (or decode span) in flight, s
+        self.step_end = 0.0           # its end, s
+        self.version = 0              # bumped when a span is truncated (stale STEP events are skipped)
+        self.kick_pending = False     # a KICK event is queued for this instant
+        self.itl_idx = -1             # index of the in-flight step in the simulator's ITL samples (-1: none)
         self.queued_prefill_tokens = 0  # uncomputed prompt tokens of waiting + prefilling sequences (true state)
         self._sid = 0
         # per-iteration plan, filled by plan_step

@@ -6,11 +6,11 @@ simulator does what the live router does (:mod:`dlmix.routing.policies.base`)::
 
     view = ClusterView(instance_states, index=prefix_index, cost=cost_model)
     decision = policy.choose(route_request, view)
-    begin(decision, rr); policy.on_dispatch(rr, decision, view)   ... prefill_done(...) ... end(...)
+    decision.begin(rr); policy.on_dispatch(rr, decision, view)   ... decision.prefill_done(rr) ... decision.end(rr)
 
 ``prefix_index`` is a :class:`dlmix.routing.prefix_index.PrefixIndex` fed by the simulated engines' KV events
 (BlockStored when a full prompt block is computed or received, BlockRemoved on LRU eviction), optionally delayed by
-``kv_event_delay`` seconds. The router's ``InstanceState.load`` carries its own counters (``begin``/``end``) plus an
+``kv_event_delay`` seconds. The router's ``InstanceState.load`` carries its own counters (``Decision.begin``/``end``) plus an
 instant heartbeat (waiting, running, KV usage) refreshed after each iteration.
 
 PD disaggregation: a request with ``decision.prefill`` is prefilled on P (blocks for the prompt only); when its
@@ -25,15 +25,17 @@ Units: seconds, tokens, bytes.
 from __future__ import annotations
 
 import heapq
+from dataclasses import dataclass
 from typing import List, Optional, Sequence, Union
 
 from dlmix.hw.cost import CostModel, ModelSpec
-from dlmix.routing.policies.base import ClusterView, Policy, begin, end, prefill_done
+from dlmix.routing.policies import ClusterView, Policy, make_policy, policy_class
 from dlmix.routing.prefix_index import ApproxIndex, PrefixIndex
 from dlmix.routing.state import InstanceState, NoInstanceError, OverloadedError, RouteRequest
 from dlmix.sim.config import Deployment, load_deployment, load_model
 from dlmix.sim.engine import FULL, PREFILL, RECV, Seq, SimInstance
 from dlmix.sim.metrics import SimResult, summarize
+from dlmix.sim.oracle import OracleTTFT  # noqa: F401  (registers the simulator-only ``oracle`` policy)
 from dlmix.sim.timing import LinearTiming, RooflineTiming
 from dlmix.sim.workload import SimRequest
 
@@ -66,9 +68,13 @@ class ReqRecord:
         self.hit = seq.hit
 
 
+@dataclass
 class SimRouteRequest(RouteRequest):
-    """A :class:`RouteRequest` that also exposes the simulated request (``sim``) and its pseudo-text (``text``,
-    for text-keyed baselines such as DLRouter's ``prefix_cache``)."""
+    """A :class:`RouteRequest` that also carries the simulated request (``sim``, read by the simulator-only
+    :class:`~dlmix.sim.oracle.OracleTTFT`) and exposes its pseudo-text (``text``, for text-keyed baselines such as
+    DLRouter's ``prefix_cache``)."""
+
+    sim: Optional[SimRequest] = None
 
     @property
     def text(self) -> str:
@@ -82,13 +88,17 @@ class Simulator:
     Args:
         deployment: :class:`Deployment`, a YAML path or a built-in name.
         model: :class:`ModelSpec` or a preset name / config path.
-        policy: a :class:`Policy` object or a registry name (:func:`dlmix.sim.registry.make_sim_policy`).
+        policy: a :class:`Policy` object or a registry name (:func:`dlmix.routing.policies.make_policy`; the
+            simulator-only ``oracle`` is registered by :mod:`dlmix.sim.oracle`). A policy with a
+            ``bind_simulator(sim)`` method is given this simulator (to read its true state).
         cost_model: the router's :class:`CostModel` (default: built from ``model`` and the deployment's catalog with
             ``t0 = r0 + t_step`` and ``t1 = t_step`` of the first instance).
-        seed: seeds the policies' random tie-breaks.
+        seed: seeds the policy's random tie-breaks (given as its ``seed`` parameter when it declares one and
+            ``policy_params`` does not set it).
         kv_event_delay: seconds between an engine's cache change and the router's index update (0 = instant).
         know_output_len: tell the router each request's output length as ``max_tokens`` (default: unknown).
-        policy_params: keyword arguments for a policy given by name.
+        policy_params: parameters of a policy given by name; an unknown name raises
+            :class:`~dlmix.routing.policies.PolicyParamError` naming the valid ones.
         approx_index: give policies the router-side approximate index, which records every dispatch as the live
             router does (default). False, or a policy with ``exact_index_only``: KV-event index only.
         approx_index_capacity: blocks that index keeps (the live router's ``approx_index_capacity``).
@@ -115,13 +125,6 @@ class Simulator:
                 timing = RooflineTiming(cat.chip(spec.chip), self.model, spec.num_chips, spec.t_step, spec.r0)
             inst = SimInstance(i, spec, timing, self.dep.kv_blocks(spec, self.model), self._on_store,
                                self._on_remove)
-            inst.link = cat.link(spec.link)
-            inst.link_free = 0.0
-            inst.step_end = 0.0
-            inst.kick_pending = False
-            inst.step_start = 0.0
-            inst.version = 0
-            inst.itl_idx = -1
             self.instances.append(inst)
             transport = spec.link if isinstance(spec.link, dict) else ({"link": spec.link} if spec.link else None)
             self.states.append(InstanceState(id=spec.id, url=f"sim://{spec.id}", role=spec.role,
@@ -130,13 +133,15 @@ class Simulator:
         s0 = self.dep.instances[0]
         self.cost = cost_model or CostModel(self.model, cat, t0=s0.r0 + s0.t_step, t1=s0.t_step)
         if isinstance(policy, str):
-            from dlmix.sim.registry import make_sim_policy
-
-            policy = make_sim_policy(policy, seed=seed, **(policy_params or {}))
+            params = dict(policy_params or {})
+            if "seed" in policy_class(policy).Params.model_fields:
+                params.setdefault("seed", seed)
+            policy = make_policy(policy, **params)
         self.policy = policy
-        self._approx = None if not approx_index or getattr(policy, "exact_index_only", False) else self.approx
-        if hasattr(policy, "bind_simulator"):
-            policy.bind_simulator(self)
+        self._approx = None if not approx_index or policy.exact_index_only else self.approx
+        bind = getattr(policy, "bind_simulator", None)  # simulator-only policies (the oracle) read the true state
+        if bind is not None:
+            bind(self)
         self.now = 0.0
         self._heap: list = []
         self._n = 0
@@ -167,11 +172,8 @@ class Simulator:
         ``setup + tokens · kv_bytes_per_token / (eff · bandwidth)``; 0 for 0 tokens."""
         if tokens <= 0:
             return 0.0
-        link = self.cost.link_between(p.spec.link if isinstance(p.spec.link, dict) else
-                                      ({"link": p.spec.link} if p.spec.link else None),
-                                      d.spec.link if isinstance(d.spec.link, dict) else
-                                      ({"link": d.spec.link} if d.spec.link else None))
-        return link.setup_ms * 1e-3 + tokens * self.model.kv_bytes_per_token / link.bytes_per_s
+        link = self.cost.link_between(self.states[p.idx].transport, self.states[d.idx].transport)
+        return link.transfer_time(tokens * self.model.kv_bytes_per_token)
 
     def _kick(self, inst: SimInstance) -> None:
         if inst.busy or not inst.has_work():
@@ -220,7 +222,7 @@ class Simulator:
             return
         rec.failed = True
         rec.finish = self.now
-        end(rec.decision, rec.rr, prefilled=rec.prefilled)
+        rec.decision.end(rec.rr, prefilled=rec.prefilled)
         rec.req.drop_keys()
 
     def _route(self, rec: ReqRecord) -> None:
@@ -233,7 +235,7 @@ class Simulator:
             rec.finish = self.now
             return
         rec.decision = dec
-        begin(dec, rec.rr)
+        dec.begin(rec.rr)
         self.approx.record_decision(rec.rr, dec)
         self.policy.on_dispatch(rec.rr, dec, view)
         req = rec.req
@@ -258,7 +260,7 @@ class Simulator:
         for s in prefilled:
             rec = s.req
             rec.prefilled = True
-            prefill_done(rec.decision, rec.rr)
+            rec.decision.prefill_done(rec.rr)
             if s.kind == FULL:
                 rec.first_token = now + r0
             else:  # PD prefill leg done: send the KV
@@ -277,7 +279,7 @@ class Simulator:
         for s in finished:
             rec = s.req
             rec.finish = now + r0
-            end(rec.decision, rec.rr, prefilled=True)
+            rec.decision.end(rec.rr, prefilled=True)
             rec.req.drop_keys()
         st = self.states[inst.idx].load
         st.waiting = len(inst.waiting)
@@ -297,8 +299,7 @@ class Simulator:
         for r in requests:
             rr = SimRouteRequest(prompt_len=r.input_len,
                                  max_tokens=r.output_len if self.know_output_len else None,
-                                 block_hashes=r.block_keys, key=None)
-            rr.sim = r
+                                 block_hashes=r.block_keys, key=None, sim=r)
             rec = ReqRecord(r, rr)
             recs.append(rec)
             self._push(r.arrival, ARRIVE, rec)

@@ -6,17 +6,12 @@ One engine iteration (vLLM V1 continuous batching with chunked prefill) runs, in
   attention work ``Q = Σ (b_k² − a_k²)``);
 * ``B`` decode sequences, one token each, over ``S = Σ ctx`` context tokens.
 
-:class:`RooflineTiming` (DistServe OSDI'24 §3, Splitwise ISCA'24 §3, Vidur MLSys'24; the same formulas as
-:mod:`dlmix.hw.cost`, P params, L layers, n_q query heads, d head dim, b bytes/element, F peak FLOP/s, BW bytes/s)::
+:class:`RooflineTiming` is the cost model's engine-iteration roofline (:meth:`dlmix.hw.cost.ChipCost.iteration`,
+DistServe OSDI'24 §3, Splitwise ISCA'24 §3, Vidur MLSys'24) plus a fixed overhead ``t_step`` per iteration
+(scheduler, sampling, kernel launches): ``T_iter = t_step + max(compute, memory)``.
 
-    compute = (2·P·(T_p + B) + 2·L·n_q·d·Q + 4·L·n_q·d·S) / (MFU · F · chips)
-    memory  = (P·b + (S + Σ b_k) · kv_bpt) / (η · BW · chips)
-    T_iter  = t_step + max(compute, memory)
-
-Prefill is compute-bound (large ``T_p``), decode bandwidth-bound (weights and KV read once per step for all ``B``).
-``t_step`` is the fixed per-iteration overhead (scheduler, sampling, kernel launches).
-
-:class:`LinearTiming` is the calibratable form (routing-anchors notes §2, "fitted forms per chip")::
+:class:`LinearTiming` is the calibratable form (one linear fit per chip and engine of measured iteration
+times over the roofline's terms)::
 
     T_iter = c0 + c_tok·T_p + c_quad·Q + c_seq·B + c_ctx·S
 
@@ -27,18 +22,17 @@ Units: seconds, tokens.
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import asdict, dataclass
 from importlib import resources
 from pathlib import Path
 from typing import Union
 
-from dlmix.hw.cost import ModelSpec
+from dlmix.hw.cost import ChipCost, ModelSpec
 from dlmix.hw.profiles import ChipProfile
 
 
 class RooflineTiming:
-    """Iteration time from peak figures (see module docstring).
+    """Iteration time from peak figures: :class:`dlmix.hw.cost.ChipCost` plus fixed overheads.
 
     Args:
         chip: :class:`ChipProfile` (peak FLOP/s, bandwidth, MFU, η). model: :class:`ModelSpec`.
@@ -54,60 +48,22 @@ class RooflineTiming:
         self.model = model
         self.t_step = float(t_step)
         self.r0 = float(r0)
-        f = chip.mfu * chip.flops * num_chips
-        bw = chip.bw_eff * chip.mem_bw * num_chips
-        m = model
-        self._lin = 2.0 * m.params / f
-        self._quad = 2.0 * m.layers * m.q_heads * m.head_dim / f
-        self._ctxf = 4.0 * m.layers * m.q_heads * m.head_dim / f
-        self._w = m.params * m.dtype_bytes / bw
-        self._kv = m.kv_bytes_per_token / bw
+        self.cost = ChipCost(chip, model, num_chips)
 
     def iteration(self, t_prefill: int, quad: float, prefill_end_sum: int, batch: int, sum_ctx: int) -> float:
-        """Seconds for one iteration: ``t_prefill`` new prefill tokens with attention work ``quad`` (Σ b²−a²) whose
-        chunks end at positions summing to ``prefill_end_sum``, plus ``batch`` decode tokens over ``sum_ctx``."""
-        comp = self._lin * (t_prefill + batch) + self._quad * quad + self._ctxf * sum_ctx
-        mem = self._w + self._kv * (sum_ctx + prefill_end_sum)
-        return self.t_step + (comp if comp > mem else mem)
+        """Seconds for one iteration: ``t_step +`` :meth:`ChipCost.iteration` (``t_prefill`` new prefill tokens
+        with attention work ``quad`` whose chunks end at positions summing to ``prefill_end_sum``, plus ``batch``
+        decode tokens over ``sum_ctx``)."""
+        return self.t_step + self.cost.iteration(t_prefill, quad, prefill_end_sum, batch, sum_ctx)
 
     def decode_cum(self, batch: int, sum_ctx: int, j: int) -> float:
         """Total seconds of ``j`` consecutive decode-only iterations of ``batch`` sequences starting from context
-        ``sum_ctx`` (each iteration adds ``batch`` tokens): closed form of Σ_{i<j} iteration(0, 0, 0, B, S + i·B)."""
-        b = batch
-        a1 = self._lin * b + self._ctxf * sum_ctx
-        b1 = self._ctxf * b
-        a2 = self._w + self._kv * sum_ctx
-        b2 = self._kv * b
-        return j * self.t_step + _sum_max_lin(a1, b1, a2, b2, j)
+        ``sum_ctx``: ``j · t_step +`` :meth:`ChipCost.decode_span`."""
+        return j * self.t_step + self.cost.decode_span(batch, sum_ctx, j)
 
     def describe(self) -> dict:
         """Plain dict of the model's parameters (for reports)."""
         return {"kind": self.kind, "chip": self.chip.name, "t_step": self.t_step, "r0": self.r0}
-
-
-def _sum_lin(a: float, b: float, lo: int, hi: int) -> float:
-    """Σ_{i=lo}^{hi-1} (a + b·i)."""
-    n = hi - lo
-    if n <= 0:
-        return 0.0
-    return n * a + b * n * (hi + lo - 1) / 2.0
-
-
-def _sum_max_lin(a1: float, b1: float, a2: float, b2: float, j: int) -> float:
-    """Σ_{i<j} max(a1 + b1·i, a2 + b2·i) in closed form (two lines cross at most once)."""
-    if j <= 0:
-        return 0.0
-    da, db = a1 - a2, b1 - b2
-    first_is_1 = da >= 0                      # which line is on top at i = 0
-    if db == 0:
-        m = j                                 # parallel: the same line stays on top
-    else:
-        m = min(max(int(math.ceil(-da / db)), 0), j)  # first i where the order may flip
-        if m == 0:
-            first_is_1 = db > 0
-            m = j
-    top, other = ((a1, b1), (a2, b2)) if first_is_1 else ((a2, b2), (a1, b1))
-    return _sum_lin(top[0], top[1], 0, m) + _sum_lin(other[0], other[1], m, j)
 
 
 @dataclass

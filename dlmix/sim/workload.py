@@ -149,6 +149,6 @@ def write_trace(reqs: Sequence[SimRequest], path: str) -> None:
 
 def ideal_reuse(reqs: Sequence[SimRequest]) -> float:
     """Ideal prefix reuse (single infinite cache, trace-block granularity): for each request count its leading ids
-    already seen, ``hit += min(k · block, input_len)``; divided by total input tokens (routing-anchors notes §3;
-    :func:`dlmix.workloads.ideal_reuse_of_keys`)."""
+    already seen, ``hit += min(k · block, input_len)``; divided by total input tokens (the hit rate an
+    infinite cache shared by all requests would reach; :func:`dlmix.workloads.ideal_reuse_of_keys`)."""
     return ideal_reuse_of_keys((r.hash_ids, r.input_len, r.trace_block) for r in reqs)

@@ -1,25 +1,48 @@
-"""Routing policies: one small file each, registered by name in :data:`POLICIES`.
+"""Routing policies: one small file each, registered by name in the one registry :data:`POLICIES`.
 
-Interface and bookkeeping: :mod:`dlmix.routing.policies.base`. Build one with :func:`make_policy`.
+Interface: :mod:`dlmix.routing.policies.base` (``Policy``, typed ``PolicyParams``, ``ClusterView``). Registry and
+extension points (decorator, ``dlmix.policies`` entry points): :mod:`dlmix.routing.policies.registry`. Build a policy
+with :func:`make_policy`. Every module of this package is imported here, so a built-in policy is one file with a
+``@register_policy("name")`` class.
 """
 from __future__ import annotations
 
-from dlmix.routing.policies.base import ClusterView, Policy, begin, end, prefill_done, prefill_work  # noqa: F401
-from dlmix.routing.policies.cost import CostPolicy
-from dlmix.routing.policies.least_load import LeastLoad
-from dlmix.routing.policies.prefix import PrefixAware
-from dlmix.routing.policies.round_robin import RoundRobin
+import importlib
+import pkgutil
 
-POLICIES = {p.name: p for p in (RoundRobin, LeastLoad, PrefixAware, CostPolicy)}
+from dlmix.routing.policies.base import ClusterView, Policy, PolicyParamError, PolicyParams, balance_filter
+from dlmix.routing.policies.registry import (ENTRY_POINT_GROUP, POLICIES, PolicyRegistry, make_policy, policy_class,
+                                             register_policy, split_params)
+from dlmix.routing.state import Decision, RouteRequest
+
+for _m in pkgutil.iter_modules(__path__):
+    if _m.name not in ("base", "registry"):
+        importlib.import_module(f"{__name__}.{_m.name}")
+del _m
 
 
-def make_policy(name: str, **params) -> Policy:
-    """Policy instance by registry name with its keyword parameters. Raises ValueError for an unknown name."""
-    try:
-        cls = POLICIES[name]
-    except KeyError:
-        raise ValueError(f"unknown policy {name!r}; choose one of {', '.join(POLICIES)}") from None
-    return cls(**params)
-# Published baselines (one file each; compared in dlmix sim). The simulator-only `oracle` is in dlmix.sim.registry.
-from dlmix.routing.policies import dlrouter_min_latency as _b1, dlrouter_prefix_cache as _b2, dynamo_kv as _b3, sglang_cache_aware as _b4  # noqa: E402,E501
-POLICIES.update({c.name: c for c in (_b1.DLRouterMinExpectedLatency, _b2.DLRouterPrefixCache, _b3.DynamoKV, _b4.SGLangCacheAware, _b4.SGLangCacheAwareSmallestTree)})  # noqa: E501
+# Function forms of the load bookkeeping, kept for callers written against them (the router); the one
+# implementation is :meth:`dlmix.routing.state.Decision.begin` / ``prefill_done`` / ``end`` / ``prefill_work``.
+def begin(decision: Decision, req: RouteRequest) -> None:
+    """``decision.begin(req)``."""
+    decision.begin(req)
+
+
+def prefill_done(decision: Decision, req: RouteRequest) -> None:
+    """``decision.prefill_done(req)``."""
+    decision.prefill_done(req)
+
+
+def end(decision: Decision, req: RouteRequest, prefilled: bool = True) -> None:
+    """``decision.end(req, prefilled)``."""
+    decision.end(req, prefilled)
+
+
+def prefill_work(decision: Decision, req: RouteRequest) -> tuple:
+    """``decision.prefill_work(req)``: ``(uncached tokens, N² − h²)``."""
+    return decision.prefill_work(req)
+
+
+__all__ = ["ClusterView", "Policy", "PolicyParams", "PolicyParamError", "balance_filter", "ENTRY_POINT_GROUP",
+           "POLICIES", "PolicyRegistry", "make_policy", "policy_class", "register_policy", "split_params", "begin",
+           "prefill_done", "end", "prefill_work"]

@@ -1,4 +1,4 @@
-"""Policy interface: filter -> score -> pick, as pure objects over plain state.
+"""Policy interface: filter -> score -> pick, as pure objects over plain state, with typed parameters.
 
 A policy is a small object with no I/O: it reads :class:`~dlmix.routing.state.InstanceState` objects (load, health,
 chip, role), a :class:`~dlmix.routing.state.RouteRequest`, and prefix hits through a :class:`ClusterView`, and returns a
@@ -7,14 +7,27 @@ way::
 
     view = ClusterView(instances, index=prefix_index, cost=cost_model)
     decision = policy.choose(req, view)          # raises NoInstanceError if nothing can serve
-    begin(decision, req)                         # router/simulator: count the request in the load
+    decision.begin(req)                          # count the request in the instances' load
     policy.on_dispatch(req, decision, view)      # policy-private state (round-robin cursor, approximate index)
-    ... prefill finishes ...  prefill_done(decision, req)
-    ... request finishes ...  end(decision, req)
+    ... prefill finishes ...  decision.prefill_done(req)
+    ... request finishes ...  decision.end(req)
 
-Writing a policy (one file in ``dlmix/routing/policies/``): subclass :class:`Policy`, set ``name``, override
-``score`` (lower is better) and optionally ``filter``/``pick``/``choose``, then add it to ``POLICIES`` in
-``dlmix/routing/policies/__init__.py``.
+Writing a policy is one file (in ``dlmix/routing/policies/`` for a built-in, or in any package exposed through the
+``dlmix.policies`` entry-point group, see :mod:`dlmix.routing.policies.registry`)::
+
+    from dlmix.routing.policies import Policy, PolicyParams, register_policy
+
+    @register_policy("shortest_queue")
+    class ShortestQueue(Policy):
+        class Params(PolicyParams):
+            kv_weight: float = 1.0             # typed; an unknown or misspelled name is refused
+
+        def score(self, req, cands, view):     # lower is better
+            return [c.load.queue_len() + self.params.kv_weight * c.load.kv_usage for c in cands]
+
+Override ``score`` and optionally ``filter``/``pick``/``select``/``choose``; parameters are fields of the nested
+``Params`` model (pydantic, unknown names forbidden), validated by the constructor and available as ``self.params``;
+``setup()`` runs after validation (copy hot-path values to attributes there).
 
 PD disaggregation for the baseline policies: if the view has available ``prefill``-role instances, the base
 ``choose`` picks the decode instance from decode-capable instances and, independently, a prefill instance from the
@@ -23,9 +36,45 @@ policy overrides ``choose`` to pick the pair jointly.
 """
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Sequence
+from typing import Any, ClassVar, Dict, List, Mapping, Sequence, Type
+
+import pydantic
 
 from dlmix.routing.state import Decision, InstanceState, NoInstanceError, RouteRequest
+
+
+class PolicyParamError(ValueError):
+    """A policy parameter is unknown or has a bad value; the message names the policy and its valid parameters."""
+
+
+class PolicyParams(pydantic.BaseModel):
+    """Base of every policy's parameter model: typed fields with defaults, unknown names forbidden, immutable.
+
+    Values are coerced as pydantic's lax mode does (``"0.05"`` → 0.05 for a float field), so parameters parsed from
+    ``--policy-param key=value`` or a YAML ``policy_params`` mapping validate the same way."""
+
+    model_config = pydantic.ConfigDict(extra="forbid", frozen=True)
+
+    @classmethod
+    def names(cls) -> List[str]:
+        """Valid parameter names, in declaration order."""
+        return list(cls.model_fields)
+
+    @classmethod
+    def parse(cls, policy: str, values: Mapping[str, Any]) -> "PolicyParams":
+        """Validate ``values`` for the policy named ``policy``. Raises :class:`PolicyParamError` naming the unknown
+        parameter(s) and the valid ones, or the field whose value is invalid."""
+        unknown = [k for k in values if k not in cls.model_fields]
+        if unknown:
+            raise PolicyParamError(
+                f"unknown parameter{'s' if len(unknown) > 1 else ''} {', '.join(map(repr, unknown))} for policy "
+                f"{policy!r}; valid: {', '.join(cls.names()) or '(none: the policy takes no parameters)'}")
+        try:
+            return cls(**values)
+        except pydantic.ValidationError as ex:
+            errs = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'params'}: {e['msg']} (got {e.get('input')!r})"
+                             for e in ex.errors())
+            raise PolicyParamError(f"policy {policy!r}: invalid parameter value: {errs}") from None
 
 
 class ClusterView:
@@ -88,8 +137,13 @@ class ClusterView:
 class Policy:
     """Base policy. Subclasses override :meth:`score` (and optionally the other steps).
 
+    Args:
+        **params: the policy's parameters, validated against its ``Params`` model (see the module docstring).
+            Raises :class:`PolicyParamError` for an unknown name or a bad value.
+
     Class attributes:
-        name: registry name (``--policy NAME``).
+        name: registry name (``--policy NAME``), set by :func:`~dlmix.routing.policies.registry.register_policy`.
+        Params: the :class:`PolicyParams` subclass declaring the parameters (default: none).
         exact_index_only: True for baselines that, as published, score prefixes from engine KV events only; the
             simulator then gives them no router-side approximate index (the live router always passes both).
         needs_prompt: True if the policy uses prefix hits; the router then extracts/tokenizes the prompt and builds
@@ -97,8 +151,16 @@ class Policy:
     """
 
     name = "base"
+    Params: ClassVar[Type[PolicyParams]] = PolicyParams
     needs_prompt = False
     exact_index_only = False
+
+    def __init__(self, **params):
+        self.params = self.Params.parse(self.name, params)
+        self.setup()
+
+    def setup(self) -> None:
+        """Called once after the parameters were validated (``self.params``). Default: nothing."""
 
     def filter(self, req: RouteRequest, cands: List[InstanceState], view: ClusterView) -> List[InstanceState]:
         """Drop candidates that must not be used. Default: keep all."""
@@ -161,59 +223,5 @@ def balance_filter(cands: List[InstanceState], abs_t: float, rel_t: float) -> Li
     return [c for c, l in zip(cands, loads) if not (l > lim and l > rel_t * lo)]
 
 
-# ---- load bookkeeping shared by the router and the simulator -------------------------------------------------
-
-def prefill_work(decision: Decision, req: RouteRequest) -> tuple:
-    """``(uncached tokens, N² − h²)`` of the request's prefill (N = prompt tokens, h = the decision's prefix hit)."""
-    n = req.prompt_len
-    h = min(decision.hit_tokens, n)
-    return n - h, n * n - h * h
-
-
-def begin(decision: Decision, req: RouteRequest) -> None:
-    """Count a dispatched request in the instances' load (router-side counters of :class:`InstanceLoad`)."""
-    d = decision.decode.load
-    d.inflight += 1
-    d.processed += 1
-    if decision.prefill is not None:
-        p = decision.prefill.load
-        p.inflight += 1
-        p.processed += 1
-        p.queue_prefill(*prefill_work(decision, req))
-    else:
-        d.queue_prefill(*prefill_work(decision, req))
-
-
-def prefill_done(decision: Decision, req: RouteRequest) -> None:
-    """The prefill finished (prefill leg returned, or first token of a local prefill): move the request from the
-    prefill queue to the decode batch."""
-    if decision.prefill is not None:
-        p = decision.prefill.load
-        p.inflight = max(p.inflight - 1, 0)
-        p.unqueue_prefill(*prefill_work(decision, req))
-    else:
-        decision.decode.load.unqueue_prefill(*prefill_work(decision, req))
-    d = decision.decode.load
-    d.inflight_decode += 1
-    d.decode_ctx_tokens += req.prompt_len
-
-
-def end(decision: Decision, req: RouteRequest, prefilled: bool = True) -> None:
-    """The request finished (or failed). ``prefilled`` says whether :func:`prefill_done` ran for it."""
-    d = decision.decode.load
-    d.inflight = max(d.inflight - 1, 0)
-    if prefilled:
-        d.inflight_decode = max(d.inflight_decode - 1, 0)
-        d.decode_ctx_tokens = max(d.decode_ctx_tokens - req.prompt_len, 0)
-    elif decision.prefill is not None:
-        p = decision.prefill.load
-        p.inflight = max(p.inflight - 1, 0)
-        p.unqueue_prefill(*prefill_work(decision, req))
-    else:
-        d.unqueue_prefill(*prefill_work(decision, req))
-
-
-__all__ = ["ClusterView", "Policy", "begin", "prefill_done", "end", "prefill_work", "Decision", "RouteRequest",
+__all__ = ["ClusterView", "Policy", "PolicyParams", "PolicyParamError", "balance_filter", "Decision", "RouteRequest",
            "NoInstanceError"]
-
-_Opt = Optional

@@ -51,61 +51,74 @@ Optional load guard (``balance_abs_threshold`` > 0): decode and prefill candidat
 model's queue estimate is far off.
 
 Pure object: reads instance state and the view, no I/O. Needs a :class:`dlmix.hw.cost.CostModel` on the view (else it
-falls back to least-load scoring). The arithmetic is inlined from :class:`~dlmix.hw.cost.CostModel` with per-chip
-constants (``CostModel.coefs``) because it runs for every request and every candidate.
+falls back to least-load scoring); every time comes from its per-chip :class:`~dlmix.hw.cost.ChipCost`
+(``CostModel.on(chip, num_chips)``), the one place the roofline formulas live.
 """
 from __future__ import annotations
 
-from dlmix.routing.policies.base import ClusterView, Policy, balance_filter
+import pydantic
+
+from dlmix.routing.policies.base import ClusterView, Policy, PolicyParams, balance_filter
+from dlmix.routing.policies.registry import register_policy
 from dlmix.routing.state import Decision, InstanceState, NoInstanceError, OverloadedError, RouteRequest
 
 
+@register_policy("cost")
 class CostPolicy(Policy):
-    """Args (seconds unless noted): ttft_target and itl_target (the SLO: TTFT and TPOT/ITL), local_max_uncached
-    (tokens), interference (weight of the stall a prefill imposes on the prefilling instance's requests),
-    penalty_s (score units per 100 % ITL excess), mem_penalty (score units, KV cache full), default_output_tokens
-    (tokens, when the request has no ``max_tokens``), kv_usage_limit (fraction), reject_ttft_factor (0 = never
-    reject), balance_abs_threshold (requests; 0 = no load guard) / balance_rel_threshold. See the module docstring."""
+    """Joint (P, D) placement scored against the SLO (module docstring); parameters in :class:`Params`."""
 
-    name = "cost"
+    class Params(PolicyParams):
+        """Seconds unless noted. ttft_target / itl_target: the SLO (TTFT and TPOT/ITL); local_max_uncached
+        (tokens): longest uncached part prefilled on D when prefill instances exist; interference: weight of the
+        stall a prefill imposes on the prefilling instance's requests; penalty_s: score units per 100 % ITL excess;
+        mem_penalty: score units for a full KV cache; default_output_tokens (tokens): when the request has no
+        ``max_tokens``; kv_usage_limit (fraction); reject_ttft_factor: 0 = never reject; balance_abs_threshold
+        (requests; 0 = no load guard) / balance_rel_threshold (ratio)."""
+
+        ttft_target: float = pydantic.Field(2.0, gt=0)
+        itl_target: float = pydantic.Field(0.05, gt=0)
+        local_max_uncached: int = pydantic.Field(256, ge=0)
+        interference: float = pydantic.Field(1.0, ge=0)
+        penalty_s: float = pydantic.Field(0.2, ge=0)
+        mem_penalty: float = pydantic.Field(1.0, ge=0)
+        default_output_tokens: int = pydantic.Field(256, ge=1)
+        kv_usage_limit: float = pydantic.Field(0.95, gt=0, le=1)
+        reject_ttft_factor: float = pydantic.Field(0.0, ge=0)
+        balance_abs_threshold: float = pydantic.Field(0, ge=0)
+        balance_rel_threshold: float = pydantic.Field(1.5, gt=0)
+
     needs_prompt = True
 
-    def __init__(self, itl_target: float = 0.05, local_max_uncached: int = 256,
-                 interference: float = 1.0, penalty_s: float = 0.2, default_output_tokens: int = 256,
-                 balance_abs_threshold: float = 0, balance_rel_threshold: float = 1.5,
-                 kv_usage_limit: float = 0.95, ttft_target: float = 2.0, reject_ttft_factor: float = 0.0,
-                 mem_penalty: float = 1.0, **_):
-        self.ttft_target = float(ttft_target)
-        self.mem_penalty = float(mem_penalty)
-        self.reject_ttft_factor = float(reject_ttft_factor)
-        self.kv_usage_limit = float(kv_usage_limit)
-        self.abs_t = float(balance_abs_threshold)
-        self.rel_t = float(balance_rel_threshold)
-        self.itl_target = float(itl_target)
-        self.local_max_uncached = int(local_max_uncached)
-        self.interference = float(interference)
-        self.penalty_s = float(penalty_s)
-        self.default_output_tokens = int(default_output_tokens)
+    def setup(self) -> None:
+        """Copy the parameters to hot-path attributes."""
+        p = self.params
+        self.ttft_target = p.ttft_target
+        self.mem_penalty = p.mem_penalty
+        self.reject_ttft_factor = p.reject_ttft_factor
+        self.kv_usage_limit = p.kv_usage_limit
+        self.abs_t = p.balance_abs_threshold
+        self.rel_t = p.balance_rel_threshold
+        self.itl_target = p.itl_target
+        self.local_max_uncached = p.local_max_uncached
+        self.interference = p.interference
+        self.penalty_s = p.penalty_s
+        self.default_output_tokens = p.default_output_tokens
 
     # --- pieces, public for the simulator and tests -------------------------------------------------------------
     def queue_time(self, cost, inst: InstanceState) -> float:
-        """Seconds of prefill work already queued on ``inst``:
-        ``(2·P·q + 2·L·n_q·d·Σ(N² − h²)) / (MFU·F)`` × TTFT ratio (q = router-counted uncached tokens,
-        Σ(N² − h²) their attention term)."""
+        """Seconds of prefill work already queued on ``inst``: :meth:`~dlmix.hw.cost.ChipCost.prefill_compute` of
+        the router-counted uncached tokens q and their attention term Σ(N² − h²), × TTFT ratio."""
         ld = inst.load
         q = ld.inflight_prefill_tokens
         if q <= 0:
             return 0.0
-        return (cost._lin * q + cost._quad * ld.inflight_prefill_sq) * cost.coefs(inst.chip, inst.num_chips)[0] \
-            * inst.ttft_ratio
+        return cost.on(inst.chip, inst.num_chips).prefill_compute(q, ld.inflight_prefill_sq) * inst.ttft_ratio
 
     def step_time(self, cost, d: InstanceState, n: int) -> float:
-        """Predicted decode step (s) of D after admitting ``n`` more context tokens, × ITL ratio."""
-        c = cost.coefs(d.chip, d.num_chips)
+        """Predicted decode step (s) of D after admitting one more request of ``n`` context tokens, × ITL ratio."""
         ld = d.load
-        mem = (cost._wbytes + (ld.decode_ctx_tokens + n) * cost.kv_bpt) * c[1]
-        comp = cost._lin * (ld.inflight_decode + 1) * c[0]
-        return (cost.t1 + (mem if mem > comp else comp)) * d.itl_ratio
+        return cost.on(d.chip, d.num_chips).decode_step_time(ld.inflight_decode + 1, ld.decode_ctx_tokens + n) \
+            * d.itl_ratio
 
     def choose(self, req: RouteRequest, view: ClusterView) -> Decision:
         """Best (P, D) or local plan by SLO-normalised cost. Raises NoInstanceError when no decode-capable
@@ -123,8 +136,6 @@ class CostPolicy(Policy):
         if self.abs_t > 0:
             pcands = balance_filter(pcands, self.abs_t, self.rel_t)
         n = req.prompt_len
-        n2 = n * n
-        lin, quad, t0 = cost._lin, cost._quad, cost.t0
         out = req.max_tokens or self.default_output_tokens
         inv_t = 1.0 / self.ttft_target
         inv_i = 1.0 / self.itl_target
@@ -132,13 +143,13 @@ class CostPolicy(Policy):
         # s * (B / (out * itl_target) + W / ttft_target)  (share of their SLO budgets)
         w_dec = self.interference / (self.default_output_tokens * self.itl_target)
         w_q = self.interference * inv_t
+        on = cost.on
         pplans = []
         for p in pcands:
             hp = view.hit_tokens(req, p)
             if hp > n:
                 hp = n
-            c0 = cost.coefs(p.chip, p.num_chips)[0]
-            pre = (t0 + (lin * (n - hp) + quad * (n2 - hp * hp)) * c0) * p.ttft_ratio
+            pre = on(p.chip, p.num_chips).prefill_time(n, hp) * p.ttft_ratio
             tp = self.queue_time(cost, p) + pre
             lp = p.load
             harm = pre * (lp.inflight_decode * w_dec + max(lp.inflight - lp.inflight_decode, 0) * w_q)
@@ -160,16 +171,16 @@ class CostPolicy(Policy):
                 base += self.penalty_s * (step / self.itl_target - 1.0)
             if mem_guard and d_full:
                 base += self.mem_penalty
-            c0 = cost.coefs(d.chip, d.num_chips)[0]
             if pplans and n - hd > self.local_max_uncached:  # long: disaggregated, on the best P for this D
                 cand = None
+                xfer_bytes = (n - hd) * cost.kv_bpt  # KV that D lacks, moved over each P -> D link
                 for tp, hp_harm, p, hp in pplans:
-                    t = tp + cost.transfer_time(n - hd, cost.link_between(p.transport, d.transport)) + cost.t1
+                    t = tp + cost.link_between(p.transport, d.transport).transfer_time(xfer_bytes) + cost.t1
                     obj = base + t * inv_t + hp_harm
                     if cand is None or obj < cand[0]:
                         cand = (obj, t, d, p, hp, "cost:pd")
             else:
-                t_pre = (t0 + (lin * (n - hd) + quad * (n2 - hd * hd)) * c0) * d.ttft_ratio
+                t_pre = on(d.chip, d.num_chips).prefill_time(n, hd) * d.ttft_ratio
                 t_local = self.queue_time(cost, d) + t_pre
                 harm = t_pre * (ld.inflight_decode * w_dec + max(ld.inflight - ld.inflight_decode, 0) * w_q)
                 cand = (base + t_local * inv_t + harm, t_local, d, None, hd,

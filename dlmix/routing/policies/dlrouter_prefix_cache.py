@@ -1,7 +1,7 @@
 """``dlrouter_prefix_cache``: DLRouter's ``prefix_cache`` strategy, as a baseline.
 
 Source: ``DeepLink-org/DLRouter`` ``dlrouter/routing/prefix_cache.py`` (key from ``core/proxy_engine.py``
-``_extract_prompt_for_prefix_cache``), read at ``4f902a8``; summarised in the routing-anchors notes §1.1:
+``_extract_prompt_for_prefix_cache``), read at ``4f902a8``:
 
 * key = the prompt text (message contents joined with ``\\n``, whitespace normalised), cut to its first **100
   characters**; a character trie whose nodes store ``instance → last_used``;
@@ -20,7 +20,10 @@ from __future__ import annotations
 
 from typing import List
 
-from dlmix.routing.policies.base import ClusterView, Policy
+import pydantic
+
+from dlmix.routing.policies.base import ClusterView, Policy, PolicyParams
+from dlmix.routing.policies.registry import register_policy
 from dlmix.routing.state import InstanceState, NoInstanceError, RouteRequest
 
 
@@ -32,14 +35,20 @@ def prompt_text(req: RouteRequest) -> str:
     return str(req.key or "")
 
 
+@register_policy("dlrouter_prefix_cache")
 class DLRouterPrefixCache(Policy):
-    """Args: max_chars (key length, 100 in DLRouter)."""
+    """Character-trie prefix routing (module docstring)."""
 
-    name = "dlrouter_prefix_cache"
+    class Params(PolicyParams):
+        """max_chars: key length in characters (100 in DLRouter)."""
+
+        max_chars: int = pydantic.Field(100, ge=1)
+
     needs_prompt = True
 
-    def __init__(self, max_chars: int = 100, **_):
-        self.max_chars = int(max_chars)
+    def setup(self) -> None:
+        """Empty trie."""
+        self.max_chars = self.params.max_chars
         self._root: dict = {}        # char -> [children dict, {slot: last_used}]
         self._clock = 0
         self._rr = 0

@@ -1,7 +1,7 @@
 """``dynamo_kv``: NVIDIA Dynamo's KV router cost, as a baseline.
 
 Source: ``ai-dynamo/dynamo`` ``docs/components/router/router-concepts.md``, ``router-disaggregated-serving.md``,
-``docs/architecture/kv_cache_routing.md`` (routing-anchors notes §1.4). Blocks are the unit of work (bs = the
+``docs/architecture/kv_cache_routing.md``. Blocks are the unit of work (bs = the
 instance's engine block size):
 
     cost_i = w · prefill_blocks_i + decode_blocks_i
@@ -22,21 +22,32 @@ import math
 import random
 from typing import List
 
-from dlmix.routing.policies.base import ClusterView, Policy
+import pydantic
+
+from dlmix.routing.policies.base import ClusterView, Policy, PolicyParams
+from dlmix.routing.policies.registry import register_policy
 from dlmix.routing.state import Decision, InstanceState, NoInstanceError, RouteRequest
 
 
+@register_policy("dynamo_kv")
 class DynamoKV(Policy):
-    """Args: overlap_score_weight (w), temperature (0 = argmin), seed (tie-break / sampling RNG)."""
+    """Dynamo's KV router cost (module docstring)."""
 
-    name = "dynamo_kv"
+    class Params(PolicyParams):
+        """overlap_score_weight: w; temperature: 0 = argmin, > 0 softmax sampling; seed: tie-break/sampling RNG."""
+
+        overlap_score_weight: float = 1.0
+        temperature: float = pydantic.Field(0.0, ge=0)
+        seed: int = 0
+
     needs_prompt = True
     exact_index_only = True  # Dynamo's overlap scores come from the engines' KV events (its radix tree)
 
-    def __init__(self, overlap_score_weight: float = 1.0, temperature: float = 0.0, seed: int = 0, **_):
-        self.w = float(overlap_score_weight)
-        self.temperature = float(temperature)
-        self._rng = random.Random(seed)
+    def setup(self) -> None:
+        """Copy the parameters, seed the RNG."""
+        self.w = self.params.overlap_score_weight
+        self.temperature = self.params.temperature
+        self._rng = random.Random(self.params.seed)
 
     def costs(self, req: RouteRequest, cands: List[InstanceState], view: ClusterView, w: float) -> List[float]:
         """Cost per candidate (blocks), lower is better."""

@@ -5,16 +5,13 @@ from __future__ import annotations
 from typing import List
 
 from dlmix.routing.policies.base import ClusterView, Policy
+from dlmix.routing.policies.registry import register_policy
 from dlmix.routing.state import InstanceState, RouteRequest
 
 
+@register_policy("least_load")
 class LeastLoad(Policy):
     """Score = queue length + KV usage (in [0, 1], so it only breaks ties)."""
-
-    name = "least_load"
-
-    def __init__(self, **_):
-        pass
 
     def score(self, req: RouteRequest, cands: List[InstanceState], view: ClusterView) -> List[float]:
         """``load.queue_len() + load.kv_usage`` per candidate (lower is better)."""

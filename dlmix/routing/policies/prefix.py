@@ -1,5 +1,5 @@
 """``prefix``: cache-aware placement with load guards, after SGLang's router ``cache_aware``
-(``lightseekorg/smg: model_gateway/src/policies/cache_aware.rs``; see the routing-anchors notes §1.2).
+(``lightseekorg/smg: model_gateway/src/policies/cache_aware.rs``).
 
 Differences, on purpose:
 * the balance guard is applied per candidate instead of globally: an instance is *overloaded* iff
@@ -15,22 +15,31 @@ from __future__ import annotations
 
 from typing import List
 
-from dlmix.routing.policies.base import ClusterView, Policy, balance_filter
+from dlmix.routing.policies.base import ClusterView, Policy, PolicyParams, balance_filter
+from dlmix.routing.policies.registry import register_policy
 from dlmix.routing.state import InstanceState, RouteRequest
 
 
+@register_policy("prefix")
 class PrefixAware(Policy):
-    """Args: cache_threshold (match rate above which the longest match wins), balance_abs_threshold,
-    balance_rel_threshold (see module docstring)."""
+    """Cache-aware placement with per-candidate load guards (module docstring); parameters in :class:`Params`."""
 
-    name = "prefix"
+    class Params(PolicyParams):
+        """cache_threshold: match rate (hit tokens / prompt tokens) above which the longest match wins;
+        balance_abs_threshold (requests) / balance_rel_threshold (ratio): the overload rule of the module docstring."""
+
+        cache_threshold: float = 0.3
+        balance_abs_threshold: int = 2
+        balance_rel_threshold: float = 1.5
+
     needs_prompt = True
 
-    def __init__(self, cache_threshold: float = 0.3, balance_abs_threshold: int = 2,
-                 balance_rel_threshold: float = 1.5, **_):
-        self.cache_threshold = float(cache_threshold)
-        self.abs_t = int(balance_abs_threshold)
-        self.rel_t = float(balance_rel_threshold)
+    def setup(self) -> None:
+        """Copy the parameters to hot-path attributes."""
+        p = self.params
+        self.cache_threshold = p.cache_threshold
+        self.abs_t = p.balance_abs_threshold
+        self.rel_t = p.balance_rel_threshold
 
     def filter(self, req: RouteRequest, cands: List[InstanceState], view: ClusterView) -> List[InstanceState]:
         """Drop overloaded candidates (never all: the least loaded always stays); see :func:`balance_filter`."""

@@ -1,7 +1,7 @@
 """``cache_aware``: SGLang router / SMG ``cache_aware`` policy, as a baseline (approximate mode).
 
 Source: ``lightseekorg/smg`` ``model_gateway/src/policies/cache_aware.rs`` (and the vLLM router fork
-``vllm-project/router`` ``src/policies/cache_aware.rs``); routing-anchors notes §1.2. With L_i = router-counted
+``vllm-project/router`` ``src/policies/cache_aware.rs``). With L_i = router-counted
 in-flight requests:
 
 1. imbalanced iff ``max L − min L > balance_abs_threshold`` **and** ``max L > balance_rel_threshold × min L``
@@ -22,31 +22,43 @@ tokens; time-based eviction (``eviction_interval_secs``) is not modelled (the po
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Dict, List
+from typing import Dict, List, Literal, Optional
 
-from dlmix.routing.policies.base import ClusterView, Policy
+import pydantic
+
+from dlmix.routing.policies.base import ClusterView, Policy, PolicyParams
+from dlmix.routing.policies.registry import register_policy
 from dlmix.routing.state import InstanceState, NoInstanceError, RouteRequest
 
 
+@register_policy("cache_aware")
 class SGLangCacheAware(Policy):
-    """Args: cache_threshold, balance_abs_threshold, balance_rel_threshold, max_tree_size (tokens),
-    tree_block_size (tokens per tree entry), fallback (``least_load`` or ``smallest_tree``)."""
+    """SGLang/SMG ``cache_aware`` (module docstring)."""
 
-    name = "cache_aware"
+    class Params(PolicyParams):
+        """cache_threshold (match rate), balance_abs_threshold (requests), balance_rel_threshold (ratio),
+        max_tree_size (tokens), tree_block_size (tokens per tree entry), fallback (``least_load`` or
+        ``smallest_tree``; None = the class default)."""
+
+        cache_threshold: float = 0.3
+        balance_abs_threshold: int = 64
+        balance_rel_threshold: float = 1.5
+        max_tree_size: int = pydantic.Field(1 << 26, ge=1)
+        tree_block_size: int = pydantic.Field(64, ge=1)
+        fallback: Optional[Literal["least_load", "smallest_tree"]] = None
+
     needs_prompt = True
     default_fallback = "least_load"
 
-    def __init__(self, cache_threshold: float = 0.3, balance_abs_threshold: int = 64,
-                 balance_rel_threshold: float = 1.5, max_tree_size: int = 1 << 26, tree_block_size: int = 64,
-                 fallback: str | None = None, **_):
-        self.cache_threshold = float(cache_threshold)
-        self.abs_t = int(balance_abs_threshold)
-        self.rel_t = float(balance_rel_threshold)
-        self.bs = int(tree_block_size)
-        self.cap = max(int(max_tree_size) // self.bs, 1)
-        self.fallback = fallback or self.default_fallback
-        if self.fallback not in ("least_load", "smallest_tree"):
-            raise ValueError(f"fallback must be least_load or smallest_tree, got {self.fallback!r}")
+    def setup(self) -> None:
+        """Copy the parameters, empty tree."""
+        p = self.params
+        self.cache_threshold = p.cache_threshold
+        self.abs_t = p.balance_abs_threshold
+        self.rel_t = p.balance_rel_threshold
+        self.bs = p.tree_block_size
+        self.cap = max(p.max_tree_size // self.bs, 1)
+        self.fallback = p.fallback or self.default_fallback
         self._lru: "OrderedDict[int, int]" = OrderedDict()   # block key -> bitmask of slots
         self._size: Dict[int, int] = {}                      # slot -> entries
 
@@ -118,8 +130,8 @@ class SGLangCacheAware(Policy):
         self._size.pop(inst.slot, None)
 
 
+@register_policy("cache_aware_smallest_tree")
 class SGLangCacheAwareSmallestTree(SGLangCacheAware):
     """``cache_aware`` with SMG's documented "smallest tree" fallback (ignores load below the cache threshold)."""
 
-    name = "cache_aware_smallest_tree"
     default_fallback = "smallest_tree"

@@ -1,7 +1,8 @@
 """``oracle``: an upper-bound-ish reference for the simulator: per-request exhaustive search of the simulated TTFT on
 every instance (and every prefill/decode pair) using the simulator's **true** state.
 
-Not a deployable policy: it needs a bound :class:`dlmix.sim.simulator.Simulator` (``bind_simulator``) and reads,
+Not a deployable policy, so it lives in the simulator and is registered (``@register_policy("oracle")``) only where
+``dlmix.sim`` is imported. It needs a bound :class:`dlmix.sim.simulator.Simulator` (``bind_simulator``) and reads,
 for every candidate, what no router knows exactly: the true KV-cache contents (prefix hit), the true per-chip timing
 model (not the catalog's belief), the prompts still queued or being prefilled (remaining tokens and positions), the
 time left in the running iteration, the KV link's queue, and the request's true output length (for the memory check).
@@ -19,23 +20,32 @@ compare it with the ``cost`` policy, which estimates the same quantities from ro
 """
 from __future__ import annotations
 
-from dlmix.routing.policies.base import ClusterView, Policy
+import pydantic
+
+from dlmix.routing.policies import ClusterView, Policy, PolicyParams, register_policy
 from dlmix.routing.state import Decision, NoInstanceError, RouteRequest
 
 
+@register_policy("oracle")
 class OracleTTFT(Policy):
-    """Args: itl_target (s), penalty_s (s per 100 % ITL excess or when the KV cache is full)."""
+    """Exhaustive search on the simulator's true state (module docstring); parameters in :class:`Params`."""
 
-    name = "oracle"
+    class Params(PolicyParams):
+        """itl_target (s); penalty_s (s per 100 % ITL excess, and once when the KV cache is full)."""
+
+        itl_target: float = pydantic.Field(0.025, gt=0)
+        penalty_s: float = pydantic.Field(10.0, ge=0)
+
     needs_prompt = True
 
-    def __init__(self, itl_target: float = 0.025, penalty_s: float = 10.0, **_):
-        self.itl_target = float(itl_target)
-        self.penalty_s = float(penalty_s)
+    def setup(self) -> None:
+        """Copy the parameters; no simulator bound yet."""
+        self.itl_target = self.params.itl_target
+        self.penalty_s = self.params.penalty_s
         self.sim = None
 
     def bind_simulator(self, sim) -> None:
-        """Attach the simulator whose true state the oracle reads."""
+        """Attach the :class:`~dlmix.sim.simulator.Simulator` whose true state the oracle reads."""
         self.sim = sim
 
     def _queue(self, x) -> float:
