@@ -67,7 +67,8 @@ def test_params_round_trip_and_vllm_wire_names():
     assert d["remote_prompt_digest"] == prompt_digest(range(70))
     assert KVLayout.from_dict(d["remote_layout"]) == _layout()
     # vLLM's envelope flags are ignored; everything else must be the contract's
-    assert decode_params({**d, "do_remote_prefill": True, "do_remote_decode": False}) == p
+    assert decode_params({**d, "do_remote_prefill": True, "do_remote_decode": False,
+                          "remote_prefill_cached_tokens": 64}) == p
     assert p.kv_layout == _layout() and p.transport_for_rank(0) == TRANSPORT
     with pytest.raises(ContractError, match="no transport for rank 1"):
         p.transport_for_rank(1)
@@ -220,6 +221,7 @@ def _mutated_params(draw):
         elif op == "add":
             d[draw(st.text(min_size=1, max_size=10).filter(lambda k: k not in _PARAM_KEYS and k not in
                                                           ("do_remote_prefill", "do_remote_decode",
+                                                           "remote_prefill_cached_tokens",
                                                            "_dlmix_consumer")))] = draw(_json)
         else:
             d["contract_version"] = draw(_json.filter(lambda v: v != CONTRACT_VERSION))

@@ -71,8 +71,10 @@ CONTRACT_VERSION = 1
 TRANSFER_MODE = "dlmix-pull"
 
 #: Keys of vLLM's ``kv_transfer_params`` envelope that are not part of the contract and are ignored by
-#: :func:`decode_params` (vLLM's own flags, and the consumer's private marker).
-ENVELOPE_KEYS = frozenset({"do_remote_prefill", "do_remote_decode", "_dlmix_consumer"})
+#: :func:`decode_params`: vLLM's own flags, ``remote_prefill_cached_tokens`` (added by vLLM's scheduler to the
+#: params a producer returns, ``vllm/v1/core/sched/scheduler.py``), and the consumer's private marker.
+ENVELOPE_KEYS = frozenset({"do_remote_prefill", "do_remote_decode", "remote_prefill_cached_tokens",
+                           "_dlmix_consumer"})
 
 _DIGEST_RE = re.compile(r"^sha256:[0-9a-f]{64}$")
 _INT32_MIN, _INT32_MAX = -(2 ** 31), 2 ** 31 - 1
