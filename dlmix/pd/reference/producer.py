@@ -1,0 +1,183 @@
+"""The reference producer: a prefill "engine" written against the dlmix PD core alone.
+
+It proves the core engine-neutral: no engine is imported, the KV cache is computed by transformers' forward pass
+(:mod:`.model`) and kept in a paged layout unlike vLLM CPU's (:mod:`.cache`; default ``vllm_lbnhc`` = NHD with
+K|V per head, block size 16, fp16, where vLLM CPU uses ``vllm_cpu`` = HND with K transposed, block size a
+multiple of 32, the model dtype). Everything about the transfer comes from the core:
+
+* :class:`dlmix.pd.contract.TransferParams` (what the prefill leg answers, incl. the prompt digest),
+* the core's producer side (hold the blocks, grant exactly those to the decode that asks, extend, release on
+  consumed/abort/timeout, security-gate the pair and the digest), fed this producer's tensors and layout,
+* :func:`dlmix.pd.pair.check_pair` (inside the producer side) and :func:`dlmix.kv.convert` (writing the cache).
+
+What this module adds is only what an engine adapter adds: tokenization and the forward pass, block allocation,
+and freeing blocks when the core says a hold is over.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from dlmix.kv import KVLayout, ModelIdentity
+
+from .cache import PagedKVCache
+from .model import TransformersPrefill
+from .server import HTTPError, openai_response, request_error
+
+log = logging.getLogger("dlmix.pd.reference")
+
+__all__ = ["ReferenceConfig", "ReferenceProducer", "ENGINE_NAME"]
+
+#: ``remote_engine`` of the parameters this producer hands out.
+ENGINE_NAME = "reference"
+
+
+@dataclass
+class ReferenceConfig:
+    """Settings of a reference producer.
+
+    model_dir: Hugging Face folder (e.g. ``dlmix.models.prepare("smollm2")``). served_model_name: the OpenAI
+    ``model`` name. arrangement/block_size/dtype: the paged cache's layout (any :data:`dlmix.kv.ARRANGEMENTS`
+    entry of a non-MLA model; block size in tokens). kv_cache_bytes: cache size (bytes; blocks =
+    ``kv_cache_bytes // layout.block_bytes()``). compute_dtype: forward-pass dtype. transport/kv_host/kv_port/
+    secret: the core transport the decode pulls from (``tcp`` on loopback by default; port 0 = any free port).
+    hold_timeout_s: blocks are freed this long after the prefill unless a decode consumed or is reading them.
+    io_timeout_s: the core's read/extend window. verify_weights: check the decode's weights fingerprint.
+    perturb_token: test hook, ``None`` normally; an index ``i`` makes the producer prefill the prompt with token
+    ``i`` replaced by ``(id + 1) % vocab`` (a producer whose prompt differs by one token; its digest says so).
+    """
+
+    model_dir: str | Path
+    served_model_name: str = "smollm2"
+    arrangement: str = "vllm_lbnhc"
+    block_size: int = 16
+    dtype: str = "fp16"
+    kv_cache_bytes: int = 128 << 20
+    compute_dtype: str = "float32"
+    max_model_len: int = 2048
+    transport: str = "tcp"
+    kv_host: str = "127.0.0.1"
+    kv_port: int = 0
+    secret: str | None = None
+    hold_timeout_s: float = 120.0
+    io_timeout_s: float = 30.0
+    verify_weights: bool = True
+    perturb_token: int | None = None
+    instance_id: str = field(default_factory=lambda: f"ref-{uuid.uuid4().hex[:12]}")
+
+
+class ReferenceProducer:
+    """Model + paged cache + the core's producer side. ``prefill(body, chat)`` answers one prefill leg; the
+    core serves the decode's pulls on its transport thread; :meth:`close` stops everything.
+
+    Raises ValueError for an inconsistent config (layout fields), ImportError without transformers/torch.
+    """
+
+    def __init__(self, cfg: ReferenceConfig):
+        from dlmix.pd import weights_fingerprint  # the core's one weights identity
+
+        self.cfg = cfg
+        self.served_model_name = cfg.served_model_name
+        self.model = TransformersPrefill(cfg.model_dir, compute_dtype=cfg.compute_dtype,
+                                         max_model_len=cfg.max_model_len)
+        m = self.model
+        ident = ModelIdentity(architecture=m.architecture, num_layers=m.num_layers, num_kv_heads=m.num_kv_heads,
+                              head_size=m.head_size, attention=m.attention,
+                              weights_fingerprint=weights_fingerprint(str(cfg.model_dir)))
+        self.layout = KVLayout(ident, block_size=int(cfg.block_size), dtype=cfg.dtype, arrangement=cfg.arrangement,
+                               engine=f"dlmix-reference transformers {cfg.compute_dtype}")
+        nb = int(cfg.kv_cache_bytes) // self.layout.block_bytes()
+        if nb < 1:
+            raise ValueError(f"kv_cache_bytes={cfg.kv_cache_bytes} holds no block of {self.layout.block_bytes()} B")
+        self.cache = PagedKVCache(self.layout, nb)
+        self._lock = threading.Lock()
+        self._blocks: dict[str, list[int]] = {}  # request id -> blocks held for a decode
+        self.counters = {"prefills": 0, "prompt_tokens": 0, "freed_requests": 0}
+        self.core = _make_core_producer(self)
+        self._stop = threading.Event()
+        self._reaper = threading.Thread(target=self._reap_loop, name="dlmix-ref-reaper", daemon=True)
+        self._reaper.start()
+
+    # ------------------------------------------------------------------------------------------ prefill leg
+    def prefill(self, body: dict[str, Any], chat: bool) -> dict[str, Any]:
+        """Answer one prefill leg (see :mod:`.server`). Raises :class:`~.server.HTTPError` (400 bad request or
+        prompt, 503 cache full)."""
+        ktp = body.get("kv_transfer_params")
+        if not isinstance(ktp, dict) or ktp.get("do_remote_decode") is not True:
+            raise HTTPError(400, "the reference producer only serves prefill legs: send kv_transfer_params "
+                                 "{\"do_remote_decode\": true} (e.g. through the dlmix router with this instance as "
+                                 "role prefill)")
+        try:
+            ids = self.model.prompt_ids(body, chat)
+        except Exception as e:
+            raise request_error(e) from None
+        ids = self._maybe_perturb(ids)
+        res = self.model.prefill(ids)
+        try:
+            blocks = self.cache.allocate(len(ids))
+        except Exception as e:
+            raise request_error(e) from None
+        rid = f"{self.cfg.instance_id}-{uuid.uuid4().hex[:16]}"
+        try:
+            self.cache.store(res.keys, res.values, blocks)
+            with self._lock:
+                self._blocks[rid] = blocks
+            params = self._hold(rid, blocks, ids)
+        except Exception:
+            with self._lock:
+                self._blocks.pop(rid, None)
+            self.cache.free(blocks)
+            raise
+        self.counters["prefills"] += 1
+        self.counters["prompt_tokens"] += len(ids)
+        return openai_response(rid=rid, model=body.get("model") or self.served_model_name, chat=chat,
+                               text=self.model.decode([res.next_token]), token_id=res.next_token,
+                               prompt_tokens=len(ids), kv_transfer_params=params)
+
+    def _maybe_perturb(self, ids: list[int]) -> list[int]:
+        i = self.cfg.perturb_token
+        if i is None:
+            return ids
+        out = list(ids)
+        j = i if i >= 0 else len(out) + i
+        if not 0 <= j < len(out):
+            raise HTTPError(400, f"perturb_token={i} is outside the {len(out)}-token prompt")
+        out[j] = (out[j] + 1) % int(self.model.config.vocab_size)
+        return out
+
+    # ------------------------------------------------------------------------------------------ lifecycle
+    def _free(self, rid: str) -> None:
+        """The core says ``rid``'s hold is over (consumed, aborted or expired): return its blocks."""
+        with self._lock:
+            blocks = self._blocks.pop(rid, None)
+        if blocks is not None:
+            self.cache.free(blocks)
+            self.counters["freed_requests"] += 1
+
+    def _reap_loop(self) -> None:
+        while not self._stop.wait(0.05):
+            try:
+                self.reap()
+            except Exception:  # keep reaping
+                log.exception("reference producer: reaping holds failed")
+
+    def held_requests(self) -> int:
+        """Requests whose blocks are still held for a decode."""
+        with self._lock:
+            return len(self._blocks)
+
+    def stats(self) -> dict[str, Any]:
+        """Hold accounting (JSON-able): requests held, blocks used/free, counters, and the core's own numbers."""
+        return {"held_requests": self.held_requests(), "used_blocks": self.cache.used_blocks,
+                "free_blocks": self.cache.free_blocks, "num_blocks": self.cache.num_blocks,
+                "layout": self.layout.to_dict(), **self.counters, "core": self._core_stats()}
+
+    def close(self) -> None:
+        self._stop.set()
+        self._close_core()
