@@ -1,0 +1,104 @@
+"""The one builder of the router registration body (``POST /admin/instances``, see :mod:`dlmix.router.server`),
+used by every engine adapter (the vLLM connector's router client, ``dlmix launch``'s static instance list, the next
+engines' adapters), and its validating decoder (for the router to check a body against the same schema).
+
+Body fields (JSON): ``id``, ``url`` (``http://host:port``, required), ``role`` (``prefill``/``decode``/``both``),
+``engine`` (``vllm``, ``sglang``, ``lmdeploy``, ...), ``model`` (served name, or a list), ``chip`` (catalog name),
+``num_chips``, ``cluster``, ``block_size`` (tokens), ``kv_layout`` (``KVLayout.to_dict()``), ``transport`` (TP rank
+0's transport descriptor, or a link description such as ``{"link": "rdma-100g"}``), ``kv_events``
+(``tcp://host:port`` of the engine's ZMQ KV-event publisher), ``heartbeat_ttl_s`` (0 = no heartbeats expected),
+``contract_version`` (the PD contract the instance speaks, :data:`dlmix.pd.contract.CONTRACT_VERSION`).
+Unset optional fields are omitted (the router applies its defaults).
+"""
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+from urllib.parse import urlparse
+
+import msgspec
+
+from dlmix.kv.layout import KVLayout
+
+from .contract import CONTRACT_VERSION, ContractError
+
+__all__ = ["Registration", "registration_body", "decode_registration", "ROLES"]
+
+ROLES = ("prefill", "decode", "both")
+
+
+class Registration(msgspec.Struct, kw_only=True, omit_defaults=True, forbid_unknown_fields=False):
+    """Typed registration body (see module doc). Unknown keys are tolerated on decode (the router keeps them as
+    ``extra``); known keys are type-checked."""
+
+    url: str
+    id: str | None = None
+    role: Literal["prefill", "decode", "both"] = "both"
+    engine: Annotated[str, msgspec.Meta(min_length=1)] = "vllm"
+    model: str | list[str] | None = None
+    chip: str | None = None
+    num_chips: Annotated[int, msgspec.Meta(ge=1)] | None = None
+    cluster: str | None = None
+    block_size: Annotated[int, msgspec.Meta(ge=1)] | None = None
+    kv_layout: dict[str, Any] | None = None
+    transport: dict[str, Any] | None = None
+    kv_events: str | None = None
+    heartbeat_ttl_s: Annotated[float, msgspec.Meta(ge=0)] | None = None
+    contract_version: int | None = None
+
+    def __post_init__(self) -> None:
+        u = urlparse(self.url.rstrip("/"))
+        if u.scheme not in ("http", "https") or not u.hostname or not u.port:
+            raise ValueError(f"url must be http://host:port, got {self.url!r}")
+        if self.kv_layout is not None:
+            try:
+                lay = KVLayout.from_dict(self.kv_layout)
+            except (ValueError, TypeError) as e:
+                raise ValueError(f"kv_layout is not a valid KV layout: {e}") from None
+            if self.block_size is not None and self.block_size != lay.block_size:
+                raise ValueError(f"block_size {self.block_size} differs from kv_layout.block_size {lay.block_size}")
+        if self.contract_version is not None and self.contract_version != CONTRACT_VERSION:
+            raise ValueError(f"unsupported contract version {self.contract_version} (router speaks "
+                             f"{CONTRACT_VERSION})")
+
+
+def registration_body(*, url: str, role: str = "both", engine: str = "vllm", instance_id: str | None = None,
+                      model: str | list[str] | None = None, chip: str | None = None, num_chips: int | None = None,
+                      cluster: str | None = None, block_size: int | None = None,
+                      kv_layout: KVLayout | dict[str, Any] | None = None, transport: dict[str, Any] | None = None,
+                      kv_events: str | None = None, heartbeat_ttl_s: float | None = None,
+                      pd: bool | None = None) -> dict[str, Any]:
+    """The JSON body of ``POST /admin/instances`` (pure function).
+
+    ``block_size`` defaults to the layout's. ``pd``: whether the instance takes part in PD transfers under this
+    contract (adds ``contract_version``); default: when a ``kv_layout`` is given.
+    Raises ContractError with the reason on bad input (bad url/role, malformed layout, block size mismatch).
+    """
+    lay = kv_layout.to_dict() if isinstance(kv_layout, KVLayout) else (dict(kv_layout) if kv_layout else None)
+    if block_size is None and lay is not None and isinstance(lay.get("block_size"), int):
+        block_size = lay["block_size"]
+    d: dict[str, Any] = {"url": str(url).rstrip("/"), "id": instance_id, "role": role, "engine": engine,
+                         "model": model, "chip": chip, "num_chips": num_chips, "cluster": cluster,
+                         "block_size": int(block_size) if block_size is not None else None, "kv_layout": lay,
+                         "transport": dict(transport) if transport else None, "kv_events": kv_events,
+                         "heartbeat_ttl_s": float(heartbeat_ttl_s) if heartbeat_ttl_s is not None else None,
+                         "contract_version": CONTRACT_VERSION if (pd if pd is not None else lay is not None)
+                         else None}
+    reg = decode_registration({k: v for k, v in d.items() if v is not None})
+    out = msgspec.to_builtins(reg)
+    if "role" not in out:  # omit_defaults drops it; the router's default is the same, but be explicit
+        out["role"] = reg.role
+    if "engine" not in out:
+        out["engine"] = reg.engine
+    return out
+
+
+def decode_registration(obj: Any) -> Registration:
+    """Validate a registration body. Raises ContractError with a readable reason (never KeyError)."""
+    if not isinstance(obj, dict):
+        raise ContractError(f"registration body must be an object, got {type(obj).__name__}")
+    try:
+        return msgspec.convert(obj, Registration, strict=True)
+    except msgspec.ValidationError as e:
+        raise ContractError(f"invalid registration: {e}") from None
+    except (TypeError, ValueError) as e:
+        raise ContractError(f"invalid registration: {e}") from None
