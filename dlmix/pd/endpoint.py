@@ -1,0 +1,191 @@
+"""One engine rank's PD endpoint: a ``dlmix_kv_connectors`` transport with this rank's KV planes registered, a
+:class:`~dlmix.pd.producer.Producer` and (with staging) a :class:`~dlmix.pd.consumer.Consumer`, and the dispatch of
+control messages (decoded and validated by :func:`dlmix.pd.contract.decode_message`; a malformed one is counted,
+answered with ``refused`` when it is a ``want``, and never changes a hold).
+
+Documented choice: **the consumer pulls** with one-sided reads of the producer's granted blocks. See
+:mod:`dlmix.pd.producer` and :mod:`dlmix.pd.consumer` for the rules of each side.
+"""
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from typing import Any, Callable
+
+from dlmix.kv.layout import KVLayout
+
+from .consumer import Consumer, PullResult
+from .contract import ContractError, Ready, Refuse, decode_message
+from .engine import check_caches
+from .producer import Hold, Producer, register_regions
+
+log = logging.getLogger("dlmix.pd.endpoint")
+
+__all__ = ["KVEndpoint", "Hold", "PullResult", "DEFAULT_LOOPBACK_SECRET"]
+
+#: Secret used when none is configured. Only allowed with a loopback bind (enforced by adapters' settings), where it
+#: is equivalent to an unauthenticated loopback socket; set a shared secret for anything else.
+DEFAULT_LOOPBACK_SECRET = "dlmix-loopback-only"
+
+
+class _Slots:
+    """Answers (``blocks_ready``/``refused``) awaited by pulls, by request id."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._slots: dict[str, tuple[threading.Event, list]] = {}
+
+    def open(self, req: str) -> tuple[threading.Event, list]:
+        slot = (threading.Event(), [])
+        with self._lock:
+            self._slots[req] = slot
+        return slot
+
+    def close(self, req: str) -> None:
+        with self._lock:
+            self._slots.pop(req, None)
+
+    def deliver(self, msg: Ready | Refuse) -> bool:
+        with self._lock:
+            slot = self._slots.get(msg.req)
+        if slot is None:
+            return False
+        slot[1].append(msg)
+        slot[0].set()
+        return True
+
+
+class KVEndpoint:
+    """One worker's PD endpoint (see module doc).
+
+    Args:
+      kind: transport kind for :func:`dlmix_kv_connectors.make_transport` (``tcp`` default).
+      name: this endpoint's peer id (unique per worker).
+      secret, host, port: transport authentication and listen address (port 0 = any free port).
+      layout: this rank's KVLayout; layers: per-layer KV caches in model order (:mod:`dlmix.kv` form).
+      staging_bytes: consumer staging region size (bytes); 0 = producer only.
+      hold_timeout_s, registration_wait_s, io_timeout_s, verify_weights: see :mod:`dlmix.pd.producer`.
+      on_released: optional producer hook ``(request_id, why)``.
+    Raises whatever the transport raises when it cannot start (e.g. port in use), and ValueError on caches that do
+    not match the layout.
+    """
+
+    def __init__(self, kind: str, name: str, secret: str, host: str, port: int, layout: KVLayout,
+                 layers: list[Any], staging_bytes: int, *, hold_timeout_s: float = 120.0,
+                 registration_wait_s: float = 10.0, io_timeout_s: float = 60.0, verify_weights: bool = True,
+                 transport_cfg: dict[str, Any] | None = None,
+                 on_released: Callable[[str, str], None] | None = None):
+        import torch
+        from dlmix_kv_connectors import make_transport
+
+        self.layout = layout
+        self.layers = layers
+        num_blocks = check_caches(layout, layers)
+        self.t = make_transport(kind, name=name, secret=secret, host=host, port=port, timeout_s=io_timeout_s,
+                                **(transport_cfg or {}))
+        register_regions(self.t, layout, layers)
+        self.staging = None
+        if staging_bytes:
+            self.staging = torch.empty(int(staging_bytes), dtype=torch.uint8)
+            self.t.register("staging", self.staging)
+        self.producer = Producer(self.t, layout, num_blocks, hold_timeout_s=hold_timeout_s,
+                                 registration_wait_s=registration_wait_s, io_timeout_s=io_timeout_s,
+                                 verify_weights=verify_weights, on_released=on_released)
+        self._slots = _Slots()
+        self.consumer = Consumer(self.t, layout, layers, self.staging, slots=self._slots, io_timeout_s=io_timeout_s,
+                                 registration_wait_s=registration_wait_s, verify_weights=verify_weights)
+        self._work: queue.Queue = queue.Queue()
+        self._stop = threading.Event()
+        self._worker = threading.Thread(target=self._serve, name="dlmix-kv-ctl", daemon=True)
+        self._worker.start()
+        self.t.on_notify(self._on_notify)
+
+    # ------------------------------------------------------------------ common
+    @property
+    def stats(self) -> dict[str, int]:
+        return self.producer.stats
+
+    @property
+    def holds(self) -> dict[str, Hold]:
+        return self.producer.holds
+
+    def descriptor(self) -> dict[str, Any]:
+        """The transport descriptor a peer needs to connect (JSON-able; no secret)."""
+        return self.t.descriptor()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._work.put(None)
+        self.t.close()
+
+    def _on_notify(self, n) -> None:  # transport I/O thread: must not block
+        try:
+            msg = decode_message(n.msg)
+        except ContractError as e:
+            self._work.put((n.peer, n.msg, e))
+            return
+        if isinstance(msg, (Ready, Refuse)):
+            if not self._slots.deliver(msg):
+                log.debug("dlmix.pd: unexpected %s for %s from %s", type(msg).__name__, msg.req, n.peer)
+            return
+        self._work.put((n.peer, msg, None))
+
+    def _serve(self) -> None:
+        while not self._stop.is_set():
+            item = self._work.get()
+            if item is None:
+                return
+            peer, msg, err = item
+            try:
+                if err is not None:
+                    self.producer.refuse_bad(peer, msg, err)
+                else:
+                    self.producer.handle(peer, msg)
+            except Exception as e:  # a bad message must not stop the endpoint
+                log.warning("dlmix.pd: control message from %s failed: %s", peer, e)
+
+    def _handle(self, peer: str, msg: Any) -> None:
+        """Handle one raw control message synchronously (decoding it first)."""
+        try:
+            m = decode_message(msg)
+        except ContractError as e:
+            self.producer.refuse_bad(peer, msg, e)
+            return
+        self.producer.handle(peer, m)
+
+    # ------------------------------------------------------------------ producer side
+    def add_hold(self, req_id: str, block_ids: list[int], num_tokens: int, digest: str | None = None) -> None:
+        """See :meth:`dlmix.pd.producer.Producer.add_hold`."""
+        self.producer.add_hold(req_id, block_ids, num_tokens, digest)
+
+    def is_held(self, req_id: str) -> bool:
+        return self.producer.is_held(req_id)
+
+    def held_count(self) -> int:
+        return self.producer.held_count()
+
+    def take_finished(self) -> set[str]:
+        """See :meth:`dlmix.pd.producer.Producer.take_finished`."""
+        return self.producer.take_finished()
+
+    def engine_abort(self, req_id: str) -> None:
+        """See :meth:`dlmix.pd.producer.Producer.engine_abort`."""
+        self.producer.engine_abort(req_id)
+
+    # ------------------------------------------------------------------ consumer side
+    def release(self, remote: dict[str, Any], remote_req_id: str, consumed: bool) -> None:
+        """See :meth:`dlmix.pd.consumer.Consumer.release`."""
+        self.consumer.release(remote, remote_req_id, consumed)
+
+    def pull(self, remote: dict[str, Any], remote_req_id: str, remote_block_ids: list[int], start: int, end: int,
+             local_block_ids: list[int], cancelled: Callable[[], bool] = lambda: False, *,
+             src_layout: KVLayout | dict[str, Any] | None = None, digest: str | None = None) -> PullResult:
+        """See :meth:`dlmix.pd.consumer.Consumer.pull`. Never raises."""
+        return self.consumer.pull(remote, remote_req_id, remote_block_ids, start, end, local_block_ids, cancelled,
+                                  src_layout=src_layout, digest=digest)
+
+    def pull_params(self, params: Any, start: int, end: int, local_block_ids: list[int],
+                    cancelled: Callable[[], bool] = lambda: False, *, digest: str | None = None) -> PullResult:
+        """See :meth:`dlmix.pd.consumer.Consumer.pull_params`."""
+        return self.consumer.pull_params(params, start, end, local_block_ids, cancelled, digest=digest)

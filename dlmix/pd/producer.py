@@ -1,0 +1,245 @@
+"""Producer (prefill) side of the pull path, engine-neutral.
+
+The engine adapter calls :meth:`Producer.add_hold` when a finished request's blocks are kept for a consumer, polls
+:meth:`Producer.take_finished` (or gets ``hold_released`` hooks) to learn which holds it may free, and calls
+:meth:`Producer.engine_abort` if it must drop a hold itself. Control messages from consumers arrive through
+:meth:`Producer.handle` (already decoded by :func:`dlmix.pd.contract.decode_message`).
+
+Rules:
+
+* ``want``: checked against the hold (exists, same block ids, same prompt digest when both are known) and the pair
+  (:func:`dlmix.pd.pair.check_pair`, the security gate); then exactly the held blocks of every layer plane are
+  granted read-only to the asking peer for transfer id = request id, the deadline becomes at least
+  ``io_timeout_s`` from now, and ``blocks_ready`` is sent; otherwise ``refused`` with the reasons.
+* ``extend`` (from the grantee): deadline and grant pushed to ``io_timeout_s`` from now.
+* ``blocks_consumed`` / ``abort``: the grant is revoked and the hold released.
+* deadline passed (``hold_timeout_s`` after the hold began, or ``io_timeout_s`` after the last want/extend):
+  revoked and released (``expired``); a later read fails and the consumer recomputes.
+* :meth:`engine_abort`: revoke at once; a never-granted hold is released at once, a granted one only after
+  ``io_timeout_s`` more (a read already being served may still touch the blocks; the transport lets served ops
+  finish after a revoke) or when the consumer reports ``blocks_consumed``/``abort``.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from dlmix.kv.layout import KVLayout
+
+from .contract import Abort, Consumed, ContractError, ControlMessage, Extend, Ready, Refuse, Want, encode
+from .engine import layer_planes, plane_page_bytes, region_names
+from .pair import check_pair
+
+log = logging.getLogger("dlmix.pd.producer")
+
+__all__ = ["Hold", "Producer", "block_ranges"]
+
+
+@dataclass
+class Hold:
+    """A request whose blocks the engine keeps for a consumer. ``expiry``: ``time.monotonic()`` deadline (s);
+    ``done``: released (consumed, aborted, expired) and waiting for the engine to take it; ``why``: the reason;
+    ``granted_to``: the peer holding the read grant; ``free_after``: engine-aborted with a grant: not before."""
+
+    req_id: str
+    block_ids: list[int]
+    num_tokens: int
+    expiry: float
+    digest: str | None = None
+    done: bool = False
+    why: str = ""
+    granted_to: str | None = None
+    free_after: float = 0.0
+    grants: int = 0
+
+
+def block_ranges(layout: KVLayout, block_ids: list[int]) -> list[tuple[str, int, int]]:
+    """``(region, offset, length)`` byte ranges covering exactly ``block_ids`` of every layer plane of ``layout``'s
+    region scheme (:mod:`dlmix.pd.engine`); runs of consecutive block ids become one range."""
+    page = plane_page_bytes(layout)
+    runs: list[tuple[int, int]] = []
+    for b in block_ids:
+        if runs and b == runs[-1][0] + runs[-1][1]:
+            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+        else:
+            runs.append((b, 1))
+    return [(name, b0 * page, n * page) for names in region_names(layout) for name in names for b0, n in runs]
+
+
+class Producer:
+    """Hold/grant/extend/release bookkeeping over a transport (see module doc).
+
+    Args:
+      transport: a ``dlmix_kv_connectors`` transport (uses ``grant``, ``revoke``, ``notify``) whose regions are this
+        engine's KV planes (:func:`register_regions`).
+      layout: this rank's KVLayout.
+      num_blocks: blocks per plane of the registered cache (block ids must be below it).
+      hold_timeout_s, registration_wait_s, io_timeout_s: seconds (see :class:`dlmix_vllm.config.DLMixSettings`).
+      verify_weights: refuse consumers whose weights fingerprint differs.
+      on_released: optional hook ``(request_id, why)`` called when a hold is released.
+    """
+
+    def __init__(self, transport: Any, layout: KVLayout, num_blocks: int, *, hold_timeout_s: float = 120.0,
+                 registration_wait_s: float = 10.0, io_timeout_s: float = 60.0, verify_weights: bool = True,
+                 on_released: Callable[[str, str], None] | None = None):
+        self.t = transport
+        self.layout = layout
+        self.num_blocks = int(num_blocks)
+        self.hold_timeout_s = hold_timeout_s
+        self.registration_wait_s = registration_wait_s
+        self.io_timeout_s = io_timeout_s
+        self.verify_weights = verify_weights
+        self.on_released = on_released
+        self.holds: dict[str, Hold] = {}
+        self.cv = threading.Condition()
+        self.stats = {"bytes_granted": 0, "grants": 0, "refused": 0, "expired": 0, "consumed": 0, "aborted": 0,
+                      "engine_aborted": 0, "bad_messages": 0}
+
+    # ------------------------------------------------------------------ engine-facing
+    def add_hold(self, req_id: str, block_ids: list[int], num_tokens: int, digest: str | None = None) -> None:
+        """Keep ``block_ids`` (token order) of ``req_id`` for a consumer. Idempotent per request id.
+        Raises ValueError for block ids outside the cache or too few blocks for ``num_tokens``."""
+        ids = [int(b) for b in block_ids]
+        bad = [b for b in ids if not 0 <= b < self.num_blocks]
+        if bad:
+            raise ValueError(f"hold of {req_id}: block ids {bad[:5]} are outside 0..{self.num_blocks - 1}")
+        if -(-int(num_tokens) // self.layout.block_size) > len(ids):
+            raise ValueError(f"hold of {req_id}: {num_tokens} tokens need more than {len(ids)} blocks")
+        with self.cv:
+            if req_id not in self.holds:
+                self.holds[req_id] = Hold(req_id, ids, int(num_tokens), time.monotonic() + self.hold_timeout_s,
+                                          digest=digest)
+            self.cv.notify_all()
+
+    def is_held(self, req_id: str) -> bool:
+        with self.cv:
+            return req_id in self.holds
+
+    def held_count(self) -> int:
+        with self.cv:
+            return len(self.holds)
+
+    def engine_abort(self, req_id: str) -> None:
+        """The engine drops ``req_id``: revoke its grant now; release at once if never granted, else after
+        ``io_timeout_s`` (or the consumer's consumed/abort), so no in-flight read touches freed blocks."""
+        with self.cv:
+            h = self.holds.get(req_id)
+            if h is None or h.done:
+                return
+            self.t.revoke(req_id)
+            self.stats["engine_aborted"] += 1
+            if h.granted_to is None:
+                self._release(h, "engine_abort")
+            else:
+                h.expiry = -1.0  # never extended again
+                h.free_after = time.monotonic() + self.io_timeout_s
+
+    def take_finished(self) -> set[str]:
+        """Remove and return the holds the engine may free now (consumed, aborted, expired; expired ones get their
+        grant revoked)."""
+        now = time.monotonic()
+        out: set[str] = set()
+        with self.cv:
+            for rid, h in list(self.holds.items()):
+                if h.free_after:
+                    if now >= h.free_after:
+                        self._release(h, "engine_abort")
+                elif not h.done and now >= h.expiry:
+                    self.stats["expired"] += 1
+                    log.warning("dlmix.pd: KV hold of %s expired (no consumer read it); freeing its blocks", rid)
+                    self._release(h, "expired")
+                if h.done:
+                    out.add(rid)
+                    del self.holds[rid]
+        return out
+
+    def _release(self, h: Hold, why: str) -> None:  # under self.cv
+        h.done, h.why, h.free_after = True, why, 0.0
+        self.t.revoke(h.req_id)
+        if self.on_released is not None:
+            try:
+                self.on_released(h.req_id, why)
+            except Exception as e:  # a hook must not break the bookkeeping
+                log.warning("dlmix.pd: hold_released hook failed for %s: %s", h.req_id, e)
+
+    # ------------------------------------------------------------------ consumer-facing
+    def handle(self, peer: str, msg: ControlMessage) -> None:
+        """Act on one decoded control message from ``peer`` (may block up to ``registration_wait_s`` for a want
+        that overtook the engine's hold)."""
+        if isinstance(msg, Want):
+            self._want(peer, msg)
+        elif isinstance(msg, Extend):
+            with self.cv:
+                h = self.holds.get(msg.req)
+                if h is not None and not h.done and not h.free_after and h.granted_to == peer:
+                    h.expiry = max(h.expiry, time.monotonic() + self.io_timeout_s)
+                    self.t.grant(peer, msg.req, [], mode="r", expires_s=max(1.0, h.expiry - time.monotonic()))
+        elif isinstance(msg, (Consumed, Abort)):
+            with self.cv:
+                h = self.holds.get(msg.req)
+                if h is not None and not h.done:
+                    consumed = isinstance(msg, Consumed)
+                    self.stats["consumed" if consumed else "aborted"] += 1
+                    self._release(h, "consumed" if consumed else "aborted")
+        else:
+            self.stats["bad_messages"] += 1
+            log.warning("dlmix.pd: producer ignores %s from %s", type(msg).__name__, peer)
+
+    def refuse_bad(self, peer: str, raw: Any, err: ContractError) -> None:
+        """A message from ``peer`` failed to decode: count it and, when it names a request, answer ``refused`` with
+        the reason so the consumer fails fast. Never changes a hold."""
+        self.stats["bad_messages"] += 1
+        req = raw.get("req") if isinstance(raw, dict) else None
+        log.warning("dlmix.pd: bad control message from %s: %s", peer, err.reason)
+        if isinstance(req, str) and req and raw.get("type") == "want":
+            self._notify(peer, Refuse(req=req[:512], reasons=[err.reason[:4000]]))
+
+    def _notify(self, peer: str, msg: ControlMessage) -> None:
+        try:
+            self.t.notify(peer, encode(msg))
+        except Exception as e:  # the consumer may be gone
+            log.warning("dlmix.pd: cannot answer %s: %s", peer, e)
+
+    def _want(self, peer: str, msg: Want) -> None:
+        rid = msg.req
+        reasons = check_pair(self.layout, msg.layout, verify_weights=self.verify_weights, src_name="producer",
+                             dst_name="consumer")
+        deadline = time.monotonic() + self.registration_wait_s
+        with self.cv:
+            while rid not in self.holds and time.monotonic() < deadline:
+                self.cv.wait(timeout=max(0.0, deadline - time.monotonic()))
+            h = self.holds.get(rid)
+            if h is None or h.done or h.free_after:
+                reasons.append(f"request {rid} is not held here (unknown, expired or already released)")
+            else:
+                if list(msg.block_ids) != h.block_ids:
+                    reasons.append(f"block ids for {rid} do not match the held blocks")
+                if msg.digest is not None and h.digest is not None and msg.digest != h.digest:
+                    reasons.append(f"prompt of {rid} differs (consumer digest {msg.digest[:19]}..., held "
+                                   f"{h.digest[:19]}...)")
+                if h.granted_to is not None and h.granted_to != peer:
+                    reasons.append(f"request {rid} is already granted to another consumer")
+            if not reasons:
+                h.expiry = max(h.expiry, time.monotonic() + self.io_timeout_s)
+                ranges = block_ranges(self.layout, h.block_ids)
+                self.t.grant(peer, rid, ranges, mode="r", expires_s=max(1.0, h.expiry - time.monotonic()))
+                h.granted_to = peer
+                h.grants += 1
+                self.stats["grants"] += 1
+                self.stats["bytes_granted"] += sum(r[2] for r in ranges)
+        if reasons:
+            self.stats["refused"] += 1
+            log.warning("dlmix.pd: refusing KV of %s to %s: %s", rid, peer, "; ".join(reasons))
+            self._notify(peer, Refuse(req=rid, reasons=reasons))
+        else:
+            self._notify(peer, Ready(req=rid, layout=self.layout.to_dict() if msg.send_layout else None))
+
+
+def register_regions(transport: Any, layout: KVLayout, layers: list[Any]) -> None:
+    """Register every layer plane of ``layers`` with ``transport`` under :func:`region_names`."""
+    for names, cache in zip(region_names(layout), layers):
+        for name, plane in zip(names, layer_planes(layout, cache)):
+            transport.register(name, plane)
