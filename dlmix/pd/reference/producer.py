@@ -80,8 +80,6 @@ class ReferenceProducer:
     """
 
     def __init__(self, cfg: ReferenceConfig):
-        from dlmix.pd import weights_fingerprint  # the core's one weights identity
-
         self.cfg = cfg
         self.served_model_name = cfg.served_model_name
         self.model = TransformersPrefill(cfg.model_dir, compute_dtype=cfg.compute_dtype,
@@ -89,7 +87,7 @@ class ReferenceProducer:
         m = self.model
         ident = ModelIdentity(architecture=m.architecture, num_layers=m.num_layers, num_kv_heads=m.num_kv_heads,
                               head_size=m.head_size, attention=m.attention,
-                              weights_fingerprint=weights_fingerprint(str(cfg.model_dir)))
+                              weights_fingerprint=_fingerprint(cfg.model_dir))
         self.layout = KVLayout(ident, block_size=int(cfg.block_size), dtype=cfg.dtype, arrangement=cfg.arrangement,
                                engine=f"dlmix-reference transformers {cfg.compute_dtype}")
         nb = int(cfg.kv_cache_bytes) // self.layout.block_bytes()
@@ -99,7 +97,7 @@ class ReferenceProducer:
         self._lock = threading.Lock()
         self._blocks: dict[str, list[int]] = {}  # request id -> blocks held for a decode
         self.counters = {"prefills": 0, "prompt_tokens": 0, "freed_requests": 0}
-        self.core = _make_core_producer(self)
+        self.core = self._start_core()
         self._stop = threading.Event()
         self._reaper = threading.Thread(target=self._reap_loop, name="dlmix-ref-reaper", daemon=True)
         self._reaper.start()
@@ -151,6 +149,49 @@ class ReferenceProducer:
         out[j] = (out[j] + 1) % int(self.model.config.vocab_size)
         return out
 
+    # ------------------------------------------------------------------------------------------ the core
+    def _start_core(self) -> Any:
+        """The core's endpoint over this producer's tensors: transport, regions, producer side (no staging: this
+        process never pulls)."""
+        from dlmix.pd.endpoint import DEFAULT_LOOPBACK_SECRET, KVEndpoint
+
+        cfg = self.cfg
+        return KVEndpoint(cfg.transport, f"{cfg.instance_id}-r0-{os.getpid()}", cfg.secret or DEFAULT_LOOPBACK_SECRET,
+                          cfg.kv_host, cfg.kv_port, self.layout, self.cache.tensors(), 0,
+                          hold_timeout_s=cfg.hold_timeout_s, io_timeout_s=cfg.io_timeout_s,
+                          verify_weights=cfg.verify_weights)
+
+    def core_descriptor(self) -> dict[str, Any]:
+        """The core transport's descriptor (what a consumer connects to; no secret)."""
+        return self.core.descriptor()
+
+    def _hold(self, rid: str, blocks: list[int], ids: list[int]) -> dict[str, Any]:
+        """Hand ``blocks`` to the core's producer side and return the contract's parameters (wire dict)."""
+        from dlmix.pd.contract import TransferParams, prompt_digest
+
+        digest = prompt_digest(ids)
+        params = TransferParams.make(engine=ENGINE_NAME, instance_id=self.cfg.instance_id,
+                                     transports=[self.core.descriptor()], request_id=rid, block_ids=blocks,
+                                     num_tokens=len(ids), layout=self.layout, digest=digest,
+                                     expiry_s=self.cfg.hold_timeout_s)
+        self.core.add_hold(rid, blocks, len(ids), digest)
+        # vLLM's envelope flags ride along so the same dict is a valid vLLM kv_transfer_params
+        return {"do_remote_prefill": True, "do_remote_decode": False, **params.to_dict()}
+
+    def reap(self) -> list[str]:
+        """Free the blocks of every hold the core has finished with (consumed, aborted, expired); returns their
+        request ids. Called every 50 ms by a background thread."""
+        done = sorted(self.core.take_finished())
+        for rid in done:
+            self._free(rid)
+        return done
+
+    def _core_stats(self) -> dict[str, Any]:
+        return {**self.core.stats, "holds": self.core.held_count()}
+
+    def _close_core(self) -> None:
+        self.core.close()
+
     # ------------------------------------------------------------------------------------------ lifecycle
     def _free(self, rid: str) -> None:
         """The core says ``rid``'s hold is over (consumed, aborted or expired): return its blocks."""
@@ -181,3 +222,13 @@ class ReferenceProducer:
     def close(self) -> None:
         self._stop.set()
         self._close_core()
+
+
+def _fingerprint(model_dir: str | Path) -> str | None:
+    """The core's weights identity of ``model_dir`` (None when this build of the core has none)."""
+    try:
+        from dlmix.pd import weights_fingerprint  # type: ignore[attr-defined]
+    except ImportError:
+        log.warning("dlmix.pd has no weights_fingerprint: the layout states none (weights are not compared)")
+        return None
+    return weights_fingerprint(str(model_dir))
