@@ -217,11 +217,11 @@ def test_bad_requests_get_reasons_and_hold_nothing(producer):
 
 
 def test_cache_full_is_503_and_expired_holds_free_their_blocks(tiny_model_dir):
-    app, http = _start(tiny_model_dir, hold_timeout_s=0.5, kv_cache_bytes=16 * 16384)
+    app, http = _start(tiny_model_dir, hold_timeout_s=3.0, kv_cache_bytes=16 * 8192)
     try:
         per = app.layout.block_bytes()
         n = app.cache.num_blocks
-        assert n == 16 and per == 16384
+        assert n == 16 and per == 8192  # 2 layers x K,V x 2 heads x 32 x fp16 x 16 tokens
         long_prompt = list(range(5, 5 + 16 * (n // 2 + 1)))  # more than half the cache
         assert _prefill(http.url, long_prompt).status_code == 200
         r = _prefill(http.url, long_prompt)

@@ -22,7 +22,7 @@ def serve(argv: list[str] | None = None) -> int:
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=0, help="HTTP port (0 = any free port)")
     ap.add_argument("--served-model-name", default="smollm2")
-    ap.add_argument("--arrangement", default="vllm_lbnhc", help="KV cache arrangement (dlmix.kv.ARRANGEMENTS)")
+    ap.add_argument("--arrangement", default="lmdeploy", help="KV cache arrangement (dlmix.kv.ARRANGEMENTS)")
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--dtype", default="fp16", help="KV cache dtype: fp32, bf16, fp16")
     ap.add_argument("--compute-dtype", default="float32", help="forward pass dtype")

@@ -78,7 +78,7 @@ class PagedKVCache:
             bad = [b for b in block_ids if b not in self._used]
             if bad:
                 raise ValueError(f"blocks {bad} are not allocated (double free?)")
-            for b in block_ids:
+            for b in reversed(block_ids):  # pop() hands them out again in ascending order
                 self._used.discard(b)
                 self._free.append(b)
 

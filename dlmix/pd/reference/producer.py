@@ -1,9 +1,10 @@
 """The reference producer: a prefill "engine" written against the dlmix PD core alone.
 
 It proves the core engine-neutral: no engine is imported, the KV cache is computed by transformers' forward pass
-(:mod:`.model`) and kept in a paged layout unlike vLLM CPU's (:mod:`.cache`; default ``vllm_lbnhc`` = NHD with
-K|V per head, block size 16, fp16, where vLLM CPU uses ``vllm_cpu`` = HND with K transposed, block size a
-multiple of 32, the model dtype). Everything about the transfer comes from the core:
+(:mod:`.model`) and kept in a paged layout unlike vLLM CPU's (:mod:`.cache`; default ``lmdeploy``: separate K and V
+tensors per layer, each ``[blocks, 16, heads, head_size]`` (NHD), block size 16, fp16; vLLM CPU uses ``vllm_cpu``:
+one ``[blocks, heads, N, 2 * head_size]`` tensor per layer with K transposed inside each page, block size a multiple
+of 32, the model dtype). Everything about the transfer comes from the core:
 
 * :class:`dlmix.pd.contract.TransferParams` (what the prefill leg answers, incl. the prompt digest),
 * the core's producer side (hold the blocks, grant exactly those to the decode that asks, extend, release on
@@ -55,7 +56,7 @@ class ReferenceConfig:
 
     model_dir: str | Path
     served_model_name: str = "smollm2"
-    arrangement: str = "vllm_lbnhc"
+    arrangement: str = "lmdeploy"
     block_size: int = 16
     dtype: str = "fp16"
     kv_cache_bytes: int = 128 << 20
