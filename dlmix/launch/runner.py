@@ -38,6 +38,7 @@ import httpx
 
 from dlmix.engine_process import EngineProcess, VLLMServerSpec, free_port_block, port_free as _port_free
 from dlmix.launch.config import DEVICE_VISIBILITY_ENV, Deployment, Instance
+from dlmix.pd.registration import registration_body
 
 __all__ = ["LaunchError", "PortInUseError", "ProcessFailedError", "RunningInstance", "RunningDeployment", "launch",
            "start", "plan"]
@@ -249,12 +250,10 @@ def plan(dep: Deployment, secret: str, log_dir: Path, models: Optional[Dict[int,
                                  port=inst.port, index=i, self_registers=self_reg,
                                  ready_timeout_s=inst.ready_timeout_s))
         if router_url and not self_reg:
-            entry = {"id": name, "url": inst.url, "role": inst.role, "engine": "vllm",
-                     "model": dep.served_name_of(i), "chip": inst.chip, "heartbeat_ttl_s": 0,
-                     "block_size": inst.kv.block_size or (128 if inst.device == "cpu" else 16)}
-            if ev:
-                entry["kv_events"] = ev
-            static.append(entry)
+            static.append(registration_body(
+                url=inst.url, instance_id=name, role=inst.role, engine="vllm", model=dep.served_name_of(i),
+                chip=inst.chip, heartbeat_ttl_s=0,
+                block_size=inst.kv.block_size or (128 if inst.device == "cpu" else 16), kv_events=ev or None))
     if dep.router_enabled():
         r = dep.router
         cfg: dict = {"host": r.host, "port": r.port, "policy": r.policy,  # type: ignore[union-attr]

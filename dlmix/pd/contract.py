@@ -352,7 +352,7 @@ def decode_message(obj: Any) -> ControlMessage:
     if not isinstance(obj, dict):
         raise ContractError(f"control message must be an object, got {type(obj).__name__}")
     typ = obj.get("type")
-    if typ not in _TAGS:
+    if not isinstance(typ, str) or typ not in _TAGS:
         raise ContractError(f"unknown control message type {typ!r}; known: {', '.join(sorted(_TAGS))}")
     v = obj.get("v", CONTRACT_VERSION)
     if v != CONTRACT_VERSION or isinstance(v, bool):

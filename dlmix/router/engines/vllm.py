@@ -1,5 +1,8 @@
-"""vLLM adapter: PD request rewriting with ``kv_transfer_params`` (vLLM's disaggregated-serving proxy convention;
-see /work/shared/notes/vllm-cpu.md §6 and ``vllm/distributed/kv_transfer/kv_connector/v1/nixl_connector.py``).
+"""vLLM adapter (implements :class:`dlmix.router.engines.base.EngineAdapter`): PD request rewriting with
+``kv_transfer_params``, vLLM's two-step disaggregated-serving proxy convention (see vLLM's
+``vllm/distributed/kv_transfer/kv_connector/v1/nixl_connector.py`` and its ``disagg_proxy`` examples). With
+DLMixConnector the prefill's ``kv_transfer_params`` are :class:`dlmix.pd.contract.TransferParams` (they pass through
+the router unchanged; the decode side validates them).
 
 * Prefill leg: the client's request with ``max_tokens=1`` (and ``max_completion_tokens=1`` for chat),
   ``stream=false``, no ``stream_options``/``min_tokens`` (they would be rejected with max_tokens=1), and
@@ -11,6 +14,7 @@ from __future__ import annotations
 
 import msgspec
 
+NAME = "vllm"
 HEALTH_PATH = b"/health"
 MODELS_PATH = b"/v1/models"
 
