@@ -263,3 +263,25 @@ def test_fuzzed_control_messages_never_change_holds():
         assert p.take_finished() == {"r"} and p.held_count() == 0
     finally:
         p.close()
+
+
+def test_endpoint_for_engine_calls_the_release_hook():
+    from types import SimpleNamespace
+
+    from dlmix.pd.engine import EngineKV
+
+    lay = _layout(16, "bf16", "sglang_hnd")
+    eng = SimpleNamespace(layout=lay, layers=allocate(lay, 4))
+    assert isinstance(eng, EngineKV)
+    got = []
+    e = KVEndpoint.for_engine(eng, name="hooked", secret=SECRET,
+                              hooks=SimpleNamespace(hold_released=lambda r, why: got.append((r, why))))
+    try:
+        e.add_hold("r", [1], 5)
+        e._handle("peer", {"type": "abort", "req": "r"})
+        assert got == [("r", "aborted")] and e.take_finished() == {"r"}
+        with pytest.raises(ValueError, match="layers"):
+            KVEndpoint.for_engine(SimpleNamespace(layout=lay, layers=allocate(lay, 4)[:1]), name="bad",
+                                  secret=SECRET)
+    finally:
+        e.close()
