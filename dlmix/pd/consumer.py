@@ -22,8 +22,8 @@ from typing import Any, Callable
 
 from dlmix.kv.layout import KVLayout
 
-from .contract import Extend, TransferParams, Want, decode_params, encode, ContractError
-from .engine import layer_planes, plane_count, plane_page_bytes, region_names
+from .contract import ContractError, Extend, TransferParams, Want, decode_params, encode
+from .engine import plane_count, plane_page_bytes, region_names
 from .pair import check_pair, layout_of
 
 log = logging.getLogger("dlmix.pd.consumer")

@@ -101,6 +101,14 @@ class KVEndpoint:
         self._worker.start()
         self.t.on_notify(self._on_notify)
 
+    @classmethod
+    def for_engine(cls, engine: Any, *, kind: str = "tcp", name: str, secret: str, host: str = "127.0.0.1",
+                   port: int = 0, staging_bytes: int = 0, hooks: Any = None, **kw: Any) -> "KVEndpoint":
+        """Endpoint for an :class:`~dlmix.pd.engine.EngineKV` (``layout`` + ``layers``) with optional
+        :class:`~dlmix.pd.engine.LifecycleHooks`; ``kw``: the timeouts and ``verify_weights`` of the constructor."""
+        return cls(kind, name, secret, host, port, engine.layout, list(engine.layers), staging_bytes,
+                   on_released=getattr(hooks, "hold_released", None), **kw)
+
     # ------------------------------------------------------------------ common
     @property
     def stats(self) -> dict[str, int]:

@@ -43,17 +43,19 @@ class EngineKV(Protocol):
 
 
 class LifecycleHooks(Protocol):
-    """Optional callbacks from the core to the engine adapter (called from core threads; must not block).
+    """Callbacks from the core to the engine adapter (called from core threads; must not block).
 
     * ``hold_released(request_id, why)``: producer side; the request's blocks are no longer readable and the
-      engine may free them (``why``: ``consumed``, ``aborted``, ``expired``, ``engine_abort``).
-    * ``load_finished(request_id, result)``: consumer side; a pull ended (``result`` is a
-      :class:`dlmix.pd.consumer.PullResult`; its ``failed_block_ids`` must be recomputed by the engine).
+      engine may free them (``why``: ``consumed``, ``aborted``, ``expired``, ``engine_abort``). An adapter whose
+      engine polls instead (vLLM's ``get_finished``) uses :meth:`dlmix.pd.endpoint.KVEndpoint.take_finished`.
+
+    The engine calls into the core at its own lifecycle points: ``add_hold`` (a finished prefill keeps its blocks),
+    ``engine_abort`` (it drops one), :func:`dlmix.pd.consumer.claim` (a decode request arrives), ``pull`` /
+    ``pull_params`` (its blocks are allocated; the result's ``failed_block_ids`` are recomputed by the engine) and
+    ``release`` (tell the producer).
     """
 
     def hold_released(self, request_id: str, why: str) -> None: ...
-
-    def load_finished(self, request_id: str, result: Any) -> None: ...
 
 
 def plane_count(layout: KVLayout) -> int:

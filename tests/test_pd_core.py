@@ -1,0 +1,287 @@
+"""The engine-neutral PD pull path (dlmix.pd producer/consumer/endpoint): hold bookkeeping (released on consumed,
+timeout, abort; engine aborts wait out reads that may be in flight; no block left held), the consumer's claim (prefix
+hit, pair, prompt digest) and real pulls over the built-in TCP transport between layouts vLLM CPU never produces
+(separate K/V planes, two-plane flash layout), with exact values checked."""
+from __future__ import annotations
+
+import random
+import time
+
+import pytest
+import torch
+
+from dlmix.kv import KVLayout, ModelIdentity
+from dlmix.kv.ops import allocate, read_kv, torch_dtype, write_kv
+from dlmix.pd.consumer import claim, failed_blocks
+from dlmix.pd.contract import Abort, Consumed, Extend, TransferParams, Want, encode, prompt_digest
+from dlmix.pd.endpoint import KVEndpoint
+from dlmix.pd.producer import Producer, block_ranges
+
+SECRET = "pd-core-test"
+
+
+def _layout(bs: int = 32, dtype: str = "bf16", arrangement: str = "vllm_cpu", fp: str = "sha256:aa",
+            layers: int = 2) -> KVLayout:
+    return KVLayout(model=ModelIdentity("LlamaForCausalLM", layers, 2, 16, "gqa", weights_fingerprint=fp),
+                    block_size=bs, dtype=dtype, arrangement=arrangement)
+
+
+class FakeTransport:
+    """Records grants/revokes/notifications (the producer's only transport calls)."""
+
+    def __init__(self):
+        self.grants: dict[str, tuple[str, list]] = {}
+        self.sent: list[tuple[str, dict]] = []
+
+    def grant(self, peer, tid, ranges, mode="r", expires_s=None):
+        old = self.grants.get(tid, (peer, []))[1]
+        self.grants[tid] = (peer, old + list(ranges))
+
+    def revoke(self, tid):
+        return self.grants.pop(tid, None) is not None
+
+    def notify(self, peer, msg):
+        self.sent.append((peer, msg))
+
+
+def _producer(**kw) -> tuple[Producer, FakeTransport]:
+    t = FakeTransport()
+    args = dict(hold_timeout_s=30.0, registration_wait_s=0.0, io_timeout_s=5.0)
+    args.update(kw)
+    return Producer(t, _layout(), num_blocks=16, **args), t
+
+
+def _want(req="r", blocks=(3, 4), **kw) -> Want:
+    return Want(req=req, block_ids=list(blocks), layout=_layout(128, "fp32").to_dict(), **kw)
+
+
+def test_block_ranges_merge_runs_per_plane():
+    lay = _layout()
+    page = lay.block_bytes(per_layer=True)
+    assert block_ranges(lay, [3, 4, 9]) == [("L0", 3 * page, 2 * page), ("L0", 9 * page, page),
+                                            ("L1", 3 * page, 2 * page), ("L1", 9 * page, page)]
+    sep = _layout(arrangement="lmdeploy")
+    half = sep.block_bytes(per_layer=True) // 2
+    assert block_ranges(sep, [0]) == [("L0.k", 0, half), ("L0.v", 0, half), ("L1.k", 0, half), ("L1.v", 0, half)]
+
+
+def test_hold_granted_exactly_and_released_on_consumed():
+    p, t = _producer()
+    released = []
+    p.on_released = lambda rid, why: released.append((rid, why))
+    p.add_hold("r", [3, 4], 40, digest=prompt_digest(range(40)))
+    p.handle("d", _want(digest=prompt_digest(range(40))))
+    assert t.sent[-1] == ("d", encode(__import__("dlmix.pd.contract", fromlist=["Ready"]).Ready(req="r")))
+    assert t.grants["r"] == ("d", block_ranges(_layout(), [3, 4]))
+    p.handle("d", Extend(req="r"))
+    assert p.take_finished() == set()
+    p.handle("d", Consumed(req="r"))
+    assert "r" not in t.grants and released == [("r", "consumed")]
+    assert p.take_finished() == {"r"} and p.held_count() == 0
+
+
+def test_want_refused_with_reasons_and_nothing_granted():
+    p, t = _producer()
+    p.add_hold("r", [3, 4], 40, digest=prompt_digest(range(40)))
+    cases = [
+        (_want(blocks=(3, 5)), "block ids"),
+        (_want(req="unknown"), "not held"),
+        (_want(digest=prompt_digest(range(1, 41))), "prompt of r differs"),
+        (Want(req="r", block_ids=[3, 4], layout=_layout(fp="sha256:zz").to_dict()), "fingerprint"),
+    ]
+    for msg, reason in cases:
+        p.handle("d", msg)
+        peer, reply = t.sent[-1]
+        assert reply["type"] == "refused" and any(reason in r for r in reply["reasons"]), reply
+    assert t.grants == {} and p.is_held("r")
+    p.handle("d", _want())
+    p.handle("e", _want())  # a second consumer cannot take over a granted hold
+    assert t.sent[-1][1]["type"] == "refused" and "another consumer" in t.sent[-1][1]["reasons"][0]
+    assert t.grants["r"][0] == "d"
+
+
+def test_hold_expires_unless_a_read_extends_it():
+    p, t = _producer(hold_timeout_s=0.05, io_timeout_s=0.3)
+    p.add_hold("idle", [1], 10)
+    p.add_hold("read", [2], 10)
+    p.handle("d", _want(req="read", blocks=(2,)))
+    time.sleep(0.1)
+    assert p.take_finished() == {"idle"}  # the one being read lives io_timeout_s from its want
+    p.handle("d", Extend(req="read"))
+    time.sleep(0.2)
+    assert p.take_finished() == set()
+    time.sleep(0.25)
+    assert p.take_finished() == {"read"} and t.grants == {} and p.stats["expired"] == 2
+
+
+def test_engine_abort_frees_ungranted_at_once_and_granted_after_reads_can_end():
+    p, t = _producer(io_timeout_s=0.2)
+    p.add_hold("a", [1], 10)
+    p.add_hold("b", [2], 10)
+    p.handle("d", _want(req="b", blocks=(2,)))
+    p.engine_abort("a")
+    p.engine_abort("b")
+    assert "b" not in t.grants  # revoked at once: no new op may start
+    assert p.take_finished() == {"a"}  # b's blocks may still be under a served read
+    p.handle("d", Extend(req="b"))  # cannot revive an aborted hold
+    time.sleep(0.25)
+    assert p.take_finished() == {"b"} and p.held_count() == 0
+
+
+def test_abort_from_consumer_releases_and_late_messages_are_harmless():
+    p, t = _producer()
+    p.add_hold("r", [1], 10)
+    p.handle("d", Abort(req="r"))
+    p.handle("d", Consumed(req="r"))
+    p.handle("d", Extend(req="r"))
+    assert p.take_finished() == {"r"} and p.stats["aborted"] == 1 and p.stats["consumed"] == 0
+    with pytest.raises(ValueError, match="outside"):
+        p.add_hold("x", [99], 10)
+    with pytest.raises(ValueError, match="need more"):
+        p.add_hold("x", [1], 100)
+
+
+def test_claim_decides_tokens_pair_and_prompt_identity():
+    lay = _layout(128, "fp32")
+    params = TransferParams.make(engine="ref", instance_id="p", transports=[{"kind": "tcp", "name": "w"}],
+                                 request_id="r", block_ids=list(range(10)), num_tokens=300, layout=_layout(),
+                                 token_ids=list(range(300)))
+    c = claim(params.to_dict(), lay, 301, 128, prompt_token_ids=list(range(301)))
+    assert (c.start, c.end, c.count, c.refused) == (128, 300, 172, None)
+    c = claim(params, lay, 301, 128, prompt_token_ids=[7] + list(range(1, 301)))
+    assert c.count == 0 and "prompt differs" in c.refused
+    c = claim(params, _layout(fp="sha256:other"), 301, 0)
+    assert c.count == 0 and "fingerprint" in c.refused
+    c = claim({**params.to_dict(), "contract_version": 7}, lay, 301, 0)
+    assert c.params is None and "unsupported contract version 7" in c.refused
+    assert claim(params, lay, 301, 300).count == 0  # everything is a local hit
+    assert failed_blocks(32, [9, 3, 5, 7], 40, 120) == [3, 5, 7] and failed_blocks(32, [1], 32, 32) == []
+
+
+def _fill(lay: KVLayout, caches, block_ids, n: int, seed: int = 0) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    ref = {}
+    for t in range(n):
+        for layer in range(lay.model.num_layers):
+            k = torch.randn(lay.num_local_heads, lay.model.head_size, generator=g).to(torch_dtype(lay))
+            v = torch.randn(lay.num_local_heads, lay.model.head_size, generator=g).to(torch_dtype(lay))
+            write_kv(lay, caches, block_ids, t, layer, k, v)
+            ref[(t, layer)] = (k, v)
+    return ref
+
+
+@pytest.mark.parametrize("src, dst", [
+    (_layout(64, "bf16", "lmdeploy"), _layout(32, "fp32", "vllm_cpu")),
+    (_layout(16, "fp16", "vllm_flash_hnd"), _layout(64, "bf16", "sglang_nhd")),
+    (_layout(32, "bf16", "vllm_cpu"), _layout(32, "bf16", "vllm_cpu")),
+])
+def test_pull_between_arrangements_over_tcp(src, dst):
+    """A producer in a non-vLLM-CPU arrangement serves a consumer; the layout travels with the parameters only."""
+    n, start = 150, 40
+    sblocks = list(range(11, 11 + -(-n // src.block_size)))[::-1]  # reversed: no merged runs
+    dblocks = [5, 2, 7, 1, 3, 6, 4, 8, 9, 10][:-(-n // dst.block_size)]
+    sc, dc = allocate(src, 24), allocate(dst, 12)
+    ref = _fill(src, sc, sblocks, n)
+    page = src.block_bytes()
+    p = KVEndpoint("tcp", "prod", SECRET, "127.0.0.1", 0, src, sc, 0, registration_wait_s=1.0, io_timeout_s=10.0)
+    d = KVEndpoint("tcp", "cons", SECRET, "127.0.0.1", 0, dst, dc, 2 * page, registration_wait_s=1.0,
+                   io_timeout_s=10.0)
+    try:
+        digest = prompt_digest(range(n))
+        params = TransferParams.make(engine="reference", instance_id="p0", transports=[p.descriptor()],
+                                     request_id="req", block_ids=sblocks, num_tokens=n, layout=src, digest=digest)
+        p.add_hold("req", sblocks, n, digest)
+        c = claim(params.to_dict(), dst, n + 1, start, prompt_token_ids=list(range(n + 1)))
+        assert (c.start, c.end) == (start, n)
+        res = d.pull_params(c.params, c.start, c.end, dblocks, digest=digest)
+        assert res.error is None, res.error
+        assert res.loaded_upto == n and res.failed_block_ids == [] and res.rounds >= 2
+        assert res.peak_staging_bytes <= 2 * page
+        for t in (0, start - 1):
+            k, _ = read_kv(dst, dc, dblocks, t, 0)
+            assert torch.count_nonzero(k) == 0  # the consumer's own prefix is untouched
+        for t in (start, 77, n - 1):
+            for layer in range(src.model.num_layers):
+                k, v = read_kv(dst, dc, dblocks, t, layer)
+                rk, rv = ref[(t, layer)]
+                assert torch.equal(k, rk.to(torch_dtype(dst))) and torch.equal(v, rv.to(torch_dtype(dst)))
+        d.release(p.descriptor(), "req", consumed=True)
+        deadline = time.monotonic() + 5
+        done: set = set()
+        while not done and time.monotonic() < deadline:
+            done = p.take_finished()
+            time.sleep(0.02)
+        assert done == {"req"} and p.held_count() == 0
+    finally:
+        p.close()
+        d.close()
+
+
+def test_pull_with_other_prompt_is_refused_by_producer_and_reports_failed_blocks():
+    lay = _layout()
+    sc, dc = allocate(lay, 8), allocate(lay, 8)
+    p = KVEndpoint("tcp", "p2", SECRET, "127.0.0.1", 0, lay, sc, 0, registration_wait_s=1.0, io_timeout_s=5.0)
+    d = KVEndpoint("tcp", "d2", SECRET, "127.0.0.1", 0, lay, dc, 1 << 20, registration_wait_s=1.0,
+                   io_timeout_s=5.0)
+    try:
+        p.add_hold("r", [0, 1], 40, prompt_digest(range(40)))
+        res = d.pull(p.descriptor(), "r", [0, 1], 0, 40, [4, 5], src_layout=lay, digest=prompt_digest(range(1, 41)))
+        assert res.loaded_upto == 0 and "prompt of r differs" in res.error and res.failed_block_ids == [4, 5]
+        assert p.is_held("r")  # a refused want changes nothing; the consumer's abort frees it
+        d.release(p.descriptor(), "r", consumed=False)
+        deadline = time.monotonic() + 5
+        while p.is_held("r") and time.monotonic() < deadline:
+            p.take_finished()
+            time.sleep(0.02)
+        assert not p.is_held("r")
+    finally:
+        p.close()
+        d.close()
+
+
+def test_fuzzed_control_messages_never_change_holds():
+    """Random garbage on the control channel is refused; holds stay exactly as they were; a valid consumed then
+    releases; nothing stays held."""
+    lay = _layout()
+    p = KVEndpoint("tcp", "p3", SECRET, "127.0.0.1", 0, lay, allocate(lay, 8), 0, registration_wait_s=0.0)
+    try:
+        p.add_hold("r", [0, 1], 40)
+        rnd = random.Random(7)
+        vals = [None, 1, -1, 2 ** 40, "r", "", [], [1], {}, {"a": 1}, True, 1.5, "x" * 600]
+        keys = ["type", "req", "v", "block_ids", "layout", "digest", "send_layout", "reasons", "zz"]
+        types = ["want", "extend", "blocks_ready", "refused", "nope", 3, None]
+        for _ in range(2000):
+            m = {k: rnd.choice(vals) for k in rnd.sample(keys, rnd.randint(0, 5))}
+            if rnd.random() < 0.7:
+                m["type"] = rnd.choice(types)
+            if m.get("type") in ("want", "extend") and rnd.random() < 0.5:
+                m["req"] = "r"
+            p._handle("attacker", m)
+        assert p.is_held("r") and p.take_finished() == set() and p.holds["r"].granted_to is None
+        assert p.stats["bad_messages"] > 1000
+        p._handle("d", {"type": "blocks_consumed", "req": "r"})
+        assert p.take_finished() == {"r"} and p.held_count() == 0
+    finally:
+        p.close()
+
+
+def test_endpoint_for_engine_calls_the_release_hook():
+    from types import SimpleNamespace
+
+    from dlmix.pd.engine import EngineKV
+
+    lay = _layout(16, "bf16", "sglang_hnd")
+    eng = SimpleNamespace(layout=lay, layers=allocate(lay, 4))
+    assert isinstance(eng, EngineKV)
+    got = []
+    e = KVEndpoint.for_engine(eng, name="hooked", secret=SECRET,
+                              hooks=SimpleNamespace(hold_released=lambda r, why: got.append((r, why))))
+    try:
+        e.add_hold("r", [1], 5)
+        e._handle("peer", {"type": "abort", "req": "r"})
+        assert got == [("r", "aborted")] and e.take_finished() == {"r"}
+        with pytest.raises(ValueError, match="layers"):
+            KVEndpoint.for_engine(SimpleNamespace(layout=lay, layers=allocate(lay, 4)[:1]), name="bad",
+                                  secret=SECRET)
+    finally:
+        e.close()
