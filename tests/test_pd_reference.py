@@ -250,3 +250,35 @@ def test_chat_prefill_uses_the_chat_template(producer, tiny_model_dir):
     assert ktp["remote_num_tokens"] == len(ids) and ktp["remote_prompt_digest"] == prompt_digest(ids)
     ep_dst = KVLayout(decode_params(ktp).kv_layout.model, block_size=32, dtype="fp32", arrangement="vllm_cpu")
     assert claim(ktp, ep_dst, len(ids), 0, prompt_token_ids=ids).refused is None
+
+
+def test_command_line_process_serves_and_stops(tiny_model_dir):
+    """``python -m dlmix.pd.reference`` announces url/kv/layout on one JSON line, serves, and exits 0 on SIGTERM."""
+    import json
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.Popen([sys.executable, "-m", "dlmix.pd.reference", "--model", str(tiny_model_dir),
+                             "--served-model-name", "tiny", "--kv-cache-bytes", str(1 << 20), "--block-size", "8",
+                             "--log-level", "WARNING"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+    try:
+        line = proc.stdout.readline()
+        assert line, proc.stderr.read().decode()[-2000:]
+        info = json.loads(line)
+        assert info["layout"]["arrangement"] == "lmdeploy" and info["layout"]["block_size"] == 8
+        assert info["kv"]["kind"] == "tcp" and info["kv"]["port"] > 0
+        reg = info["registration"]
+        assert (reg["url"], reg["role"], reg["engine"]) == (info["url"], "prefill", "vllm")
+        assert reg["kv_layout"] == info["layout"] and reg["contract_version"] == 1
+        r = _prefill(info["url"], PROMPT[:20])
+        assert r.status_code == 200 and r.json()["kv_transfer_params"]["remote_num_tokens"] == 20
+        assert httpx.get(info["url"] + "/stats").json()["held_requests"] == 1
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0
+    bad = subprocess.run([sys.executable, "-m", "dlmix.pd.reference", "--model", str(tiny_model_dir),
+                          "--arrangement", "nope"], capture_output=True, text=True, timeout=120, env=env)
+    assert bad.returncode == 2 and "unknown arrangement" in bad.stderr

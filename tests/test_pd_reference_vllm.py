@@ -129,7 +129,8 @@ def stack(smollm2_dir, tmp_path_factory):
         P.wait_ready()
         Q.wait_ready()
         T.wait_ready([D], timeout_s=400)
-        insts = [{"id": "P", "url": P.url, "role": "prefill", "engine": "vllm", "model": "smollm2", "chip": "cpu-x86"},
+        # P's entry is its own registration body (the core's one builder: role prefill, its KV layout)
+        insts = [dict(P.info["registration"], id="P", chip="cpu-x86"),
                  {"id": "D", "url": D.url, "role": "decode", "engine": "vllm", "model": "smollm2", "chip": "cpu-x86",
                   "block_size": 128}]
         rt = RouterThread(RouterConfig(host="127.0.0.1", port=0, policy="round_robin", model_spec=m, instances=insts,

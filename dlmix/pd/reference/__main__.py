@@ -1,6 +1,7 @@
 """``python -m dlmix.pd.reference``: run a reference producer (see :mod:`dlmix.pd.reference`).
 
-Prints one JSON line ``{"url", "kv", "layout"}`` on stdout once it serves, then runs until SIGINT/SIGTERM.
+Prints one JSON line ``{"url", "kv", "layout", "registration"}`` (``registration``: the router registration body of
+this instance, :meth:`~dlmix.pd.reference.producer.ReferenceProducer.registration`) on stdout once it serves, then runs until SIGINT/SIGTERM.
 """
 from __future__ import annotations
 
@@ -56,7 +57,8 @@ def serve(argv: list[str] | None = None) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: done.set())
     http.serve_in_thread()
-    print(json.dumps({"url": http.url, "kv": app.core_descriptor(), "layout": app.layout.to_dict()}), flush=True)
+    print(json.dumps({"url": http.url, "kv": app.core_descriptor(), "layout": app.layout.to_dict(),
+                      "registration": app.registration(http.url)}), flush=True)
     done.wait()
     http.close()
     app.close()

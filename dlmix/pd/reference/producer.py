@@ -187,6 +187,17 @@ class ReferenceProducer:
             self._free(rid)
         return done
 
+    def registration(self, url: str, *, chip: str | None = None) -> dict[str, Any]:
+        """This instance's router registration body (``POST /admin/instances``, or an entry of the router config's
+        ``instances``), built by the core's one builder: role ``prefill``, protocol ``vllm`` (the reference producer
+        answers vLLM's two-step ``kv_transfer_params`` prefill leg, so the router's ``vllm`` adapter drives it), the
+        KV layout (the router's pair check at registration) and the transport descriptor."""
+        from dlmix.pd.registration import registration_body
+
+        return registration_body(url=url, role="prefill", engine="vllm", instance_id=self.cfg.instance_id,
+                                 model=self.served_model_name, chip=chip, kv_layout=self.layout,
+                                 transport=self.core.descriptor())
+
     def _core_stats(self) -> dict[str, Any]:
         return {**self.core.stats, "holds": self.core.held_count()}
 
