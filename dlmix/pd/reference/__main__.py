@@ -1,7 +1,8 @@
 """``python -m dlmix.pd.reference``: run a reference producer (see :mod:`dlmix.pd.reference`).
 
-Prints one JSON line ``{"url", "kv", "layout", "registration"}`` (``registration``: the router registration body of
-this instance, :meth:`~dlmix.pd.reference.producer.ReferenceProducer.registration`) on stdout once it serves, then runs until SIGINT/SIGTERM.
+Prints one JSON line ``{"url", "kv", "layout", "registration"}`` on stdout once it serves (``registration``: the
+router registration body of this instance, :meth:`~dlmix.pd.reference.producer.ReferenceProducer.registration`),
+then runs until SIGINT/SIGTERM.
 """
 from __future__ import annotations
 

@@ -133,8 +133,9 @@ class ReferenceProducer:
                 self._blocks.pop(rid, None)
             self.cache.free(blocks)
             raise
-        self.counters["prefills"] += 1
-        self.counters["prompt_tokens"] += len(ids)
+        with self._lock:
+            self.counters["prefills"] += 1
+            self.counters["prompt_tokens"] += len(ids)
         return openai_response(rid=rid, model=body.get("model") or self.served_model_name, chat=chat,
                                text=self.model.decode([res.next_token]), token_id=res.next_token,
                                prompt_tokens=len(ids), kv_transfer_params=params)
@@ -157,6 +158,8 @@ class ReferenceProducer:
         from dlmix.pd.endpoint import DEFAULT_LOOPBACK_SECRET, KVEndpoint
 
         cfg = self.cfg
+        if cfg.secret is None and cfg.kv_host not in ("127.0.0.1", "localhost", "::1"):
+            raise ValueError(f"kv_host {cfg.kv_host!r} is not loopback: set a transport secret (--secret)")
         return KVEndpoint(cfg.transport, f"{cfg.instance_id}-r0-{os.getpid()}", cfg.secret or DEFAULT_LOOPBACK_SECRET,
                           cfg.kv_host, cfg.kv_port, self.layout, self.cache.tensors(), 0,
                           hold_timeout_s=cfg.hold_timeout_s, io_timeout_s=cfg.io_timeout_s,
@@ -211,7 +214,8 @@ class ReferenceProducer:
             blocks = self._blocks.pop(rid, None)
         if blocks is not None:
             self.cache.free(blocks)
-            self.counters["freed_requests"] += 1
+            with self._lock:
+                self.counters["freed_requests"] += 1
 
     def _reap_loop(self) -> None:
         while not self._stop.wait(0.05):
@@ -227,9 +231,11 @@ class ReferenceProducer:
 
     def stats(self) -> dict[str, Any]:
         """Hold accounting (JSON-able): requests held, blocks used/free, counters, and the core's own numbers."""
+        with self._lock:
+            counters = dict(self.counters)
         return {"held_requests": self.held_requests(), "used_blocks": self.cache.used_blocks,
                 "free_blocks": self.cache.free_blocks, "num_blocks": self.cache.num_blocks,
-                "layout": self.layout.to_dict(), **self.counters, "core": self._core_stats()}
+                "layout": self.layout.to_dict(), **counters, "core": self._core_stats()}
 
     def close(self) -> None:
         self._stop.set()
