@@ -165,3 +165,53 @@ def test_fuzz_10000_cases_refused_no_crash_no_block_held(rig):
     assert _wait(lambda: app.stats()["held_requests"] == 0, 10)
     st = app.stats()
     assert st["used_blocks"] == 0 and st["free_blocks"] == st["num_blocks"] and st["core"]["holds"] == 0, st
+
+
+def test_fuzz_into_a_separate_producer_process(tiny_model_dir):
+    """1,000 invalid control messages over TCP into a ``python -m dlmix.pd.reference`` process holding a real
+    request: it stays up, counts every one as refused (``/stats``), grants nothing, and frees the hold on release."""
+    import json
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen([sys.executable, "-m", "dlmix.pd.reference", "--model", str(tiny_model_dir),
+                             "--served-model-name", "tiny", "--kv-cache-bytes", str(1 << 20), "--log-level", "ERROR"],
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                            env=dict(os.environ, OMP_NUM_THREADS="1"))
+    ep = None
+    try:
+        info = json.loads(proc.stdout.readline())
+        r = httpx.post(info["url"] + "/v1/completions", json={"prompt": PROMPTS[1], "max_tokens": 1,
+                                                               "kv_transfer_params": {"do_remote_decode": True}})
+        ktp = r.json()["kv_transfer_params"]
+        src = decode_params(ktp).kv_layout
+        dst = KVLayout(src.model, block_size=32, dtype="fp32", arrangement="vllm_cpu", engine="fuzz-consumer")
+        ep = KVEndpoint("tcp", "fuzz-consumer-2", DEFAULT_LOOPBACK_SECRET, "127.0.0.1", 0, dst,
+                        allocate(dst, 4, fill=0.0), 1 << 20, io_timeout_s=10.0)
+        peer = ep.t.connect(info["kv"])
+        cases = [c for c in F.generate(3000, seed=99, targets=("to_producer",),
+                                       reqs=[(ktp["remote_request_id"], ktp["remote_block_ids"],
+                                              ktp["remote_num_tokens"])]) if isinstance(c.obj, dict)][:1000]
+        n_bad = 0
+        for c in cases:
+            try:
+                decode_message(c.obj)
+            except ContractError:
+                n_bad += 1
+            ep.t.notify(peer, c.obj)
+
+        def stats():
+            return httpx.get(info["url"] + "/stats", timeout=30).json()
+        assert _wait(lambda: stats()["core"]["bad_messages"] + stats()["core"]["refused"] == len(cases))
+        st = stats()
+        assert st["core"]["bad_messages"] == n_bad and st["core"]["grants"] == 0 and st["held_requests"] == 1, st
+        ep.release(info["kv"], ktp["remote_request_id"], consumed=False)
+        assert _wait(lambda: stats()["held_requests"] == 0, 10)
+        assert stats()["used_blocks"] == 0 and proc.poll() is None
+    finally:
+        if ep is not None:
+            ep.close()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0
