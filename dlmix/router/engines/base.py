@@ -13,7 +13,7 @@ The router only calls these names on an instance's adapter (``get_engine(state.e
   Raises ValueError when ``raw`` is not a JSON object.
 
 A new engine is one file implementing these (copy :mod:`dlmix.router.engines.vllm`), added to
-:data:`dlmix.router.engines.ENGINES`; ``tests/test_router_engines.py`` checks every registered adapter against
+:data:`dlmix.router.engines.ENGINES`; ``tests/test_pd_contract.py`` checks every registered adapter against
 :class:`EngineAdapter`.
 """
 from __future__ import annotations
