@@ -55,6 +55,10 @@ from dlmix.sim.cli import register as _register_sim  # noqa: E402
 
 _register_sim(app)
 
+from dlmix.plan.cli import register as _register_plan  # noqa: E402
+
+_register_plan(app)
+
 
 def main() -> None:
     """Console-script entry point."""

@@ -1,0 +1,205 @@
+"""Analytic pruning of ``dlmix plan``: per chip group and role, does an instance fit, meet the SLO, and how many
+requests per second can it carry? Formulas from :class:`dlmix.hw.cost.CostModel` (DistServe OSDI'24 §3,
+Splitwise ISCA'24 §3, Mooncake FAST'25 §5); units: seconds, tokens, bytes, req/s.
+
+Per instance of chip ``c`` with TP size ``t`` (``t`` chips), for the workload sample (prompt ``N_i``, ideal prefix
+hit ``h_i``, output ``O_i``), SLO TTFT target ``T*``, ITL target ``I*``, attainment percentile ``q``:
+
+* **memory fit**: KV capacity ``(0.9 · mem · t − P·b) / kv_bpt`` must hold the ``q``-th percentile request's prompt +
+  output tokens (vLLM reserves them; the weights alone may already not fit);
+* **TTFT**: the share of requests whose own prefill ``T_pre(N_i, h_i)`` (plus, on a prefill-role instance, the KV
+  transfer of ``N_i`` tokens over the group's link) is within ``T*`` must reach ``q``;
+* **prefill capacity** ``p = ρ / mean_i T_pre(N_i, h_i)`` req/s with target utilisation ``ρ = 0.8`` (queueing);
+* **ITL**: one decoding request's step ``T_step(1, C̄)`` (``C̄ = mean N + mean O / 2``) must be within ``I*``;
+* **decode capacity** ``d = B / (Ō · T_step(B, B·C̄))`` req/s with the largest batch ``B`` whose step is within
+  ``I*`` (``0.75 · I*`` on an aggregated instance, where chunked prefills share the iterations), that fits the KV
+  capacity (``B · (N̄ + Ō)``) and ``max_num_seqs``;
+* **KV transfer**: a prefill-role instance can send at most ``link bytes/s / (mean uncached N · kv_bpt)`` req/s.
+
+Cluster capacity (:func:`cluster_capacity`): the largest rate ``λ`` whose prefill work fits the prefill-role
+instances plus a share of the aggregated ones, and whose decode work fits the decode-role instances plus the rest of
+the aggregated ones' time (a two-resource split solved greedily by prefill/decode speed ratio, which is optimal for
+this fractional problem).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Dict, Sequence, Tuple
+
+import numpy as np
+
+from dlmix.hw.cost import CostModel
+from dlmix.plan.workload import PlanWorkload
+
+__all__ = ["SLO", "RoleEstimate", "estimate_role", "cluster_capacity", "RHO_PREFILL", "BOTH_ITL_FACTOR"]
+
+RHO_PREFILL = 0.8
+BOTH_ITL_FACTOR = 0.75
+MAX_NUM_SEQS = 256
+
+
+@dataclass(frozen=True)
+class SLO:
+    """Latency targets: ``ttft`` and ``itl`` in seconds (ITL = a request's mean inter-token time, TPOT) and the
+    attainment ``pct`` (e.g. 90: at least 90 % of requests meet both targets)."""
+
+    ttft: float
+    itl: float
+    pct: float = 90.0
+
+    @property
+    def attain(self) -> float:
+        """Required fraction of good requests (``pct / 100``)."""
+        return self.pct / 100.0
+
+
+@dataclass
+class RoleEstimate:
+    """Analytic figures of one instance (chip, TP size) in one role.
+
+    Attributes:
+        ok: fits and meets the SLO on its own. reason: why not (the binding constraint), else "".
+        p: prefill capacity, req/s (0 for decode). d: decode capacity, req/s (0 for prefill).
+        ttft_share: share of requests whose prefill (+ transfer) fits the TTFT target.
+        xfer_cap: KV-transfer-limited rate of a prefill-role instance, req/s (inf otherwise).
+        figures: the numbers behind ``reason`` (for reports).
+    """
+
+    ok: bool
+    reason: str = ""
+    p: float = 0.0
+    d: float = 0.0
+    ttft_share: float = 0.0
+    xfer_cap: float = float("inf")
+    figures: Dict[str, float] = field(default_factory=dict)
+
+
+class _WorkStats:
+    """Workload numbers the estimates need, computed once per (workload, model)."""
+
+    def __init__(self, wl: PlanWorkload, cost: CostModel, slo: SLO):
+        n = wl.input_len.astype(float)
+        h = np.minimum(wl.hit, wl.input_len - 1).astype(float)
+        self.n_mean = float(n.mean())
+        self.o_mean = float(wl.output_len.mean())
+        self.ctx = self.n_mean + self.o_mean / 2
+        self.flops = cost._lin * (n - h) + cost._quad * (n * n - h * h)  # per request, FLOP
+        self.flops_mean = float(self.flops.mean())
+        self.n_tokens = n
+        self.uncached_mean = float((n - h).mean())
+        q = slo.pct
+        self.req_pct = float(np.percentile(n + wl.output_len, q))
+        self.n_pct = float(np.percentile(n, q))
+
+
+def work_stats(wl: PlanWorkload, cost: CostModel, slo: SLO) -> _WorkStats:
+    """:class:`_WorkStats` for this (workload, cost model, SLO), memoised on the workload object."""
+    key = (id(cost), slo)
+    memo = wl.__dict__.setdefault("_stats", {})
+    s = memo.get(key)
+    if s is None or s.cost is not cost:
+        s = memo[key] = _WorkStats(wl, cost, slo)
+        s.cost = cost
+    return s
+
+
+def estimate_role(cost: CostModel, wl: PlanWorkload, slo: SLO, chip: str, tp: int, role: str,
+                  link=None) -> RoleEstimate:
+    """Analytic estimate of one instance (see the module docstring). ``role`` is ``prefill``/``decode``/``both``;
+    ``link`` the KV link descriptor of a prefill-role instance. Raises KeyError for an unknown chip."""
+    st = work_stats(wl, cost, slo)
+    c_f, c_b = cost.coefs(chip, tp)
+    cap = cost.kv_capacity_tokens(chip, tp)
+    fig: Dict[str, float] = {"kv_capacity_tokens": float(cap)}
+    if cap <= 0:
+        p = cost.chip(chip)
+        return RoleEstimate(False, f"memory: {cost.model.name or 'model'} weights "
+                            f"({cost.model.params * cost.model.dtype_bytes / 1e9:.1f} GB) exceed 90 % of "
+                            f"{tp}× {chip} ({0.9 * p.mem_gb * tp:.1f} GB)", figures=fig)
+    if cap < st.req_pct:
+        return RoleEstimate(False, f"memory: KV cache of {tp}× {chip} holds {cap} tokens < the p{slo.pct:g} request "
+                            f"({st.req_pct:.0f} prompt+output tokens)", figures=fig)
+    est = RoleEstimate(True, figures=fig)
+    if role in ("prefill", "both"):
+        t_pre = cost.t0 + st.flops * c_f
+        if role == "prefill":
+            ln = cost.catalog.link(link)
+            t_pre = t_pre + ln.setup_ms * 1e-3 + st.n_tokens * cost.kv_bpt / ln.bytes_per_s
+            est.xfer_cap = ln.bytes_per_s / max(st.uncached_mean * cost.kv_bpt, 1.0)
+        est.ttft_share = float((t_pre <= slo.ttft).mean())
+        t_q = float(np.percentile(t_pre, slo.pct))
+        fig["ttft_pct_s"] = t_q
+        est.p = RHO_PREFILL / (cost.t0 + st.flops_mean * c_f)
+        if est.ttft_share < slo.attain:
+            est.ok = False
+            est.reason = (f"TTFT: the p{slo.pct:g} prompt ({st.n_pct:.0f} tokens) takes {t_q:.2f} s to prefill"
+                          f"{' and transfer' if role == 'prefill' else ''} on {tp}× {chip} > {slo.ttft:.2f} s target")
+    if role in ("decode", "both"):
+        itl = slo.itl * (BOTH_ITL_FACTOR if role == "both" else 1.0)
+        step1 = cost.decode_step_time(chip, 1, int(st.ctx), tp)
+        fig["itl_1_s"] = step1
+        if step1 > itl:
+            est.ok = False
+            est.d = 0.0
+            r = (f"ITL: one decoding request's step takes {step1 * 1e3:.1f} ms on {tp}× {chip} > "
+                 f"{itl * 1e3:.1f} ms{' (75 % of the target: aggregated)' if role == 'both' else ''}")
+            est.reason = est.reason + "; " + r if est.reason else r
+        else:
+            bw_b = ((itl - cost.t1) / c_b - cost._wbytes) / (st.ctx * cost.kv_bpt)
+            fl_b = (itl - cost.t1) / (cost._lin * c_f)
+            b = max(1.0, min(bw_b, fl_b, cap / (st.n_mean + st.o_mean), MAX_NUM_SEQS))
+            step = cost.decode_step_time(chip, int(b), int(b * st.ctx), tp)
+            est.d = b / (st.o_mean * step)
+            fig["decode_batch"] = b
+    return est
+
+
+def cluster_capacity(prefill: Sequence[Tuple[float, float, int]], decode: Sequence[Tuple[float, int]],
+                     both: Sequence[Tuple[float, float, int]]) -> Tuple[float, str]:
+    """Largest sustainable rate ``λ`` (req/s) and its binding resource.
+
+    Args:
+        prefill: per prefill-role group ``(p, xfer_cap, instances)``. decode: per decode-role group ``(d,
+            instances)``. both: per aggregated group ``(p, d, instances)``.
+    Returns ``(λ, binding)`` with binding one of ``prefill``, ``decode``, ``kv-transfer``, ``none`` (no capacity).
+    """
+    p_roles = sum(min(p, x) * k for p, x, k in prefill)
+    p_raw = sum(p * k for p, x, k in prefill)
+    d_roles = sum(d * k for d, k in decode)
+    bo = sorted(((p, d, k) for p, d, k in both if p > 0 and d > 0), key=lambda e: -e[0] / e[1])
+    total_p = p_roles + sum(p * k for p, d, k in bo)
+    total_d = d_roles + sum(d * k for p, d, k in bo)
+    if (not prefill and not bo) or (not decode and not bo) or total_p <= 0 or total_d <= 0:
+        return 0.0, "none"
+
+    def fits(lam: float) -> Tuple[bool, str]:
+        need_p = max(0.0, lam - p_roles)
+        need_d = max(0.0, lam - d_roles)
+        got_d = 0.0
+        for p, d, k in bo:
+            use = min(need_p, p * k)
+            need_p -= use
+            got_d += d * k * (1 - use / (p * k))
+        if need_p > 1e-12:
+            return False, "prefill"
+        if got_d + 1e-12 < need_d:
+            return False, "decode"
+        return True, ""
+
+    lo, hi = 0.0, min(total_p, total_d)
+    ok, _ = fits(hi)
+    if ok:
+        lam = hi
+    else:
+        for _ in range(22):
+            mid = (lo + hi) / 2
+            if fits(mid)[0]:
+                lo = mid
+            else:
+                hi = mid
+        lam = lo
+    # binding resource: which one fails just above λ
+    _, why = fits(lam * 1.02 + 1e-9)
+    if why == "prefill" and p_raw > p_roles + 1e-12:
+        why = "kv-transfer"
+    return lam, why or "prefill"

@@ -1,0 +1,96 @@
+"""``dlmix plan``: from a chip inventory, a model, an SLO and a workload to a deployment (see docs/plan.md).
+
+Examples::
+
+    dlmix plan -i h100x4_h20x4 -m llama-3.1-8b -w mooncake --slo-ttft-ms 5000 --slo-itl-ms 50 --slo-pct 80 --out p/
+    dlmix plan -i my_inventory.yaml -m path/to/config.json -w trace.jsonl --rate 4
+    dlmix plan -i mix32 -w synthetic:groups=16,per_group=16,prefix=6144,suffix=1200,output=128 --no-baselines
+
+Prints the recommendation, the candidates and the baselines as tables; with ``--out`` writes ``plan.json``,
+``deploy_sim.yaml`` (``dlmix sim -d`` loads it as it is), ``deploy_launch.yaml`` and ``plan.png``. The last stdout
+line is the JSON record. Exit code 0 with a plan, 3 when no deployment meets the SLO, 2 on bad input.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import List, Optional
+
+import typer
+
+
+def plan_command(
+    inventory: str = typer.Option(..., "--inventory", "-i", help="inventory YAML or built-in name (h100x4_h20x4, "
+                                  "910bx8_h20x4, mix32, s4000x2)"),
+    model: str = typer.Option("llama-3.1-8b", "--model", "-m", help="preset (llama-3.1-8b, qwen2.5-7b, qwen3-8b, "
+                              "smollm2) or a HF config.json path"),
+    workload: str = typer.Option("mooncake", "--workload", "-w", help="mooncake | trace.jsonl[.gz] | "
+                                 "synthetic[:groups=G,per_group=N,prefix=P,suffix=S,output=O,seed=X]"),
+    requests: int = typer.Option(300, "--requests", "-n", help="requests in the sample each simulation replays"),
+    rate: str = typer.Option("maximise", "--rate", help="request rate to plan for, req/s, or 'maximise'"),
+    slo_ttft_ms: float = typer.Option(2000.0, "--slo-ttft-ms", help="TTFT target, ms"),
+    slo_itl_ms: float = typer.Option(50.0, "--slo-itl-ms", help="ITL target (a request's mean inter-token time), ms"),
+    slo_pct: float = typer.Option(90.0, "--slo-pct", help="percent of requests that must meet both targets"),
+    policy: str = typer.Option("cost", "--policy", "-p", help="router policy simulated for every candidate"),
+    block_size: int = typer.Option(64, "--block-size", help="default KV block size, tokens (divides 512)"),
+    top_k: int = typer.Option(4, "--top-k", help="analytic best candidates simulated"),
+    no_refine: bool = typer.Option(False, "--no-refine", help="skip the policy / block-size refinement"),
+    with_baselines: bool = typer.Option(True, "--baselines/--no-baselines", help="also simulate the baselines"),
+    chips: Optional[List[str]] = typer.Option(None, "--chips", help="extra chip catalog YAML (repeatable)"),
+    out: Optional[str] = typer.Option(None, "--out", "-o", help="folder for plan.json, deployment files, plan.png"),
+    seed: int = typer.Option(0, "--seed", help="simulator seed"),
+) -> None:
+    """Plan a deployment of a model on a chip inventory for an SLO and a workload (docs/plan.md)."""
+    from rich.console import Console
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from dlmix.hw.profiles import CatalogError, load_catalog
+    from dlmix.plan.analytic import SLO
+    from dlmix.plan.baselines import baselines
+    from dlmix.plan.inventory import InventoryError, load_inventory
+    from dlmix.plan.report import result_dict, tables, write_outputs
+    from dlmix.plan.search import Planner
+    from dlmix.plan.workload import load_plan_workload
+    from dlmix.sim.config import ConfigError, load_model
+    from dlmix.sim.workload import WorkloadError
+
+    con = Console(stderr=False)
+    if not con.is_terminal:
+        con = Console(stderr=False, width=160)
+    try:
+        r_val = None if rate.strip().lower() in ("max", "maximise", "maximize") else float(rate)
+        cat = load_catalog(chips)
+        inv = load_inventory(inventory, cat)
+        spec = load_model(model)
+        wl = load_plan_workload(workload, requests)
+        slo = SLO(slo_ttft_ms / 1000.0, slo_itl_ms / 1000.0, slo_pct)
+        from dlmix.sim.registry import sim_policies
+
+        if policy not in sim_policies():
+            raise ValueError(f"unknown policy {policy!r}; choose one of {', '.join(sim_policies())}")
+        with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+                      TimeElapsedColumn(), console=Console(stderr=True), transient=True) as prog:
+            task = prog.add_task("planning", total=1)
+
+            def cb(msg: str, done: int, total: int) -> None:
+                prog.update(task, description=msg[:90], completed=done, total=max(total, 1))
+
+            pl = Planner(inv, spec, slo, wl, r_val, policy, block_size, seed, progress=cb)
+            res = pl.plan(top_k=top_k, refine=not no_refine)
+            base = baselines(pl, progress=cb) if (with_baselines and res.feasible) else None
+    except (InventoryError, CatalogError, ConfigError, WorkloadError, ValueError) as ex:
+        typer.echo(f"error: {ex}", err=True)
+        raise typer.Exit(2)
+    for t in tables(res, base):
+        con.print(t)
+    if out:
+        for p in write_outputs(pl, res, Path(out), base, model_ref=model if Path(model).exists() else None):
+            con.print(f"wrote {p}")
+    typer.echo(json.dumps({k: v for k, v in result_dict(res, base).items() if k != "simulated"}))
+    if not res.feasible:
+        raise typer.Exit(3)
+
+
+def register(app: typer.Typer) -> None:
+    """Add ``plan`` to the ``dlmix`` CLI."""
+    app.command("plan")(plan_command)

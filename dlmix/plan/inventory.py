@@ -1,0 +1,229 @@
+"""Chip inventories for ``dlmix plan``: which chips an operator owns, on which hosts, linked how.
+
+Inventory YAML (a file, or a built-in name: ``dlmix/data/plan_inv_<name>.yaml``)::
+
+    name: h100x4-h20x4
+    hosts:
+      - name: node-a
+        chips: {H100: 4}          # catalog chip name (dlmix/data/chips.yaml, aliases accepted) -> count
+        link: nvlink              # KV link between instances on this host (default: ``local``)
+      - name: node-b
+        chips: {H20: 4}
+    links:                        # links between hosts (catalog link name or {bandwidth_gbps, setup_ms, eff})
+      - {hosts: [node-a, node-b], link: rdma-100g}
+    default_link: tcp-25g         # between hosts without an entry in ``links``
+
+A *chip group* is one chip type over all hosts that carry it. Tensor parallelism stays inside a host, so a group
+supports TP size ``t`` with ``Σ_host ⌊count_host / t⌋`` instances. A group's ``link`` (used for analytic pruning,
+before the peers are known) is the fastest link from its hosts to another host (its own host's link when the
+inventory has one host): optimistic, so pruning never drops an option a good placement could use. A deployment's
+KV link per group is :meth:`Inventory.link_to`: the slowest link between the group's hosts and its peers' hosts.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Dict, List, Optional, Tuple, Union
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from dlmix.hw.profiles import Catalog, LinkProfile, load_catalog
+
+__all__ = ["InventoryError", "Inventory", "ChipGroup", "load_inventory", "builtin_inventories"]
+
+
+class InventoryError(ValueError):
+    """An inventory file is missing or invalid (the message names the file and the field)."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class HostSpec(_Strict):
+    """One host: ``chips`` maps a catalog chip name to a count (>= 1); ``link`` is the intra-host KV link."""
+
+    name: str
+    chips: Dict[str, int]
+    link: Union[str, Dict[str, float]] = "local"
+
+
+class LinkSpec(_Strict):
+    """A link between two hosts (``hosts: [a, b]``)."""
+
+    hosts: Tuple[str, str]
+    link: Union[str, Dict[str, float]]
+
+
+class InventorySpec(_Strict):
+    """Parsed inventory file (see the module docstring)."""
+
+    name: str = "inventory"
+    hosts: List[HostSpec] = Field(min_length=1)
+    links: List[LinkSpec] = Field(default_factory=list)
+    default_link: Union[str, Dict[str, float]] = "tcp-25g"
+
+
+@dataclass(frozen=True)
+class ChipGroup:
+    """All chips of one type.
+
+    Attributes:
+        chip: canonical catalog name. per_host: ``((host, count), ...)`` in inventory order.
+        link: the group's KV link descriptor (catalog name or dict), see the module docstring.
+    """
+
+    chip: str
+    per_host: Tuple[Tuple[str, int], ...]
+    link: Union[str, dict]
+
+    @property
+    def count(self) -> int:
+        """Chips in the group."""
+        return sum(c for _, c in self.per_host)
+
+    def instances(self, tp: int) -> int:
+        """Instances of TP size ``tp`` the group can form (TP within a host)."""
+        return sum(c // tp for _, c in self.per_host)
+
+    def tp_sizes(self) -> List[int]:
+        """TP sizes (powers of two) that at least one host can hold."""
+        mx = max(c for _, c in self.per_host)
+        out, t = [], 1
+        while t <= mx:
+            out.append(t)
+            t *= 2
+        return out
+
+
+@dataclass
+class Inventory:
+    """A validated inventory: ``groups`` (one per chip type, inventory order), the catalog it was checked against."""
+
+    name: str
+    groups: List[ChipGroup]
+    spec: InventorySpec
+    catalog: Catalog
+    _pair: Dict[frozenset, Union[str, dict]] = field(default_factory=dict, repr=False)
+
+    def between(self, a: str, b: str) -> Union[str, dict]:
+        """KV link descriptor between hosts ``a`` and ``b`` (the host's own link when equal)."""
+        if a == b:
+            return next(h.link for h in self.spec.hosts if h.name == a)
+        return self._pair.get(frozenset((a, b)), self.spec.default_link)
+
+    def link_to(self, chip: str, peers: List[str]) -> Union[str, dict]:
+        """Slowest link between the hosts of ``chip`` and the hosts of the ``peers`` chip types (its own hosts'
+        links when ``peers`` is empty)."""
+        mine = [h for h, _ in self.group(chip).per_host]
+        other = [h for p in peers for h, _ in self.group(p).per_host] or mine
+        cands = [self.between(a, b) for a in mine for b in other]
+        return min(cands, key=lambda x: (_link(self.catalog, x).bytes_per_s, -_link(self.catalog, x).setup_ms))
+
+    @property
+    def total_chips(self) -> int:
+        """All chips of the inventory."""
+        return sum(g.count for g in self.groups)
+
+    def group(self, chip: str) -> ChipGroup:
+        """Group by chip name or alias. Raises KeyError."""
+        name = self.catalog.chip(chip).name
+        for g in self.groups:
+            if g.chip == name:
+                return g
+        raise KeyError(f"no {chip} in inventory {self.name}")
+
+    def host_of(self, chip: str) -> List[Tuple[str, int]]:
+        """``(host, count)`` of a chip type."""
+        return list(self.group(chip).per_host)
+
+
+def _link(cat: Catalog, desc) -> LinkProfile:
+    return cat.link(desc if isinstance(desc, dict) else str(desc))
+
+
+def inventory_from_dict(d: dict, origin: str = "<dict>", catalog: Optional[Catalog] = None) -> Inventory:
+    """Validate an inventory mapping. Raises InventoryError naming ``origin``, the field and the reason."""
+    cat = catalog or load_catalog()
+    try:
+        spec = InventorySpec.model_validate(d)
+    except ValidationError as e:
+        msgs = [f"{'.'.join(str(x) for x in err['loc']) or '(top level)'}: "
+                f"{'unknown key' if err['type'] == 'extra_forbidden' else err['msg']}" for err in e.errors()]
+        raise InventoryError(f"{origin}: " + "; ".join(msgs)) from None
+    hosts = [h.name for h in spec.hosts]
+    if len(set(hosts)) != len(hosts):
+        raise InventoryError(f"{origin}: duplicate host names in {hosts}")
+    by_chip: Dict[str, List[Tuple[str, int]]] = {}
+    for h in spec.hosts:
+        if not h.chips:
+            raise InventoryError(f"{origin}: host {h.name!r} has no chips")
+        for chip, n in h.chips.items():
+            try:
+                canon = cat.chip(chip).name
+            except KeyError as ex:
+                raise InventoryError(f"{origin}: host {h.name!r}: {ex.args[0]}") from None
+            if int(n) < 1:
+                raise InventoryError(f"{origin}: host {h.name!r}: count of {chip} must be >= 1, got {n}")
+            by_chip.setdefault(canon, []).append((h.name, int(n)))
+        try:
+            _link(cat, h.link)
+        except (KeyError, ValueError, TypeError) as ex:
+            raise InventoryError(f"{origin}: host {h.name!r}: link: {ex}") from None
+    pair: Dict[frozenset, Union[str, dict]] = {}
+    for i, ln in enumerate(spec.links):
+        a, b = ln.hosts
+        for x in (a, b):
+            if x not in hosts:
+                raise InventoryError(f"{origin}: links[{i}]: unknown host {x!r}; hosts: {hosts}")
+        try:
+            _link(cat, ln.link)
+        except (KeyError, ValueError, TypeError) as ex:
+            raise InventoryError(f"{origin}: links[{i}]: {ex}") from None
+        pair[frozenset((a, b))] = ln.link
+    try:
+        _link(cat, spec.default_link)
+    except (KeyError, ValueError, TypeError) as ex:
+        raise InventoryError(f"{origin}: default_link: {ex}") from None
+    host_link = {h.name: h.link for h in spec.hosts}
+
+    def between(a: str, b: str):
+        if a == b:
+            return host_link[a]
+        return pair.get(frozenset((a, b)), spec.default_link)
+
+    groups = []
+    for chip, per_host in by_chip.items():
+        mine = [h for h, _ in per_host]
+        cands = [between(a, b) for a in mine for b in hosts if b != a] or [between(a, a) for a in mine]
+        fastest = max(cands, key=lambda x: (_link(cat, x).bytes_per_s, -_link(cat, x).setup_ms))
+        groups.append(ChipGroup(chip, tuple(per_host), fastest))
+    return Inventory(spec.name, groups, spec, cat, pair)
+
+
+def builtin_inventories() -> List[str]:
+    """Names of the built-in inventories (``dlmix/data/plan_inv_<name>.yaml``)."""
+    d = resources.files("dlmix").joinpath("data")
+    return sorted(p.name[len("plan_inv_"):-len(".yaml")] for p in d.iterdir()
+                  if p.name.startswith("plan_inv_") and p.name.endswith(".yaml"))
+
+
+def load_inventory(name_or_path: Union[str, dict, Path], catalog: Optional[Catalog] = None) -> Inventory:
+    """From a YAML file, a built-in name (:func:`builtin_inventories`) or a dict. Raises InventoryError."""
+    if isinstance(name_or_path, dict):
+        return inventory_from_dict(name_or_path, "<dict>", catalog)
+    p = Path(str(name_or_path))
+    if not p.exists():
+        p = Path(str(resources.files("dlmix").joinpath(f"data/plan_inv_{name_or_path}.yaml")))
+    if not p.exists():
+        raise InventoryError(f"inventory {name_or_path!r} not found (a file, or built-in: "
+                             f"{', '.join(builtin_inventories())})")
+    try:
+        data = yaml.safe_load(p.read_text())
+    except yaml.YAMLError as ex:
+        raise InventoryError(f"{p}: invalid YAML: {ex}") from None
+    if not isinstance(data, dict):
+        raise InventoryError(f"{p}: top level must be a mapping with 'hosts'")
+    return inventory_from_dict(data, str(p), catalog)

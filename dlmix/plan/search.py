@@ -1,0 +1,474 @@
+"""The search of ``dlmix plan`` (see ``docs/plan.md``).
+
+1. **Options per chip group**: for every TP size a host can hold and every role (``prefill``, ``decode``, ``both``),
+   :func:`dlmix.plan.analytic.estimate_role` checks memory fit, TTFT and ITL and gives the capacity; per (group,
+   role) the two TP sizes with the largest group capacity are kept; ``unused`` is always an option. A used group runs
+   all the instances its chips form (``Σ_host ⌊count / TP⌋``).
+2. **Analytic ranking** of every combination (cartesian product over groups, PD-valid ones) by the cluster capacity
+   of :func:`dlmix.plan.analytic.cluster_capacity`.
+3. **Simulation** (:class:`dlmix.sim.Simulator`, the router's own policy) of the analytic best of each of the
+   ``top_k`` best role patterns (which groups prefill / decode / both / unused) plus the runner-up of the best
+   pattern, and, for the Pareto front, the analytic best at other chip counts: the goodput is the largest request rate, on a geometric
+   grid of ratio :data:`RATE_GRID`, at which at least ``pct`` % of the sample's requests meet both targets
+   (DistServe's SLO-attainment goodput); with a fixed ``rate``, the simulated goodput at that rate.
+4. **Refinement** of the winner: a local search over the TP size of each of its groups (every size that passes
+   the analytic checks), then router policy and KV block size variants; each variant is first simulated one grid
+   step above the winner's goodput and searched further only if it meets the SLO there.
+
+Units: req/s, seconds, tokens.
+"""
+from __future__ import annotations
+
+import itertools
+import math
+import time
+from dataclasses import dataclass, field, replace
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+from dlmix.hw.cost import CostModel, ModelSpec
+from dlmix.plan.analytic import SLO, RoleEstimate, cluster_capacity, estimate_role
+from dlmix.plan.inventory import Inventory
+from dlmix.plan.workload import PlanWorkload
+from dlmix.sim.config import deployment_from_dict
+from dlmix.sim.simulator import Simulator
+
+__all__ = ["GroupChoice", "Candidate", "Planner", "PlanResult", "RATE_GRID", "ROLES"]
+
+ROLES = ("prefill", "decode", "both")
+RATE_GRID = 1.07
+DEFAULTS = {"max_num_batched_tokens": 8192, "max_num_seqs": 256, "t_step": 0.002, "gpu_memory_utilization": 0.9}
+REFINE_POLICIES = ("least_load", "prefix")
+REFINE_BLOCKS = (32, 128)
+
+
+@dataclass(frozen=True)
+class GroupChoice:
+    """What one chip group does: ``role`` (``prefill``/``decode``/``both``/``unused``), TP size ``tp`` and
+    ``instances`` (0 when unused)."""
+
+    chip: str
+    role: str
+    tp: int = 0
+    instances: int = 0
+
+    @property
+    def chips(self) -> int:
+        """Chips used (``tp × instances``)."""
+        return self.tp * self.instances
+
+    def short(self) -> str:
+        """E.g. ``H100 P tp1×4``."""
+        if self.role == "unused":
+            return f"{self.chip} -"
+        return f"{self.chip} {self.role[0].upper()} tp{self.tp}×{self.instances}"
+
+
+@dataclass
+class Candidate:
+    """One deployment in the search.
+
+    Attributes:
+        choices: one :class:`GroupChoice` per group. policy / policy_params: router policy. block_size: KV block,
+        tokens. analytic: analytic capacity, req/s. binding: its binding resource. goodput: simulated goodput,
+        req/s (None until simulated). summary: simulator summary at that rate. router_chip: chip the router is
+        told every instance is (hardware-blind baseline), else None. name: label for baselines. note: e.g. why a
+        refinement variant has no goodput ("below the best": it misses the SLO at the best's rate).
+    """
+
+    choices: Tuple[GroupChoice, ...]
+    policy: str = "cost"
+    block_size: int = 64
+    analytic: float = 0.0
+    binding: str = ""
+    goodput: Optional[float] = None
+    summary: Optional[dict] = field(default=None, repr=False)
+    router_chip: Optional[str] = None
+    name: str = ""
+    note: str = ""
+    tried: Dict[int, float] = field(default_factory=dict, repr=False)
+
+    @property
+    def chips_used(self) -> int:
+        """Chips in use."""
+        return sum(c.chips for c in self.choices)
+
+    @property
+    def key(self) -> tuple:
+        """Identity for de-duplication."""
+        return (tuple(c for c in self.choices if c.role != "unused"), self.policy, self.block_size, self.router_chip)
+
+    def label(self) -> str:
+        """Human-readable one-liner."""
+        used = [c.short() for c in self.choices if c.role != "unused"]
+        return " | ".join(used) + f" [{self.policy}, bs{self.block_size}]"
+
+
+@dataclass
+class PlanResult:
+    """Outcome of :meth:`Planner.plan`.
+
+    Attributes:
+        feasible: a deployment meets the SLO. best: the recommendation (None if infeasible). alternatives: runners-up
+        (simulated, best first). pareto: the goodput-vs-chips front (chips ascending, goodput strictly increasing).
+        simulated: every simulated candidate. reasons: why nothing is feasible (binding constraints). analytic_count:
+        combinations ranked analytically. sims: simulator runs. wall_s: planning time, s (cpu_s: CPU time of this
+        process, s — the wall time grows with other load on a shared machine). rate: the fixed rate or
+        None (maximise). slo, inventory, model, workload: the inputs.
+    """
+
+    feasible: bool
+    best: Optional[Candidate]
+    alternatives: List[Candidate]
+    pareto: List[Candidate]
+    simulated: List[Candidate]
+    reasons: List[str]
+    analytic_count: int
+    sims: int
+    wall_s: float
+    rate: Optional[float]
+    slo: SLO
+    inventory: Inventory
+    model: ModelSpec
+    workload: PlanWorkload
+    cpu_s: float = 0.0
+
+
+class Planner:
+    """Plans a deployment of ``model`` on ``inventory`` for ``workload`` under ``slo``.
+
+    Args:
+        inventory: :class:`Inventory`. model: :class:`ModelSpec`. slo: :class:`SLO`. workload: :class:`PlanWorkload`.
+        rate: request rate to plan for, req/s, or None to maximise the goodput.
+        policy: router policy simulated (default ``cost``, given the SLO as its targets). block_size: default KV
+        block size (divides 512). seed: simulator seed. progress: ``callback(message, done, total)`` or None.
+    """
+
+    def __init__(self, inventory: Inventory, model: ModelSpec, slo: SLO, workload: PlanWorkload,
+                 rate: Optional[float] = None, policy: str = "cost", block_size: int = 64, seed: int = 0,
+                 progress: Optional[Callable[[str, int, int], None]] = None):
+        if rate is not None and rate <= 0:
+            raise ValueError(f"rate must be > 0 (or None to maximise), got {rate}")
+        if slo.ttft <= 0 or slo.itl <= 0 or not (0 < slo.pct <= 100):
+            raise ValueError("SLO targets must be > 0 and the percentile in (0, 100]")
+        if 512 % block_size:
+            raise ValueError(f"block_size must divide 512, got {block_size}")
+        self.inv = inventory
+        self.model = model
+        self.slo = slo
+        self.wl = workload
+        self.rate = rate
+        self.policy = policy
+        self.block_size = block_size
+        self.seed = seed
+        self.progress = progress or (lambda msg, done, total: None)
+        self.cost = CostModel(model, inventory.catalog, t0=DEFAULTS["t_step"], t1=DEFAULTS["t_step"])
+        self.sims = 0
+        self.kappa: List[float] = []  # simulated / analytic goodput ratios seen so far
+        self._est: Dict[tuple, RoleEstimate] = {}
+
+    # ------------------------------------------------------------------ analytic
+    def estimate(self, chip: str, tp: int, role: str) -> RoleEstimate:
+        """Memoised :func:`estimate_role` for a group's chip."""
+        key = (chip, tp, role)
+        e = self._est.get(key)
+        if e is None:
+            e = self._est[key] = estimate_role(self.cost, self.wl, self.slo, chip, tp, role,
+                                               self.inv.group(chip).link)
+        return e
+
+    def group_options(self, keep_tp: Optional[int] = 2) -> List[List[GroupChoice]]:
+        """Per group: ``unused`` plus the SLO-feasible (role, TP) choices, the ``keep_tp`` TP sizes of largest group
+        capacity per role (None: every TP whose weights fit, SLO-feasible or not — the exhaustive space)."""
+        out = []
+        for g in self.inv.groups:
+            opts = [GroupChoice(g.chip, "unused")]
+            for role in ROLES:
+                cands = []
+                for tp in g.tp_sizes():
+                    n = g.instances(tp)
+                    e = self.estimate(g.chip, tp, role)
+                    if keep_tp is None:
+                        if e.figures.get("kv_capacity_tokens", 0) > 0:
+                            cands.append((0.0, GroupChoice(g.chip, role, tp, n)))
+                        continue
+                    if not e.ok:
+                        continue
+                    capv = {"prefill": e.p, "decode": e.d, "both": (e.p * e.d / (e.p + e.d)) if e.p + e.d else 0}[role]
+                    cands.append((capv * n, GroupChoice(g.chip, role, tp, n)))
+                cands.sort(key=lambda x: (-x[0], x[1].tp))
+                opts += [c for _, c in (cands if keep_tp is None else cands[:keep_tp])]
+            out.append(opts)
+        return out
+
+    def analytic(self, choices: Sequence[GroupChoice]) -> Tuple[float, str]:
+        """Cluster capacity (req/s) and binding resource of a combination; ``(0, 'invalid')`` when it has no
+        prefill-capable or no decode-capable instance."""
+        pre, dec, both = [], [], []
+        for c in choices:
+            if c.role == "unused":
+                continue
+            e = self.estimate(c.chip, c.tp, c.role)
+            if c.role == "prefill":
+                pre.append((e.p, e.xfer_cap, c.instances))
+            elif c.role == "decode":
+                dec.append((e.d, c.instances))
+            else:
+                both.append((e.p, e.d, c.instances))
+        if not (pre or both) or not (dec or both):
+            return 0.0, "invalid"
+        if pre and not (dec or both):
+            return 0.0, "invalid"
+        return cluster_capacity(pre, dec, both)
+
+    def enumerate(self, keep_tp: Optional[int] = 2) -> List[Candidate]:
+        """Every PD-valid combination of :meth:`group_options`, with its analytic capacity, best first."""
+        out = []
+        for combo in itertools.product(*self.group_options(keep_tp)):
+            roles = {c.role for c in combo}
+            if roles == {"unused"} or {"prefill", "both"} <= roles or ("decode" in roles and "prefill" not in roles):
+                continue  # the router treats "both" and "decode" alike: with prefill-role instances as decode,
+                # without them as aggregated
+            lam, why = self.analytic(combo)
+            if why == "invalid":
+                continue
+            out.append(Candidate(tuple(combo), self.policy, self.block_size, lam, why))
+        out.sort(key=self._analytic_order)
+        return out
+
+    def _analytic_order(self, c: Candidate):
+        if self.rate is None:
+            return (-c.analytic, c.chips_used)
+        return (c.analytic < 0.8 * self.rate, c.chips_used, -c.analytic)
+
+    # ------------------------------------------------------------------ simulation
+    def deployment_dict(self, c: Candidate, name: str = "plan") -> dict:
+        """The candidate as a ``dlmix sim`` deployment mapping (:func:`dlmix.sim.config.deployment_from_dict`); each
+        group's KV link is the slowest between its hosts and the hosts of the groups it exchanges KV with
+        (:meth:`Inventory.link_to`)."""
+        inst = []
+        used = [ch for ch in c.choices if ch.role != "unused"]
+        for ch in used:
+            peer_roles = {"prefill": ("decode", "both"), "decode": ("prefill",), "both": ("prefill",)}[ch.role]
+            peers = sorted({p.chip for p in used if p.role in peer_roles})
+            e = {"chip": ch.chip, "count": ch.instances, "role": ch.role, "num_chips": ch.tp,
+                 "link": self.inv.link_to(ch.chip, peers)}
+            if c.router_chip:
+                e["router_chip"] = c.router_chip
+            inst.append(e)
+        return {"name": name, "block_size": c.block_size, **DEFAULTS, "instances": inst}
+
+    def policy_params(self, c: Candidate) -> dict:
+        """Router policy parameters: the ``cost`` policy gets the SLO as ``ttft_target`` / ``itl_target``."""
+        return {"ttft_target": self.slo.ttft, "itl_target": self.slo.itl} if c.policy == "cost" else {}
+
+    def simulate(self, c: Candidate, rate: float) -> dict:
+        """One simulator run of ``c`` with the workload at ``rate`` req/s; returns the summary."""
+        dep = deployment_from_dict(self.deployment_dict(c), "plan", self.inv.catalog)
+        self.sims += 1
+        sim = Simulator(dep, self.model, c.policy, seed=self.seed, policy_params=self.policy_params(c))
+        return sim.run(self.wl.at(rate), self.slo.ttft, self.slo.itl, label=c.label()).summary
+
+    def _att(self, c: Candidate, k: int, cache: Dict[int, dict]) -> float:
+        if k not in cache:
+            cache[k] = self.simulate(c, RATE_GRID ** k)
+            c.tried[k] = cache[k]["good_fraction"]
+        return cache[k]["good_fraction"]
+
+    def evaluate_variant(self, v: Candidate, best: Candidate) -> Candidate:
+        """Cheap check of a refinement variant of ``best`` (maximise mode): simulate it one grid step above the best's
+        goodput; only if it meets the SLO there is it searched further upwards. Otherwise ``goodput`` stays None and
+        ``note`` says it is not better than the best."""
+        if self.rate is not None:
+            return self.evaluate(v)
+        kb = round(math.log(best.goodput) / math.log(RATE_GRID))
+        cache: Dict[int, dict] = {}
+        if self._att(v, kb + 1, cache) >= self.slo.attain:
+            return self.evaluate(v, guess=RATE_GRID ** (kb + 1), cache=cache)
+        v.summary = cache[kb + 1]
+        v.note = "not better than the best (misses the SLO one rate step above it)"
+        return v
+
+    def evaluate(self, c: Candidate, guess: Optional[float] = None, cache: Optional[Dict[int, dict]] = None
+                 ) -> Candidate:
+        """Simulate ``c``: fills ``goodput`` and ``summary`` (see the module docstring). Returns ``c``."""
+        tgt = self.slo.attain
+        if self.rate is not None:
+            s = self.simulate(c, self.rate)
+            c.summary = s
+            c.goodput = s["request_goodput"] if s["good_fraction"] >= tgt else 0.0
+            return c
+        if guess is None:
+            k_ = sorted(self.kappa)[len(self.kappa) // 2] if self.kappa else 0.8
+            guess = max(c.analytic * k_, 1e-3)
+        cache = {} if cache is None else cache
+        k0 = round(math.log(guess) / math.log(RATE_GRID))
+        lo = hi = None
+        if self._att(c, k0, cache) >= tgt:
+            lo = k = k0
+            for _ in range(6):
+                k += 4
+                if self._att(c, k, cache) >= tgt:
+                    lo = k
+                else:
+                    hi = k
+                    break
+        else:
+            hi = k = k0
+            for step in (4, 8, 16, 32):
+                k -= step
+                if self._att(c, k, cache) >= tgt:
+                    lo = k
+                    break
+                hi = k
+        if lo is None:
+            c.goodput = 0.0
+            c.summary = cache[min(cache)]
+            return c
+        while hi is not None and hi - lo > 1:
+            mid = (lo + hi) // 2
+            if self._att(c, mid, cache) >= tgt:
+                lo = mid
+            else:
+                hi = mid
+        c.goodput = RATE_GRID ** lo
+        c.summary = cache[lo]
+        if c.analytic > 0:
+            self.kappa.append(c.goodput / c.analytic)
+        return c
+
+    # ------------------------------------------------------------------ the plan
+    def infeasible_reasons(self) -> List[str]:
+        """Why no option of any group can prefill or decode within the SLO: per group, the reason at its largest
+        TP size (the most favourable), for the prefill side (as ``both``: no KV transfer) and the decode side (as
+        ``decode``: the full ITL target)."""
+        out = []
+        for side, roles, shown in (("prefill", ("prefill", "both"), "both"), ("decode", ("decode", "both"), "decode")):
+            if any(self.estimate(g.chip, tp, r).ok for g in self.inv.groups for tp in g.tp_sizes() for r in roles):
+                continue
+            parts = [self.estimate(g.chip, g.tp_sizes()[-1], shown).reason for g in self.inv.groups]
+            out.append(f"no chip group can {side} within the SLO: " + "; ".join(p for p in parts if p))
+        return out
+
+    def plan(self, top_k: int = 4, pareto_points: int = 3, refine: bool = True) -> PlanResult:
+        """Run the search (module docstring). Returns a :class:`PlanResult`."""
+        t0 = time.perf_counter()
+        c0 = time.process_time()
+        self.progress("analytic pruning", 0, 1)
+        cands = self.enumerate()
+        n_an = len(cands)
+        self.progress(f"analytic: {n_an} combinations ranked", 1, 1)
+        if not cands:
+            reasons = self.infeasible_reasons() or ["no prefill+decode-capable combination of the groups fits"]
+            return PlanResult(False, None, [], [], [], reasons, 0, self.sims, time.perf_counter() - t0, self.rate,
+                              self.slo, self.inv, self.model, self.wl, time.process_time() - c0)
+        # the analytic best of each of the top_k role patterns (which groups prefill / decode / both / unused): the
+        # roofline capacities rank candidates of one pattern well but can misjudge PD against aggregation, so the
+        # simulator sees every leading pattern; then the runner-up TP variant of the leading pattern
+        pats: Dict[tuple, List[Candidate]] = {}
+        for c in cands:
+            pats.setdefault(tuple(ch.role for ch in c.choices), []).append(c)
+        heads = sorted(pats.values(), key=lambda cs: self._analytic_order(cs[0]))[:top_k]
+        pick = [cs[0] for cs in heads]
+        if len(heads[0]) > 1:
+            pick.append(heads[0][1])
+        # Pareto helpers: analytic best at other chip counts (below the leader's)
+        levels: Dict[int, Candidate] = {}
+        for c in cands:
+            if c.chips_used not in levels:
+                levels[c.chips_used] = c
+        lv = sorted(k for k in levels if k < pick[0].chips_used)
+        if lv and pareto_points > 0:
+            step = max(1, len(lv) // pareto_points)
+            extra = [levels[k] for k in lv[::-1][::step][:pareto_points]]
+            keys = {c.key for c in pick}
+            pick += [c for c in extra if c.key not in keys]
+        total = len(pick) + (len(REFINE_POLICIES) + len(REFINE_BLOCKS) if refine else 0)
+        for i, c in enumerate(pick):
+            self.progress(f"simulating {c.label()}", i, total)
+            self.evaluate(c)
+        done = len(pick)
+        sim = list(pick)
+        order = self._sim_order
+        sim.sort(key=order)
+        best = sim[0]
+        if refine and (best.goodput or 0) > 0:
+            # local search: the winner with one group at another TP size that passes the analytic checks (the
+            # roofline capacity hardly separates TP sizes; the simulated TTFT tail does)
+            seen = {c.key for c in sim}
+            for gi, ch in enumerate(best.choices):
+                if ch.role == "unused":
+                    continue
+                g = self.inv.group(ch.chip)
+                for tp in g.tp_sizes():
+                    if tp == ch.tp or not self.estimate(ch.chip, tp, ch.role).ok:
+                        continue
+                    chs = list(best.choices)
+                    chs[gi] = GroupChoice(ch.chip, ch.role, tp, g.instances(tp))
+                    v = Candidate(tuple(chs), best.policy, best.block_size)
+                    if v.key in seen:
+                        continue
+                    seen.add(v.key)
+                    v.analytic, v.binding = self.analytic(v.choices)
+                    self.progress(f"local search {v.label()}", done, total)
+                    self.evaluate_variant(v, best)
+                    sim.append(v)
+            sim.sort(key=order)
+            best = sim[0]
+            variants = [replace(best, policy=p, goodput=None, summary=None, tried={}) for p in REFINE_POLICIES
+                        if p != best.policy]
+            variants += [replace(best, block_size=b, goodput=None, summary=None, tried={}) for b in REFINE_BLOCKS
+                         if b != best.block_size]
+            for v in variants:
+                self.progress(f"refining {v.label()}", done, total)
+                self.evaluate_variant(v, best)
+                done += 1
+                sim.append(v)
+            sim.sort(key=order)
+            best = sim[0]
+        self.progress("done", total, total)
+        feasible = (best.goodput or 0) > 0
+        reasons: List[str] = []
+        if not feasible:
+            reasons = self.sim_reasons(best)
+        alts = [c for c in sim[1:] if (c.goodput or 0) > 0][:3]
+        return PlanResult(feasible, best if feasible else None, alts, pareto_front(sim), sim, reasons, n_an,
+                          self.sims, time.perf_counter() - t0, self.rate, self.slo, self.inv, self.model, self.wl,
+                          time.process_time() - c0)
+
+    def _sim_order(self, c: Candidate):
+        g = c.goodput or 0.0
+        if self.rate is None:
+            return (-round(g, 9), c.chips_used)
+        return (g <= 0, c.chips_used, -g)
+
+    def sim_reasons(self, c: Candidate) -> List[str]:
+        """Why the simulated candidate misses the SLO at the lowest rate tried: which percentile exceeds its target."""
+        s = c.summary or {}
+        q = self.slo.pct
+        key = f"p{int(q)}" if f"p{int(q)}" in s.get("ttft_ms", {}) else "p90"
+        out = []
+        ttft = s.get("ttft_ms", {}).get(key, 0.0)
+        tpot = s.get("tpot_ms", {}).get(key, 0.0)
+        if ttft > self.slo.ttft * 1000:
+            out.append(f"TTFT: simulated {key} {ttft:.0f} ms > {self.slo.ttft * 1000:.0f} ms target even at the "
+                       f"lowest rate tried, on the best deployment found ({c.label()})")
+        if tpot > self.slo.itl * 1000:
+            out.append(f"ITL: simulated {key} TPOT {tpot:.1f} ms > {self.slo.itl * 1000:.1f} ms target even at the "
+                       f"lowest rate tried ({c.label()})")
+        if not out:
+            out.append(f"only {100 * s.get('good_fraction', 0):.1f} % of requests meet both targets "
+                       f"(< {q:g} %) at the lowest rate tried ({c.label()})")
+        return out
+
+
+def pareto_front(cands: Sequence[Candidate]) -> List[Candidate]:
+    """Candidates no other beats with as few chips: chips ascending, goodput strictly increasing (simulated ones
+    with goodput > 0 only)."""
+    good = sorted((c for c in cands if (c.goodput or 0) > 0), key=lambda c: (c.chips_used, -(c.goodput or 0)))
+    out: List[Candidate] = []
+    for c in good:
+        if not out or (c.goodput or 0) > (out[-1].goodput or 0):
+            if out and out[-1].chips_used == c.chips_used:
+                continue
+            out.append(c)
+    return out

@@ -1,0 +1,106 @@
+"""The workload a plan is made for: a request sample that can be replayed at any mean request rate.
+
+Sources: a built-in trace name (``mooncake``) or a Mooncake-format JSONL path (first ``n`` requests), or a synthetic
+shared-prefix description ``synthetic:groups=16,per_group=16,prefix=6144,suffix=1200,output=128`` (generated with
+:func:`dlmix.sim.workload.shared_prefix`). :meth:`PlanWorkload.at` rescales the arrival times so the sample's mean
+rate is the requested one (the arrival pattern — bursts, order, prefix sharing — is kept).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List
+
+import numpy as np
+
+from dlmix.sim.workload import SimRequest, WorkloadError, load_trace, shared_prefix
+
+__all__ = ["PlanWorkload", "load_plan_workload"]
+
+class _Replay(SimRequest):
+    """A replayed copy that shares its block-key cache with the sample's request (keys depend on the prompt only),
+    so repeated simulations of the same sample hash each prompt once; the simulator's end-of-request
+    :meth:`drop_keys` keeps them."""
+
+    def drop_keys(self) -> None:
+        """Keep the shared cache (see the class docstring)."""
+
+
+_SYN_KEYS = {"groups": 16, "per_group": 16, "prefix": 6144, "suffix": 1200, "output": 128, "seed": 0}
+
+
+@dataclass
+class PlanWorkload:
+    """A request sample with its statistics.
+
+    Attributes:
+        name: source description. requests: :class:`SimRequest` sample (arrival-sorted).
+        base_rate: mean arrival rate of the sample as read, req/s (``(n − 1) / (last − first arrival)``).
+        input_len, output_len: per-request prompt and output tokens (numpy int arrays).
+        hit: per-request ideal prefix-hit tokens (leading 512-token trace blocks already seen by an earlier request).
+    """
+
+    name: str
+    requests: List[SimRequest]
+    base_rate: float
+    input_len: np.ndarray
+    output_len: np.ndarray
+    hit: np.ndarray
+
+    def at(self, rate: float) -> List[SimRequest]:
+        """Fresh copies of the sample with arrivals scaled to a mean of ``rate`` req/s. Raises ValueError if
+        ``rate <= 0``."""
+        if rate <= 0:
+            raise ValueError(f"rate must be > 0, got {rate}")
+        a0 = self.requests[0].arrival
+        f = self.base_rate / rate
+        return [_Replay(r.rid, (r.arrival - a0) * f, r.input_len, r.output_len, r.hash_ids, r.trace_block, r._keys)
+                for r in self.requests]
+
+    def pct_input(self, pct: float) -> int:
+        """The ``pct``-th percentile prompt length, tokens."""
+        return int(np.percentile(self.input_len, pct))
+
+
+def _parse_synthetic(desc: str) -> dict:
+    kv = dict(_SYN_KEYS)
+    body = desc.split(":", 1)[1] if ":" in desc else ""
+    for item in filter(None, (s.strip() for s in body.split(","))):
+        if "=" not in item:
+            raise WorkloadError(f"synthetic workload: expected KEY=VALUE, got {item!r}")
+        k, v = (s.strip() for s in item.split("=", 1))
+        if k not in _SYN_KEYS:
+            raise WorkloadError(f"synthetic workload: unknown key {k!r}; keys: {', '.join(_SYN_KEYS)}")
+        try:
+            kv[k] = int(v)
+        except ValueError:
+            raise WorkloadError(f"synthetic workload: {k} must be an integer, got {v!r}") from None
+    return kv
+
+
+def load_plan_workload(source: str, n: int = 400) -> PlanWorkload:
+    """Build the sample: ``source`` is a trace name/path (first ``n`` requests) or ``synthetic[:k=v,...]``.
+
+    Raises WorkloadError for a bad source or a sample of fewer than 2 requests / zero duration."""
+    if n < 2:
+        raise WorkloadError(f"the workload sample needs at least 2 requests, got {n}")
+    if source == "synthetic" or source.startswith("synthetic:"):
+        k = _parse_synthetic(source)
+        reqs = shared_prefix(k["groups"], k["per_group"], k["prefix"], k["suffix"], k["output"], 1.0, k["seed"])
+    else:
+        reqs = load_trace(source, limit=n)
+    if len(reqs) < 2 or reqs[-1].arrival <= reqs[0].arrival:
+        raise WorkloadError(f"workload {source!r}: needs >= 2 requests spread over time")
+    seen: set = set()
+    hit = []
+    for r in reqs:
+        k = 0
+        for h in r.hash_ids:
+            if h in seen:
+                k += 1
+            else:
+                break
+        hit.append(min(k * r.trace_block, r.input_len))
+        seen.update(r.hash_ids)
+    base = (len(reqs) - 1) / (reqs[-1].arrival - reqs[0].arrival)
+    return PlanWorkload(source, reqs, base, np.array([r.input_len for r in reqs]),
+                        np.array([r.output_len for r in reqs]), np.array(hit))

@@ -1,0 +1,219 @@
+"""dlmix plan: inventories, analytic pruning, the search on built-in inventories, deployment files, infeasible
+plans, the Pareto front (fast: small workload samples, few simulated candidates)."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import yaml
+
+from dlmix.hw.cost import ModelSpec
+from dlmix.plan.analytic import SLO, cluster_capacity, estimate_role
+from dlmix.plan.inventory import InventoryError, builtin_inventories, load_inventory
+from dlmix.plan.report import launch_deployment, result_dict, sim_deployment, write_outputs
+from dlmix.plan.search import Candidate, GroupChoice, Planner, pareto_front
+from dlmix.plan.workload import load_plan_workload
+from dlmix.sim.config import load_deployment, load_model
+from dlmix.sim.simulator import Simulator
+from dlmix.sim.workload import WorkloadError
+
+LLAMA = load_model("llama-3.1-8b")
+
+
+@pytest.fixture(scope="module")
+def wl():
+    return load_plan_workload("mooncake", 120)
+
+
+def test_builtin_inventories_load():
+    names = builtin_inventories()
+    assert {"h100x4_h20x4", "910bx8_h20x4", "mix32", "s4000x2"} <= set(names)
+    inv = load_inventory("mix32")
+    assert inv.total_chips == 32
+    assert [g.chip for g in inv.groups] == ["Ascend910B", "K100", "C500", "MTT-S4000", "H20"]
+    nvidia = [g for g in inv.groups if inv.catalog.chip(g.chip).vendor == "NVIDIA"]
+    assert len(nvidia) == 1 and len(inv.groups) - 1 == 4
+    g = inv.group("910B")  # alias
+    assert g.tp_sizes() == [1, 2, 4, 8] and g.instances(4) == 2
+    # the S4000 host has no link entry: TCP 25G (default) is its group's slowest link
+    assert inv.group("MTT-S4000").link == "tcp-25g"
+    assert load_inventory("h100x4_h20x4").group("H100").link == "rdma-100g"
+    # a deployment's link per group: the slowest towards the groups it exchanges KV with
+    assert inv.link_to("H20", ["Ascend910B", "K100"]) == "rdma-100g"
+    assert inv.link_to("H20", ["Ascend910B", "MTT-S4000"]) == "tcp-25g"
+    assert inv.link_to("H20", []) == "nvlink"
+
+
+def test_inventory_errors(tmp_path):
+    with pytest.raises(InventoryError, match="unknown chip 'Z9000'"):
+        load_inventory({"hosts": [{"name": "a", "chips": {"Z9000": 2}}]})
+    with pytest.raises(InventoryError, match="unknown host 'b'"):
+        load_inventory({"hosts": [{"name": "a", "chips": {"H100": 2}}], "links": [{"hosts": ["a", "b"],
+                                                                                    "link": "rdma-100g"}]})
+    with pytest.raises(InventoryError, match="count of H100 must be >= 1"):
+        load_inventory({"hosts": [{"name": "a", "chips": {"H100": 0}}]})
+    with pytest.raises(InventoryError, match="unknown key"):
+        load_inventory({"hosts": [{"name": "a", "chips": {"H100": 1}, "gpus": 3}]})
+    with pytest.raises(InventoryError, match="not found"):
+        load_inventory(str(tmp_path / "nope.yaml"))
+    with pytest.raises(InventoryError, match="duplicate host"):
+        load_inventory({"hosts": [{"name": "a", "chips": {"H100": 1}}, {"name": "a", "chips": {"H20": 1}}]})
+
+
+def test_workload_sample_and_rate(wl):
+    reqs = wl.at(2.0)
+    assert len(reqs) == 120
+    assert (len(reqs) - 1) / (reqs[-1].arrival - reqs[0].arrival) == pytest.approx(2.0)
+    assert [r.input_len for r in reqs] == list(wl.input_len)
+    syn = load_plan_workload("synthetic:groups=3,per_group=4,prefix=1024,suffix=100,output=16")
+    assert len(syn.requests) == 12 and set(syn.input_len) == {1124}
+    assert syn.hit.max() == 1024  # the shared prefix's two 512-token blocks
+    with pytest.raises(WorkloadError, match="unknown key 'grups'"):
+        load_plan_workload("synthetic:grups=3")
+    with pytest.raises(ValueError):
+        wl.at(0)
+
+
+def test_cluster_capacity_values():
+    # prefill-bound PD: 2 req/s of prefill, 3 req/s of decode
+    lam, why = cluster_capacity([(2.0, math.inf, 1)], [(3.0, 1)], [])
+    assert lam == pytest.approx(2.0, rel=1e-4) and why == "prefill"
+    # aggregated only: two instances with p = d = 1 split their time in half: 0.5 req/s each
+    lam, why = cluster_capacity([], [], [(1.0, 1.0, 2)])
+    assert lam == pytest.approx(1.0, rel=1e-4)
+    # transfer-limited prefill: 0.5 req/s of link, plenty of compute
+    lam, why = cluster_capacity([(4.0, 0.5, 1)], [(3.0, 1)], [])
+    assert lam == pytest.approx(0.5, rel=1e-4) and why == "kv-transfer"
+    assert cluster_capacity([(1.0, math.inf, 1)], [], []) == (0.0, "none")
+
+
+def test_estimate_role_memory_and_slo(wl):
+    from dlmix.hw.cost import CostModel
+
+    big = ModelSpec(70e9, 80, 64, 8, 128, 2, "big-70b")
+    cost = CostModel(big)
+    e = estimate_role(cost, wl, SLO(5, 0.05, 80), "RTX4090", 1, "both")
+    assert not e.ok and e.reason.startswith("memory") and "140.0 GB" in e.reason
+    cost = CostModel(LLAMA)
+    e = estimate_role(cost, wl, SLO(5, 0.05, 80), "H100", 1, "decode")
+    assert e.ok and e.d > 0 and e.p == 0
+    e = estimate_role(cost, wl, SLO(5, 0.005, 80), "MTT-S4000", 1, "decode")
+    assert not e.ok and e.reason.startswith("ITL")
+
+
+@pytest.fixture(scope="module")
+def small_plan(wl):
+    pl = Planner(load_inventory("h100x4_h20x4"), LLAMA, SLO(5.0, 0.05, 80), wl)
+    return pl, pl.plan(top_k=2, pareto_points=1, refine=False)
+
+
+def test_plan_small_inventory(small_plan, tmp_path):
+    pl, r = small_plan
+    assert r.feasible and r.best is not None and r.best.goodput > 0
+    assert r.best.summary["good_fraction"] >= 0.8
+    assert r.sims > 0 and r.analytic_count > 0
+    # the simulated goodput is the best of the simulated candidates
+    assert r.best.goodput == max(c.goodput or 0 for c in r.simulated)
+    # deployment file: dlmix sim loads it as it is and runs it
+    paths = write_outputs(pl, r, tmp_path)
+    names = {p.name for p in paths}
+    assert {"plan.json", "deploy_sim.yaml", "deploy_launch.yaml"} <= names
+    dep = load_deployment(str(tmp_path / "deploy_sim.yaml"))
+    used = [c for c in r.best.choices if c.role != "unused"]
+    assert len(dep.instances) == sum(c.instances for c in used)
+    assert {(i.chip, i.role, i.num_chips) for i in dep.instances} == {(c.chip, c.role, c.tp) for c in used}
+    s = Simulator(dep, LLAMA, r.best.policy, policy_params=pl.policy_params(r.best)).run(
+        pl.wl.at(r.best.goodput), 5.0, 0.05).summary
+    assert s["good_fraction"] == pytest.approx(r.best.summary["good_fraction"])
+    # dlmix launch's schema accepts the launch file
+    from dlmix.launch.config import Deployment as LaunchDeployment
+
+    ld = LaunchDeployment.from_file(tmp_path / "deploy_launch.yaml")
+    assert len(ld.instances) == len(dep.instances)
+    assert {i.device for i in ld.instances} == {"cuda"}
+    assert ld.router.policy == r.best.policy
+    d = result_dict(r)
+    assert d["best"]["goodput_req_s"] == pytest.approx(r.best.goodput, rel=1e-3)
+
+
+def test_pareto_front_monotone(small_plan):
+    _, r = small_plan
+    f = r.pareto
+    assert f and f[-1].goodput == max(c.goodput or 0 for c in r.simulated)
+    for a, b in zip(f, f[1:]):
+        assert a.chips_used < b.chips_used and a.goodput < b.goodput
+    mk = lambda n, g: Candidate((GroupChoice("H100", "both", 1, n),), goodput=g)  # noqa: E731
+    front = pareto_front([mk(4, 3.0), mk(2, 2.0), mk(3, 1.5), mk(4, 2.5), mk(1, 0.0), mk(5, 3.0), mk(6, None)])
+    assert [(c.chips_used, c.goodput) for c in front] == [(2, 2.0), (4, 3.0)]
+
+
+def test_infeasible_plan_names_binding_constraint(wl):
+    inv = load_inventory("s4000x2")
+    r = Planner(inv, LLAMA, SLO(2.0, 0.025, 90), wl).plan()
+    assert not r.feasible and r.best is None
+    assert len(r.reasons) == 1 and "prefill" in r.reasons[0] and "TTFT" in r.reasons[0]
+    assert "MTT-S4000" in r.reasons[0]
+    r = Planner(inv, LLAMA, SLO(60.0, 0.004, 90), wl).plan()
+    assert not r.feasible and any(x.startswith("no chip group can decode") and "ITL" in x for x in r.reasons)
+
+
+def test_sim_deployment_text_and_blind_router_chip(small_plan):
+    pl, r = small_plan
+    c = Candidate((GroupChoice("H100", "prefill", 1, 4), GroupChoice("H20", "decode", 1, 4)), router_chip="H100")
+    d = yaml.safe_load(sim_deployment(pl, c))
+    assert all(g["router_chip"] == "H100" for g in d["instances"])
+    dep = load_deployment(d)
+    assert sum(1 for i in dep.instances if i.role == "decode") == 4
+    ld = launch_deployment(pl, c)
+    assert [i["devices"] for i in ld["instances"]] == ["0", "1", "2", "3"] * 2
+
+
+def test_cli_infeasible_and_plan(tmp_path):
+    from typer.testing import CliRunner
+
+    from dlmix.cli import app
+
+    res = CliRunner().invoke(app, ["plan", "-i", "s4000x2", "--slo-ttft-ms", "2000", "-n", "60"])
+    assert res.exit_code == 3, res.output
+    assert "NO FEASIBLE DEPLOYMENT" in res.output and "binding" in res.output
+    res = CliRunner().invoke(app, ["plan", "-i", "h100x4_h20x4", "-n", "60", "--slo-ttft-ms", "5000", "--slo-pct",
+                                   "80", "--top-k", "1", "--no-refine", "--no-baselines", "-o", str(tmp_path)])
+    assert res.exit_code == 0, res.output
+    assert (tmp_path / "deploy_sim.yaml").exists()
+    load_deployment(str(tmp_path / "deploy_sim.yaml"))
+    res = CliRunner().invoke(app, ["plan", "-i", "nope", "-n", "60"])
+    assert res.exit_code == 2 and "not found" in res.output
+
+
+def test_plan_for_a_fixed_rate_prefers_fewer_chips(wl):
+    pl = Planner(load_inventory("h100x4_h20x4"), LLAMA, SLO(5.0, 0.05, 80), wl, rate=0.5)
+    r = pl.plan(top_k=3, pareto_points=2, refine=False)
+    assert r.feasible and r.rate == 0.5
+    ok = [c for c in r.simulated if (c.goodput or 0) > 0]
+    assert all(c.summary["good_fraction"] >= 0.8 for c in ok)
+    assert r.best.chips_used == min(c.chips_used for c in ok)
+    assert r.best.goodput == pytest.approx(r.best.summary["request_goodput"])
+    with pytest.raises(ValueError, match="rate must be > 0"):
+        Planner(load_inventory("h100x4_h20x4"), LLAMA, SLO(5.0, 0.05, 80), wl, rate=-1)
+
+
+def test_baselines_structure_and_ratios(small_plan):
+    from dlmix.plan.baselines import baselines, ratios
+
+    pl, r = small_plan
+    base = baselines(pl)
+    assert {"homog_H100", "homog_H20", "homog_best", "homog_sum", "all_aggregated", "blind_pd",
+            "blind_pd_reversed"} <= set(base)
+    assert all(ch.role == "both" for ch in base["all_aggregated"].choices)
+    assert base["all_aggregated"].chips_used == 8
+    b = base["blind_pd"]
+    assert [(ch.chip, ch.role) for ch in b.choices] == [("H100", "prefill"), ("H20", "decode")]
+    assert b.router_chip == "H100"
+    assert [(ch.chip, ch.role) for ch in base["blind_pd_reversed"].choices] == [("H20", "prefill"),
+                                                                                  ("H100", "decode")]
+    assert base["homog_best"].goodput == max(base[k].goodput for k in ("homog_H100", "homog_H20"))
+    assert base["homog_sum"].goodput == pytest.approx(base["homog_H100"].goodput + base["homog_H20"].goodput)
+    rt = ratios(r.best.goodput, base)
+    for k, c in base.items():
+        v = rt[f"plan_vs_{k}"]
+        assert v is None if not c.goodput else v == pytest.approx(r.best.goodput / c.goodput, abs=1e-3)
