@@ -1,0 +1,234 @@
+"""The PD core is engine-neutral: the reference producer (transformers' forward pass, ``lmdeploy`` layout = separate
+K/V NHD, block 16, fp16; no engine code) feeds a REAL vLLM CPU decode instance (``DLMixConnector`` kv_consumer,
+fp32, block 128, ``vllm_cpu`` layout) through the dlmix router's PD flow (marked slow).
+
+Processes: reference producer P (core 0), a second reference producer Q whose prompt differs by one token
+(``--perturb-token -1``, core 0), vLLM decode D (core 1), the router in-process (policy ``round_robin``: P is the
+only prefill instance, so every request takes the PD path).
+
+* Greedy output through the router equals D serving the prompt alone (its prefix cache reset: a single instance
+  with the decode configuration), over completions (token ids and text) and chats, streamed and not; every
+  routed request really loaded the prompt's KV from P (D's transfer record). A first divergence at a position whose
+  reference top-1/top-2 logprob gap is below :data:`NEAR_TIE` counts as a near-tie, printed and counted; any other
+  difference fails.
+* Q's KV is refused by D with the reason (prompt digest), D recomputes, the answer equals the reference, and Q frees
+  the hold (abort).
+* At the end neither producer holds a block (their ``/stats`` hold accounting).
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import random
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import pytest
+
+pytestmark = pytest.mark.slow
+
+pytest.importorskip("vllm")
+pytest.importorskip("transformers")
+
+from dlmix.router.config import RouterConfig  # noqa: E402
+from dlmix.router.server import Router  # noqa: E402
+from dlmix_vllm import testing as T  # noqa: E402
+
+MAX_TOKENS = 16
+#: top-1/top-2 logprob gap (nats) below which a first divergence counts as a near-tie: the producer's KV comes from
+#: transformers' fp32 forward pass stored in fp16 (relative rounding 2^-11), the reference's from vLLM's fp32 kernels.
+NEAR_TIE = 0.25
+
+_WORDS = ("river mountain quiet engine market yellow window garden silver theory station winter bridge signal "
+          "harvest lantern ocean pocket rhythm castle meadow copper thunder village orbit canvas planet ribbon").split()
+
+
+def _text(rng: random.Random, n_words: int) -> str:
+    out = []
+    for i in range(n_words):
+        w = rng.choice(_WORDS)
+        out.append(w.capitalize() if i == 0 or out[-1].endswith(".") else w)
+        if rng.random() < 0.12:
+            out[-1] += "."
+    return " ".join(out) + "."
+
+
+class Producer:
+    """A ``python -m dlmix.pd.reference`` subprocess (own process group) and its announced URL."""
+
+    def __init__(self, name: str, model: str, workdir, extra: list[str] | None = None, cpu: str = "0"):
+        self.log = workdir / f"{name}.log"
+        env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
+                   PYTHONUNBUFFERED="1")
+        cmd = ["taskset", "-c", cpu, sys.executable, "-m", "dlmix.pd.reference", "--model", model,
+               "--served-model-name", "smollm2", "--arrangement", "lmdeploy", "--block-size", "16", "--dtype", "fp16",
+               "--hold-timeout-s", "300", *(extra or [])]
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=open(self.log, "wb"), env=env,
+                                     start_new_session=True)
+        self.url = None
+
+    def wait_ready(self, timeout_s: float = 300) -> None:
+        box: list = []
+        th = threading.Thread(target=lambda: box.append(self.proc.stdout.readline()), daemon=True)
+        th.start()
+        th.join(timeout_s)
+        if not box or not box[0]:
+            raise RuntimeError(f"reference producer did not start:\n{self.log.read_text()[-3000:]}")
+        self.info = json.loads(box[0])
+        self.url = self.info["url"]
+
+    def stats(self) -> dict:
+        return httpx.get(self.url + "/stats", timeout=30).json()
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, 15)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, 9)
+                self.proc.wait(10)
+
+
+class RouterThread:
+    """The dlmix router in-process on its own event loop thread."""
+
+    def __init__(self, cfg: RouterConfig):
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+
+        async def make():
+            return Router(cfg)
+        self.router = asyncio.run_coroutine_threadsafe(make(), self.loop).result(120)
+        asyncio.run_coroutine_threadsafe(self.router.start(), self.loop).result(60)
+        self.url = f"http://127.0.0.1:{self.router.cfg.port}"
+
+    def close(self) -> None:
+        try:
+            asyncio.run_coroutine_threadsafe(self.router.stop(), self.loop).result(30)
+        finally:
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self.thread.join(10)
+
+
+@pytest.fixture(scope="module")
+def stack(smollm2_dir, tmp_path_factory):
+    wd = tmp_path_factory.mktemp("pdref")
+    m = str(smollm2_dir)
+    P = Producer("P", m, wd)
+    Q = Producer("Q", m, wd, ["--perturb-token", "-1"])
+    D = T.launch("D", m, wd, role="kv_consumer", cpu="1", block_size=128, dtype="float32",
+                 extra={"io_timeout_s": 30})
+    rt = None
+    try:
+        P.wait_ready()
+        Q.wait_ready()
+        T.wait_ready([D], timeout_s=400)
+        # P's entry is its own registration body (the core's one builder: role prefill, its KV layout)
+        insts = [dict(P.info["registration"], id="P", chip="cpu-x86"),
+                 {"id": "D", "url": D.url, "role": "decode", "engine": "vllm", "model": "smollm2", "chip": "cpu-x86",
+                  "block_size": 128}]
+        rt = RouterThread(RouterConfig(host="127.0.0.1", port=0, policy="round_robin", model_spec=m, instances=insts,
+                                       prefill_timeout_s=300))
+        yield {"P": P, "Q": Q, "D": D, "router": rt}
+    finally:
+        if rt is not None:
+            rt.close()
+        D.stop()
+        P.stop()
+        Q.stop()
+
+
+@pytest.fixture(scope="module")
+def prompts(smollm2_dir):
+    """8 prompts, 12..700 tokens: completions as token ids and as text, chats; half streamed."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(smollm2_dir))
+    rng = random.Random(2024)
+    out = []
+    for i, n in enumerate([12, 60, 130, 200, 290, 400, 520, 700]):
+        text = _text(rng, n)
+        kind = ("completion", "chat", "text")[i % 3]
+        if kind == "completion":
+            ids = tok(text, add_special_tokens=False).input_ids
+            while len(ids) < n:
+                ids += tok(" " + _text(rng, 50), add_special_tokens=False).input_ids
+            prompt = ids[:n]
+        else:
+            prompt = tok.decode(tok(text, add_special_tokens=False).input_ids[: max(1, n - 30)])
+        out.append({"i": i, "kind": "chat" if kind == "chat" else "completion", "prompt": prompt,
+                    "stream": i % 2 == 1})
+    return out
+
+
+def _post(url: str, p: dict, ktp: dict | None = None) -> dict:
+    path, body = T.request_body(p["kind"], p["prompt"], MAX_TOKENS, stream=p["stream"], ktp=ktp)
+    with httpx.Client(timeout=600) as c:
+        return T._post(c, url + path, body)
+
+
+def _record(resp: dict) -> dict:
+    return (resp.get("kv_transfer_params") or {}).get("dlmix") or {}
+
+
+def test_reference_producer_feeds_vllm_decode_through_router(stack, prompts):
+    D, P, rt = stack["D"], stack["P"], stack["router"]
+    layout = P.info["layout"]
+    assert (layout["arrangement"], layout["block_size"], layout["dtype"]) == ("lmdeploy", 16, "fp16")
+    T.reset_prefix_cache(D.url)
+    refs = {}
+    for p in prompts:
+        refs[p["i"]] = T.result_tokens(_post(D.url, p))
+    same = ties = 0
+    for p in prompts:
+        T.reset_prefix_cache(D.url)  # D must load the whole prompt from P, not hit its own cache
+        resp = _post(rt.url, p)
+        rec = _record(resp)
+        assert not rec.get("refused") and not rec.get("error"), (p["i"], rec)
+        assert rec.get("local_hit_tokens") == 0 and rec.get("loaded_tokens", 0) > 0, (p["i"], rec)
+        assert rec.get("bytes_received", 0) > 0 and rec.get("failed_blocks", 0) == 0, (p["i"], rec)
+        ids, _ = T.result_tokens(resp)
+        ref, gaps = refs[p["i"]]
+        assert len(ids) == len(ref) == MAX_TOKENS, (p["i"], ids, ref)
+        if ids == ref:
+            same += 1
+            continue
+        k = next(j for j in range(len(ref)) if ids[j] != ref[j])
+        gap = gaps[k] if k < len(gaps) else float("inf")
+        assert gap < NEAR_TIE, f"prompt {p['i']} differs at token {k} with top-2 gap {gap:.4f} >= {NEAR_TIE}"
+        ties += 1
+        print(f"[reference->vllm] prompt {p['i']}: near-tie at token {k} (top-2 gap {gap:.4f})")
+    print(f"[reference->vllm] identical {same}/{len(prompts)}, near-ties {ties} (threshold {NEAR_TIE} nats)")
+    assert same + ties == len(prompts)
+    deadline = time.monotonic() + 30
+    while P.stats()["held_requests"] and time.monotonic() < deadline:
+        time.sleep(0.2)
+    st = P.stats()
+    assert st["held_requests"] == 0 and st["used_blocks"] == 0, st
+    assert st["core"]["consumed"] == len(prompts) and st["core"]["refused"] == 0, st
+
+
+def test_producer_one_token_off_is_refused_by_decode(stack, prompts):
+    D, Q = stack["D"], stack["Q"]
+    p = next(x for x in prompts if x["kind"] == "completion" and len(x["prompt"]) >= 100)
+    T.reset_prefix_cache(D.url)
+    ref = T.result_tokens(_post(D.url, p))[0]
+    T.reset_prefix_cache(D.url)
+    r = T.two_step(Q.url, D.url, p["kind"], p["prompt"], MAX_TOKENS, stream=p["stream"])
+    assert r["params"]["remote_num_tokens"] == len(p["prompt"])
+    rec = _record(r["decode"])
+    why = rec.get("refused") or ""
+    print(f"[one token off] decode refused: {why}")
+    assert "prompt differs" in why and "digest" in why and rec.get("loaded_tokens") == 0, rec
+    assert T.result_tokens(r["decode"])[0] == ref  # D recomputed the prompt itself
+    deadline = time.monotonic() + 30
+    while Q.stats()["held_requests"] and time.monotonic() < deadline:
+        time.sleep(0.2)
+    st = Q.stats()
+    assert st["held_requests"] == 0 and st["used_blocks"] == 0 and st["core"]["grants"] == 0, st
