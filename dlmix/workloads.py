@@ -161,7 +161,7 @@ def ideal_reuse_of_keys(prompts: Iterable[Tuple[Sequence[Hashable], int, int]]) 
             prefix up to the end of that block), prompt tokens, tokens per key.
 
     Each request hits ``min(k · block, input_len)`` tokens, ``k`` = its leading keys already seen; then all its keys
-    are seen. Source: routing-anchors notes §3 (/work/shared/notes/routing-anchors.md).
+    are seen. Source: the trace format of Mooncake (FAST'25), ``kvcache-ai/Mooncake: FAST25-release/traces``.
     """
     seen: set = set()
     hit = total = 0
