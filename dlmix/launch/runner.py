@@ -178,18 +178,9 @@ def _vllm_spec(dep: Deployment, i: int, model: str, kv_transfer: Optional[dict],
 
 
 def _router_argv(config_path: Path) -> List[str]:
-    """``dlmix router --config FILE`` when the CLI has it, else the router's documented Python entry."""
-    try:
-        from dlmix import cli
-
-        names = {c.name or (c.callback.__name__ if c.callback else "") for c in cli.app.registered_commands}
-        names |= {g.name for g in cli.app.registered_groups}
-        if "router" in names:
-            return [sys.executable, "-m", "dlmix.cli", "router", "--config", str(config_path)]
-    except Exception:  # pragma: no cover - a broken CLI import falls back to the module API
-        pass
-    return [sys.executable, "-c", "import sys; from dlmix.router.config import RouterConfig; "
-            "from dlmix.router.server import run; run(RouterConfig.from_yaml(sys.argv[1]))", str(config_path)]
+    """``python -m dlmix.cli router --config FILE``: the router runs as the CLI sub-command in a child process (the
+    launcher never imports the CLI, which imports the launcher)."""
+    return [sys.executable, "-m", "dlmix.cli", "router", "--config", str(config_path)]
 
 
 def _free_block(n: int, taken: set) -> int:
