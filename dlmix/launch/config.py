@@ -178,7 +178,7 @@ class Instance(_Strict):
 
     Attributes:
         name: unique name (default ``ROLE-INDEX``); prefixes its log lines.
-        engine: ``vllm``, or ``mock`` (dlmix's test engine :mod:`dlmix.bench.mock_server`).
+        engine: ``vllm``, or ``mock`` (dlmix's test engine :mod:`dlmix.testing.mock_engine`).
         model: dlmix model name (``smollm2``, ``tiny-llama``; built by :func:`dlmix.models.prepare`), a local folder,
             or a hub id; default: the deployment's ``model``.
         served_model_name: name clients use (default: deployment's ``served_model_name``, else the model name).

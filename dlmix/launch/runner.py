@@ -237,7 +237,7 @@ def plan(dep: Deployment, secret: str, log_dir: Path, models: Optional[Dict[int,
         if inst.engine == "vllm":
             argv = vspec.argv()
         else:  # mock test engine
-            argv = [inst.python or sys.executable, "-m", "dlmix.bench.mock_server", "--host", inst.host,
+            argv = [inst.python or sys.executable, "-m", "dlmix.testing.mock_engine", "--host", inst.host,
                     "--port", str(inst.port), "--model", dep.served_name_of(i),
                     "--block-size", str(inst.kv.block_size or 16)] + list(inst.extra_args)
         plans.append(ProcessPlan(name=name, kind="engine", argv=argv, env=env, host=inst.host,
