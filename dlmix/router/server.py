@@ -309,12 +309,13 @@ class Router:
             rr = self._request_from(d, chat)
         else:
             rr = self._plain
-        view = ClusterView(self.instances, self.index, self.cost, self.approx)
+        reg = self.registry
+        view = ClusterView(reg.instances, self.index, self.cost, self.approx)
         try:
             dec = self.policy.choose(rr, view)
         except NoInstanceError:
             return False
-        b = self.rt.get(dec.decode.id)
+        b = reg.backends.get(dec.decode.id)
         if b is None:
             return False
         bc = b.pool.idle_conn()
