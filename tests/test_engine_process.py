@@ -82,3 +82,44 @@ def test_free_port_block_is_below_the_ephemeral_range_and_skips_taken_ports():
     taken = set(range(10000, low - 2000))  # leave only the top 2000 ports below the range
     q = free_port_block(2, taken=taken)
     assert q >= low - 2000 and not {q, q + 1} & taken
+
+
+def test_pd_test_spec_builds_the_same_command_line_as_the_connector_test_launcher(tmp_path, monkeypatch):
+    """One vLLM command-line builder: ``pd_test_spec`` gives the flags and environment that the connector tests'
+    launcher (dlmix_vllm.testing.launch) passes, flag for flag."""
+    import subprocess
+
+    import dlmix_vllm.testing as vt
+    from dlmix.engine_process import pd_test_spec
+
+    seen = {}
+
+    class FakePopen:
+        def __init__(self, args, env=None, **kw):
+            seen["args"], seen["env"] = list(args), dict(env)
+            self.pid = 0
+
+    monkeypatch.setattr(subprocess, "Popen", FakePopen)
+    vt.launch("p", "/models/m", tmp_path, role="kv_producer", cpu="1", port=4321, extra={"transport": "tcp"},
+              extra_args=["--x", "1"])
+
+    def pairs(argv):
+        i = argv.index("-m") + 2  # after "-m vllm.entrypoints.openai.api_server"
+        out, rest = set(), argv[i:]
+        while rest:
+            if len(rest) > 1 and not rest[1].startswith("--"):
+                out.add((rest[0], rest[1]))
+                rest = rest[2:]
+            else:
+                out.add((rest[0], None))
+                rest = rest[1:]
+        return out
+
+    spec = pd_test_spec("p", "/models/m", tmp_path, role="kv_producer", cpu="1", port=4321,
+                        extra={"transport": "tcp"}, extra_args=["--x", "1"])
+    assert pairs(spec.argv()) == pairs(seen["args"])
+    env = spec.child_env()
+    for k in ("VLLM_CPU_OMP_THREADS_BIND", "VLLM_CACHE_ROOT", "VLLM_SERVER_DEV_MODE", "HF_HUB_OFFLINE",
+              "TRANSFORMERS_OFFLINE", "VLLM_NO_USAGE_STATS", "PYTHONUNBUFFERED"):
+        assert env[k] == seen["env"][k], k
+    assert "VLLM_CPU_KVCACHE_SPACE" not in env

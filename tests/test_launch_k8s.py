@@ -140,7 +140,7 @@ def test_static_instances_are_reached_through_their_services_and_settings_apply(
     b = deps["mock-aggregated-mock-b"]
     _check_workload(b)
     c = _containers(b)[0]
-    assert c["image"] == "reg.example/dlmix:1" and c["args"][:2] == ["-m", "dlmix.bench.mock_server"]
+    assert c["image"] == "reg.example/dlmix:1" and c["args"][:2] == ["-m", "dlmix.testing.mock_engine"]
     assert c["resources"] == {"limits": {"cpu": "2", "memory": "1Gi"}, "requests": {"cpu": "2", "memory": "1Gi"}}
     assert "nodeSelector" not in b["spec"]["template"]["spec"]                       # CPU: no vendor label
     cfg = yaml.safe_load(_by(m.objects, "ConfigMap")["mock-aggregated-router-config"]["data"]["router.yaml"])

@@ -6,7 +6,7 @@ import random
 import pytest
 
 from dlmix.routing.hashing import BlockHasher, char_chunk_keys, none_hash, to_key
-from dlmix.router.kv_events import apply_batch, decode_batch
+from dlmix.router.kv_events.vllm import apply_batch, decode_batch
 from dlmix.routing.prefix_index import ApproxIndex, PrefixIndex
 
 kcu = pytest.importorskip("vllm.v1.core.kv_cache_utils")

@@ -1,17 +1,15 @@
-"""Router end-to-end against mock vLLM engines (tests/mock_engine.py): pass-through, PD, failures, balance."""
+"""Router end-to-end against mock vLLM engines (dlmix.testing.mock_engine): pass-through, PD, failures, balance."""
 from __future__ import annotations
 
 import asyncio
 import json
-import os
-import sys
 import time
 
 import httpx
 import pytest
 
-sys.path.insert(0, os.path.dirname(__file__))
-from mock_engine import LoopThread, MockEngine  # noqa: E402
+from dlmix.testing import LoopThread  # noqa: E402
+from dlmix.testing.mock_engine import MockEngine  # noqa: E402
 
 from dlmix.router.config import RouterConfig  # noqa: E402
 from dlmix.router.server import Router  # noqa: E402

@@ -30,7 +30,7 @@ zmq = pytest.importorskip("zmq")
 
 from dlmix.engine_process import EngineProcess, VLLMServerSpec, free_port  # noqa: E402
 from dlmix.router.config import RouterConfig  # noqa: E402
-from dlmix.router.kv_events import BlockStored, apply_batch, decode_batch  # noqa: E402
+from dlmix.router.kv_events.vllm import BlockStored, apply_batch, decode_batch  # noqa: E402
 from dlmix.routing.prefix_index import PrefixIndex  # noqa: E402
 from dlmix.router.server import Router  # noqa: E402
 

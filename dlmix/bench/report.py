@@ -84,10 +84,9 @@ def load_level_x(level: dict) -> tuple[str, float]:
 
 def plot_dir(out_dir: Path) -> list[Path]:
     """Plot every ``OUT/*/results.json`` together; returns the PNG paths written (empty without runs)."""
-    import matplotlib
+    from dlmix.plotting import pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     out_dir = Path(out_dir)
     runs = {}

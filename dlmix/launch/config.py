@@ -35,6 +35,8 @@ from typing import Any, Dict, List, Literal, Optional, Tuple
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from dlmix.errors import ConfigError as _BaseConfigError
+
 __all__ = ["ConfigError", "Deployment", "Instance", "KVSettings", "RouterSettings", "ConnectorSettings",
            "RestartPolicy", "K8sSettings", "K8sInstanceSettings", "DEVICE_VISIBILITY_ENV", "parse_deployment"]
 
@@ -53,7 +55,7 @@ DEVICES = ("cpu",) + tuple(DEVICE_VISIBILITY_ENV)
 _CPUS_RE = re.compile(r"^\s*\d+(\s*-\s*\d+)?(\s*,\s*\d+(\s*-\s*\d+)?)*\s*$")
 
 
-class ConfigError(ValueError):
+class ConfigError(_BaseConfigError):
     """Invalid deployment file. ``str(e)`` is ``FILE:LINE:COL: field.path: message`` (one line per problem)."""
 
     def __init__(self, problems: List[str]):
@@ -176,7 +178,7 @@ class Instance(_Strict):
 
     Attributes:
         name: unique name (default ``ROLE-INDEX``); prefixes its log lines.
-        engine: ``vllm``, or ``mock`` (dlmix's test engine :mod:`dlmix.bench.mock_server`).
+        engine: ``vllm``, or ``mock`` (dlmix's test engine :mod:`dlmix.testing.mock_engine`).
         model: dlmix model name (``smollm2``, ``tiny-llama``; built by :func:`dlmix.models.prepare`), a local folder,
             or a hub id; default: the deployment's ``model``.
         served_model_name: name clients use (default: deployment's ``served_model_name``, else the model name).

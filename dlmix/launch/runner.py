@@ -179,18 +179,9 @@ def _vllm_spec(dep: Deployment, i: int, model: str, kv_transfer: Optional[dict],
 
 
 def _router_argv(config_path: Path) -> List[str]:
-    """``dlmix router --config FILE`` when the CLI has it, else the router's documented Python entry."""
-    try:
-        from dlmix import cli
-
-        names = {c.name or (c.callback.__name__ if c.callback else "") for c in cli.app.registered_commands}
-        names |= {g.name for g in cli.app.registered_groups}
-        if "router" in names:
-            return [sys.executable, "-m", "dlmix.cli", "router", "--config", str(config_path)]
-    except Exception:  # pragma: no cover - a broken CLI import falls back to the module API
-        pass
-    return [sys.executable, "-c", "import sys; from dlmix.router.config import RouterConfig; "
-            "from dlmix.router.server import run; run(RouterConfig.from_yaml(sys.argv[1]))", str(config_path)]
+    """``python -m dlmix.cli router --config FILE``: the router runs as the CLI sub-command in a child process (the
+    launcher never imports the CLI, which imports the launcher)."""
+    return [sys.executable, "-m", "dlmix.cli", "router", "--config", str(config_path)]
 
 
 def _free_block(n: int, taken: set) -> int:
@@ -247,7 +238,7 @@ def plan(dep: Deployment, secret: str, log_dir: Path, models: Optional[Dict[int,
         if inst.engine == "vllm":
             argv = vspec.argv()
         else:  # mock test engine
-            argv = [inst.python or sys.executable, "-m", "dlmix.bench.mock_server", "--host", inst.host,
+            argv = [inst.python or sys.executable, "-m", "dlmix.testing.mock_engine", "--host", inst.host,
                     "--port", str(inst.port), "--model", dep.served_name_of(i),
                     "--block-size", str(inst.kv.block_size or 16)] + list(inst.extra_args)
         plans.append(ProcessPlan(name=name, kind="engine", argv=argv, env=env, host=inst.host,

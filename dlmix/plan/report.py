@@ -175,11 +175,10 @@ def _pp(c: Candidate) -> str:
 
 def plot_pareto(r: PlanResult, path: Path, base: Optional[Dict[str, Candidate]] = None) -> Optional[Path]:
     """PNG of goodput vs chips used: simulated candidates, the Pareto front, baselines. None without matplotlib."""
-    try:
-        import matplotlib
+    from dlmix.plotting import pyplot
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+    try:
+        plt = pyplot()
     except ImportError:
         return None
     fig, ax = plt.subplots(figsize=(7, 4.5))

@@ -32,9 +32,11 @@ from typing import Any, Dict, List, Optional
 
 import yaml
 
+from dlmix.errors import ConfigError as _BaseConfigError
 
-class ConfigError(ValueError):
-    """Invalid configuration (message names the key)."""
+
+class ConfigError(_BaseConfigError):
+    """Invalid router configuration (message names the key); a :class:`dlmix.errors.ConfigError`."""
 
 
 @dataclass

@@ -31,35 +31,43 @@ Health: every ``health_interval_s`` the router GETs each instance's ``/health``;
 row (or a refused connection) take it out, one success brings it back. Circuit breaker: ``breaker_failures``
 consecutive request failures open it for ``breaker_cooldown_s``.
 
-PD (vLLM): see :mod:`dlmix.router.engines.vllm`; a failed or timed-out prefill leg is retried on another prefill
-instance, then falls back to a full prefill on the decode instance; a decode/whole request that fails before any byte
-reached the client is retried on another instance (``retries``).
+PD (vLLM): see :mod:`dlmix.router.engines.vllm`; a failed or timed-out prefill leg is placed again by the policy
+(another prefill instance, or a full prefill on the decode instance; :mod:`dlmix.router.orchestrator`); a
+decode/whole request that fails before any byte reached the client is retried on another instance (``retries``).
+
+The parts: :mod:`~dlmix.router.registry` (instances, health, heartbeats, breakers), :mod:`~dlmix.router.admin`
+(admin API as a route table, :mod:`~dlmix.router.routes`), :mod:`~dlmix.router.orchestrator` (PD prefill leg),
+:mod:`~dlmix.router.kv_events` (engine KV events -> prefix index), :mod:`~dlmix.router.engines` (engine adapters),
+:mod:`~dlmix.router.proxy` (HTTP/1.1 client and server); this module holds the client endpoints and the one
+completion and retry path.
 """
 from __future__ import annotations
 
 import asyncio
 import ipaddress
-import time
 from typing import Dict, List, Optional
-from urllib.parse import urlparse
 
 import msgspec
 
 from dlmix.hw.cost import CostModel, ModelSpec, ewma_ratio
 from dlmix.hw.profiles import load_catalog
-from dlmix.router import kv_events, proxy
+from dlmix.router import proxy
+from dlmix.router.admin import AdminAPI
 from dlmix.router.config import ConfigError, RouterConfig
-from dlmix.router.engines import get_engine
-from dlmix.routing.hashing import BlockHasher, char_chunk_keys
 from dlmix.router.metrics import Metrics
-from dlmix.routing.policies import ClusterView, begin, end, make_policy, prefill_done, prefill_work
-from dlmix.routing.prefix_index import ApproxIndex, PrefixIndex
-from dlmix.router.proxy import BackendError, Pool, build_request, forward_headers, request
-from dlmix.routing.state import ROLES, InstanceState, NoInstanceError, RouteRequest
+from dlmix.router.orchestrator import SENT, PDOrchestrator
+from dlmix.router.proxy import BackendError, build_request, forward_headers, request
+from dlmix.router.registry import Backend, RegistrationError, Registry, Runtime  # noqa: F401 - re-exported
+from dlmix.router.routes import Route, RouteTable
 from dlmix.router.tokenize import PromptExtractor
+from dlmix.routing.hashing import BlockHasher, char_chunk_keys
+from dlmix.routing.policies import ClusterView, begin, end, make_policy, prefill_done
+from dlmix.routing.prefix_index import ApproxIndex, PrefixIndex
+from dlmix.routing.state import InstanceState, NoInstanceError, RouteRequest
+
+__all__ = ["Router", "RegistrationError", "run"]
 
 _json = msgspec.json.Encoder()
-_SENT = object()
 _CHAT = b"/v1/chat/completions"
 _COMPL = b"/v1/completions"
 
@@ -73,57 +81,10 @@ def _is_loopback(host: str) -> bool:
         return False
 
 
-class RegistrationError(Exception):
-    """Instance registration refused: ``status`` (400/409), message, ``reasons``."""
-
-    def __init__(self, status: int, msg: str, reasons: Optional[List[str]] = None):
-        super().__init__(msg)
-        self.status = status
-        self.reasons = reasons or []
-
-
-class Runtime:
-    """Router-private side of one instance: connection pool, health, breaker, metric children."""
-
-    def __init__(self, state: InstanceState, connect_timeout: float, ttl: float):
-        self.state = state
-        u = urlparse(state.url)
-        self.pool = Pool(u.hostname, u.port or 80, state.id, connect_timeout)
-        self.hostport = self.pool.hostport
-        self.auth = b"authorization: Bearer %s\r\n" % state.api_key.encode() if state.api_key else b""
-        self.engine = get_engine(state.engine)
-        self.hb_ttl = ttl
-        self.last_hb = time.monotonic()
-        self.hc_ok = True
-        self.hc_fails = 0
-        self.fails = 0
-        self.open_until = 0.0
-        self.ev_task: Optional[asyncio.Task] = None
-        self.m = None  # metric children, set by the router
-
-    def refresh(self, now: float) -> None:
-        """Recompute ``state.healthy`` from health check, heartbeat and breaker."""
-        hb_ok = self.hb_ttl <= 0 or now - self.last_hb <= self.hb_ttl
-        self.state.healthy = self.hc_ok and hb_ok and now >= self.open_until
-
-
-def _layout_compat(src: dict, dst: dict, sname: str, dname: str) -> List[str]:
-    """Reasons why KV made under ``src`` cannot be consumed under ``dst`` (empty = compatible)."""
-    try:
-        from dlmix.kv.layout import KVLayout, check_compat
-    except ImportError:  # pragma: no cover - dlmix.kv ships with dlmix
-        keys = ("num_layers", "num_kv_heads", "head_size")
-        return [f"{k} differs ({src.get(k)} vs {dst.get(k)})" for k in keys if src.get(k) != dst.get(k)]
-    try:
-        a, b = KVLayout.from_dict(src), KVLayout.from_dict(dst)
-    except Exception as ex:  # noqa: BLE001 - report any malformed descriptor
-        return [f"invalid kv_layout: {ex}"]
-    c = check_compat(a, b, src_name=sname, dst_name=dname)
-    return list(c.reasons)
-
-
 class Router:
-    """The router application. ``await start()`` to listen; ``await stop()`` to close.
+    """The router application: client endpoints and the one completion path, over a
+    :class:`~dlmix.router.registry.Registry`, a :class:`~dlmix.router.orchestrator.PDOrchestrator` and an
+    :class:`~dlmix.router.admin.AdminAPI`. ``await start()`` to listen; ``await stop()`` to close.
 
     Args:
         cfg: :class:`~dlmix.router.config.RouterConfig`.
@@ -145,227 +106,151 @@ class Router:
         self.approx = ApproxIndex(cfg.approx_index_capacity)
         self.extractor = PromptExtractor(cfg.tokenizer)
         self.hasher = BlockHasher(cfg.hash_algo, cfg.hash_seed)
-        self.instances: List[InstanceState] = []
-        self.rt: Dict[str, Runtime] = {}
+        self.registry = Registry(cfg, self.catalog, self.index, self.approx, self.policy.on_remove)
         self.metrics = Metrics(self) if cfg.metrics else None
+        self.registry.metrics = self.metrics
+        self.registry.on_change = self._update_flags
+        self.pd = PDOrchestrator(self.registry, self.policy, cfg, self.metrics, self._view)
+        self.admin = AdminAPI(self.registry, cfg.admin_key)
+        self.routes = RouteTable([
+            Route("POST", "/v1/chat/completions", self._chat),
+            Route("POST", "/v1/completions", self._completions),
+            Route("GET", "/v1/models", self._models),
+            Route("GET", "/health", self._health),
+            Route("GET", "/metrics", self._metrics),
+        ])
         self._client_auth = {b"Bearer " + k.encode() for k in cfg.api_keys}
-        self._admin_auth = b"Bearer " + cfg.admin_key.encode() if cfg.admin_key else None
         self._server = None
-        self._tasks: List[asyncio.Task] = []
-        self._started = False
         self._plain = RouteRequest()
         self._needs_parse = True
         self._pd = False
         for d in cfg.instances:
             self.register(dict(d), ttl_default=0.0)
 
-    # ------------------------------------------------------------------ registry
+    # ------------------------------------------------------------------ registry (delegated)
+    @property
+    def instances(self) -> List[InstanceState]:
+        """Registered instances (what the policies see)."""
+        return self.registry.instances
+
+    @property
+    def rt(self) -> Dict[str, Backend]:
+        """Backends by instance id."""
+        return self.registry.backends
+
     def register(self, d: dict, ttl_default: Optional[float] = None) -> InstanceState:
-        """Add or replace an instance from a registration dict (see module docstring). Raises RegistrationError."""
-        url = d.get("url")
-        if not isinstance(url, str):
-            raise RegistrationError(400, "instance needs a url")
-        u = urlparse(url.rstrip("/"))
-        if u.scheme != "http" or not u.hostname or not u.port:
-            raise RegistrationError(400, f"instance url must be http://host:port, got {url!r}")
-        role = d.get("role", "both")
-        if role not in ROLES:
-            raise RegistrationError(400, f"role must be one of {ROLES}, got {role!r}")
-        engine = d.get("engine", "vllm")
-        try:
-            get_engine(engine)
-        except ValueError as ex:
-            raise RegistrationError(400, str(ex)) from None
-        chip = d.get("chip", "cpu-x86")
-        try:
-            chip = self.catalog.chip(chip).name
-        except KeyError as ex:
-            raise RegistrationError(400, str(ex.args[0])) from None
-        model = d.get("model") or ()
-        model = (model,) if isinstance(model, str) else tuple(model)
-        try:
-            st = InstanceState(
-                id=str(d.get("id") or url.rstrip("/")), url=url.rstrip("/"), engine=engine, role=role, model=model,
-                cluster=str(d.get("cluster", "default")), chip=chip, num_chips=int(d.get("num_chips", 1)),
-                block_size=int(d.get("block_size", self.cfg.default_block_size)), kv_layout=d.get("kv_layout"),
-                transport=d.get("transport"), kv_events=d.get("kv_events"), api_key=d.get("api_key"),
-                extra={k: v for k, v in d.items() if k not in ("api_key",)})
-            if st.block_size <= 0:
-                st.block_size = self.cfg.default_block_size
-            if st.transport is not None:
-                if not isinstance(st.transport, dict):
-                    raise ValueError("transport must be a mapping")
-                try:
-                    self.catalog.link(st.transport)
-                except KeyError as ex:  # unknown link name: keep the descriptor, price it as the default link
-                    st.extra["transport_warning"] = str(ex.args[0])
-                    st.transport = dict(st.transport, link=None)
-        except (TypeError, ValueError, KeyError) as ex:
-            raise RegistrationError(400, f"bad instance field: {ex}") from None
-        reasons = self._check_layouts(st)
-        if reasons:
-            raise RegistrationError(409, f"KV layout of {st.id} is incompatible with registered instances", reasons)
-        old = self.rt.get(st.id)
-        if old is None:
-            for r in self.rt.values():
-                if r.state.url == st.url:
-                    old = r
-                    break
-        if old is not None:
-            st.slot = old.state.slot
-            self._drop(old, clear_slot=True)
-        else:
-            used = {i.slot for i in self.instances}
-            st.slot = next(s for s in range(len(used) + 1) if s not in used)
-        ttl = float(d.get("heartbeat_ttl_s", self.cfg.heartbeat_ttl_s if ttl_default is None else ttl_default))
-        rt = Runtime(st, self.cfg.connect_timeout_s, ttl)
-        self.rt[st.id] = rt
-        self.instances.append(st)
-        if self.metrics:
-            self.metrics.bind(rt)
-        if self._started and st.kv_events:
-            rt.ev_task = asyncio.get_event_loop().create_task(self._subscribe(rt))
-        self._update_flags()
-        return st
-
-    def _check_layouts(self, st: InstanceState) -> List[str]:
-        if not st.kv_layout:
-            return []
-        reasons: List[str] = []
-        for o in self.instances:
-            if o.id == st.id or o.url == st.url or not o.kv_layout:
-                continue
-            if st.model and o.model and not set(st.model) & set(o.model):
-                continue
-            if st.role in ("prefill", "both") and o.role in ("decode", "both") and (st.role, o.role) != ("both", "both"):
-                reasons += [f"{st.id} -> {o.id}: {r}" for r in _layout_compat(st.kv_layout, o.kv_layout,
-                                                                              st.id, o.id)]
-            if st.role in ("decode", "both") and o.role in ("prefill",) or (st.role == "decode" and o.role == "both"):
-                reasons += [f"{o.id} -> {st.id}: {r}" for r in _layout_compat(o.kv_layout, st.kv_layout,
-                                                                              o.id, st.id)]
-        return reasons
-
-    def _drop(self, rt: Runtime, clear_slot: bool) -> None:
-        st = rt.state
-        if rt.ev_task is not None:
-            rt.ev_task.cancel()
-        rt.pool.close()
-        self.rt.pop(st.id, None)
-        self.instances = [i for i in self.instances if i is not st]
-        if clear_slot:
-            self.index.clear(st.slot)
-            self.approx.clear(st.slot)
-        self.policy.on_remove(st)
+        """Add or replace an instance (see :meth:`Registry.register`). Raises RegistrationError."""
+        return self.registry.register(d, ttl_default)
 
     def remove(self, iid: str) -> bool:
         """Remove instance ``iid``; False if unknown."""
-        rt = self.rt.get(iid)
-        if rt is None:
-            return False
-        self._drop(rt, clear_slot=True)
-        self._update_flags()
-        return True
+        return self.registry.remove(iid)
+
+    def describe(self, i: InstanceState) -> dict:
+        """JSON-able view of an instance (admin list)."""
+        return self.registry.describe(i)
 
     def _update_flags(self) -> None:
         models = {tuple(i.model) for i in self.instances}
-        multi = len(models) > 1
         pd = any(i.role == "prefill" for i in self.instances)
-        self._needs_parse = self.policy.needs_prompt or multi or pd
+        self._needs_parse = self.policy.needs_prompt or len(models) > 1 or pd
         self._pd = pd
+
+    def _view(self, instances) -> ClusterView:
+        return ClusterView(instances, self.index, self.cost, self.approx)
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> None:
         """Listen on ``cfg.host:cfg.port`` and start health checks and KV-event subscribers."""
-        self._started = True
-        self._server = await proxy.serve(self.handle, self.cfg.host, self.cfg.port, fast=self.fast if self.cfg.fast_path else None,
+        self._server = await proxy.serve(self.handle, self.cfg.host, self.cfg.port,
+                                         fast=self.fast if self.cfg.fast_path else None,
                                          max_body=self.cfg.max_body_mb << 20)
         if self.cfg.port == 0:
             self.cfg.port = self._server.sockets[0].getsockname()[1]
-        loop = asyncio.get_event_loop()
-        self._tasks.append(loop.create_task(self._health_loop()))
-        for rt in self.rt.values():
-            if rt.state.kv_events and rt.ev_task is None:
-                rt.ev_task = loop.create_task(self._subscribe(rt))
+        self.registry.start()
 
     async def stop(self) -> None:
         """Stop listening and cancel background tasks."""
-        for t in self._tasks:
-            t.cancel()
-        for rt in list(self.rt.values()):
-            if rt.ev_task:
-                rt.ev_task.cancel()
-            rt.pool.close()
+        self.registry.stop()
         if self._server is not None:
             self._server.close()
             await self._server.wait_closed()
 
-    async def _subscribe(self, rt: Runtime) -> None:
-        st = rt.state
-        err = self.metrics.kv_event_error if self.metrics else None
-        await kv_events.subscribe(st.kv_events, self.index, lambda: st.slot, err)
-
-    async def _health_loop(self) -> None:
-        while True:
-            await asyncio.sleep(self.cfg.health_interval_s)
-            rts = list(self.rt.values())
-            await asyncio.gather(*(self._check(rt) for rt in rts), return_exceptions=True)
-
-    async def _check(self, rt: Runtime) -> None:
-        raw = build_request(b"GET", rt.engine.HEALTH_PATH, rt.hostport, rt.auth, b"")
-        try:
-            c = await request(rt.pool, raw, None, None, timeout=self.cfg.health_timeout_s)
-            ok = c.status == 200
-        except BackendError:
-            ok = False
-        if ok:
-            rt.hc_fails = 0
-            rt.hc_ok = True
-        else:
-            rt.hc_fails += 1
-            if rt.hc_fails >= self.cfg.health_failures:
-                rt.hc_ok = False
-        rt.refresh(time.monotonic())
-
-    def _fail(self, rt: Runtime, ex: Optional[BaseException] = None) -> None:
-        """A request to ``rt`` failed: breaker bookkeeping; a refused connection takes it out at once."""
-        rt.fails += 1
-        now = time.monotonic()
-        if ex is not None and "cannot connect" in str(ex):
-            rt.hc_ok = False
-            rt.hc_fails = self.cfg.health_failures
-        if rt.fails >= self.cfg.breaker_failures:
-            rt.open_until = now + self.cfg.breaker_cooldown_s
-        rt.refresh(now)
-        if self.metrics:
-            self.metrics.backend_error(rt)
-
     # ------------------------------------------------------------------ HTTP entry
     async def handle(self, conn: proxy.ServerProtocol, req: proxy.Request) -> None:
-        """Dispatch one client request."""
-        path = req.path
-        if path == _CHAT or path == _COMPL:
-            if req.method != b"POST":
-                return conn.send(405, b'{"error":"use POST"}')
-            if self._client_auth and req.header(b"authorization") not in self._client_auth:
-                return conn.send(401, b'{"error":"invalid or missing API key"}')
-            return await self._generate(conn, req, path == _CHAT)
-        if path == b"/health":
-            ok = any(i.available() for i in self.instances)
-            return conn.send(200 if ok else 503, b'{"status":"ok"}' if ok else b'{"status":"no healthy instance"}')
-        if path == b"/v1/models":
-            if self._client_auth and req.header(b"authorization") not in self._client_auth:
-                return conn.send(401, b'{"error":"invalid or missing API key"}')
-            return await self._models(conn)
-        if path == b"/metrics":
-            if self.metrics is None:
-                return conn.send(404, b'{"error":"metrics disabled"}')
-            body, ctype = self.metrics.render()
-            return conn.send(200, body, ctype)
-        if path.startswith(b"/admin/"):
-            return self._admin(conn, req)
-        conn.send(404, b'{"error":"not found"}')
+        """Dispatch one client request through the route tables (``/admin/...`` to the admin API)."""
+        if req.path.startswith(b"/admin/"):
+            return self.admin.handle(conn, req)
+        route, params, status = self.routes.match(req.method, req.path)
+        if route is None:
+            if status == 405:
+                return conn.send(405, _json.encode({"error": f"use {' or '.join(params['allow'])}"}))
+            return conn.send(404, b'{"error":"not found"}')
+        r = route.handler(conn, req)
+        if r is not None:
+            await r
+
+    def _client_ok(self, req) -> bool:
+        return not self._client_auth or req.header(b"authorization") in self._client_auth
+
+    def _health(self, conn, req) -> None:
+        ok = any(i.available() for i in self.instances)
+        conn.send(200 if ok else 503, b'{"status":"ok"}' if ok else b'{"status":"no healthy instance"}')
+
+    def _metrics(self, conn, req) -> None:
+        if self.metrics is None:
+            return conn.send(404, b'{"error":"metrics disabled"}')
+        body, ctype = self.metrics.render()
+        conn.send(200, body, ctype)
+
+    async def _models(self, conn, req) -> None:
+        """Union of the available instances' model lists (an instance that does not answer contributes its
+        registered names)."""
+        if not self._client_ok(req):
+            return conn.send(401, b'{"error":"invalid or missing API key"}')
+        seen: Dict[str, dict] = {}
+
+        async def one(b: Backend):
+            raw = build_request(b"GET", b.engine.MODELS_PATH, b.hostport, b.auth, b"")
+            try:
+                c = await request(b.pool, raw, None, None, 5.0)
+                st, _, body = c.collected()
+                if st == 200:
+                    return msgspec.json.decode(body).get("data") or []
+            except (BackendError, msgspec.DecodeError, AttributeError):
+                pass
+            return [{"id": m, "object": "model", "owned_by": "dlmix"} for m in b.state.model]
+
+        bs = [b for b in self.rt.values() if b.state.available()]
+        for lst in await asyncio.gather(*(one(b) for b in bs)):
+            for e in lst:
+                if isinstance(e, dict) and e.get("id") not in seen:
+                    seen[e["id"]] = e
+        conn.send(200, _json.encode({"object": "list", "data": list(seen.values())}))
+
+    def _chat(self, conn, req):
+        return self._completion(conn, req, True)
+
+    def _completions(self, conn, req):
+        return self._completion(conn, req, False)
+
+    async def _completion(self, conn, req, chat: bool) -> None:
+        if not self._client_ok(req):
+            return conn.send(401, b'{"error":"invalid or missing API key"}')
+        d, rr = None, self._plain
+        if self._needs_parse:
+            try:
+                d = msgspec.json.decode(req.body)
+            except msgspec.DecodeError as ex:
+                return conn.send(400, _json.encode({"error": f"request body is not valid JSON: {ex}"}))
+            if not isinstance(d, dict):
+                return conn.send(400, b'{"error":"request body must be a JSON object"}')
+            rr = self._request_from(d, chat)
+        await self._run(conn, req, chat, d, rr)
 
     def _request_from(self, d: dict, chat: bool) -> RouteRequest:
+        """The routing view of a parsed client body: model, max tokens, stream, and (when the policy uses prefixes)
+        prompt length in tokens and a block-hash function ``block_size -> keys`` (cached per block size)."""
         model = d.get("model")
         mt = d.get("max_completion_tokens") if chat else None
         mt = mt or d.get("max_tokens")
@@ -398,11 +283,15 @@ class Router:
             rr.block_hashes = bh
         return rr
 
-    # ------------------------------------------------------------------ hot path
+    # ------------------------------------------------------------------ the completion path
+    # One path: choose (policy) -> _dispatch (load bookkeeping) -> forward -> _settle (metrics, calibration,
+    # breaker, retry decision). Forwarding has two drivers over the same steps: callbacks on an idle pooled
+    # connection (fast: no task, no future; only without PD) and a coroutine (_run: PD legs, new connections,
+    # retries).
+
     def fast(self, conn: proxy.ServerProtocol, req: proxy.Request) -> bool:
-        """Callback fast path for generation requests without PD: parse, place, forward on an idle pooled
-        connection, all without a task or future. Returns False to let the coroutine path handle the request (other
-        endpoints, PD, bad input, no idle connection yet, retries)."""
+        """Callback driver for generation requests without PD. Returns False to let the coroutine path handle the
+        request (other endpoints, PD, bad input, no instance)."""
         path = req.path
         if (path != _CHAT and path != _COMPL) or req.method != b"POST" or self._pd:
             return False
@@ -420,22 +309,20 @@ class Router:
             rr = self._request_from(d, chat)
         else:
             rr = self._plain
-        view = ClusterView(self.instances, self.index, self.cost, self.approx)
+        reg = self.registry
+        view = ClusterView(reg.instances, self.index, self.cost, self.approx)
         try:
             dec = self.policy.choose(rr, view)
         except NoInstanceError:
             return False
-        rt = self.rt.get(dec.decode.id)
-        if rt is None:
+        b = reg.backends.get(dec.decode.id)
+        if b is None:
             return False
-        bc = rt.pool.idle_conn()
+        bc = b.pool.idle_conn()
         if bc is None:  # first use of this backend: connect on the coroutine path with this decision
-            conn.run_async(req, self._generate(conn, req, chat, d, rr, dec))
+            conn.run_async(req, self._run(conn, req, chat, d, rr, dec, view))
             return True
-        begin(dec, rr)
-        self.policy.on_dispatch(rr, dec, view)
-        if rr.prompt_len and self._needs_parse:
-            self._record(rr, dec)
+        self._dispatch(rr, dec, view)
         state = [False]
 
         def first(_s=state, _dec=dec, _rr=rr):
@@ -448,127 +335,110 @@ class Router:
             except ValueError:
                 pass
             end(dec, rr, _s[0])
-            if err is None:
-                rt.fails = 0
-                status = c.status
-                if self.metrics:
-                    self.metrics.done(rt, dec, rr, req.t0, status, c.nchunks, c.t_first, c.gap_sum)
-                if dec.predicted_ttft and c.nchunks > 1 and status == 200:
-                    self._calibrate(dec, rr, c.t_first - req.t0, c.gap_sum / (c.nchunks - 1))
-                if c.usable:
-                    rt.pool.release(c)
-                conn.done(req)
+            if self._settle(conn, req, b, dec, rr, c, err, 0):
+                conn.run_async(req, self._run(conn, req, chat, d, rr, None, None, {dec.decode.id}, 1))
                 return
-            gone = conn.closed or conn.transport.is_closing()
-            if not gone:  # a client that went away is not the backend's fault
-                self._fail(rt, err)
-            if err.sent_to_client or gone:
-                if not conn.closed:
-                    conn.transport.abort()
-                    conn.closed = True
-                conn.done(req)
-                return
-            if self.metrics:
-                self.metrics.retry("decode")
-            conn.run_async(req, self._generate(conn, req, chat, d, rr, None, {dec.decode.id}, 1))
+            if err is None and c.usable:
+                b.pool.release(c)
+            conn.done(req)
 
-        raw = build_request(req.method, req.url, rt.hostport, rt.auth + forward_headers(req.headers), req.body)
+        raw = build_request(req.method, req.url, b.hostport, b.auth + forward_headers(req.headers), req.body)
         conn.backends.append(bc)
         try:
             bc.start(raw, conn.transport, first, finished)
-        except RuntimeError as ex:  # transport closed under us: let the connection_lost callback retry
+        except RuntimeError:  # transport closed under us: let the connection_lost callback retry
             bc.abort()
-            _ = ex
         return True
 
-    async def _generate(self, conn: proxy.ServerProtocol, req: proxy.Request, chat: bool, d=None, rr=None,
-                        first_dec=None, excluded: Optional[set] = None, attempts: int = 0) -> None:
-        body = req.body
-        if rr is not None:
-            pass
-        elif self._needs_parse:
-            try:
-                d = msgspec.json.decode(body)
-            except msgspec.DecodeError as ex:
-                return conn.send(400, _json.encode({"error": f"request body is not valid JSON: {ex}"}))
-            if not isinstance(d, dict):
-                return conn.send(400, b'{"error":"request body must be a JSON object"}')
-            rr = self._request_from(d, chat)
-        else:
-            rr = self._plain
+    async def _run(self, conn: proxy.ServerProtocol, req: proxy.Request, chat: bool, d, rr: RouteRequest,
+                   dec=None, view=None, excluded: Optional[set] = None, attempts: int = 0) -> None:
+        """Coroutine driver: place (unless ``dec`` is given), run the PD prefill leg if any, forward, settle; retry
+        on another instance while :meth:`_settle` says so."""
         fwd = forward_headers(req.headers)
         m = self.metrics
         while True:
-            insts = self.instances if not excluded else [i for i in self.instances if i.id not in excluded]
-            view = ClusterView(insts, self.index, self.cost, self.approx)
-            if first_dec is not None:
-                dec, first_dec = first_dec, None
-            else:
+            if dec is None:
+                insts = self.instances if not excluded else [i for i in self.instances if i.id not in excluded]
+                view = self._view(insts)
                 try:
                     dec = self.policy.choose(rr, view)
                 except NoInstanceError as ex:
                     return conn.send(503, _json.encode({"error": str(ex)}))
-            begin(dec, rr)
-            self.policy.on_dispatch(rr, dec, view)
-            if rr.prompt_len and self._needs_parse:
-                self._record(rr, dec)
+            self._dispatch(rr, dec, view)
             state = [False]  # prefilled
 
             def first(_s=state, _dec=dec, _rr=rr):
                 if not _s[0]:
                     _s[0] = True
                     prefill_done(_dec, _rr)
-            rt = None
+            b = c = err = None
             try:
-                data = body
+                data = req.body
                 if dec.prefill is not None:
-                    kvp = await self._prefill(conn, req, d, rr, dec, chat, fwd)
-                    if kvp is _SENT:
+                    kvp = await self.pd.prefill(conn, req, d, rr, dec, chat, fwd)
+                    if kvp is SENT:
                         return
                     if kvp is not None:  # else: fell back to prefill on D (dec.prefill is None now)
-                        data = rt_engine_decode(self.rt[dec.decode.id], body, kvp, d)
+                        data = self.rt[dec.decode.id].engine.decode_body(req.body, kvp, d)
                         if m and self.cost is not None:
                             hd = min(view.hit_tokens(rr, dec.decode), rr.prompt_len)
                             m.kv_bytes.inc(self.cost.kv_bytes(rr.prompt_len - hd))
                         first()
-                rt = self.rt.get(dec.decode.id)
-                if rt is None:
+                b = self.rt.get(dec.decode.id)
+                if b is None:
                     raise BackendError(f"instance {dec.decode.id} was removed")
-                raw = build_request(req.method, req.url, rt.hostport, rt.auth + fwd, data)
-                c = await request(rt.pool, raw, conn.transport, conn, None, first)
-                status, nch, t_first, gaps = c.status, c.nchunks, c.t_first, c.gap_sum
-                rt.fails = 0
-                if m:
-                    m.done(rt, dec, rr, req.t0, status, nch, t_first, gaps)
-                if status >= 500:
-                    rt.fails += 1
-                if dec.predicted_ttft and nch > 1 and status == 200:
-                    self._calibrate(dec, rr, t_first - req.t0, gaps / (nch - 1))
-                return
+                raw = build_request(req.method, req.url, b.hostport, b.auth + fwd, data)
+                c = await request(b.pool, raw, conn.transport, conn, None, first)
             except BackendError as ex:
-                gone = conn.closed or conn.transport.is_closing()
-                if rt is not None and not gone:
-                    self._fail(rt, ex)
-                if ex.sent_to_client or gone:
-                    if not conn.closed:
-                        conn.transport.abort()
-                        conn.closed = True
-                    return
-                attempts += 1
-                if attempts > self.cfg.retries:
-                    return conn.send(502, _json.encode({"error": f"backend failed: {ex}"}))
-                excluded = excluded or set()
-                excluded.add(dec.decode.id)
-                if m:
-                    m.retry("decode")
+                err = ex
             finally:
                 end(dec, rr, state[0])
+            if not self._settle(conn, req, b, dec, rr, c, err, attempts):
+                return
+            attempts += 1
+            excluded = (excluded or set()) | {dec.decode.id}
+            dec = None
 
-    def _record(self, rr: RouteRequest, dec) -> None:
-        """Approximate index: remember that these prefixes now live on the chosen instance(s)."""
-        self.approx.record_decision(rr, dec)
-        if self.metrics and dec.hit_tokens:
-            self.metrics.hit(self.rt.get((dec.prefill or dec.decode).id), dec.hit_tokens)
+    def _dispatch(self, rr: RouteRequest, dec, view: ClusterView) -> None:
+        """A placement goes out: count it in the load, tell the policy, remember the prefix (approximate index)."""
+        begin(dec, rr)
+        self.policy.on_dispatch(rr, dec, view)
+        if rr.prompt_len and self._needs_parse:
+            self.approx.record_decision(rr, dec)
+            if self.metrics and dec.hit_tokens:
+                self.metrics.hit(self.rt.get((dec.prefill or dec.decode).id), dec.hit_tokens)
+
+    def _settle(self, conn, req, b: Optional[Backend], dec, rr: RouteRequest, c, err: Optional[BackendError],
+                attempts: int) -> bool:
+        """Outcome of one forwarded attempt (``c``: the backend connection, ``err``: its failure). Records
+        metrics, calibration and breaker state; returns True when the request should be retried on another
+        instance (nothing reached the client, the client is still there, ``attempts`` < ``retries``). Otherwise
+        the request is finished: answered, cut off (bytes already sent / client gone), or answered 502."""
+        m = self.metrics
+        if err is None:
+            b.fails = 0
+            status = c.status
+            if m:
+                m.done(b, dec, rr, req.t0, status, c.nchunks, c.t_first, c.gap_sum)
+            if status >= 500:
+                b.fails += 1
+            if dec.predicted_ttft and c.nchunks > 1 and status == 200:
+                self._calibrate(dec, rr, c.t_first - req.t0, c.gap_sum / (c.nchunks - 1))
+            return False
+        gone = conn.closed or conn.transport.is_closing()
+        if b is not None and not gone:  # a client that went away is not the backend's fault
+            self.registry.fail(b, err)
+        if err.sent_to_client or gone:
+            if not conn.closed:
+                conn.transport.abort()
+                conn.closed = True
+            return False
+        if attempts + 1 > self.cfg.retries:
+            conn.send(502, _json.encode({"error": f"backend failed: {err}"}))
+            return False
+        if m:
+            m.retry("decode")
+        return True
 
     def _calibrate(self, dec, rr: RouteRequest, ttft: float, itl: float) -> None:
         """Online refinement: EWMA of measured/predicted TTFT (prefilling instance) and ITL (decode instance)."""
@@ -582,164 +452,6 @@ class Router:
         step = cost.decode_step_time(dd.chip, max(dd.load.inflight_decode, 1), dd.load.decode_ctx_tokens + rr.prompt_len,
                                      dd.num_chips)
         dd.itl_ratio = ewma_ratio(dd.itl_ratio, itl, step)
-
-    async def _prefill(self, conn, req, d, rr, dec, chat, fwd):
-        """Run the prefill leg; returns kv_transfer_params, None (fall back to local prefill on D) or _SENT (a 4xx
-        from the prefill instance went to the client)."""
-        p = dec.prefill
-        engine = self.rt[p.id].engine
-        pbody = engine.prefill_body(d, chat)
-        tried = {p.id}
-        m = self.metrics
-        while True:
-            rt = self.rt.get(p.id)
-            if rt is not None:
-                raw = build_request(b"POST", req.url, rt.hostport, rt.auth + fwd, pbody)
-                try:
-                    c = await request(rt.pool, raw, None, conn, self.cfg.prefill_timeout_s)
-                    status, hdrs, rbody = c.collected()
-                    if status == 200:
-                        kvp = rt.engine.kv_transfer_params(rbody)
-                        rt.fails = 0
-                        return kvp
-                    if 400 <= status < 500:
-                        ctype = next((v for k, v in hdrs if k == b"content-type"), b"application/json")
-                        conn.send(status, rbody, ctype)
-                        return _SENT
-                    self._fail(rt)
-                except BackendError as ex:
-                    if conn.closed:
-                        raise
-                    self._fail(rt, ex)
-                except ValueError:
-                    self._fail(rt)
-            others = [i for i in self.instances if i.role == "prefill" and i.available() and i.serves(rr.model)
-                      and i.id not in tried]
-            if not others or len(tried) > self.cfg.retries:
-                self._move_prefill(dec, rr, None)
-                if m:
-                    m.retry("prefill_local")
-                return None
-            p2 = min(others, key=lambda i: (i.load.queue_len(), i.load.processed))
-            self._move_prefill(dec, rr, p2)
-            tried.add(p2.id)
-            p = p2
-            if m:
-                m.retry("prefill")
-
-    @staticmethod
-    def _move_prefill(dec, rr: RouteRequest, new) -> None:
-        """Re-assign the prefill leg (load bookkeeping): to another prefill instance, or to D (``new`` None)."""
-        work = prefill_work(dec, rr)
-        old = dec.prefill.load
-        old.inflight = max(old.inflight - 1, 0)
-        old.unqueue_prefill(*work)
-        if new is None:
-            dec.decode.load.queue_prefill(*work)
-        else:
-            new.load.inflight += 1
-            new.load.processed += 1
-            new.load.queue_prefill(*work)
-        dec.prefill = new
-
-    async def _models(self, conn) -> None:
-        seen: Dict[str, dict] = {}
-
-        async def one(rt: Runtime):
-            raw = build_request(b"GET", rt.engine.MODELS_PATH, rt.hostport, rt.auth, b"")
-            try:
-                c = await request(rt.pool, raw, None, None, 5.0)
-                st, _, b = c.collected()
-                if st == 200:
-                    return msgspec.json.decode(b).get("data") or []
-            except (BackendError, msgspec.DecodeError, AttributeError):
-                pass
-            return [{"id": m, "object": "model", "owned_by": "dlmix"} for m in rt.state.model]
-
-        rts = [rt for rt in self.rt.values() if rt.state.available()]
-        for lst in await asyncio.gather(*(one(rt) for rt in rts)):
-            for e in lst:
-                if isinstance(e, dict) and e.get("id") not in seen:
-                    seen[e["id"]] = e
-        conn.send(200, _json.encode({"object": "list", "data": list(seen.values())}))
-
-    # ------------------------------------------------------------------ admin
-    def _admin_ok(self, conn, req) -> bool:
-        if self._admin_auth is not None:
-            return req.header(b"authorization") == self._admin_auth
-        peer = conn.peer[0] if conn.peer else ""
-        try:
-            return ipaddress.ip_address(peer).is_loopback
-        except ValueError:
-            return False
-
-    def _admin(self, conn, req) -> None:
-        if not self._admin_ok(conn, req):
-            return conn.send(401, b'{"error":"admin key required"}')
-        parts = req.path.decode("utf-8", "replace").strip("/").split("/")
-        if parts[:2] != ["admin", "instances"]:
-            return conn.send(404, b'{"error":"not found"}')
-        try:
-            body = msgspec.json.decode(req.body) if req.body else {}
-        except msgspec.DecodeError as ex:
-            return conn.send(400, _json.encode({"error": f"invalid JSON: {ex}"}))
-        if len(parts) == 2:
-            if req.method == b"GET":
-                return conn.send(200, _json.encode({"instances": [self.describe(i) for i in self.instances]}))
-            if req.method == b"POST":
-                if not isinstance(body, dict):
-                    return conn.send(400, b'{"error":"body must be a JSON object"}')
-                try:
-                    st = self.register(body)
-                except RegistrationError as ex:
-                    return conn.send(ex.status, _json.encode({"error": str(ex), "reasons": ex.reasons}))
-                return conn.send(201, _json.encode({"id": st.id, "slot": st.slot}))
-            return conn.send(405, b'{"error":"method not allowed"}')
-        iid = "/".join(parts[2:-1]) if len(parts) > 3 and parts[-1] in ("heartbeat", "drain", "undrain") else \
-            "/".join(parts[2:])
-        import urllib.parse as _up
-        iid = _up.unquote(iid)
-        rt = self.rt.get(iid)
-        if rt is None:
-            return conn.send(404, _json.encode({"error": f"unknown instance {iid!r}"}))
-        action = parts[-1] if len(parts) > 3 else None
-        if req.method == b"DELETE" and action is None:
-            self.remove(iid)
-            return conn.send(200, b'{"removed":true}')
-        if req.method == b"GET" and action is None:
-            return conn.send(200, _json.encode(self.describe(rt.state)))
-        if req.method == b"POST" and action == "heartbeat":
-            ld = rt.state.load
-            if isinstance(body, dict):
-                try:
-                    ld.waiting = int(body.get("waiting", ld.waiting))
-                    ld.running = int(body.get("running", ld.running))
-                    ld.kv_usage = float(body.get("kv_usage", ld.kv_usage))
-                except (TypeError, ValueError) as ex:
-                    return conn.send(400, _json.encode({"error": f"bad heartbeat: {ex}"}))
-            rt.last_hb = time.monotonic()
-            rt.refresh(rt.last_hb)
-            return conn.send(200, b'{"ok":true}')
-        if req.method == b"POST" and action in ("drain", "undrain"):
-            rt.state.draining = action == "drain"
-            return conn.send(200, _json.encode({"draining": rt.state.draining}))
-        return conn.send(405, b'{"error":"method not allowed"}')
-
-    def describe(self, i: InstanceState) -> dict:
-        """JSON-able view of an instance (admin list)."""
-        ld = i.load
-        return {"id": i.id, "url": i.url, "engine": i.engine, "role": i.role, "model": list(i.model),
-                "cluster": i.cluster, "chip": i.chip, "num_chips": i.num_chips, "block_size": i.block_size,
-                "healthy": i.healthy, "draining": i.draining, "slot": i.slot, "kv_events": i.kv_events,
-                "transport": i.transport, "ttft_ratio": i.ttft_ratio, "itl_ratio": i.itl_ratio,
-                "load": {"inflight": ld.inflight, "inflight_prefill_tokens": ld.inflight_prefill_tokens,
-                         "inflight_decode": ld.inflight_decode, "waiting": ld.waiting, "running": ld.running,
-                         "kv_usage": ld.kv_usage, "processed": ld.processed}}
-
-
-def rt_engine_decode(rt: Runtime, body: bytes, kvp: dict, parsed) -> bytes:
-    """Decode-leg body through the decode instance's engine adapter."""
-    return rt.engine.decode_body(body, kvp, parsed)
 
 
 def run(cfg: RouterConfig) -> None:

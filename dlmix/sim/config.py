@@ -30,6 +30,7 @@ from typing import List, Optional, Union
 
 import yaml
 
+from dlmix.errors import ConfigError as _BaseConfigError
 from dlmix.hw.cost import PRESETS, ModelSpec, kv_capacity_bytes
 from dlmix.hw.profiles import Catalog, load_catalog
 from dlmix.routing.state import ROLES
@@ -38,7 +39,7 @@ MODEL_ALIASES = {"smollm2": "smollm2-135m", "llama3.1-8b": "llama-3.1-8b", "llam
                  "qwen2.5": "qwen2.5-7b", "qwen3": "qwen3-8b"}
 
 
-class ConfigError(ValueError):
+class ConfigError(_BaseConfigError):
     """A deployment or model config is missing or invalid (the message names the file and field)."""
 
 

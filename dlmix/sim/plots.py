@@ -6,14 +6,7 @@ from typing import List, Sequence
 
 import numpy as np
 
-
-def _plt():
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
+from dlmix.plotting import pyplot as _plt  # the one matplotlib set-up
 
 
 def plot_results(results: Sequence, out_dir, title: str = "") -> List[Path]:

@@ -1,4 +1,4 @@
-"""vLLM KV cache events: wire format mirror and a ZMQ subscriber feeding the prefix index.
+"""vLLM's KV cache events: wire format mirror and decoder to the router's engine-neutral updates.
 
 Wire format (read from ``vllm/distributed/kv_events.py``, vLLM 0.32, ``ZmqEventPublisher``): PUB socket, multipart
 ``[topic, seq (8 bytes big-endian), payload]``; ``payload`` = msgpack of ``KVEventBatch``, an array-like struct
@@ -7,11 +7,11 @@ class name: ``BlockStored{block_hashes, parent_block_hash, token_ids, block_size
 extra_keys?, group_idx?, ...}``, ``BlockRemoved{block_hashes, medium, group_idx?, ...}``, ``AllBlocksCleared{}``.
 Block hashes are 64-bit ints by default (``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1``) or 32-byte strings; both map
 to :func:`dlmix.routing.hashing.to_key`. Engine flag: ``--kv-events-config '{"enable_kv_cache_events": true,
-"publisher": "zmq", "endpoint": "tcp://*:5557"}'``. The router connects a SUB socket to the instance's endpoint.
+"publisher": "zmq", "endpoint": "tcp://*:5557"}'``. The router connects a SUB socket to the instance's endpoint
+(:func:`dlmix.router.kv_events.subscribe`) and applies :func:`decode`'s updates.
 """
 from __future__ import annotations
 
-import asyncio
 from typing import Any, List, Optional, Union
 
 import msgspec
@@ -69,48 +69,34 @@ def encode_batch(batch: KVEventBatch) -> bytes:
     return _encoder.encode(batch)
 
 
-def apply_batch(index, slot: int, batch: KVEventBatch, media=("GPU", None)) -> int:
-    """Apply a batch to a :class:`~dlmix.routing.prefix_index.PrefixIndex` for instance ``slot``.
+def updates(batch: KVEventBatch, media=("GPU", None)) -> list:
+    """The batch as engine-neutral updates (:mod:`dlmix.router.kv_events`). Only events of the listed storage media
+    count (default: device tier ``GPU`` or unspecified; offloaded CPU/disk blocks are not prefix hits of the
+    engine's own cache)."""
+    from dlmix.router.kv_events import Cleared, Removed, Stored
 
-    Only events of the listed storage media count (default: device tier ``GPU`` or unspecified; offloaded CPU/disk
-    blocks are not prefix hits of the engine's own cache). Returns the number of events applied.
-    """
-    n = 0
+    out: list = []
     for ev in batch.events:
         if isinstance(ev, BlockStored):
             if ev.medium in media:
-                index.store(slot, [to_key(h) for h in ev.block_hashes])
-                n += 1
+                out.append(Stored([to_key(h) for h in ev.block_hashes]))
         elif isinstance(ev, BlockRemoved):
             if ev.medium in media:
-                index.remove(slot, [to_key(h) for h in ev.block_hashes])
-                n += 1
+                out.append(Removed([to_key(h) for h in ev.block_hashes]))
         elif isinstance(ev, AllBlocksCleared):
-            index.clear(slot)
-            n += 1
-    return n
+            out.append(Cleared())
+    return out
 
 
-async def subscribe(endpoint: str, index, slot_of, on_error=None, topic: bytes = b"") -> None:
-    """Run forever: SUB to ``endpoint`` and apply every batch to ``index`` for ``slot_of()`` (a callable, so a
-    re-slotted instance keeps working). Bad payloads are counted via ``on_error(exc)`` and skipped. Cancel to stop."""
-    import zmq
-    import zmq.asyncio
+def decode(payload: bytes) -> list:
+    """Engine-neutral updates of one payload frame (the decoder interface of :mod:`dlmix.router.kv_events`).
+    Raises msgspec.DecodeError / ValidationError on bad input."""
+    return updates(decode_batch(payload))
 
-    ctx = zmq.asyncio.Context.instance()
-    sock = ctx.socket(zmq.SUB)
-    sock.setsockopt(zmq.SUBSCRIBE, topic)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.connect(endpoint)
-    try:
-        while True:
-            frames = await sock.recv_multipart()
-            try:
-                apply_batch(index, slot_of(), decode_batch(frames[-1]))
-            except (msgspec.DecodeError, msgspec.ValidationError, IndexError) as ex:
-                if on_error is not None:
-                    on_error(ex)
-    except asyncio.CancelledError:
-        pass
-    finally:
-        sock.close(0)
+
+def apply_batch(index, slot: int, batch: KVEventBatch, media=("GPU", None)) -> int:
+    """Apply a batch to a :class:`~dlmix.routing.prefix_index.PrefixIndex` for instance ``slot`` (device-tier events
+    only, see :func:`updates`). Returns the number of events applied."""
+    from dlmix.router.kv_events import apply
+
+    return apply(index, slot, updates(batch, media))

@@ -1,0 +1,106 @@
+"""The router's admin / registration API as a route table (see :mod:`dlmix.router.server` for the bodies).
+
+Every call needs ``Authorization: Bearer ADMIN_KEY``; without ``admin_key`` only loopback peers may call it. JSON in
+and out; errors are ``{"error": msg}`` (plus ``"reasons"`` for a refused registration). Instance ids may contain
+``/`` (the default id is the instance URL) and are percent-decoded.
+"""
+from __future__ import annotations
+
+import ipaddress
+from typing import Optional
+
+import msgspec
+
+from dlmix.router.registry import RegistrationError, Registry
+from dlmix.router.routes import Route, RouteTable
+
+__all__ = ["AdminAPI"]
+
+_json = msgspec.json.Encoder()
+
+
+class AdminAPI:
+    """Handlers of ``/admin/...`` over a :class:`~dlmix.router.registry.Registry`.
+
+    Args:
+        registry: the instances. admin_key: bearer token, or None (loopback peers only).
+    """
+
+    def __init__(self, registry: Registry, admin_key: Optional[str]):
+        self.registry = registry
+        self._auth = b"Bearer " + admin_key.encode() if admin_key else None
+        self.table = RouteTable([
+            Route("GET", "/admin/instances", self.list),
+            Route("POST", "/admin/instances", self.register),
+            Route("POST", "/admin/instances/{id:path}/heartbeat", self.heartbeat),
+            Route("POST", "/admin/instances/{id:path}/drain", self.drain),
+            Route("POST", "/admin/instances/{id:path}/undrain", self.undrain),
+            Route("GET", "/admin/instances/{id:path}", self.get),
+            Route("DELETE", "/admin/instances/{id:path}", self.delete),
+        ])
+
+    def allowed(self, conn, req) -> bool:
+        """True if the caller may use the admin API (right bearer token, or a loopback peer without a key)."""
+        if self._auth is not None:
+            return req.header(b"authorization") == self._auth
+        peer = conn.peer[0] if conn.peer else ""
+        try:
+            return ipaddress.ip_address(peer).is_loopback
+        except ValueError:
+            return False
+
+    def handle(self, conn, req) -> None:
+        """Answer one ``/admin/...`` request on ``conn``."""
+        if not self.allowed(conn, req):
+            return conn.send(401, b'{"error":"admin key required"}')
+        route, params, status = self.table.match(req.method, req.path)
+        if route is None:
+            if status == 405:
+                return conn.send(405, _json.encode({"error": "method not allowed", "allow": params["allow"]}))
+            return conn.send(404, b'{"error":"not found"}')
+        try:
+            body = msgspec.json.decode(req.body) if req.body else {}
+        except msgspec.DecodeError as ex:
+            return conn.send(400, _json.encode({"error": f"invalid JSON: {ex}"}))
+        if "id" in params:
+            b = self.registry.backends.get(params["id"])
+            if b is None:
+                return conn.send(404, _json.encode({"error": f"unknown instance {params['id']!r}"}))
+            params = {"backend": b}
+        status, out = route.handler(body, **params)
+        conn.send(status, out if isinstance(out, bytes) else _json.encode(out))
+
+    # ------------------------------------------------------------------ handlers: (body, ...) -> (status, json)
+    def list(self, body):
+        return 200, {"instances": [self.registry.describe(i) for i in self.registry.instances]}
+
+    def register(self, body):
+        if not isinstance(body, dict):
+            return 400, {"error": "body must be a JSON object"}
+        try:
+            st = self.registry.register(body)
+        except RegistrationError as ex:
+            return ex.status, {"error": str(ex), "reasons": ex.reasons}
+        return 201, {"id": st.id, "slot": st.slot}
+
+    def get(self, body, backend):
+        return 200, self.registry.describe(backend.state)
+
+    def delete(self, body, backend):
+        self.registry.remove(backend.state.id)
+        return 200, b'{"removed":true}'
+
+    def heartbeat(self, body, backend):
+        try:
+            backend.heartbeat(body)
+        except (TypeError, ValueError) as ex:
+            return 400, {"error": f"bad heartbeat: {ex}"}
+        return 200, b'{"ok":true}'
+
+    def drain(self, body, backend):
+        backend.state.draining = True
+        return 200, {"draining": True}
+
+    def undrain(self, body, backend):
+        backend.state.draining = False
+        return 200, {"draining": False}

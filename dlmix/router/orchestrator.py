@@ -1,0 +1,125 @@
+"""PD orchestration: the prefill leg of a disaggregated request, its retries and its fallback.
+
+For a decision with a prefill instance P and a decode instance D, :meth:`PDOrchestrator.prefill` sends P the engine
+adapter's prefill request (:func:`dlmix.router.engines.get_engine` ``.prefill_body``) and returns the
+``kv_transfer_params`` the decode leg carries to D. When the leg fails (connection error, timeout after
+``prefill_timeout_s``, 5xx, a response without ``kv_transfer_params``), the *policy* places it again: it is asked to
+choose over the prefill instances not tried yet plus D (so D stays the decode instance); its choice of a prefill
+instance is tried next, its choice of no prefill instance (or no choice at all) means a full prefill on D. At most
+``retries`` other prefill instances are tried. A 4xx from P is the client's error and goes to the client as it is.
+"""
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+from dlmix.router.proxy import BackendError, build_request, request
+from dlmix.routing.policies import prefill_work
+from dlmix.routing.state import Decision, InstanceState, NoInstanceError, RouteRequest
+
+__all__ = ["PDOrchestrator", "SENT"]
+
+#: returned by :meth:`PDOrchestrator.prefill` when the prefill instance's 4xx answer was sent to the client
+SENT = object()
+
+
+class PDOrchestrator:
+    """Runs prefill legs over the registry's backends.
+
+    Args:
+        registry: :class:`~dlmix.router.registry.Registry` (backends, breaker bookkeeping).
+        policy: the routing policy (re-places a failed prefill leg).
+        cfg: router config (``prefill_timeout_s``, ``retries``).
+        metrics: :class:`~dlmix.router.metrics.Metrics` or None.
+        make_view: ``instances -> ClusterView`` (the router's indexes and cost model).
+    """
+
+    def __init__(self, registry, policy, cfg, metrics, make_view: Callable):
+        self.registry = registry
+        self.policy = policy
+        self.cfg = cfg
+        self.metrics = metrics
+        self.make_view = make_view
+
+    async def prefill(self, conn, req, d: dict, rr: RouteRequest, dec: Decision, chat: bool, fwd: bytes):
+        """Run the prefill leg of ``dec`` (``d``: the parsed client body; ``fwd``: forwarded header lines).
+
+        Returns the ``kv_transfer_params`` dict for the decode leg; None when the prefill moved to the decode
+        instance (``dec.prefill`` is None then); :data:`SENT` when a 4xx from the prefill instance went to the
+        client. Raises BackendError only when the client went away. ``dec`` and the instances' load counters are
+        updated as the leg moves.
+        """
+        p = dec.prefill
+        body = self.registry.backends[p.id].engine.prefill_body(d, chat)
+        tried = {p.id}
+        m = self.metrics
+        while True:
+            b = self.registry.backends.get(p.id)
+            if b is not None:
+                raw = build_request(b"POST", req.url, b.hostport, b.auth + fwd, body)
+                try:
+                    c = await request(b.pool, raw, None, conn, self.cfg.prefill_timeout_s)
+                    status, hdrs, rbody = c.collected()
+                    if status == 200:
+                        kvp = b.engine.kv_transfer_params(rbody)
+                        b.fails = 0
+                        return kvp
+                    if 400 <= status < 500:
+                        ctype = next((v for k, v in hdrs if k == b"content-type"), b"application/json")
+                        conn.send(status, rbody, ctype)
+                        return SENT
+                    self.registry.fail(b)
+                except BackendError as ex:
+                    if conn.closed:
+                        raise
+                    self.registry.fail(b, ex)
+                except ValueError:  # 200 without kv_transfer_params
+                    self.registry.fail(b)
+            alt = self.replace(rr, dec, tried) if len(tried) <= self.cfg.retries else None
+            if alt is None:
+                self.move(dec, rr, None)
+                if m:
+                    m.retry("prefill_local")
+                return None
+            self.move(dec, rr, alt.prefill, alt.hit_tokens, alt.predicted_ttft)
+            p = alt.prefill
+            tried.add(p.id)
+            if m:
+                m.retry("prefill")
+
+    def replace(self, rr: RouteRequest, dec: Decision, tried: set) -> Optional[Decision]:
+        """Ask the policy where the prefill of ``rr`` goes now: it chooses over the untried prefill-role instances
+        and ``dec.decode``. Returns its decision when it names an untried prefill instance and keeps the decode
+        instance, else None (prefill on the decode instance)."""
+        d = dec.decode
+        insts = [i for i in self.registry.instances if (i.role == "prefill" and i.id not in tried) or i is d]
+        if len(insts) < 2:
+            return None
+        try:
+            alt = self.policy.choose(rr, self.make_view(insts))
+        except NoInstanceError:
+            return None
+        if alt.prefill is None or alt.prefill.id in tried or alt.decode is not d:
+            return None
+        return alt
+
+    @staticmethod
+    def move(dec: Decision, rr: RouteRequest, new: Optional[InstanceState], hit_tokens: Optional[int] = None,
+             predicted_ttft: Optional[float] = None) -> None:
+        """Re-assign the prefill leg of ``dec`` to ``new`` (None: the decode instance), moving its queued prefill
+        work (tokens, see :func:`dlmix.routing.policies.prefill_work`) with it; ``hit_tokens``/``predicted_ttft``
+        are the new placement's (kept when None)."""
+        old = dec.prefill.load
+        old.inflight = max(old.inflight - 1, 0)
+        old.unqueue_prefill(*prefill_work(dec, rr))
+        if hit_tokens is not None:
+            dec.hit_tokens = hit_tokens
+        if predicted_ttft is not None:
+            dec.predicted_ttft = predicted_ttft
+        work = prefill_work(dec, rr)
+        if new is None:
+            dec.decode.load.queue_prefill(*work)
+        else:
+            new.load.inflight += 1
+            new.load.processed += 1
+            new.load.queue_prefill(*work)
+        dec.prefill = new

@@ -1,0 +1,79 @@
+"""Test and benchmark helpers shipped with dlmix: free ports, an event loop in a thread, and the mock engine.
+
+* :func:`free_port`, :func:`free_port_block`, :func:`port_free` (from :mod:`dlmix.engine_process`, the one home of
+  port helpers);
+* :class:`LoopThread`: an asyncio loop (uvloop when installed) in a daemon thread, for synchronous tests driving
+  asyncio servers;
+* :func:`wait_http`: poll a URL until it answers 200;
+* :class:`~dlmix.testing.mock_engine.MockEngine`: the one mock OpenAI engine (vLLM's API, PD legs, KV events,
+  Prometheus counters, fixed fast answers for router benchmarks).
+"""
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+from dlmix.engine_process import free_port, free_port_block, port_free
+
+__all__ = ["free_port", "free_port_block", "port_free", "LoopThread", "wait_http", "MockEngine"]
+
+
+class LoopThread:
+    """An asyncio event loop (uvloop if available and ``use_uvloop``) running in a daemon thread.
+
+    ``run(coro, timeout)`` runs a coroutine on it and returns its result (raises its exception, or TimeoutError after
+    ``timeout`` seconds); ``call(fn, *a)`` runs a plain function on the loop thread; ``close()`` stops the loop.
+    """
+
+    def __init__(self, use_uvloop: bool = True):
+        self.loop = None
+        if use_uvloop:
+            try:
+                import uvloop
+
+                self.loop = uvloop.new_event_loop()
+            except ImportError:  # pragma: no cover
+                pass
+        if self.loop is None:
+            self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+
+    def run(self, coro, timeout: float = 30.0):
+        """Run ``coro`` on the loop; wait at most ``timeout`` seconds for its result."""
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def call(self, fn, *a):
+        """Run a plain function on the loop thread and return its result."""
+        async def _c():
+            return fn(*a)
+        return self.run(_c())
+
+    def close(self) -> None:
+        """Stop the loop and join the thread (5 s at most)."""
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(5)
+
+
+def wait_http(url: str, timeout: float = 30.0, interval: float = 0.2) -> bool:
+    """Poll ``GET url`` until it answers 200 (True) or ``timeout`` seconds pass (False)."""
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(url, timeout=2.0).status_code == 200:
+                return True
+        except httpx.HTTPError:
+            pass
+        time.sleep(interval)
+    return False
+
+
+def __getattr__(name):  # MockEngine imports the router's HTTP layer: load it only when asked for
+    if name == "MockEngine":
+        from dlmix.testing.mock_engine import MockEngine
+
+        return MockEngine
+    raise AttributeError(f"module 'dlmix.testing' has no attribute {name!r}")
