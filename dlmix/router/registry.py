@@ -88,15 +88,12 @@ Runtime = Backend
 
 
 def layout_reasons(src: dict, dst: dict, sname: str, dname: str) -> List[str]:
-    """Reasons why KV made under the ``src`` layout descriptor cannot be consumed under ``dst`` (empty: compatible),
-    from :func:`dlmix.kv.layout.check_compat`; a malformed descriptor is one reason."""
-    from dlmix.kv.layout import KVLayout, check_compat
+    """Reasons why KV made under the ``src`` layout descriptor cannot be consumed under ``dst`` (empty: compatible):
+    the PD core's one pair check, :func:`dlmix.pd.pair.check_pair` (the same function the consumer runs per request
+    and the producer runs as a gate); a malformed descriptor is one reason."""
+    from dlmix.pd.pair import check_pair
 
-    try:
-        a, b = KVLayout.from_dict(src), KVLayout.from_dict(dst)
-    except Exception as ex:  # noqa: BLE001 - report any malformed descriptor
-        return [f"invalid kv_layout: {ex}"]
-    return list(check_compat(a, b, src_name=sname, dst_name=dname).reasons)
+    return check_pair(src, dst, src_name=sname, dst_name=dname)
 
 
 class Registry:
