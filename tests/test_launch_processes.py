@@ -14,7 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from dlmix.engine_process import free_port
+from dlmix.engine_process import free_port_block
 from dlmix.launch import Deployment, PortInUseError, ProcessFailedError, launch
 
 
@@ -61,11 +61,14 @@ def _logged_pids(log_dir: Path) -> set:
 
 
 def _deployment(tmp_path: Path, *, router: bool = True, fail_b: bool = False, port_b: int | None = None) -> Path:
-    pa, pb = free_port(), port_b or free_port()
+    # three distinct ports: two free_port() calls can return the same just-released port
+    pa = free_port_block(1)
+    pb = port_b or free_port_block(1, taken=(pa,))
+    pr = free_port_block(1, taken=(pa, pb))
     b_args = '["--spawn-child", "--fail-after", "0.3"]' if fail_b else '["--ttft-ms", "1"]'
     text = "name: t\n"
     if router:
-        text += f"router: {{port: {free_port()}, policy: round_robin, ready_timeout_s: 60}}\n"
+        text += f"router: {{port: {pr}, policy: round_robin, ready_timeout_s: 60}}\n"
     text += ("instances:\n"
              f"  - {{name: a, engine: mock, port: {pa}, extra_args: [\"--spawn-child\", \"--ttft-ms\", \"1\"]}}\n"
              f"  - {{name: b, engine: mock, port: {pb}, extra_args: {b_args}}}\n")
