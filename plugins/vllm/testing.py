@@ -9,9 +9,7 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,14 +17,9 @@ from typing import Any
 
 import httpx
 
+from dlmix.engine_process import free_port, pd_test_spec  # the one port helper and vLLM builder
+
 __all__ = ["free_port", "VllmServer", "start_servers", "two_step", "single", "kv_usage", "parse_sse"]
-
-
-def free_port() -> int:
-    """A free TCP port on 127.0.0.1 (racy but fine for tests)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass
@@ -73,25 +66,10 @@ def launch(name: str, model: str, workdir: Path, *, role: str | None, cpu: str, 
     """Start one server (returns at once; call :meth:`wait_ready`). ``role`` None = no KV connector."""
     port = port or free_port()
     log = workdir / f"{name}.log"
-    args = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
-            "--served-model-name", served_name, "--enforce-eager", "--kv-cache-memory-bytes", str(kv_bytes),
-            "--host", "127.0.0.1", "--port", str(port), "--max-model-len", "2048", "--dtype", dtype,
-            "--block-size", str(block_size), "--seed", "0", "--max-num-seqs", "8"]
-    if role is not None:
-        cfg: dict[str, Any] = {"kv_connector": connector, "kv_role": role}
-        if extra:
-            cfg["kv_connector_extra_config"] = extra
-        if connector == "NixlConnector":
-            cfg["kv_buffer_device"] = "cpu"
-        args += ["--kv-transfer-config", json.dumps(cfg)]
-    args += list(extra_args or [])
-    e = dict(os.environ)
-    e.pop("VLLM_CPU_KVCACHE_SPACE", None)
-    e.update({"VLLM_CPU_OMP_THREADS_BIND": cpu, "VLLM_CACHE_ROOT": str(workdir / f"cache-{name}"),
-              "VLLM_SERVER_DEV_MODE": "1", "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1",
-              "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"})
-    if env:
-        e.update(env)
+    spec = pd_test_spec(name, model, workdir, role=role, cpu=cpu, port=port, block_size=block_size, dtype=dtype,
+                        extra=extra, connector=connector, served_name=served_name, env=env, extra_args=extra_args,
+                        kv_bytes=kv_bytes)
+    args, e = spec.argv(), spec.child_env()
     fh = open(log, "wb")
     proc = subprocess.Popen(args, stdout=fh, stderr=subprocess.STDOUT, env=e, start_new_session=True,
                             cwd=str(workdir))
