@@ -193,7 +193,13 @@ def drain(sock: socket.socket, n: int) -> None:
 def read_frame_header(sock: socket.socket, hdr: memoryview, max_body: int, max_payload: int) -> tuple[int, int, int]:
     """Read and validate one header; returns ``(ftype, body_len, payload_len)``. Raises ProtocolError / PeerError."""
     recv_exact_into(sock, hdr)
-    magic, ver, ftype, blen, plen = HEADER.unpack(hdr)
+    return check_header(HEADER.unpack(hdr), max_body, max_payload)
+
+
+def check_header(fields: tuple, max_body: int, max_payload: int) -> tuple[int, int, int]:
+    """Validate unpacked header ``fields`` (magic, version, type, body length, payload length); returns
+    ``(ftype, body_len, payload_len)``. Raises ProtocolError naming what is wrong."""
+    magic, ver, ftype, blen, plen = fields
     if magic != MAGIC:
         raise ProtocolError(f"bad magic {bytes(magic)!r}")
     if ver != VERSION:
@@ -271,19 +277,9 @@ class FrameReader:
     def header(self, max_body: int, max_payload: int) -> tuple[int, int, int]:
         """Read and validate one header; returns ``(ftype, body_len, payload_len)``."""
         self._fill(HEADER_SIZE)
-        magic, ver, ftype, blen, plen = HEADER.unpack_from(self.buf, self.start)
+        fields = HEADER.unpack_from(self.buf, self.start)
         self.start += HEADER_SIZE
-        if magic != MAGIC:
-            raise ProtocolError(f"bad magic {bytes(magic)!r}")
-        if ver != VERSION:
-            raise ProtocolError(f"unsupported protocol version {ver}")
-        if ftype not in DECODERS:
-            raise ProtocolError(f"unknown frame type {ftype}")
-        if blen > max_body:
-            raise ProtocolError(f"{FRAME_NAMES[ftype]} body of {blen} B exceeds the {max_body} B limit")
-        if plen > max_payload:
-            raise ProtocolError(f"{FRAME_NAMES[ftype]} payload of {plen} B exceeds the {max_payload} B limit")
-        return ftype, blen, plen
+        return check_header(fields, max_body, max_payload)
 
     def body(self, ftype: int, blen: int):
         """Read ``blen`` body bytes and decode them as frame type ``ftype``."""
