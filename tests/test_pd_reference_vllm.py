@@ -189,10 +189,11 @@ def test_reference_producer_feeds_vllm_decode_through_router(stack, prompts):
     for p in prompts:
         T.reset_prefix_cache(D.url)  # D must load the whole prompt from P, not hit its own cache
         resp = _post(rt.url, p)
-        rec = _record(resp)
-        assert not rec.get("refused") and not rec.get("error"), (p["i"], rec)
-        assert rec.get("local_hit_tokens") == 0 and rec.get("loaded_tokens", 0) > 0, (p["i"], rec)
-        assert rec.get("bytes_received", 0) > 0 and rec.get("failed_blocks", 0) == 0, (p["i"], rec)
+        if not p["stream"]:  # a streamed answer carries no per-request record; the producer's count below does
+            rec = _record(resp)
+            assert not rec.get("refused") and not rec.get("error"), (p["i"], rec)
+            assert rec.get("local_hit_tokens") == 0 and rec.get("loaded_tokens", 0) > 0, (p["i"], rec)
+            assert rec.get("bytes_received", 0) > 0 and rec.get("failed_blocks", 0) == 0, (p["i"], rec)
         ids, _ = T.result_tokens(resp)
         ref, gaps = refs[p["i"]]
         assert len(ids) == len(ref) == MAX_TOKENS, (p["i"], ids, ref)
@@ -216,7 +217,7 @@ def test_reference_producer_feeds_vllm_decode_through_router(stack, prompts):
 
 def test_producer_one_token_off_is_refused_by_decode(stack, prompts):
     D, Q = stack["D"], stack["Q"]
-    p = next(x for x in prompts if x["kind"] == "completion" and len(x["prompt"]) >= 100)
+    p = next(x for x in prompts if isinstance(x["prompt"], list) and len(x["prompt"]) >= 100 and not x["stream"])
     T.reset_prefix_cache(D.url)
     ref = T.result_tokens(_post(D.url, p))[0]
     T.reset_prefix_cache(D.url)
