@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import signal
 import sys
 import threading
@@ -66,5 +67,19 @@ def serve(argv: list[str] | None = None) -> int:
     return 0
 
 
+def main() -> None:
+    """Run :func:`serve` and leave with its code through ``os._exit``, after flushing logs and stdio: the HTTP
+    server's per-connection daemon threads (a keep-alive connection parks one in ``recv``) must not be running
+    while the interpreter finalizes, where a daemon thread writing to stderr aborts the process (SIGABRT)."""
+    code = serve()
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(serve())
+    main()

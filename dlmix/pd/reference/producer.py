@@ -238,7 +238,9 @@ class ReferenceProducer:
                 "layout": self.layout.to_dict(), **counters, "core": self._core_stats()}
 
     def close(self) -> None:
+        """Stop the reaper (joined, at most 5 s) and the core's transport."""
         self._stop.set()
+        self._reaper.join(5.0)
         self._close_core()
 
 
