@@ -187,3 +187,34 @@ def test_compat_fingerprint_and_relax() -> None:
     mla2 = KVLayout(ModelIdentity("Deepseek", 2, 1, 24, "mla", 20, 4), 16, "bf16", "mla")
     assert check_compat(mla, mla2).reasons == [
         "decode has MLA kv_lora_rank/rope_dim 20/4, prefill 16/8: different models"]
+
+
+@pytest.mark.parametrize("path,value,reason", [
+    (("block_size",), "16", "block_size must be an integer, got str '16'"),
+    (("block_size",), 16.0, "block_size must be an integer, got float"),
+    (("block_size",), True, "block_size must be an integer, got bool"),
+    (("tp_size",), "1", "tp_size must be an integer"),
+    (("tp_rank",), None, "tp_rank must be an integer, got NoneType"),
+    (("k_scale",), "0.5", "k_scale must be a finite number, got str"),
+    (("v_scale",), float("inf"), "v_scale must be a finite number"),
+    (("dtype",), 2, "dtype must be a string, got int"),
+    (("arrangement",), ["lmdeploy"], "arrangement must be a string, got list"),
+    (("engine",), 3, "engine must be a string"),
+    (("model", "num_layers"), "2", "model.num_layers must be an integer, got str '2'"),
+    (("model", "head_size"), 8.5, "model.head_size must be an integer"),
+    (("model", "architecture"), 1, "model.architecture must be a string"),
+    (("model", "weights_fingerprint"), 7, "model.weights_fingerprint must be a string or null"),
+])
+def test_from_dict_is_strict_about_types(path, value, reason) -> None:
+    m = ModelIdentity("Llama", 2, 2, 8, weights_fingerprint="sha256:aa")
+    good = KVLayout(m, 16, "fp8_e4m3", "lmdeploy", k_scale=0.5).to_dict()
+    bad = json.loads(json.dumps(good))
+    (bad["model"] if len(path) == 2 else bad)[path[-1]] = value
+    with pytest.raises(ValueError) as e:
+        KVLayout.from_dict(bad)
+    assert reason in str(e.value)
+    # a real JSON body round-trips, an integer scale is a number, a null fingerprint is allowed
+    assert KVLayout.from_dict(json.loads(json.dumps(good))) == KVLayout.from_dict(good)
+    assert KVLayout.from_dict({**good, "k_scale": 1, "v_scale": 2}).v_scale == 2
+    assert KVLayout.from_dict({**good, "model": {**good["model"], "weights_fingerprint": None}}).model == \
+        ModelIdentity("Llama", 2, 2, 8)

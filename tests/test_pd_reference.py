@@ -84,6 +84,22 @@ def _prefill(url: str, prompt, chat: bool = False, ktp=None) -> httpx.Response:
     return httpx.post(url + ("/v1/chat/completions" if chat else "/v1/completions"), json=body, timeout=60)
 
 
+def test_layout_states_the_cores_weights_fingerprint(producer, tiny_model_dir):
+    """The producer's layout carries the core's fingerprint of its folder: the string the vLLM adapter computes
+    for the same folder (it re-exports the core's function), so the pair check compares like with like."""
+    from dlmix.pd import weights_fingerprint
+
+    app, _ = producer
+    fp = weights_fingerprint(tiny_model_dir)
+    assert fp.startswith("sha256:") and len(fp) == len("sha256:") + 32
+    assert app.layout.model.weights_fingerprint == fp == weights_fingerprint(str(tiny_model_dir))
+    try:
+        from dlmix_vllm.layout import weights_fingerprint as vllm_fp
+    except ImportError:  # the vLLM adapter needs torch only, but keep this test meaningful without it
+        return
+    assert vllm_fp is weights_fingerprint
+
+
 # ---------------------------------------------------------------------------------------------------- the cache
 @pytest.mark.parametrize("arrangement,block_size,dtype", [("lmdeploy", 16, "fp16"), ("vllm_lbnhc", 16, "bf16"),
                                                            ("vllm_flash_nhd", 8, "fp32")])

@@ -27,6 +27,7 @@ be given as the torch fp8 dtype or as ``uint8`` storage (vLLM stores ``uint8``).
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
@@ -254,7 +255,11 @@ class KVLayout:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> KVLayout:
-        """Build from :meth:`to_dict` output. Raises ValueError on unknown or missing keys or bad values."""
+        """Build from :meth:`to_dict` output (e.g. a JSON body). Strict: every value must already have its field's
+        JSON type (integers as numbers, not ``"16"``; booleans are not integers; scales are finite numbers; an
+        integer is accepted for a float field), so a wrong body is refused here instead of failing later.
+        Raises ValueError on unknown or missing keys, a wrong type (the message names the field, e.g.
+        ``block_size must be an integer, got str '16'``) or an inconsistent value (see the class docstring)."""
         if not isinstance(d, dict) or "model" not in d:
             raise ValueError("a KVLayout dict needs a 'model' entry")
         known = set(cls.__dataclass_fields__)
@@ -267,6 +272,8 @@ class KVLayout:
         mextra = set(md) - set(ModelIdentity.__dataclass_fields__)
         if mextra:
             raise ValueError(f"unknown model keys: {sorted(mextra)}")
+        _check_types(md, _MODEL_TYPES, "model.")
+        _check_types(d, _LAYOUT_TYPES, "")
         try:
             return cls(**{**d, "model": ModelIdentity(**md)})
         except TypeError as e:  # missing required field
@@ -288,6 +295,32 @@ class KVLayout:
     def with_rank(self, tp_rank: int) -> KVLayout:
         """The same layout for another TP rank."""
         return replace(self, tp_rank=tp_rank)
+
+
+#: JSON type of every serialized field: "int" (not bool), "float" (int or float, finite), "str", "str?" (or None).
+_MODEL_TYPES = {"architecture": "str", "num_layers": "int", "num_kv_heads": "int", "head_size": "int",
+                "attention": "str", "kv_lora_rank": "int", "rope_dim": "int", "weights_fingerprint": "str?"}
+_LAYOUT_TYPES = {"block_size": "int", "dtype": "str", "arrangement": "str", "tp_size": "int", "tp_rank": "int",
+                 "k_scale": "float", "v_scale": "float", "scale_convention": "str", "engine": "str"}
+_TYPE_NAMES = {"int": "an integer", "float": "a finite number", "str": "a string", "str?": "a string or null"}
+
+
+def _check_types(d: Mapping[str, Any], types: Mapping[str, str], prefix: str) -> None:
+    """Raise ValueError naming the first field of ``d`` whose value does not have its JSON type in ``types``."""
+    for name, kind in types.items():
+        if name not in d:
+            continue
+        v = d[name]
+        if kind == "int":
+            ok = isinstance(v, int) and not isinstance(v, bool)
+        elif kind == "float":
+            ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+        elif kind == "str?":
+            ok = v is None or isinstance(v, str)
+        else:
+            ok = isinstance(v, str)
+        if not ok:
+            raise ValueError(f"{prefix}{name} must be {_TYPE_NAMES[kind]}, got {type(v).__name__} {v!r}")
 
 
 def wire_bytes(dst_layout: KVLayout, start: int, end: int, heads: tuple[int, ...] | list[int] | None = None) -> int:

@@ -8,20 +8,17 @@ dlmix calls this arrangement ``vllm_cpu`` (see :mod:`dlmix.kv.layout`); ``tests/
 transformers' post-RoPE ``past_key_values`` through a debug dump of the real cache.
 
 The descriptor exchanged between instances is ``KVLayout.to_dict()`` (JSON). The model identity includes a weights
-fingerprint (:func:`weights_fingerprint`) so a prefill with different weights is refused by default.
+fingerprint (:func:`dlmix.pd.fingerprint.weights_fingerprint`, the core's, re-exported here) so a prefill with different weights is refused by default.
 """
 from __future__ import annotations
 
-import hashlib
-import json
 import re
-import struct
-from pathlib import Path
 from typing import Any
 
 import torch
 
 from dlmix.kv import KVLayout, ModelIdentity
+from dlmix.pd.fingerprint import weights_fingerprint
 from dlmix.pd.pair import check_pair, layout_of
 
 __all__ = [
@@ -35,39 +32,6 @@ __all__ = [
 
 ARRANGEMENT = "vllm_cpu"
 _DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
-
-
-def weights_fingerprint(model: str, sample_bytes: int = 64 * 1024, samples_per_file: int = 32) -> str:
-    """Identity of a model's weights: ``"sha256:<hex>"`` over ``config.json`` (canonical JSON) and, for every
-    ``*.safetensors`` file, its name, size, header (tensor names, dtypes, shapes, offsets) and ``samples_per_file``
-    evenly spaced windows of ``sample_bytes`` of its data section. Cost: ~2 MiB read per file whatever the size.
-
-    A model given by hub id (not a local folder) yields ``"name:<id>"``: only names can be compared then.
-    Limitation: a change confined to bytes outside the sampled windows is not seen (a perturbation of all weights,
-    another checkpoint or another dtype is).
-    """
-    p = Path(model)
-    if not p.is_dir():
-        return f"name:{model}"
-    h = hashlib.sha256()
-    cfg = p / "config.json"
-    if cfg.exists():
-        try:
-            h.update(json.dumps(json.loads(cfg.read_text()), sort_keys=True).encode())
-        except ValueError:
-            h.update(cfg.read_bytes())
-    for f in sorted(p.glob("*.safetensors")):
-        size = f.stat().st_size
-        h.update(f.name.encode() + struct.pack("<Q", size))
-        with open(f, "rb") as fh:
-            (hlen,) = struct.unpack("<Q", fh.read(8))
-            h.update(fh.read(hlen))
-            data0 = 8 + hlen
-            span = max(0, size - data0 - sample_bytes)
-            for i in range(samples_per_file):
-                fh.seek(data0 + (span * i) // max(1, samples_per_file - 1))
-                h.update(fh.read(sample_bytes))
-    return "sha256:" + h.hexdigest()[:32]
 
 
 def describe_engine(vllm_config: Any, kv_cache_config: Any = None, *, tp_rank: int = 0) -> KVLayout:

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from dlmix.kv import KVLayout, ModelIdentity
+from dlmix.pd.fingerprint import weights_fingerprint
 
 from .cache import PagedKVCache
 from .model import TransformersPrefill
@@ -88,7 +89,7 @@ class ReferenceProducer:
         m = self.model
         ident = ModelIdentity(architecture=m.architecture, num_layers=m.num_layers, num_kv_heads=m.num_kv_heads,
                               head_size=m.head_size, attention=m.attention,
-                              weights_fingerprint=_fingerprint(cfg.model_dir))
+                              weights_fingerprint=weights_fingerprint(cfg.model_dir))
         self.layout = KVLayout(ident, block_size=int(cfg.block_size), dtype=cfg.dtype, arrangement=cfg.arrangement,
                                engine=f"dlmix-reference transformers {cfg.compute_dtype}")
         nb = int(cfg.kv_cache_bytes) // self.layout.block_bytes()
@@ -242,13 +243,3 @@ class ReferenceProducer:
         self._stop.set()
         self._reaper.join(5.0)
         self._close_core()
-
-
-def _fingerprint(model_dir: str | Path) -> str | None:
-    """The core's weights identity of ``model_dir`` (None when this build of the core has none)."""
-    try:
-        from dlmix.pd import weights_fingerprint  # type: ignore[attr-defined]
-    except ImportError:
-        log.warning("dlmix.pd has no weights_fingerprint: the layout states none (weights are not compared)")
-        return None
-    return weights_fingerprint(str(model_dir))
