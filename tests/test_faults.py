@@ -125,3 +125,95 @@ def test_n_concurrent_pulls_of_one_hold_over_tcp_read_exact_values():
     finally:
         p.close()
         d.close()
+
+
+# ------------------------------------------------------------------------ PD with n > 1 on real vLLM (slow)
+def _choices(resp, stream: bool) -> dict[int, list[int]]:
+    """Generated token ids per choice index of a completion answer (SSE text when ``stream``)."""
+    import json as _json
+
+    out: dict[int, list[int]] = {}
+    if not stream:
+        for ch in resp.json()["choices"]:
+            out[ch["index"]] = list(ch["token_ids"])
+        return out
+    for line in resp.text.splitlines():
+        if line.startswith("data: ") and line[6:].strip() != "[DONE]":
+            for ch in _json.loads(line[6:]).get("choices") or []:
+                out.setdefault(ch["index"], []).extend(ch.get("token_ids") or [])
+    return out
+
+
+@pytest.mark.slow
+def test_pd_n2_through_router_shares_the_prefill_kv(smollm2_dir, tmp_path):
+    """``n=2`` through the router on a real vLLM CPU prefill/decode pair (SmolLM2, fp32): both greedy choices equal
+    the single instance's answer, the prefill ran once, the decode made 2 pulls and none failed, the prefill
+    refused nothing ("not held here"), and both instances end at 0 % KV usage (nothing held)."""
+    import asyncio
+
+    import httpx
+
+    pytest.importorskip("vllm")
+    from dlmix.router.config import RouterConfig
+    from dlmix.router.server import Router
+    from dlmix_vllm import testing as T
+
+    P = T.launch("P", str(smollm2_dir), tmp_path, role="kv_producer", cpu="0", dtype="float32",
+                 extra={"hold_timeout_s": 600})
+    D = T.launch("D", str(smollm2_dir), tmp_path, role="kv_consumer", cpu="1", dtype="float32",
+                 extra={"io_timeout_s": 30})
+    loop = asyncio.new_event_loop()
+    th = threading.Thread(target=loop.run_forever, daemon=True)
+    th.start()
+    router = None
+    try:
+        T.wait_ready([P, D], timeout_s=600)
+        insts = [{"id": "P", "url": P.url, "role": "prefill", "engine": "vllm", "model": "smollm2",
+                  "chip": "cpu-x86", "block_size": 128},
+                 {"id": "D", "url": D.url, "role": "decode", "engine": "vllm", "model": "smollm2",
+                  "chip": "cpu-x86", "block_size": 128}]
+        cfg = RouterConfig(host="127.0.0.1", port=0, policy="cost", policy_params={"local_max_uncached": 0},
+                           model_spec=str(smollm2_dir), instances=insts, health_interval_s=1.0)
+
+        async def mk():
+            return Router(cfg)
+
+        router = asyncio.run_coroutine_threadsafe(mk(), loop).result(60)
+        asyncio.run_coroutine_threadsafe(router.start(), loop).result(60)
+        rurl = f"http://127.0.0.1:{router.cfg.port}"
+        prompts = [[(i * 37 + 11 * k) % 3000 + 100 for i in range(300)] for k in range(2)]
+        refs = []
+        T.reset_prefix_cache(D.url)
+        with httpx.Client(timeout=300) as c:
+            for pr in prompts:
+                body = {"model": "smollm2", "prompt": pr, "max_tokens": 12, "temperature": 0,
+                        "return_token_ids": True}
+                refs.append(c.post(D.url + "/v1/completions", json=body).json()["choices"][0]["token_ids"])
+            T.reset_prefix_cache(D.url)
+            pulls0 = T.metric_sum(D.url, "vllm:dlmix_kv_transfers_total")
+            failed0 = T.metric_sum(D.url, "vllm:dlmix_kv_failed_transfers_total")
+            for pr, ref, stream in zip(prompts, refs, (False, True)):
+                body = {"model": "smollm2", "prompt": pr, "max_tokens": 12, "temperature": 0, "n": 2,
+                        "return_token_ids": True, "stream": stream}
+                r = c.post(rurl + "/v1/completions", json=body)
+                assert r.status_code == 200, r.text[:500]
+                got = _choices(r, stream)
+                assert got == {0: ref, 1: ref}, (got, ref)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and (T.kv_usage(P.url) > 0 or T.kv_usage(D.url) > 0
+                                               or T.metric_sum(D.url, "vllm:dlmix_kv_transfers_total") - pulls0 < 4):
+            time.sleep(0.5)
+        pulls = T.metric_sum(D.url, "vllm:dlmix_kv_transfers_total") - pulls0
+        print(f"n=2 through PD: {pulls:.0f} pulls for 2 requests x 2 choices")
+        assert 2 <= pulls <= 4  # a choice scheduled after its sibling's load may find the prompt cached locally
+        assert T.metric_sum(D.url, "vllm:dlmix_kv_failed_transfers_total") - failed0 == 0
+        assert T.kv_usage(P.url) == 0.0 and T.kv_usage(D.url) == 0.0
+        assert "not held here" not in P.log.read_text(errors="replace")
+        assert T.metric_sum(P.url, "vllm:request_success_total") == 2  # one prefill per request
+    finally:
+        if router is not None:
+            asyncio.run_coroutine_threadsafe(router.stop(), loop).result(30)
+        loop.call_soon_threadsafe(loop.stop)
+        th.join(10)
+        P.stop()
+        D.stop()
