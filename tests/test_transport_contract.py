@@ -12,7 +12,6 @@ import asyncio
 import os
 import random
 import socket
-import struct
 
 import numpy as np
 import pytest
