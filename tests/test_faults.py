@@ -127,6 +127,69 @@ def test_n_concurrent_pulls_of_one_hold_over_tcp_read_exact_values():
         d.close()
 
 
+# ------------------------------------------------------------------------ mock engines behind `dlmix router`
+@pytest.fixture(scope="module")
+def mock_dep(tmp_path_factory):
+    from dlmix.testing.faults import MockDeployment
+
+    with MockDeployment(str(tmp_path_factory.mktemp("faults"))) as dep:
+        yield dep
+
+
+def _invariants(t) -> None:
+    """What must hold whatever the class: no wrong answer, no crashed process, nothing left running on the
+    engines, and the healthy client running beside the hostile ones got every answer right."""
+    d = t.to_dict()
+    assert t.wrong == 0 and t.crashes == 0 and t.held_after == 0, d
+    assert not any(n.startswith("healthy client") for n in t.notes), d
+    assert t.tried == t.ok + t.clear_error + t.unclear + t.wrong + t.unchecked, d
+
+
+def test_judge_classifies_answers():
+    from dlmix.testing.faults import Answer, judge
+
+    ok = Answer(200, {"content-type": "application/json"}, b'{"choices": [1]}')
+    assert judge(ok, lambda: Answer(200, {}, b'{"choices":[1]}')) == "ok"
+    assert judge(ok, lambda: Answer(200, {}, b'{"choices":[2]}')) == "wrong"
+    assert judge(ok, lambda: Answer(500, {}, b"{}")) == "unchecked" and judge(ok) == "unchecked"
+    assert judge(Answer(400, {}, b'{"error": {"message": "max_tokens must be at least 1"}}')) == "clear_error"
+    assert judge(Answer(400, {}, b'{"error": "request body is not valid JSON"}')) == "clear_error"
+    assert judge(Answer(413, {}, b"")) == "clear_error"
+    assert judge(Answer(400, {}, b"malformed HTTP request")) == "unclear"
+    assert judge(Answer(200, {}, b"{", error="truncated body")) == "unclear"
+    assert judge(Answer(error="reset (ConnectionResetError)")) == "unclear"
+
+
+def test_fuzzed_requests_never_give_a_wrong_answer(mock_dep):
+    from dlmix.testing.faults import fuzzed_requests
+
+    t = fuzzed_requests(mock_dep, n=400, seed=3, workers=4)
+    _invariants(t)
+    assert t.tried == 400 and t.ok > 20 and t.clear_error > 100  # valid ones answered, invalid ones refused
+
+
+def test_malformed_json_and_one_byte_chunks(mock_dep):
+    from dlmix.testing.faults import malformed_bodies, malformed_json, one_byte_chunks
+
+    t = malformed_json(mock_dep)
+    _invariants(t)
+    assert t.tried == len(malformed_bodies()) and t.unclear == 0
+    t = one_byte_chunks(mock_dep, kib=4)
+    _invariants(t)
+    assert t.ok == 1  # the slow body still gets the engine's exact answer
+
+
+def test_oversized_and_slowloris_leave_the_router_serving(mock_dep):
+    from dlmix.testing.faults import oversized, slowloris
+
+    t = oversized(mock_dep, body_mb=65)
+    _invariants(t)
+    assert t.tried == 4
+    t = slowloris(mock_dep, clients=5, seconds=2.0)
+    _invariants(t)
+    assert t.tried == 5
+
+
 # ------------------------------------------------------------------------ PD with n > 1 on real vLLM (slow)
 def _choices(resp, stream: bool) -> dict[int, list[int]]:
     """Generated token ids per choice index of a completion answer (SSE text when ``stream``)."""
