@@ -592,3 +592,97 @@ def fuzzed_requests(dep: MockDeployment, n: int = 10_000, seed: int = 0, workers
             list(ex.map(lambda it: one(it, t), reqs))
         t.notes.extend(unclear_examples)
     return _run_class(dep, work)
+
+
+# ------------------------------------------------------------------------------------------------ a faulty KV link
+class LinkProxy:
+    """A TCP forwarder for a KV link (consumer -> proxy -> producer's transport listener) that can stall or drop it.
+
+    ``upstream``: ``(host, port)`` to forward new connections to (set it before the consumer dials). ``arm(at_bytes,
+    action)``: once ``at_bytes`` producer->consumer bytes have passed since arming, run ``action()`` once (from the
+    forwarding thread; e.g. :meth:`drop`, a stall, killing the producer). ``stall(seconds)``: hold every byte in both
+    directions for ``seconds``. ``drop()``: close every forwarded connection (the next dial gets a fresh one).
+    ``down_bytes``: producer->consumer bytes forwarded in total.
+    """
+
+    def __init__(self, host: str = "127.0.0.1"):
+        self.ls = socket.socket()
+        self.ls.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.ls.bind((host, 0))
+        self.ls.listen(64)
+        self.host, self.port = host, self.ls.getsockname()[1]
+        self.upstream: Optional[tuple[str, int]] = None
+        self.down_bytes = 0
+        self._stall_until = 0.0
+        self._armed: Optional[tuple[int, Callable[[], None]]] = None
+        self._lock = threading.Lock()
+        self._conns: list = []
+        self._closed = False
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def arm(self, at_bytes: int, action: Callable[[], None]) -> None:
+        with self._lock:
+            self._armed = (self.down_bytes + int(at_bytes), action)
+
+    def stall(self, seconds: float) -> None:
+        self._stall_until = time.monotonic() + seconds
+
+    def drop(self) -> None:
+        with self._lock:
+            conns, self._conns = self._conns, []
+        for s in conns:
+            for fn in (lambda: s.shutdown(socket.SHUT_RDWR), s.close):
+                try:
+                    fn()
+                except OSError:
+                    pass
+
+    def close(self) -> None:
+        self._closed = True
+        self.drop()
+        self.ls.close()
+
+    def _accept(self) -> None:
+        while not self._closed:
+            try:
+                c, _ = self.ls.accept()
+            except OSError:
+                return
+            try:
+                u = socket.create_connection(self.upstream, timeout=5) if self.upstream else None
+            except OSError:
+                u = None
+            if u is None:
+                c.close()
+                continue
+            u.settimeout(None)
+            with self._lock:
+                self._conns += [c, u]
+            threading.Thread(target=self._pump, args=(c, u, False), daemon=True).start()
+            threading.Thread(target=self._pump, args=(u, c, True), daemon=True).start()
+
+    def _pump(self, src, dst, down: bool) -> None:
+        try:
+            while True:
+                b = src.recv(1 << 16)
+                if not b:
+                    break
+                while time.monotonic() < self._stall_until and not self._closed:
+                    time.sleep(0.01)
+                dst.sendall(b)
+                if down:
+                    fire = None
+                    with self._lock:
+                        self.down_bytes += len(b)
+                        if self._armed is not None and self.down_bytes >= self._armed[0]:
+                            fire, self._armed = self._armed[1], None
+                    if fire is not None:
+                        fire()
+        except OSError:
+            pass
+        finally:
+            for s in (src, dst):
+                try:
+                    s.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
