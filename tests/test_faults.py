@@ -190,6 +190,54 @@ def test_oversized_and_slowloris_leave_the_router_serving(mock_dep):
     assert t.tried == 5
 
 
+def test_link_proxy_forwards_and_drops_on_cue():
+    """The KV-link proxy of the PD fault classes: bytes pass both ways unchanged; an armed drop closes the link
+    after the given number of producer->consumer bytes; the next dial gets a fresh link."""
+    import socket
+
+    from dlmix.testing.faults import LinkProxy
+
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(4)
+
+    def serve():
+        while True:
+            try:
+                c, _ = srv.accept()
+            except OSError:
+                return
+            with c:
+                while (b := c.recv(65536)):
+                    c.sendall(b * 4)  # 4x the bytes back: a "producer" answering reads
+
+    threading.Thread(target=serve, daemon=True).start()
+    px = LinkProxy()
+    px.upstream = srv.getsockname()
+    try:
+        with socket.create_connection(("127.0.0.1", px.port), timeout=10) as c:
+            c.sendall(b"abc")
+            got = b""
+            while len(got) < 12:
+                got += c.recv(100)
+            assert got == b"abc" * 4 and px.down_bytes == 12
+            px.arm(1000, px.drop)
+            c.sendall(b"x" * 1000)  # 4000 bytes back: the drop fires after the first 1000 or more
+            rest = b""
+            while (b := c.recv(65536)):
+                rest += b
+            assert 1000 <= len(rest) <= 4000 and set(rest) == {ord("x")}
+        with socket.create_connection(("127.0.0.1", px.port), timeout=10) as c:
+            c.sendall(b"z")
+            got = b""
+            while len(got) < 4:
+                got += c.recv(10)
+            assert got == b"zzzz"
+    finally:
+        px.close()
+        srv.close()
+
+
 # ------------------------------------------------------------------------ PD with n > 1 on real vLLM (slow)
 def _choices(resp, stream: bool) -> dict[int, list[int]]:
     """Generated token ids per choice index of a completion answer (SSE text when ``stream``)."""
