@@ -674,15 +674,15 @@ class LinkProxy:
                     break
                 while time.monotonic() < self._stall_until and not self._closed:
                     time.sleep(0.01)
-                dst.sendall(b)
+                fire = None
                 if down:
-                    fire = None
                     with self._lock:
                         self.down_bytes += len(b)
                         if self._armed is not None and self.down_bytes >= self._armed[0]:
                             fire, self._armed = self._armed[1], None
-                    if fire is not None:
-                        fire()
+                dst.sendall(b)
+                if fire is not None:
+                    fire()
         except OSError:
             pass
         finally:
