@@ -38,6 +38,40 @@ def test_prefill_body_prefills_once_and_names_the_consumers():
     assert bad["n"] == "2" and "dlmix_consumers" not in bad["kv_transfer_params"]
 
 
+def test_router_prefills_an_n2_request_once_on_mock_engines():
+    """Through the router (cost policy forced to disaggregate): the prefill leg of an ``n=2`` request asks for one
+    choice and names 2 consumers; the decode leg keeps the client's ``n``."""
+    import json
+
+    import httpx
+
+    from dlmix.router.config import RouterConfig
+    from dlmix.router.server import Router
+    from dlmix.testing import LoopThread
+    from dlmix.testing.mock_engine import MockEngine
+
+    lt = LoopThread()
+    p, d = MockEngine(name="p"), MockEngine(name="d")
+    urls = [lt.run(e.start()) for e in (p, d)]
+    insts = [{"id": n, "url": u, "role": r, "model": "mock", "chip": "cpu-x86"}
+             for n, u, r in zip("PD", urls, ("prefill", "decode"))]
+    router = Router(RouterConfig(port=0, policy="cost", policy_params={"local_max_uncached": 0}, instances=insts))
+    lt.run(router.start())
+    try:
+        body = {"model": "mock", "prompt": list(range(100, 400)), "max_tokens": 4, "n": 2}
+        r = httpx.post(f"http://127.0.0.1:{router.cfg.port}/v1/completions", json=body, timeout=30)
+        assert r.status_code == 200, r.text
+        leg = json.loads(p.received[0])
+        assert p.prefill_legs == 1 and leg["n"] == 1 and leg["kv_transfer_params"]["dlmix_consumers"] == 2
+        dec = json.loads(d.received[0])
+        assert dec["n"] == 2 and dec["kv_transfer_params"]["remote_engine_id"] == "p"
+    finally:
+        lt.run(router.stop())
+        for e in (p, d):
+            lt.run(e.stop())
+        lt.close()
+
+
 class _T:
     def __init__(self):
         self.grants: dict = {}
