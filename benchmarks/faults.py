@@ -19,7 +19,9 @@ Classes (each reports ``tried``, ``ok`` (greedy output equal to a single instanc
   ~2,900-token KV cache on both sides), ``kill_prefill_mid_transfer``, ``kill_decode_mid_stream`` and
   ``restart_same_address`` (both engines restarted on their ports). ``held_after``: KV blocks in use on both
   instances once idle (vLLM's ``kv_cache_usage_perc`` times the cache's blocks); references are the decode instance
-  serving the same prompt alone after a prefix-cache reset.
+  serving the same prompt alone after a prefix-cache reset. The healthy PD client shares the KV link; it pauses while a
+  fault is armed on the link's byte count (drop, kill, client abort mid-transfer), so the fault hits the class's own
+  transfer; a stall hits everyone on the link, the healthy client included.
 
     flock /tmp/dlmix-heavy.lock python benchmarks/faults.py [--quick] [--no-vllm] [--only CLASS,...]
 
@@ -285,6 +287,8 @@ class _Healthy:
         self.pd, self.refs = pd, refs
         self.worst, self.bad, self.n = 0.0, 0, 0
         self._stop = threading.Event()
+        self._pause = threading.Event()
+        self._busy = threading.Lock()
         self._t = threading.Thread(target=self._run, daemon=True)
 
     def _run(self):
@@ -292,16 +296,37 @@ class _Healthy:
         while not self._stop.is_set():
             prompt, ref = self.refs[i % len(self.refs)]
             i += 1
-            t0 = time.monotonic()
-            try:
-                r = self.pd.two_step(prompt)
-                if _verdict(self.pd.T.result_tokens(r)[0], ref) == "wrong":
-                    self.bad += 1
-            except Exception:
-                pass  # a fault class may take an engine away on purpose; only wrong answers count
-            self.worst = max(self.worst, time.monotonic() - t0)
-            self.n += 1
+            with self._busy:
+                if self._pause.is_set():
+                    pass
+                else:
+                    t0 = time.monotonic()
+                    try:
+                        r = self.pd.two_step(prompt)
+                        if _verdict(self.pd.T.result_tokens(r)[0], ref) == "wrong":
+                            self.bad += 1
+                    except Exception:
+                        pass  # a fault class may take an engine away on purpose; only wrong answers count
+                    self.worst = max(self.worst, time.monotonic() - t0)
+                    self.n += 1
             self._stop.wait(0.3)
+
+    class _Paused:
+        def __init__(self, h):
+            self.h = h
+
+        def __enter__(self):
+            self.h._pause.set()
+            with self.h._busy:  # its request in flight ends first
+                pass
+
+        def __exit__(self, *exc):
+            self.h._pause.clear()
+
+    def paused(self):
+        """While a fault is armed on the shared KV link, the healthy client waits, so the fault hits the class's own
+        transfer (the link proxy counts every transfer's bytes)."""
+        return self._Paused(self)
 
     def __enter__(self):
         self._t.start()
@@ -324,12 +349,15 @@ def pd_classes(quick: bool, only: set) -> dict:
     try:
         healthy = [(p, pd.reference(p)) for p in (_prompt(rng, 40), _prompt(rng, 60))]
 
+        state: dict = {}
+
         def run(name, body):
             if only and name not in only:
                 return
             t = Tally()
             t0 = time.monotonic()
             with _Healthy(pd, healthy) as h:
+                state["healthy"] = h
                 try:
                     body(t)
                 except Exception as e:  # the class itself failed: say so, keep going
@@ -364,18 +392,23 @@ def pd_classes(quick: bool, only: set) -> dict:
                 judged(t, p, ref, lambda: pd.two_step(p))
         run("pd_baseline", baseline)
 
-        def stall(t):
+        def stall(t):  # the whole link stalls as the decode starts: the healthy client's transfers wait too
             for secs in (3.0, 14.0):  # shorter, then longer than the decode's io_timeout_s (10)
                 p, ref = fresh(1500)
-                pd.proxy.arm(256 << 10, lambda s=secs: pd.proxy.stall(s))
-                judged(t, p, ref, lambda: pd.two_step(p))
+
+                def go(p=p, secs=secs):
+                    params = pd.prefill(p)
+                    pd.proxy.stall(secs)
+                    return pd.decode(p, params)
+                judged(t, p, ref, go)
         run("kv_link_stall", stall)
 
         def drop(t):
             for _ in range(per):
                 p, ref = fresh(1500)
-                pd.proxy.arm(256 << 10, pd.proxy.drop)
-                judged(t, p, ref, lambda: pd.two_step(p))
+                with state["healthy"].paused():
+                    pd.proxy.arm(256 << 10, pd.proxy.drop)
+                    judged(t, p, ref, lambda: pd.two_step(p))
         run("kv_link_drop", drop)
 
         def abort_prefill(t):
@@ -400,12 +433,13 @@ def pd_classes(quick: bool, only: set) -> dict:
                 raw = (f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                        f"Content-Length: %d\r\n\r\n").encode()
                 data = json.dumps(body).encode()
-                s = socket.create_connection(("127.0.0.1", pd.D.port), timeout=60)
-                done = threading.Event()
-                pd.proxy.arm(256 << 10, lambda: (s.close(), done.set()))  # the client leaves mid-transfer
-                s.sendall(raw % len(data) + data)
-                done.wait(60)
-                time.sleep(1.0)
+                with state["healthy"].paused():
+                    s = socket.create_connection(("127.0.0.1", pd.D.port), timeout=60)
+                    done = threading.Event()
+                    pd.proxy.arm(256 << 10, lambda: (s.close(), done.set()))  # the client leaves mid-transfer
+                    s.sendall(raw % len(data) + data)
+                    done.wait(60)
+                    time.sleep(1.0)
                 judged(t, p, ref, lambda: pd.two_step(p))
         run("client_abort_transfer", abort_transfer)
 
@@ -437,8 +471,9 @@ def pd_classes(quick: bool, only: set) -> dict:
         def kill_prefill(t):
             p, ref = fresh(1500)
             port = pd.P.port
-            pd.proxy.arm(256 << 10, lambda: pd.P.kill(signal.SIGKILL))
-            judged(t, p, ref, lambda: pd.two_step(p))
+            with state["healthy"].paused():
+                pd.proxy.arm(256 << 10, lambda: pd.P.kill(signal.SIGKILL))
+                judged(t, p, ref, lambda: pd.two_step(p))
             t.notes.append(f"prefill alive after the kill: {pd.P.alive()}")
             pd.T.wait_ready([pd.launch("P", port=port)], timeout_s=600)
         run("kill_prefill_mid_transfer", kill_prefill)
