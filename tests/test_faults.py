@@ -291,9 +291,10 @@ def _choices(resp, stream: bool) -> dict[int, list[int]]:
 
 @pytest.mark.slow
 def test_pd_n2_through_router_shares_the_prefill_kv(smollm2_dir, tmp_path):
-    """``n=2`` through the router on a real vLLM CPU prefill/decode pair (SmolLM2, fp32): both greedy choices equal
-    the single instance's answer, the prefill ran once, the decode made 2 pulls and none failed, the prefill
-    refused nothing ("not held here"), and both instances end at 0 % KV usage (nothing held)."""
+    """``n=2`` through the router on a real vLLM CPU prefill/decode pair (SmolLM2, fp32): both greedy (``top_k=1``)
+    choices equal the single instance's greedy answer, seeded sampled choices equal the single instance's own ``n=2``
+    answer (streamed), each prefill ran once, the decode pulled and no pull failed, the prefill refused nothing
+    ("not held here"), and both instances end at 0 % KV usage (nothing held)."""
     import asyncio
 
     import httpx
@@ -327,23 +328,27 @@ def test_pd_n2_through_router_shares_the_prefill_kv(smollm2_dir, tmp_path):
         asyncio.run_coroutine_threadsafe(router.start(), loop).result(60)
         rurl = f"http://127.0.0.1:{router.cfg.port}"
         prompts = [[(i * 37 + 11 * k) % 3000 + 100 for i in range(300)] for k in range(2)]
-        refs = []
-        T.reset_prefix_cache(D.url)
+        base = {"model": "smollm2", "max_tokens": 12, "return_token_ids": True}
+        # vLLM refuses n > 1 with temperature 0; top_k=1 samples the argmax (greedy), a seed fixes sampled choices
+        greedy_n2 = dict(base, temperature=1.0, top_k=1, n=2)
+        seeded_n2 = dict(base, temperature=0.8, seed=7, n=2, stream=True)
         with httpx.Client(timeout=300) as c:
-            for pr in prompts:
-                body = {"model": "smollm2", "prompt": pr, "max_tokens": 12, "temperature": 0,
-                        "return_token_ids": True}
-                refs.append(c.post(D.url + "/v1/completions", json=body).json()["choices"][0]["token_ids"])
+            T.reset_prefix_cache(D.url)
+            ref0 = c.post(D.url + "/v1/completions", json=dict(base, prompt=prompts[0], temperature=0)).json()
+            ref0 = ref0["choices"][0]["token_ids"]
+            T.reset_prefix_cache(D.url)
+            r = c.post(D.url + "/v1/completions", json=dict(seeded_n2, prompt=prompts[1]))
+            ref1 = _choices(r, True)  # the single instance's own two seeded choices
+            assert len(ref1) == 2, r.text[:300]
             T.reset_prefix_cache(D.url)
             pulls0 = T.metric_sum(D.url, "vllm:dlmix_kv_transfers_total")
             failed0 = T.metric_sum(D.url, "vllm:dlmix_kv_failed_transfers_total")
-            for pr, ref, stream in zip(prompts, refs, (False, True)):
-                body = {"model": "smollm2", "prompt": pr, "max_tokens": 12, "temperature": 0, "n": 2,
-                        "return_token_ids": True, "stream": stream}
-                r = c.post(rurl + "/v1/completions", json=body)
-                assert r.status_code == 200, r.text[:500]
-                got = _choices(r, stream)
-                assert got == {0: ref, 1: ref}, (got, ref)
+            r = c.post(rurl + "/v1/completions", json=dict(greedy_n2, prompt=prompts[0]))
+            assert r.status_code == 200, r.text[:500]
+            assert _choices(r, False) == {0: ref0, 1: ref0}
+            r = c.post(rurl + "/v1/completions", json=dict(seeded_n2, prompt=prompts[1]))
+            assert r.status_code == 200, r.text[:500]
+            assert _choices(r, True) == ref1  # same seed semantics as the single instance (child i: seed + i)
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline and (T.kv_usage(P.url) > 0 or T.kv_usage(D.url) > 0
                                                or T.metric_sum(D.url, "vllm:dlmix_kv_transfers_total") - pulls0 < 4):
