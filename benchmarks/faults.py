@@ -5,7 +5,7 @@ Classes (each reports ``tried``, ``ok`` (greedy output equal to a single instanc
 0) and ``worst_healthy_wait_s``: the longest one answer took for a healthy client running beside the faulty ones):
 
 * mock engines behind ``dlmix router`` (:class:`dlmix.testing.faults.MockDeployment`): ``one_byte_chunks``,
-  ``slowloris``, ``oversized`` (URL, header, header count, body), ``malformed_json``, ``fuzzed_requests`` (10,000);
+  ``slowloris``, ``idle_connections`` (2,000), ``oversized`` (URL, header, header count, body), ``malformed_json``, ``fuzzed_requests`` (10,000);
   ``held_after`` = requests still running on the engines.
 * the built-in TCP KV transport: ``fuzzed_frames`` (10,000 hostile frames from
   :func:`dlmix_kv_connectors.testing.fuzz_frame` at a peer process with a granted region); ``wrong`` = the region's
@@ -48,6 +48,7 @@ sys.path.insert(0, os.path.dirname(HERE))
 from dlmix.testing.faults import (  # noqa: E402
     LinkProxy,
     MockDeployment,
+    idle_connections,
     Tally,
     fuzzed_requests,
     malformed_json,
@@ -57,6 +58,9 @@ from dlmix.testing.faults import (  # noqa: E402
 )
 
 MAX_TOKENS = 12
+PD_CLASSES = {"pd_baseline", "kv_link_stall", "kv_link_drop", "client_abort_prefill", "client_abort_transfer",
+              "client_abort_decode", "decode_kv_exhausted", "kill_prefill_mid_transfer", "kill_decode_mid_stream",
+              "restart_same_address"}
 NEAR_TIE = 0.5  # nats: a first divergence where the reference's top-1/top-2 gap is smaller counts as a near-tie
 
 
@@ -69,6 +73,7 @@ def mock_classes(quick: bool, only: set) -> dict:
     out = {}
     runs = [("one_byte_chunks", lambda d: one_byte_chunks(d, kib=64 if quick else 176)),
             ("slowloris", lambda d: slowloris(d, clients=50, seconds=15.0 if quick else 70.0)),
+            ("idle_connections", lambda d: idle_connections(d, n=2000, seconds=10.0 if quick else 70.0)),
             ("oversized", lambda d: oversized(d, body_mb=65)),
             ("malformed_json", malformed_json),
             ("fuzzed_requests", lambda d: fuzzed_requests(d, n=10_000, seed=1))]
@@ -523,7 +528,7 @@ def main() -> int:
     if not only or "fuzzed_frames" in only:
         classes["fuzzed_frames"] = frame_class()
         log(f"[faults] fuzzed_frames: {json.dumps(classes['fuzzed_frames'])[:400]}")
-    if not a.no_vllm:
+    if not a.no_vllm and (not only or only & PD_CLASSES):
         try:
             import vllm  # noqa: F401
             classes.update(pd_classes(a.quick, only))

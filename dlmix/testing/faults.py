@@ -33,8 +33,8 @@ from typing import Any, Callable, Optional
 from dlmix.engine_process import free_port
 
 __all__ = ["Answer", "Tally", "exchange", "judge", "http_request", "fuzz_request", "malformed_bodies",
-           "HealthyClient", "MockDeployment", "one_byte_chunks", "slowloris", "oversized", "fuzzed_requests",
-           "malformed_json"]
+           "HealthyClient", "MockDeployment", "LinkProxy", "one_byte_chunks", "slowloris", "idle_connections",
+           "oversized", "fuzzed_requests", "malformed_json"]
 
 #: the well-formed request every class derives from (a small completion; the mock answers it deterministically)
 BASE = {"model": "mock", "prompt": "The router sends this prompt to a prefill and then a decode instance.",
@@ -533,6 +533,37 @@ def slowloris(dep: MockDeployment, clients: int = 50, seconds: float = 15.0) -> 
             s.close()
         if len(closed) < len(socks):
             t.notes.append(f"{len(socks) - len(closed)} slow connections still open after {seconds:.0f}s")
+    return _run_class(dep, work)
+
+
+def idle_connections(dep: MockDeployment, n: int = 2000, seconds: float = 10.0) -> Tally:
+    """``n`` connections opened and left idle for ``seconds`` (no request at all) while the healthy client runs: each
+    the server refused or closed counts as ``clear_error`` (a connection cap or idle timeout at work), each still
+    open at the end as ``unclear``."""
+
+    def work(t: Tally) -> None:
+        socks, refused = [], 0
+        for _ in range(n):
+            try:
+                socks.append(socket.create_connection(("127.0.0.1", dep.port), timeout=5))
+            except OSError:
+                refused += 1
+        time.sleep(seconds)
+        closed = 0
+        for s in socks:
+            s.setblocking(False)
+            try:
+                closed += s.recv(1) == b""
+            except BlockingIOError:
+                pass
+            except OSError:
+                closed += 1
+            s.close()
+        t.tried = n
+        t.clear_error = refused + closed
+        t.unclear = n - refused - closed
+        if t.unclear:
+            t.notes.append(f"{t.unclear} idle connections still open after {seconds:.0f}s")
     return _run_class(dep, work)
 
 
