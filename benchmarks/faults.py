@@ -5,7 +5,8 @@ Classes (each reports ``tried``, ``ok`` (greedy output equal to a single instanc
 0) and ``worst_healthy_wait_s``: the longest one answer took for a healthy client running beside the faulty ones):
 
 * mock engines behind ``dlmix router`` (:class:`dlmix.testing.faults.MockDeployment`): ``one_byte_chunks``,
-  ``slowloris``, ``idle_connections`` (2,000), ``oversized`` (URL, header, header count, body), ``malformed_json``, ``fuzzed_requests`` (10,000);
+  ``slowloris``, ``idle_connections`` (2,000), ``oversized`` (URL, header, header count, body), ``malformed_json``,
+  ``fuzzed_requests`` (10,000);
   ``held_after`` = requests still running on the engines.
 * the built-in TCP KV transport: ``fuzzed_frames`` (10,000 hostile frames from
   :func:`dlmix_kv_connectors.testing.fuzz_frame` at a peer process with a granted region); ``wrong`` = the region's
