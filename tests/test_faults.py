@@ -213,8 +213,8 @@ def test_malformed_json_and_one_byte_chunks(mock_dep):
     assert t.ok == 1  # the slow body still gets the engine's exact answer
 
 
-def test_oversized_and_slowloris_leave_the_router_serving(mock_dep):
-    from dlmix.testing.faults import oversized, slowloris
+def test_oversized_slowloris_and_idle_connections_leave_the_router_serving(mock_dep):
+    from dlmix.testing.faults import idle_connections, oversized, slowloris
 
     t = oversized(mock_dep, body_mb=65)
     _invariants(t)
@@ -222,6 +222,9 @@ def test_oversized_and_slowloris_leave_the_router_serving(mock_dep):
     t = slowloris(mock_dep, clients=5, seconds=2.0)
     _invariants(t)
     assert t.tried == 5
+    t = idle_connections(mock_dep, n=50, seconds=1.0)
+    _invariants(t)
+    assert t.tried == 50
 
 
 def test_link_proxy_forwards_and_drops_on_cue():
