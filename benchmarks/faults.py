@@ -65,6 +65,10 @@ PD_CLASSES = {"pd_baseline", "kv_link_stall", "kv_link_drop", "client_abort_pref
 NEAR_TIE = 0.5  # nats: a first divergence where the reference's top-1/top-2 gap is smaller counts as a near-tie
 
 
+#: engine stops run when a signal ends the campaign early (the engines live in their own process groups)
+_CLEANUP: list = []
+
+
 def log(*a) -> None:
     print(*a, file=sys.stderr, flush=True)
 
@@ -79,6 +83,7 @@ def mock_classes(quick: bool, only: set) -> dict:
             ("malformed_json", malformed_json),
             ("fuzzed_requests", lambda d: fuzzed_requests(d, n=10_000, seed=1))]
     with MockDeployment() as dep:
+        _CLEANUP.append(dep.stop)
         for name, fn in runs:
             if only and name not in only:
                 continue
@@ -206,6 +211,7 @@ class PD:
         return Path(self.dir)
 
     def start(self) -> "PD":
+        _CLEANUP.append(lambda: [s.kill(signal.SIGKILL) for s in (self.P, self.D) if s is not None])
         self.launch("P")
         self.launch("D")
         self.T.wait_ready([self.P, self.D], timeout_s=600)
@@ -245,8 +251,8 @@ class PD:
         with httpx.Client(timeout=timeout) as c:
             return self.T._post(c, self.D.url + path, body)
 
-    def two_step(self, prompt, stream: bool = False) -> dict:
-        return self.decode(prompt, self.prefill(prompt), stream)
+    def two_step(self, prompt, stream: bool = False, timeout: float = 300.0) -> dict:
+        return self.decode(prompt, self.prefill(prompt, timeout), stream, timeout)
 
     def held_blocks(self) -> int:
         """KV blocks in use on both instances (0 when idle and nothing is held)."""
@@ -308,7 +314,7 @@ class _Healthy:
                 else:
                     t0 = time.monotonic()
                     try:
-                        r = self.pd.two_step(prompt)
+                        r = self.pd.two_step(prompt, timeout=60.0)
                         if _verdict(self.pd.T.result_tokens(r)[0], ref) == "wrong":
                             self.bad += 1
                     except Exception:
@@ -343,13 +349,12 @@ class _Healthy:
         self._t.join(400)
 
 
-def pd_classes(quick: bool, only: set) -> dict:
+def pd_classes(quick: bool, only: set, out: dict) -> dict:
     from dlmix.models import prepare
 
     model = str(prepare("smollm2"))
     wd = tempfile.mkdtemp(prefix="dlmix-faults-pd-")
     rng = random.Random(7)
-    out: dict = {}
     pd = PD(wd, model).start()
     per = 1 if quick else 3
     try:
@@ -517,6 +522,17 @@ def pd_classes(quick: bool, only: set) -> dict:
     return out
 
 
+def _emit(classes: dict, t0: float, interrupted: bool = False) -> None:
+    totals = {k: sum(c.get(k, 0) for c in classes.values()) for k in
+              ("tried", "ok", "near_ties", "clear_error", "unclear", "wrong", "unchecked", "held_after", "crashes")}
+    waits = [c["worst_healthy_wait_s"] for c in classes.values() if c.get("worst_healthy_wait_s") is not None]
+    totals["worst_healthy_wait_s"] = max(waits) if waits else None
+    out = {"classes": classes, "totals": totals, "seconds": round(time.monotonic() - t0, 1)}
+    if interrupted:
+        out["interrupted"] = True  # stopped (SIGTERM/SIGINT) before every class ran: these are the ones that did
+    print(json.dumps(out), flush=True)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true")
@@ -525,21 +541,31 @@ def main() -> int:
     a = ap.parse_args()
     only = {x for x in a.only.split(",") if x}
     t0 = time.monotonic()
-    classes = mock_classes(a.quick, only)
+    classes: dict = {}
+
+    def stop(signum, frame):  # e.g. ``timeout``: still say what ran, and leave no engine behind
+        _emit(classes, t0, interrupted=True)
+        for fn in _CLEANUP:
+            try:
+                fn()
+            except Exception:
+                pass
+        os._exit(1)
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    classes.update(mock_classes(a.quick, only))
     if not only or "fuzzed_frames" in only:
         classes["fuzzed_frames"] = frame_class()
         log(f"[faults] fuzzed_frames: {json.dumps(classes['fuzzed_frames'])[:400]}")
     if not a.no_vllm and (not only or only & PD_CLASSES):
         try:
             import vllm  # noqa: F401
-            classes.update(pd_classes(a.quick, only))
         except ImportError as e:
             log(f"[faults] vLLM not installed ({e}): PD classes skipped")
-    totals = {k: sum(c.get(k, 0) for c in classes.values()) for k in
-              ("tried", "ok", "near_ties", "clear_error", "unclear", "wrong", "unchecked", "held_after", "crashes")}
-    waits = [c["worst_healthy_wait_s"] for c in classes.values() if c.get("worst_healthy_wait_s") is not None]
-    totals["worst_healthy_wait_s"] = max(waits) if waits else None
-    print(json.dumps({"classes": classes, "totals": totals, "seconds": round(time.monotonic() - t0, 1)}))
+        else:
+            pd_classes(a.quick, only, classes)
+    _emit(classes, t0)
     return 0
 
 
