@@ -16,8 +16,8 @@ Classes (each reports ``tried``, ``ok`` (greedy output equal to a single instanc
   the decode's KV link through :class:`dlmix.testing.faults.LinkProxy`; the PD client is the two-step client of
   ``dlmix_vllm.testing``): ``pd_baseline``, ``kv_link_stall`` (shorter and longer than the decode's io timeout),
   ``kv_link_drop``, ``client_abort_prefill`` / ``client_abort_transfer`` / ``client_abort_decode`` (each followed by
-  the same request, which must be right), ``decode_kv_exhausted`` (8 concurrent 1,000-token requests against a
-  ~2,900-token KV cache on both sides), ``kill_prefill_mid_transfer``, ``kill_decode_mid_stream`` and
+  the same request, which must be right), ``decode_kv_exhausted`` (8 concurrent 1,000-token requests, 6 x 600 with
+  ``--quick``, against a ~2,900-token KV cache on both sides), ``kill_prefill_mid_transfer``, ``kill_decode_mid_stream`` and
   ``restart_same_address`` (both engines restarted on their ports). ``held_after``: KV blocks in use on both
   instances once idle (vLLM's ``kv_cache_usage_perc`` times the cache's blocks); references are the decode instance
   serving the same prompt alone after a prefix-cache reset. The healthy PD client shares the KV link; it pauses while a
@@ -295,8 +295,8 @@ def _prompt(rng: random.Random, n: int) -> list:
 class _Healthy:
     """A healthy PD client beside the faults: short prompts (fresh each time), worst wait, wrong answers."""
 
-    def __init__(self, pd: PD, refs: list):
-        self.pd, self.refs = pd, refs
+    def __init__(self, pd: PD, refs: list, gap_s: float = 0.3):
+        self.pd, self.refs, self.gap_s = pd, refs, gap_s
         self.worst, self.bad, self.n = 0.0, 0, 0
         self._stop = threading.Event()
         self._pause = threading.Event()
@@ -321,7 +321,7 @@ class _Healthy:
                         pass  # a fault class may take an engine away on purpose; only wrong answers count
                     self.worst = max(self.worst, time.monotonic() - t0)
                     self.n += 1
-            self._stop.wait(0.3)
+            self._stop.wait(self.gap_s)
 
     class _Paused:
         def __init__(self, h):
@@ -367,7 +367,7 @@ def pd_classes(quick: bool, only: set, out: dict) -> dict:
                 return
             t = Tally()
             t0 = time.monotonic()
-            with _Healthy(pd, healthy) as h:
+            with _Healthy(pd, healthy, 1.0 if quick else 0.3) as h:
                 state["healthy"] = h
                 try:
                     body(t)
@@ -393,7 +393,9 @@ def pd_classes(quick: bool, only: set, out: dict) -> dict:
                 t.add("clear_error" if "HTTP" in str(e) else "unclear")
                 t.notes.append(f"{type(e).__name__}: {str(e)[:150]}")
 
-        def fresh(n_tokens=1000):
+        long_n = 800 if quick else 1500  # tokens of a prompt whose transfer a fault interrupts (~37/69 MB fp32)
+
+        def fresh(n_tokens=600 if quick else 1000):
             p = _prompt(rng, n_tokens)
             return p, pd.reference(p)
 
@@ -405,7 +407,7 @@ def pd_classes(quick: bool, only: set, out: dict) -> dict:
 
         def stall(t):  # the whole link stalls as the decode starts: the healthy client's transfers wait too
             for secs in (3.0, 14.0):  # shorter, then longer than the decode's io_timeout_s (10)
-                p, ref = fresh(1500)
+                p, ref = fresh(long_n)
 
                 def go(p=p, secs=secs):
                     params = pd.prefill(p)
@@ -416,7 +418,7 @@ def pd_classes(quick: bool, only: set, out: dict) -> dict:
 
         def drop(t):
             for _ in range(per):
-                p, ref = fresh(1500)
+                p, ref = fresh(long_n)
                 with state["healthy"].paused():
                     pd.proxy.arm(256 << 10, pd.proxy.drop)
                     judged(t, p, ref, lambda: pd.two_step(p))
@@ -426,7 +428,7 @@ def pd_classes(quick: bool, only: set, out: dict) -> dict:
             import httpx
 
             for _ in range(per):
-                p, ref = fresh(1500)
+                p, ref = fresh(long_n)
                 path, body = pd.T.request_body("completion", p, 1, ktp={"do_remote_decode": True})
                 try:
                     httpx.post(pd.P.url + path, json=body, timeout=0.3)
@@ -438,7 +440,7 @@ def pd_classes(quick: bool, only: set, out: dict) -> dict:
 
         def abort_transfer(t):
             for _ in range(per):
-                p, ref = fresh(1500)
+                p, ref = fresh(long_n)
                 params = pd.prefill(p)
                 path, body = pd.T.request_body("completion", p, MAX_TOKENS, ktp=params)
                 raw = (f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
@@ -472,15 +474,16 @@ def pd_classes(quick: bool, only: set, out: dict) -> dict:
         def exhaust(t):
             from concurrent.futures import ThreadPoolExecutor
 
-            items = [fresh(1000) for _ in range(8)]
-            with ThreadPoolExecutor(8) as ex:
+            # 6 x 600 (quick) or 8 x 1000 tokens at once: more than either instance's ~2,900-token KV cache
+            items = [fresh(600) for _ in range(6)] if quick else [fresh(1000) for _ in range(8)]
+            with ThreadPoolExecutor(len(items)) as ex:
                 futs = [ex.submit(pd.two_step, p) for p, _ in items]
                 for f, (p, ref) in zip(futs, items):
                     judged(t, p, ref, f.result)
         run("decode_kv_exhausted", exhaust)
 
         def kill_prefill(t):
-            p, ref = fresh(1500)
+            p, ref = fresh(long_n)
             port = pd.P.port
             with state["healthy"].paused():
                 pd.proxy.arm(256 << 10, lambda: pd.P.kill(signal.SIGKILL))
