@@ -751,6 +751,12 @@ class Endpoint(Transport):
                 reason = self._read_frame(conn, driving=True)
                 if reason is not None:
                     return
+            # Frames that arrived with the response and sit in the buffer (e.g. a notification right behind it) raise
+            # no further socket event, so the reader thread, asleep in its poll, would never see them: handle them here.
+            while conn.alive and rx.start < rx.end:
+                reason = self._read_frame(conn, driving=True)
+                if reason is not None:
+                    return
         except Exception as e:
             reason = self._conn_error(conn, e)
         except BaseException:  # e.g. KeyboardInterrupt mid-frame: the stream is out of step, drop it and re-raise

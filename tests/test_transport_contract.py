@@ -12,7 +12,6 @@ import asyncio
 import os
 import random
 import socket
-import struct
 
 import numpy as np
 import pytest
@@ -29,7 +28,7 @@ from dlmix_kv_connectors import (
 )
 from dlmix_kv_connectors import _wire as W
 from dlmix_kv_connectors.base import _resolve
-from dlmix_kv_connectors.testing import PeerProcess, pattern, sha
+from dlmix_kv_connectors.testing import PeerProcess, fuzz_frame, pattern, raw_auth, sha
 
 SECRET = "contract-secret"
 # the built-in kinds, then every third-party kind installed under the ``dlmix.transports`` entry-point group
@@ -284,60 +283,6 @@ def test_out_of_grant_refused(kind, local, spawn):
     assert p.call("stats")["stats"]["refused_ops"] >= 11
 
 
-def _raw_auth(host, port, name, secret=SECRET):
-    s = socket.create_connection((host, port), timeout=5)
-    nc = os.urandom(32)
-    s.sendall(W.pack(W.HELLO, W.Hello(W.VERSION, name, nc.hex())))
-    hdr = memoryview(bytearray(16))
-    ftype, blen, _ = W.read_frame_header(s, hdr, 1 << 16, 0)
-    ch = W.read_body(s, ftype, blen)
-    ns = bytes.fromhex(ch.nonce)
-    s.sendall(W.pack(W.AUTH, W.Auth(W.mac(secret.encode(), b"client", nc, ns, name, ch.name), {})))
-    ftype, blen, _ = W.read_frame_header(s, hdr, 1 << 16, 0)
-    assert ftype == W.AUTH_OK
-    W.read_body(s, ftype, blen)
-    return s
-
-
-def _fuzz_frame(rng: random.Random) -> bytes:
-    """One hostile frame: garbage, bad headers, oversized/truncated lengths, wrong-typed or out-of-range bodies."""
-    k = rng.randrange(10)
-    if k == 0:
-        return rng.randbytes(rng.randrange(1, 64))
-    if k == 1:  # header claiming a huge body or payload
-        return struct.pack("!2sBBIQ", b"DX", 1, rng.randrange(0, 12), rng.choice([1 << 31, 5 << 20, 17]),
-                           rng.choice([0, 1 << 40, 300 << 20]))
-    if k == 2:  # truncated body
-        return struct.pack("!2sBBIQ", b"DX", 1, W.REQ, 500, 0) + b'{"id": 1, "op":'
-    if k == 3:  # wrong version/magic
-        return struct.pack("!2sBBIQ", rng.choice([b"DX", b"XX"]), rng.randrange(256), W.REQ, 2, 0) + b"{}"
-    bodies = [
-        {"id": 1, "op": "r", "tid": "fz", "dp": "tcp", "segs": [["kv", 0, 4096]]},  # valid, granted
-        {"id": 2, "op": "r", "tid": "fz", "dp": "tcp", "segs": [["kv", -5, 10]]},
-        {"id": 3, "op": "r", "tid": "fz", "dp": "tcp", "segs": [["kv", 0, 1 << 62]]},
-        {"id": 4, "op": "w", "tid": "t", "dp": "tcp", "segs": [["kv", 0, 16]]},  # someone else's grant
-        {"id": 5, "op": "x", "tid": "fz", "dp": "tcp", "segs": []},
-        {"id": "a", "op": "r", "tid": 3, "dp": "tcp", "segs": "no"},
-        {"id": 6, "op": "r", "tid": "fz", "dp": "cma", "segs": [["kv", 0, 8]], "iov": [[4096, 8]], "pid": 1},
-        {"id": 7, "op": "r", "tid": "fz", "dp": "authz", "segs": [["kv", 0, 8]] * 70000},
-        {"msg": {"type": "blocks_ready", "x": [1, 2]}},
-        {"msg": "not a dict"},
-        {"reason": 5},
-        [1, 2, 3],
-        "x" * rng.randrange(100),
-    ]
-    body = rng.choice(bodies)
-    raw = W.ENC.encode(body)
-    if rng.random() < 0.3:
-        raw = bytearray(raw)
-        for _ in range(rng.randrange(1, 4)):
-            raw[rng.randrange(len(raw))] = rng.randrange(256)
-        raw = bytes(raw)
-    ftype = rng.choice([W.REQ, W.REQ, W.NOTIFY, W.RESP, W.HELLO, W.ERROR, W.AUTH_OK, 0, 99])
-    plen = rng.choice([0, 0, 0, 16, 4096])
-    return struct.pack("!2sBBIQ", b"DX", 1, ftype, len(raw), plen) + raw + rng.randbytes(min(plen, 64))
-
-
 def test_fuzzed_frames_never_crash(kind, local, spawn):
     size = MiB
     p, dst = _setup_pair(local, spawn, size, seed=13)
@@ -348,15 +293,15 @@ def test_fuzzed_frames_never_crash(kind, local, spawn):
     for i in range(1200):  # unauthenticated garbage
         try:
             with socket.create_connection((host, port), timeout=5) as s:
-                s.sendall(_fuzz_frame(rng))
+                s.sendall(fuzz_frame(rng))
             sent += 1
         except OSError:  # the endpoint may hang up first
             pass
     for i in range(400):  # authenticated, then hostile frames until the endpoint hangs up
-        s = _raw_auth(host, port, "fuzzer")
+        s = raw_auth(host, port, "fuzzer", SECRET)
         try:
             for _ in range(8):
-                s.sendall(_fuzz_frame(rng))
+                s.sendall(fuzz_frame(rng))
                 sent += 1
         except OSError:
             pass

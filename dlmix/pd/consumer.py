@@ -196,7 +196,7 @@ class Consumer:
                     if time.monotonic() > deadline:
                         raise TimeoutError(f"no answer from prefill {peer} for {remote_req_id}")
             finally:
-                self.slots.close(remote_req_id)
+                self.slots.close(remote_req_id, (ev, box))
             reply = box[0]
             if reply.__class__.__name__ == "Refuse":
                 raise PermissionError("prefill refused: " + "; ".join(reply.reasons))

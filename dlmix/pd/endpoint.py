@@ -30,29 +30,41 @@ DEFAULT_LOOPBACK_SECRET = "dlmix-loopback-only"
 
 
 class _Slots:
-    """Answers (``blocks_ready``/``refused``) awaited by pulls, by request id."""
+    """Answers (``blocks_ready``/``refused``) awaited by pulls, by request id. Several pulls of one remote request
+    (the ``n`` choices of one prefill) wait in the order they asked; the producer answers one peer's wants in order,
+    so each answer goes to the oldest pull still waiting."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._slots: dict[str, tuple[threading.Event, list]] = {}
+        self._slots: dict[str, list[tuple[threading.Event, list]]] = {}
 
     def open(self, req: str) -> tuple[threading.Event, list]:
         slot = (threading.Event(), [])
         with self._lock:
-            self._slots[req] = slot
+            self._slots.setdefault(req, []).append(slot)
         return slot
 
-    def close(self, req: str) -> None:
+    def close(self, req: str, slot: tuple[threading.Event, list] | None = None) -> None:
+        """Stop waiting: ``slot`` (from :meth:`open`) or, when None, every pull of ``req``."""
         with self._lock:
-            self._slots.pop(req, None)
+            waiting = self._slots.get(req)
+            if waiting is None:
+                return
+            if slot is None:
+                waiting.clear()
+            else:
+                waiting[:] = [s for s in waiting if s[0] is not slot[0]]
+            if not waiting:
+                del self._slots[req]
 
     def deliver(self, msg: Ready | Refuse) -> bool:
         with self._lock:
-            slot = self._slots.get(msg.req)
-        if slot is None:
-            return False
-        slot[1].append(msg)
-        slot[0].set()
+            waiting = self._slots.get(msg.req)
+            slot = next((s for s in waiting if not s[0].is_set()), None) if waiting else None
+            if slot is None:
+                return False
+            slot[1].append(msg)
+            slot[0].set()
         return True
 
 
@@ -163,9 +175,10 @@ class KVEndpoint:
         self.producer.handle(peer, m)
 
     # ------------------------------------------------------------------ producer side
-    def add_hold(self, req_id: str, block_ids: list[int], num_tokens: int, digest: str | None = None) -> None:
+    def add_hold(self, req_id: str, block_ids: list[int], num_tokens: int, digest: str | None = None,
+                 consumers: int = 1) -> None:
         """See :meth:`dlmix.pd.producer.Producer.add_hold`."""
-        self.producer.add_hold(req_id, block_ids, num_tokens, digest)
+        self.producer.add_hold(req_id, block_ids, num_tokens, digest, consumers)
 
     def is_held(self, req_id: str) -> bool:
         return self.producer.is_held(req_id)

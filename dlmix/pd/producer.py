@@ -12,7 +12,9 @@ Rules:
   granted read-only to the asking peer for transfer id = request id, the deadline becomes at least
   ``io_timeout_s`` from now, and ``blocks_ready`` is sent; otherwise ``refused`` with the reasons.
 * ``extend`` (from the grantee): deadline and grant pushed to ``io_timeout_s`` from now.
-* ``blocks_consumed`` / ``abort``: the grant is revoked and the hold released.
+* ``blocks_consumed`` / ``abort``: one of the hold's ``consumers`` is done; when all are (1 unless the engine said
+  more: a request with ``n > 1`` choices whose decode fans out into ``n`` pulls of the one prefill), the grant is
+  revoked and the hold released. Several consumers must be the same peer (one decode instance).
 * deadline passed (``hold_timeout_s`` after the hold began, or ``io_timeout_s`` after the last want/extend):
   revoked and released (``expired``); a later read fails and the consumer recomputes.
 * :meth:`engine_abort`: revoke at once; a never-granted hold is released at once, a granted one only after
@@ -35,14 +37,18 @@ from .pair import check_pair
 
 log = logging.getLogger("dlmix.pd.producer")
 
-__all__ = ["Hold", "Producer", "block_ranges"]
+__all__ = ["Hold", "Producer", "block_ranges", "MAX_CONSUMERS"]
+
+#: most consumers one hold may wait for (vLLM caps ``n`` far lower in practice; a bound keeps a bad value harmless)
+MAX_CONSUMERS = 256
 
 
 @dataclass
 class Hold:
     """A request whose blocks the engine keeps for a consumer. ``expiry``: ``time.monotonic()`` deadline (s);
     ``done``: released (consumed, aborted, expired) and waiting for the engine to take it; ``why``: the reason;
-    ``granted_to``: the peer holding the read grant; ``free_after``: engine-aborted with a grant: not before."""
+    ``granted_to``: the peer holding the read grant; ``free_after``: engine-aborted with a grant: not before;
+    ``consumers``: consumed/abort notices still expected before the hold is released (>= 1)."""
 
     req_id: str
     block_ids: list[int]
@@ -54,6 +60,7 @@ class Hold:
     granted_to: str | None = None
     free_after: float = 0.0
     grants: int = 0
+    consumers: int = 1
 
 
 def block_ranges(layout: KVLayout, block_ids: list[int]) -> list[tuple[str, int, int]]:
@@ -99,9 +106,14 @@ class Producer:
                       "engine_aborted": 0, "bad_messages": 0}
 
     # ------------------------------------------------------------------ engine-facing
-    def add_hold(self, req_id: str, block_ids: list[int], num_tokens: int, digest: str | None = None) -> None:
-        """Keep ``block_ids`` (token order) of ``req_id`` for a consumer. Idempotent per request id.
-        Raises ValueError for block ids outside the cache or too few blocks for ``num_tokens``."""
+    def add_hold(self, req_id: str, block_ids: list[int], num_tokens: int, digest: str | None = None,
+                 consumers: int = 1) -> None:
+        """Keep ``block_ids`` (token order) of ``req_id`` for ``consumers`` pulls (1..:data:`MAX_CONSUMERS`; the
+        ``n`` of a request whose decode fans out into ``n`` choices). Idempotent per request id.
+        Raises ValueError for block ids outside the cache, too few blocks for ``num_tokens`` or a bad
+        ``consumers``."""
+        if isinstance(consumers, bool) or not isinstance(consumers, int) or not 1 <= consumers <= MAX_CONSUMERS:
+            raise ValueError(f"hold of {req_id}: consumers must be an integer 1..{MAX_CONSUMERS}, got {consumers!r}")
         ids = [int(b) for b in block_ids]
         bad = [b for b in ids if not 0 <= b < self.num_blocks]
         if bad:
@@ -111,7 +123,7 @@ class Producer:
         with self.cv:
             if req_id not in self.holds:
                 self.holds[req_id] = Hold(req_id, ids, int(num_tokens), time.monotonic() + self.hold_timeout_s,
-                                          digest=digest)
+                                          digest=digest, consumers=consumers)
             self.cv.notify_all()
 
     def is_held(self, req_id: str) -> bool:
@@ -183,7 +195,9 @@ class Producer:
                 if h is not None and not h.done:
                     consumed = isinstance(msg, Consumed)
                     self.stats["consumed" if consumed else "aborted"] += 1
-                    self._release(h, "consumed" if consumed else "aborted")
+                    h.consumers -= 1
+                    if h.consumers <= 0:
+                        self._release(h, "consumed" if consumed else "aborted")
         else:
             self.stats["bad_messages"] += 1
             log.warning("dlmix.pd: producer ignores %s from %s", type(msg).__name__, peer)

@@ -51,11 +51,13 @@ class ReleaseJob:
 
 class DLMixConnectorMetadata(KVConnectorMetadata):
     """Scheduler -> worker, per step. ``holds``: req_id -> (block_ids, num_tokens) newly held on P (``digests``:
-    their prompt digests); ``recvs``/``releases``: jobs for D's worker."""
+    their prompt digests, ``consumers``: pulls expected when more than one); ``recvs``/``releases``: jobs for D's
+    worker."""
 
     def __init__(self) -> None:
         self.holds: dict[str, tuple[list[int], int]] = {}
         self.digests: dict[str, str | None] = {}
+        self.consumers: dict[str, int] = {}
         self.recvs: list[RecvJob] = []
         self.releases: list[ReleaseJob] = []
 

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from dlmix.pd.consumer import claim
 from dlmix.pd.contract import ContractError, TransferParams, decode_params, prompt_digest
+from dlmix.pd.producer import MAX_CONSUMERS
 
 from .config import DLMixSettings
 from .layout import describe_engine
@@ -28,6 +29,18 @@ log = logging.getLogger("dlmix_vllm.scheduler")
 __all__ = ["DLMixConnectorScheduler"]
 
 ENGINE = "vllm"
+
+
+def consumers_of(params: dict[str, Any]) -> int:
+    """Pulls a producer hold must wait for: the prefill request's ``kv_transfer_params["dlmix_consumers"]`` (the
+    router sets it to the client's ``n`` and prefills once with ``n=1``; the decode fans out into ``n`` choices,
+    each pulling the one hold). 1 when absent; a value that is not an integer 1..MAX_CONSUMERS is ignored (1) with a
+    warning, so the hold is released after the first pull, as before."""
+    v = params.get("dlmix_consumers", 1)
+    if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= MAX_CONSUMERS:
+        log.warning("DLMixConnector: ignoring dlmix_consumers=%r (want an integer 1..%d)", v, MAX_CONSUMERS)
+        return 1
+    return v
 
 
 def _token_ids(request: Any, n: int | None = None) -> list[int] | None:
@@ -194,9 +207,12 @@ class DLMixConnectorScheduler:
             except ContractError as e:
                 log.error("DLMixConnector: cannot describe the KV of %s (%s); not held", rid, e.reason)
                 return False, None
+            consumers = consumers_of(params)
             with self._lock:
                 self._meta.holds[rid] = (list(block_ids), num_tokens)
                 self._meta.digests[rid] = tp.digest
+                if consumers > 1:
+                    self._meta.consumers[rid] = consumers
             self._num_held += 1
             return True, {"do_remote_prefill": True, "do_remote_decode": False, **tp.to_dict()}
         if params.get("do_remote_prefill"):

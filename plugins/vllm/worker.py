@@ -96,7 +96,8 @@ class DLMixConnectorWorker:
         for rid, (block_ids, num_tokens) in meta.holds.items():
             if self.settings.debug_dump_dir:
                 self._dump(rid, block_ids, num_tokens)
-            self.endpoint.add_hold(rid, block_ids, num_tokens, getattr(meta, "digests", {}).get(rid))
+            self.endpoint.add_hold(rid, block_ids, num_tokens, getattr(meta, "digests", {}).get(rid),
+                                   getattr(meta, "consumers", {}).get(rid, 1))
         for job in meta.recvs:
             ev = threading.Event()
             with self._wlock:

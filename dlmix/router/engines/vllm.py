@@ -7,7 +7,10 @@ the router unchanged; the decode side validates them).
 * Prefill leg: the client's request with ``max_tokens=1`` (and ``max_completion_tokens=1`` for chat),
   ``stream=false``, no ``stream_options``/``min_tokens`` (they would be rejected with max_tokens=1), and
   ``kv_transfer_params = {"do_remote_decode": true, "do_remote_prefill": false, "remote_engine_id": null,
-  "remote_block_ids": null, "remote_host": null, "remote_port": null}``.
+  "remote_block_ids": null, "remote_host": null, "remote_port": null}``. A request for ``n > 1`` choices is
+  prefilled once (``n=1``) and the prefill is told how many pulls to wait for (``"dlmix_consumers": n``): vLLM's
+  decode fans the request out into ``n`` child requests (``vllm/v1/engine/parallel_sampling.py``), each of which
+  pulls the one held prompt KV; the hold is released after the last of them.
 * Decode leg: the client's original bytes with the prefill response's top-level ``kv_transfer_params`` added.
 """
 from __future__ import annotations
@@ -40,7 +43,12 @@ def prefill_body(body: dict, chat: bool) -> bytes:
     b["stream"] = False
     b.pop("stream_options", None)
     b.pop("min_tokens", None)
-    b["kv_transfer_params"] = PREFILL_KV_PARAMS
+    n = b.get("n")
+    if isinstance(n, int) and not isinstance(n, bool) and n > 1:
+        b["n"] = 1
+        b["kv_transfer_params"] = {**PREFILL_KV_PARAMS, "dlmix_consumers": n}
+    else:
+        b["kv_transfer_params"] = PREFILL_KV_PARAMS
     return _enc.encode(b)
 
 

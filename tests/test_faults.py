@@ -1,0 +1,372 @@
+"""Fault cases that run fast (no real engine): PD with ``n > 1`` (one prefill hold shared by the ``n`` decode pulls,
+released after the last), and the mock-engine classes of the fault campaign (``benchmarks/faults.py``): hostile
+clients and fuzzed requests against ``dlmix router`` in front of mock engines. Values are asserted, never timings.
+"""
+from __future__ import annotations
+
+import threading
+import time
+
+import msgspec
+import pytest
+import torch
+
+from dlmix.kv import KVLayout, ModelIdentity
+from dlmix.kv.ops import allocate, read_kv, torch_dtype, write_kv
+from dlmix.pd.contract import Abort, Consumed, TransferParams, Want, prompt_digest
+from dlmix.pd.endpoint import KVEndpoint
+from dlmix.pd.producer import MAX_CONSUMERS, Producer
+from dlmix.router.engines import vllm as vllm_adapter
+
+SECRET = "faults-test"
+
+
+def _layout(bs: int = 32, dtype: str = "bf16") -> KVLayout:
+    return KVLayout(model=ModelIdentity("LlamaForCausalLM", 2, 2, 16, "gqa", weights_fingerprint="sha256:aa"),
+                    block_size=bs, dtype=dtype, arrangement="vllm_cpu")
+
+
+# ------------------------------------------------------------------------------------------------ PD with n > 1
+def test_prefill_body_prefills_once_and_names_the_consumers():
+    one = msgspec.json.decode(vllm_adapter.prefill_body({"prompt": "hi", "n": 1}, False))
+    assert one["n"] == 1 and "dlmix_consumers" not in one["kv_transfer_params"]
+    three = msgspec.json.decode(vllm_adapter.prefill_body({"prompt": "hi", "n": 3, "stream": True}, False))
+    assert three["n"] == 1 and three["max_tokens"] == 1 and three["stream"] is False
+    assert three["kv_transfer_params"] == {**vllm_adapter.PREFILL_KV_PARAMS, "dlmix_consumers": 3}
+    # a bad n is left for the engine to reject with its own 400
+    bad = msgspec.json.decode(vllm_adapter.prefill_body({"prompt": "hi", "n": "2"}, False))
+    assert bad["n"] == "2" and "dlmix_consumers" not in bad["kv_transfer_params"]
+
+
+def test_router_prefills_an_n2_request_once_on_mock_engines():
+    """Through the router (cost policy forced to disaggregate): the prefill leg of an ``n=2`` request asks for one
+    choice and names 2 consumers; the decode leg keeps the client's ``n``."""
+    import json
+
+    import httpx
+
+    from dlmix.router.config import RouterConfig
+    from dlmix.router.server import Router
+    from dlmix.testing import LoopThread
+    from dlmix.testing.mock_engine import MockEngine
+
+    lt = LoopThread()
+    p, d = MockEngine(name="p"), MockEngine(name="d")
+    urls = [lt.run(e.start()) for e in (p, d)]
+    insts = [{"id": n, "url": u, "role": r, "model": "mock", "chip": "cpu-x86"}
+             for n, u, r in zip("PD", urls, ("prefill", "decode"))]
+    router = Router(RouterConfig(port=0, policy="cost", policy_params={"local_max_uncached": 0}, instances=insts))
+    lt.run(router.start())
+    try:
+        body = {"model": "mock", "prompt": list(range(100, 400)), "max_tokens": 4, "n": 2}
+        r = httpx.post(f"http://127.0.0.1:{router.cfg.port}/v1/completions", json=body, timeout=30)
+        assert r.status_code == 200, r.text
+        leg = json.loads(p.received[0])
+        assert p.prefill_legs == 1 and leg["n"] == 1 and leg["kv_transfer_params"]["dlmix_consumers"] == 2
+        dec = json.loads(d.received[0])
+        assert dec["n"] == 2 and dec["kv_transfer_params"]["remote_engine_id"] == "p"
+    finally:
+        lt.run(router.stop())
+        for e in (p, d):
+            lt.run(e.stop())
+        lt.close()
+
+
+class _T:
+    def __init__(self):
+        self.grants: dict = {}
+        self.sent: list = []
+
+    def grant(self, peer, tid, ranges, mode="r", expires_s=None):
+        self.grants[tid] = (peer, list(ranges))
+
+    def revoke(self, tid):
+        return self.grants.pop(tid, None) is not None
+
+    def notify(self, peer, msg):
+        self.sent.append((peer, msg))
+
+
+def test_hold_with_n_consumers_is_released_after_the_last():
+    t = _T()
+    p = Producer(t, _layout(), 16, registration_wait_s=0.0)
+    p.add_hold("r", [3, 4], 20, consumers=3)
+    want = Want(req="r", block_ids=[3, 4], layout=_layout().to_dict())
+    for _ in range(3):
+        p.handle("d", want)
+    assert [m["type"] for _, m in t.sent] == ["blocks_ready"] * 3 and p.stats["refused"] == 0
+    p.handle("d", Consumed(req="r"))
+    p.handle("d", Abort(req="r"))  # a choice that found the prompt in its own prefix cache
+    assert "r" in t.grants and p.take_finished() == set()
+    p.handle("d", Consumed(req="r"))
+    assert "r" not in t.grants and p.take_finished() == {"r"} and p.held_count() == 0
+    for bad in (0, -1, MAX_CONSUMERS + 1, 1.5, True, "2"):
+        with pytest.raises(ValueError, match="consumers"):
+            p.add_hold("x", [1], 5, consumers=bad)
+
+
+def test_n_concurrent_pulls_of_one_hold_over_tcp_read_exact_values():
+    """Two pulls of the same remote request from one consumer endpoint at once (vLLM's two choices): each gets its
+    own answer, both read the exact values, the producer frees the hold after both consumed notices."""
+    lay = _layout()
+    n = 40
+    sblocks = [5, 2]
+    sc = allocate(lay, 8)
+    g = torch.Generator().manual_seed(3)
+    ref = {}
+    for tok in range(n):
+        for layer in range(2):
+            k = torch.randn(2, 16, generator=g).to(torch_dtype(lay))
+            v = torch.randn(2, 16, generator=g).to(torch_dtype(lay))
+            write_kv(lay, sc, sblocks, tok, layer, k, v)
+            ref[(tok, layer)] = (k, v)
+    p = KVEndpoint("tcp", "fp", SECRET, "127.0.0.1", 0, lay, sc, 0, registration_wait_s=1.0, io_timeout_s=10.0)
+    dc = allocate(lay, 8)
+    d = KVEndpoint("tcp", "fd", SECRET, "127.0.0.1", 0, lay, dc, 1 << 20, registration_wait_s=1.0,
+                   io_timeout_s=10.0)
+    try:
+        digest = prompt_digest(range(n))
+        p.add_hold("req", sblocks, n, digest, consumers=2)
+        params = TransferParams.make(engine="reference", instance_id="p0", transports=[p.descriptor()],
+                                     request_id="req", block_ids=sblocks, num_tokens=n, layout=lay, digest=digest)
+        dst = {0: [0, 3], 1: [6, 7]}
+        res: dict = {}
+
+        def pull(i):
+            res[i] = d.pull_params(params, 0, n, dst[i], digest=digest)
+
+        ths = [threading.Thread(target=pull, args=(i,)) for i in (0, 1)]
+        for th in ths:
+            th.start()
+        for th in ths:
+            th.join(30)
+        for i in (0, 1):
+            assert res[i].error is None and res[i].loaded_upto == n, res[i]
+            for tok in (0, 17, n - 1):
+                for layer in range(2):
+                    k, v = read_kv(lay, dc, dst[i], tok, layer)
+                    assert torch.equal(k, ref[(tok, layer)][0]) and torch.equal(v, ref[(tok, layer)][1])
+        d.release(p.descriptor(), "req", consumed=True)
+        time.sleep(0.2)
+        assert p.take_finished() == set() and p.is_held("req")  # one choice still to go
+        d.release(p.descriptor(), "req", consumed=True)
+        deadline = time.monotonic() + 5
+        done: set = set()
+        while not done and time.monotonic() < deadline:
+            done = p.take_finished()
+            time.sleep(0.02)
+        assert done == {"req"} and p.held_count() == 0 and p.stats["refused"] == 0
+    finally:
+        p.close()
+        d.close()
+
+
+# ------------------------------------------------------------------------ mock engines behind `dlmix router`
+@pytest.fixture(scope="module")
+def mock_dep(tmp_path_factory):
+    from dlmix.testing.faults import MockDeployment
+
+    with MockDeployment(str(tmp_path_factory.mktemp("faults"))) as dep:
+        yield dep
+
+
+def _invariants(t) -> None:
+    """What must hold whatever the class: no wrong answer, no crashed process, nothing left running on the
+    engines, and the healthy client running beside the hostile ones got every answer right."""
+    d = t.to_dict()
+    assert t.wrong == 0 and t.crashes == 0 and t.held_after == 0, d
+    assert not any(n.startswith("healthy client") for n in t.notes), d
+    assert t.tried == t.ok + t.clear_error + t.unclear + t.wrong + t.unchecked, d
+
+
+def test_judge_classifies_answers():
+    from dlmix.testing.faults import Answer, judge
+
+    ok = Answer(200, {"content-type": "application/json"}, b'{"choices": [1]}')
+    assert judge(ok, lambda: Answer(200, {}, b'{"choices":[1]}')) == "ok"
+    assert judge(ok, lambda: Answer(200, {}, b'{"choices":[2]}')) == "wrong"
+    assert judge(ok, lambda: Answer(500, {}, b"{}")) == "unchecked" and judge(ok) == "unchecked"
+    assert judge(Answer(400, {}, b'{"error": {"message": "max_tokens must be at least 1"}}')) == "clear_error"
+    assert judge(Answer(400, {}, b'{"error": "request body is not valid JSON"}')) == "clear_error"
+    assert judge(Answer(413, {}, b"")) == "clear_error"
+    assert judge(Answer(400, {}, b"malformed HTTP request")) == "unclear"
+    assert judge(Answer(200, {}, b"{", error="truncated body")) == "unclear"
+    assert judge(Answer(error="reset (ConnectionResetError)")) == "unclear"
+
+
+def test_fuzzed_requests_never_give_a_wrong_answer(mock_dep):
+    from dlmix.testing.faults import fuzzed_requests
+
+    t = fuzzed_requests(mock_dep, n=400, seed=3, workers=4)
+    _invariants(t)
+    assert t.tried == 400 and t.ok > 20 and t.clear_error > 100  # valid ones answered, invalid ones refused
+
+
+def test_malformed_json_and_one_byte_chunks(mock_dep):
+    from dlmix.testing.faults import malformed_bodies, malformed_json, one_byte_chunks
+
+    t = malformed_json(mock_dep)
+    _invariants(t)
+    assert t.tried == len(malformed_bodies()) and t.unclear == 0
+    t = one_byte_chunks(mock_dep, kib=4)
+    _invariants(t)
+    assert t.ok == 1  # the slow body still gets the engine's exact answer
+
+
+def test_oversized_slowloris_and_idle_connections_leave_the_router_serving(mock_dep):
+    from dlmix.testing.faults import idle_connections, oversized, slowloris
+
+    t = oversized(mock_dep, body_mb=65)
+    _invariants(t)
+    assert t.tried == 4
+    t = slowloris(mock_dep, clients=5, seconds=2.0)
+    _invariants(t)
+    assert t.tried == 5
+    t = idle_connections(mock_dep, n=50, seconds=1.0)
+    _invariants(t)
+    assert t.tried == 50
+
+
+def test_link_proxy_forwards_and_drops_on_cue():
+    """The KV-link proxy of the PD fault classes: bytes pass both ways unchanged; an armed drop closes the link
+    after the given number of producer->consumer bytes; the next dial gets a fresh link."""
+    import socket
+
+    from dlmix.testing.faults import LinkProxy
+
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(4)
+
+    def serve():
+        while True:
+            try:
+                c, _ = srv.accept()
+            except OSError:
+                return
+            with c:
+                while (b := c.recv(65536)):
+                    c.sendall(b * 4)  # 4x the bytes back: a "producer" answering reads
+
+    threading.Thread(target=serve, daemon=True).start()
+    px = LinkProxy()
+    px.upstream = srv.getsockname()
+    try:
+        with socket.create_connection(("127.0.0.1", px.port), timeout=10) as c:
+            c.sendall(b"abc")
+            got = b""
+            while len(got) < 12:
+                got += c.recv(100)
+            assert got == b"abc" * 4 and px.down_bytes == 12
+            px.arm(1000, px.drop)
+            c.sendall(b"x" * 1000)  # 4000 bytes back: the drop fires after the first 1000 or more
+            rest = b""
+            while (b := c.recv(65536)):
+                rest += b
+            assert 1000 <= len(rest) <= 4000 and set(rest) == {ord("x")}
+        with socket.create_connection(("127.0.0.1", px.port), timeout=10) as c:
+            c.sendall(b"z")
+            got = b""
+            while len(got) < 4:
+                got += c.recv(10)
+            assert got == b"zzzz"
+    finally:
+        px.close()
+        srv.close()
+
+
+# ------------------------------------------------------------------------ PD with n > 1 on real vLLM (slow)
+def _choices(resp, stream: bool) -> dict[int, list[int]]:
+    """Generated token ids per choice index of a completion answer (SSE text when ``stream``)."""
+    import json as _json
+
+    out: dict[int, list[int]] = {}
+    if not stream:
+        for ch in resp.json()["choices"]:
+            out[ch["index"]] = list(ch["token_ids"])
+        return out
+    for line in resp.text.splitlines():
+        if line.startswith("data: ") and line[6:].strip() != "[DONE]":
+            for ch in _json.loads(line[6:]).get("choices") or []:
+                out.setdefault(ch["index"], []).extend(ch.get("token_ids") or [])
+    return out
+
+
+@pytest.mark.slow
+def test_pd_n2_through_router_shares_the_prefill_kv(smollm2_dir, tmp_path):
+    """``n=2`` through the router on a real vLLM CPU prefill/decode pair (SmolLM2, fp32): both greedy (``top_k=1``)
+    choices equal the single instance's greedy answer, seeded sampled choices equal the single instance's own ``n=2``
+    answer (streamed), each prefill ran once, the decode pulled and no pull failed, the prefill refused nothing
+    ("not held here"), and both instances end at 0 % KV usage (nothing held)."""
+    import asyncio
+
+    import httpx
+
+    pytest.importorskip("vllm")
+    from dlmix.router.config import RouterConfig
+    from dlmix.router.server import Router
+    from dlmix_vllm import testing as T
+
+    P = T.launch("P", str(smollm2_dir), tmp_path, role="kv_producer", cpu="0", dtype="float32",
+                 extra={"hold_timeout_s": 600})
+    D = T.launch("D", str(smollm2_dir), tmp_path, role="kv_consumer", cpu="1", dtype="float32",
+                 extra={"io_timeout_s": 30})
+    loop = asyncio.new_event_loop()
+    th = threading.Thread(target=loop.run_forever, daemon=True)
+    th.start()
+    router = None
+    try:
+        T.wait_ready([P, D], timeout_s=600)
+        insts = [{"id": "P", "url": P.url, "role": "prefill", "engine": "vllm", "model": "smollm2",
+                  "chip": "cpu-x86", "block_size": 128},
+                 {"id": "D", "url": D.url, "role": "decode", "engine": "vllm", "model": "smollm2",
+                  "chip": "cpu-x86", "block_size": 128}]
+        cfg = RouterConfig(host="127.0.0.1", port=0, policy="cost", policy_params={"local_max_uncached": 0},
+                           model_spec=str(smollm2_dir), instances=insts, health_interval_s=1.0)
+
+        async def mk():
+            return Router(cfg)
+
+        router = asyncio.run_coroutine_threadsafe(mk(), loop).result(60)
+        asyncio.run_coroutine_threadsafe(router.start(), loop).result(60)
+        rurl = f"http://127.0.0.1:{router.cfg.port}"
+        prompts = [[(i * 37 + 11 * k) % 3000 + 100 for i in range(300)] for k in range(2)]
+        base = {"model": "smollm2", "max_tokens": 12, "return_token_ids": True}
+        # vLLM refuses n > 1 with temperature 0; top_k=1 samples the argmax (greedy), a seed fixes sampled choices
+        greedy_n2 = dict(base, temperature=1.0, top_k=1, n=2)
+        seeded_n2 = dict(base, temperature=0.8, seed=7, n=2, stream=True)
+        with httpx.Client(timeout=300) as c:
+            T.reset_prefix_cache(D.url)
+            ref0 = c.post(D.url + "/v1/completions", json=dict(base, prompt=prompts[0], temperature=0)).json()
+            ref0 = ref0["choices"][0]["token_ids"]
+            T.reset_prefix_cache(D.url)
+            r = c.post(D.url + "/v1/completions", json=dict(seeded_n2, prompt=prompts[1]))
+            ref1 = _choices(r, True)  # the single instance's own two seeded choices
+            assert len(ref1) == 2, r.text[:300]
+            T.reset_prefix_cache(D.url)
+            pulls0 = T.metric_sum(D.url, "vllm:dlmix_kv_transfers_total")
+            failed0 = T.metric_sum(D.url, "vllm:dlmix_kv_failed_transfers_total")
+            r = c.post(rurl + "/v1/completions", json=dict(greedy_n2, prompt=prompts[0]))
+            assert r.status_code == 200, r.text[:500]
+            assert _choices(r, False) == {0: ref0, 1: ref0}
+            r = c.post(rurl + "/v1/completions", json=dict(seeded_n2, prompt=prompts[1]))
+            assert r.status_code == 200, r.text[:500]
+            assert _choices(r, True) == ref1  # same seed semantics as the single instance (child i: seed + i)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and (T.kv_usage(P.url) > 0 or T.kv_usage(D.url) > 0
+                                               or T.metric_sum(D.url, "vllm:dlmix_kv_transfers_total") - pulls0 < 4):
+            time.sleep(0.5)
+        pulls = T.metric_sum(D.url, "vllm:dlmix_kv_transfers_total") - pulls0
+        print(f"n=2 through PD: {pulls:.0f} pulls for 2 requests x 2 choices")
+        assert 2 <= pulls <= 4  # a choice scheduled after its sibling's load may find the prompt cached locally
+        assert T.metric_sum(D.url, "vllm:dlmix_kv_failed_transfers_total") - failed0 == 0
+        assert T.kv_usage(P.url) == 0.0 and T.kv_usage(D.url) == 0.0
+        assert "not held here" not in P.log.read_text(errors="replace")
+        assert T.metric_sum(P.url, "vllm:request_success_total") == 2  # one prefill per request
+    finally:
+        if router is not None:
+            asyncio.run_coroutine_threadsafe(router.stop(), loop).result(30)
+        loop.call_soon_threadsafe(loop.stop)
+        th.join(10)
+        P.stop()
+        D.stop()
