@@ -205,19 +205,56 @@ class _Conn:
         self.rx_owner = 0  # thread id of the reader thread while it holds rx_lock
         self.cpoll.register(sock, select.POLLIN)
         self.fd = sock.fileno()
-        # the reader thread of an outbound connection waits on this epoll; a waiter reading its own response
-        # disarms it meanwhile, so the reader thread is not woken by bytes it would not read
+        # the reader thread of an outbound connection waits on this epoll. A transfer whose one chunk travels here
+        # disarms it before sending its request (``Endpoint._launch``) and the waiter re-arms it once it has read its
+        # own response (``Endpoint._drive``), so the reader thread is not woken by bytes it would not read; anything
+        # that cannot drive (``done()`` polling, callbacks, a short wait, the reaper's safety net) arms it again
         self.ep = select.epoll() if outbound and hasattr(select, "epoll") else None
+        self.armed = True
+        self.disarmed_at = 0.0
+        self.arm_lock = threading.Lock()
+        #: eventfd in the reader's epoll: a waiter that leaves bytes of a next frame buffered in ``rx`` pokes it
+        self.wake_fd = -1
         if self.ep is not None:
             self.ep.register(self.fd, select.EPOLLIN)
+            if hasattr(os, "eventfd"):
+                self.wake_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+                self.ep.register(self.wake_fd, select.EPOLLIN)
 
     def arm(self, on: bool) -> None:
-        """(Dis)arm the reader thread's wake-up on readable bytes (EPOLLHUP/EPOLLERR always wake it)."""
-        if self.ep is not None:
+        """(Dis)arm the reader thread's wake-up on readable bytes (EPOLLHUP/EPOLLERR always wake it). One
+        ``epoll_ctl`` per change of state, none when the state is already ``on``."""
+        if self.ep is None or self.armed is on:
+            return
+        with self.arm_lock:
+            if self.armed is on:
+                return
             try:
                 self.ep.modify(self.fd, select.EPOLLIN if on else 0)
             except (OSError, ValueError):  # closed meanwhile
                 pass
+            self.armed = on
+            if not on:
+                self.disarmed_at = time.monotonic()
+
+    def poke(self) -> None:
+        """Wake the reader thread although the socket has no new bytes (a frame is already buffered in ``rx``)."""
+        if self.wake_fd >= 0:
+            try:
+                os.eventfd_write(self.wake_fd, 1)
+            except OSError:
+                pass
+
+    def close_poll(self) -> None:
+        """Release the reader's epoll and eventfd (the reader thread, on exit)."""
+        if self.ep is not None:
+            self.ep.close()
+        if self.wake_fd >= 0:
+            try:
+                os.close(self.wake_fd)
+            except OSError:
+                pass
+            self.wake_fd = -1
 
     def shutdown(self) -> None:
         self.alive = False
@@ -689,7 +726,7 @@ class Endpoint(Transport):
                     if reason != "closed":
                         break
                 return
-            rx, lock, me = conn.rx, conn.rx_lock, threading.get_ident()
+            rx, lock, me, wake_fd = conn.rx, conn.rx_lock, threading.get_ident(), conn.wake_fd
             if conn.ep is not None:
                 wait = conn.ep.poll
             else:
@@ -698,7 +735,12 @@ class Endpoint(Transport):
                 wait = poller.poll
             while conn.alive:
                 if rx.start == rx.end:
-                    wait()
+                    for fd, _ in wait():
+                        if fd == wake_fd:
+                            try:
+                                os.eventfd_read(wake_fd)
+                            except OSError:
+                                pass
                 with lock:
                     conn.rx_owner = me
                     try:
@@ -713,41 +755,37 @@ class Endpoint(Transport):
             reason = self._conn_error(conn, e)
         finally:
             self._drop_conn(conn, reason)
-            if conn.ep is not None:
-                conn.ep.close()
+            conn.close_poll()
 
     def _drive(self, h: TransferHandle, deadline: float | None) -> None:
         """Called by a thread about to wait on ``h`` (``result``/``wait``): when all of its chunks travel on one
         outbound connection and the wait is at least as long as the transfer's own deadline, read that connection
-        here (after any frame another thread is handling) until ``h`` is done or ``deadline`` (``time.monotonic()``)
-        passes. This saves the wake-up of the reader thread and the hand-off back
-        (the latency of a small transfer); otherwise it returns at once and the reader thread completes ``h``."""
+        here (after any frame another thread is handling) until ``h`` is done. This saves the wake-up of the reader
+        thread and the hand-off back (the latency of a small transfer); otherwise it arms the reader thread and
+        returns at once, and the reader thread completes ``h``.
+
+        The reads block in ``recv`` without a timeout of their own: a stalled peer is cut off by the reaper at the
+        transfer's deadline (it shuts the connection down, which ends the ``recv``), and ``deadline`` is not earlier
+        than that, so the wait never overruns it by more than one reaper tick."""
         x: _Xfer | None = getattr(h, "_xfer", None)
         if x is None or not x.chunks:
             return
-        if deadline is not None and deadline < x.deadline:
-            # a shorter wait than the transfer's own deadline: reading here could overrun it mid-frame (a stalled
-            # peer is only cut off at the transfer's deadline), so leave the reading to the reader thread
-            return
         conn = x.chunks[0].conn
-        if conn is None or not conn.outbound or any(c.conn is not conn for c in x.chunks):
-            return
-        if conn.rx_owner == threading.get_ident():  # e.g. a notification handler on the reader thread
+        if (deadline is not None and deadline < x.deadline) or conn is None or not conn.outbound \
+                or conn.rx_owner == threading.get_ident() or any(c.conn is not conn for c in x.chunks):
+            # a shorter wait than the transfer's own deadline (reading here could overrun it mid-frame), chunks on
+            # several connections, or a notification handler on the reader thread itself: leave it to the readers
+            self._nudge(h)
             return
         # frames are ordered on a connection: one another thread is handling comes before this transfer's response
         if not conn.rx_lock.acquire(timeout=-1 if deadline is None else max(0.0, deadline - time.monotonic())):
+            self._nudge(h)
             return
         reason = None
         conn.arm(False)
+        rx = conn.rx
         try:
-            rx = conn.rx
-            while not h.done() and conn.alive:
-                if rx.start == rx.end:
-                    wait_ms = None if deadline is None else max(0, int((deadline - time.monotonic()) * 1000) + 1)
-                    if not conn.cpoll.poll(wait_ms):
-                        return
-                    if not rx.ready():
-                        continue
+            while not h._state and conn.alive:
                 reason = self._read_frame(conn, driving=True)
                 if reason is not None:
                     return
@@ -757,10 +795,22 @@ class Endpoint(Transport):
             reason = "interrupted while reading a frame"
             raise
         finally:
+            if rx.start < rx.end and reason is None:
+                conn.poke()  # a next frame is buffered: the reader thread's epoll would not see it
             conn.arm(True)
             conn.rx_lock.release()
             if reason is not None:
                 self._drop_conn(conn, reason)
+
+    def _nudge(self, h: TransferHandle) -> None:
+        """Make sure the reader threads will complete ``h``: arm the connections its chunks travel on (a transfer
+        launched on one connection disarms it, expecting its waiter to read the response in :meth:`_drive`)."""
+        x: _Xfer | None = getattr(h, "_xfer", None)
+        if x is not None:
+            for ch in x.chunks:
+                c = ch.conn
+                if c is not None and not c.armed:
+                    c.arm(True)
 
     def _drop_conn(self, conn: _Conn, reason: str) -> None:
         conn.shutdown()
@@ -959,11 +1009,12 @@ class Endpoint(Transport):
             self._submit(x, op, peer, conns, segs)
         except TransportError as e:
             x.fail(e)
-        if not x.chunks and not h.done():
+        if not x.chunks and not h._state:
             h._set_result(0)
-        if h.done():
+        if h._state:
             with self._lock:
                 self._xfers.pop(x.key, None)
+        h._nudge = self._nudge
         return h
 
     def _split(self, segs: list[Segment], max_bytes: int, max_segs: int) -> list[list[tuple[Segment, int, int]]]:
@@ -1003,14 +1054,19 @@ class Endpoint(Transport):
         x.chunks = chunks
         x.remaining = len(chunks)
         start = next(self._rr)
+        h = x.handle
         for i, ch in enumerate(chunks):
-            if x.handle.done():
+            if h._state:
                 break
             live = [c for c in conns if c.alive]
             if not live:
                 x.fail(PeerError(f"all connections to {x.peer!r} closed"))
                 break
-            self._dispatch(live[(start + i) % len(live)], ch)
+            conn = live[(start + i) % len(live)]
+            if len(chunks) == 1:
+                # its waiter will read the response itself (_drive): keep the reader thread asleep meanwhile
+                conn.arm(False)
+            self._dispatch(conn, ch)
 
     def _cancel(self, h: TransferHandle) -> None:
         x: _Xfer | None = getattr(h, "_xfer", None)
@@ -1032,13 +1088,18 @@ class Endpoint(Transport):
             time.sleep(0.02)
             now = time.monotonic()
             with self._lock:
-                late = [x for x in self._xfers.values() if now > x.deadline and not x.handle.done()]
-                for k in [k for k, x in self._xfers.items() if x.handle.done()]:
+                late = [x for x in self._xfers.values() if now > x.deadline and not x.handle._state]
+                for k in [k for k, x in self._xfers.items() if x.handle._state]:
                     del self._xfers[k]
                 for tid in [t for t, g in self._grants.items() if g.expires is not None and now > g.expires]:
                     del self._grants[tid]
+                idle = [c for cs in self._out.values() for c in cs if not c.armed]
             for x in late:
                 self._expire(x)
+            # safety net: a link disarmed for a waiter that has not come to read it within 50 ms is armed again
+            for c in idle:
+                if not c.armed and now - c.disarmed_at > 0.05 and not c.rx_lock.locked():
+                    c.arm(True)
 
     def _expire(self, x: _Xfer) -> None:
         x.cause = TransferTimeout(

@@ -288,6 +288,9 @@ class TransferHandle:
         #: set by a transport that can make progress in the waiting thread: ``_drive(handle, deadline)`` is called
         #: by ``result``/``wait``/``exception`` before blocking (``deadline`` = ``time.monotonic()`` value or None)
         self._drive: Callable[["TransferHandle", float | None], None] | None = None
+        #: set by such a transport: ``_nudge(handle)`` asks it to make progress without this thread (called when the
+        #: handle is polled with ``done()`` or given a callback while running)
+        self._nudge: Callable[["TransferHandle"], None] | None = None
 
     # -- producer side (transports) --
     def _finish(self, state: int, value: int, exc: BaseException | None) -> bool:
@@ -317,6 +320,10 @@ class TransferHandle:
     # -- consumer side --
     def done(self) -> bool:
         """True when the transfer finished (successfully or not). Non-blocking."""
+        if self._state:
+            return True
+        if self._nudge is not None:
+            self._nudge(self)
         return self._state != 0
 
     def _progress(self, timeout: float | None) -> float | None:
@@ -366,12 +373,15 @@ class TransferHandle:
     def add_done_callback(self, fn: Callable[["TransferHandle"], None]) -> None:
         """Call ``fn(handle)`` once done (from the transport's thread, or at once if already done)."""
         with self._lock:
-            if not self._state:
+            running = not self._state
+            if running:
                 if self._cbs is None:
                     self._cbs = []
                 self._cbs.append(fn)
-                return
-        fn(self)
+        if not running:
+            fn(self)
+        elif self._nudge is not None:
+            self._nudge(self)
 
     @property
     def elapsed_s(self) -> float:
