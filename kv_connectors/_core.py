@@ -10,8 +10,10 @@ Threads (all daemons, owned by the endpoint):
   or sends a read's bytes straight from the region (``sendmsg`` of memoryviews). On an *outbound* connection (us → the
   peer) it receives responses, a read's payload straight into the destination views; but a thread that waits on its
   own transfer (``result()``/``wait()``) reads the response itself (``Endpoint._drive``: no wake-up of the reader and
-  no hand-off back), with the reader's epoll disarmed meanwhile. Every connection reads through a buffered
-  :class:`._wire.FrameReader` (header, body and a small payload in one ``recv``);
+  no hand-off back). A transfer sent as one chunk disarms the reader's epoll *before* its request goes out, so the
+  reader thread cannot race the waiter for the response; the waiter arms it again when done, and whatever cannot
+  drive (``done()`` polling, callbacks, a short wait, and the reaper after 50 ms) arms it too. Every connection reads
+  through a buffered :class:`._wire.FrameReader` (header, body and a small payload in one ``recv``);
 * one sender per outbound connection for large write payloads (small ones are sent inline by the caller);
 * one reaper that fails transfers past their deadline (:class:`TransferTimeout`) and purges expired grants.
 
@@ -137,7 +139,7 @@ class _Chunk:
         self.views = views
         self.nbytes = nbytes
         self.iov = iov or []
-        self.lock = threading.Lock()
+        self.lock = xfer.lock  # never held together with another lock of the transfer; one allocation less
         self.receiving = False
         self.recv_done = _Gate()
         self.discard = False
@@ -149,12 +151,15 @@ class _Chunk:
 
         Returns False when cancelled: the caller must then not touch local memory. Cancellation waits on
         ``recv_done`` so it returns only once no byte can still land."""
-        with self.lock:
-            if self.discard:
-                return False
-            self.receiving = True
-            self.recv_done.clear()
-            return True
+        lock = self.lock
+        lock.acquire()
+        if self.discard:
+            lock.release()
+            return False
+        self.receiving = True
+        self.recv_done.clear()
+        lock.release()
+        return True
 
 
 class _Xfer:
@@ -173,10 +178,12 @@ class _Xfer:
         self.cause: BaseException | None = None  # set before tearing connections down (timeout)
 
     def chunk_done(self, n: int) -> bool:
-        with self.lock:
-            self.remaining -= 1
-            self.moved += n
-            last = self.remaining == 0
+        lock = self.lock
+        lock.acquire()
+        self.remaining -= 1
+        self.moved += n
+        last = self.remaining == 0
+        lock.release()
         if last:
             self.handle._set_result(self.moved)
         return last
@@ -767,7 +774,7 @@ class Endpoint(Transport):
         The reads block in ``recv`` without a timeout of their own: a stalled peer is cut off by the reaper at the
         transfer's deadline (it shuts the connection down, which ends the ``recv``), and ``deadline`` is not earlier
         than that, so the wait never overruns it by more than one reaper tick."""
-        x: _Xfer | None = getattr(h, "_xfer", None)
+        x: _Xfer | None = h._xfer
         if x is None or not x.chunks:
             return
         conn = x.chunks[0].conn
@@ -805,7 +812,7 @@ class Endpoint(Transport):
     def _nudge(self, h: TransferHandle) -> None:
         """Make sure the reader threads will complete ``h``: arm the connections its chunks travel on (a transfer
         launched on one connection disarms it, expecting its waiter to read the response in :meth:`_drive`)."""
-        x: _Xfer | None = getattr(h, "_xfer", None)
+        x: _Xfer | None = h._xfer
         if x is not None:
             for ch in x.chunks:
                 c = ch.conn
@@ -875,8 +882,10 @@ class Endpoint(Transport):
             W.send_views(conn.sock, views)
 
     def _on_resp(self, conn: _Conn, resp: W.Resp, plen: int) -> None:
-        with self._lock:
-            ch = conn.pending.pop(resp.id, None)
+        lock = self._lock
+        lock.acquire()
+        ch = conn.pending.pop(resp.id, None)
+        lock.release()
         if ch is None:  # cancelled/timed out: throw the bytes away
             if plen:
                 conn.rx.skip(plen)
@@ -906,7 +915,7 @@ class Endpoint(Transport):
                 conn.rx.skip(plen)
                 return
             try:
-                conn.rx.into(list(ch.views))
+                conn.rx.into(ch.views if len(ch.views) == 1 else list(ch.views))
             finally:
                 ch.receiving = False
                 ch.recv_done.set()
@@ -923,8 +932,10 @@ class Endpoint(Transport):
     def _chunk_ok(self, ch: _Chunk, resp: W.Resp) -> None:
         x = ch.xfer
         if x.chunk_done(ch.nbytes):
-            with self._lock:
-                self._xfers.pop(x.key, None)
+            lock = self._lock
+            lock.acquire()
+            self._xfers.pop(x.key, None)
+            lock.release()
             # break the handle <-> transfer <-> chunk cycles now: freed by reference counting, not by the cyclic GC
             # (whose collections cost more per transfer than the transfer's own Python work)
             x.chunks = []
@@ -957,10 +968,13 @@ class Endpoint(Transport):
         """Register ``ch`` as pending on ``conn`` and send its request (inline if small, else via the sender)."""
         ch.id = next(self._ids)
         ch.conn = conn
-        with self._lock:
-            if not conn.alive:
-                raise PeerError(f"connection to {conn.peer!r} is closed")
-            conn.pending[ch.id] = ch
+        lock = self._lock
+        lock.acquire()
+        if not conn.alive:
+            lock.release()
+            raise PeerError(f"connection to {conn.peer!r} is closed")
+        conn.pending[ch.id] = ch
+        lock.release()
         payload = ch.nbytes if (ch.op == "w" and ch.dp == "tcp") else 0
         if payload <= self.inline_bytes and conn.queued_bytes == 0 and conn.send_lock.acquire(blocking=False):
             try:
@@ -986,25 +1000,26 @@ class Endpoint(Transport):
             raise ValueError("transfer_id must be a str")
         segs = _norm_segments(segments)
         total = 0
-        with self._lock:
-            regions = self._regions
-            for s in segs:
-                reg = regions.get(s.local_region)
-                if reg is None:
-                    raise KeyError(f"unknown local region {s.local_region!r}")
-                if s.local_offset + s.length > reg.length:
-                    raise ValueError(f"segment {tuple(s)} ends past local region {s.local_region!r} ({reg.length} B)")
-                if op == "r" and reg.readonly:
-                    raise ValueError(f"cannot read into read-only region {s.local_region!r}")
-                total += s.length
-        conns = self._conns_for(peer)
-        timeout = self.timeout_s if timeout_s is None else float(timeout_s)
+        regions = self._regions  # a dict read is atomic; unregister() racing a transfer is the caller's bug either way
+        for s in segs:
+            reg = regions.get(s[0])
+            if reg is None:
+                raise KeyError(f"unknown local region {s.local_region!r}")
+            if s[1] + s[4] > reg.length:
+                raise ValueError(f"segment {tuple(s)} ends past local region {s.local_region!r} ({reg.length} B)")
+            if op == "r" and reg.readonly:
+                raise ValueError(f"cannot read into read-only region {s.local_region!r}")
+            total += s[4]
+        conns = self._out.get(peer)
+        if not conns or self._closed or not all(c.alive for c in conns):
+            conns = self._conns_for(peer)
         h = TransferHandle(tid, total, canceller=self._cancel)
         h._drive = self._drive
-        x = _Xfer(h, peer, op, time.monotonic() + timeout)
-        h._xfer = x  # type: ignore[attr-defined]
-        with self._lock:
-            self._xfers[x.key] = x
+        x = _Xfer(h, peer, op, time.monotonic() + (self.timeout_s if timeout_s is None else float(timeout_s)))
+        h._xfer = x
+        self._lock.acquire()
+        self._xfers[x.key] = x
+        self._lock.release()
         try:
             self._submit(x, op, peer, conns, segs)
         except TransportError as e:
@@ -1041,8 +1056,15 @@ class Endpoint(Transport):
         2 x ``min_stripe_bytes`` is cut into at least one chunk per stripe so every connection streams at once."""
         total = sum(s.length for s in segs)
         per = min(self.chunk_bytes, max(self.min_stripe_bytes, -(-total // len(conns))))
-        groups = self._split(segs, per, self.segs_per_frame)
         regions = self._regions
+        if total <= per and len(segs) <= self.segs_per_frame:  # one chunk (a small transfer): no cutting
+            segs = [s for s in segs if s.length] if not all(s.length for s in segs) else segs
+            if segs:
+                wire = [(s.remote_region, s.remote_offset, s.length) for s in segs]
+                views = [regions[s.local_region].view[s.local_offset:s.local_offset + s.length] for s in segs]
+                self._launch(x, conns, [_Chunk(x, op, "tcp", wire, views, total)])
+            return
+        groups = self._split(segs, per, self.segs_per_frame)
         chunks = []
         for g in groups:
             wire = [(s.remote_region, s.remote_offset + o, n) for s, o, n in g]
@@ -1069,7 +1091,7 @@ class Endpoint(Transport):
             self._dispatch(conn, ch)
 
     def _cancel(self, h: TransferHandle) -> None:
-        x: _Xfer | None = getattr(h, "_xfer", None)
+        x: _Xfer | None = h._xfer
         if x is None:
             return
         for ch in x.chunks:

@@ -269,6 +269,9 @@ class TransferHandle:
     * ``await handle`` — from asyncio code, on any loop; returns the result or raises.
     """
 
+    __slots__ = ("transfer_id", "nbytes", "_state", "_value", "_exc", "_running", "_cbs", "_canceller", "_lock",
+                 "started", "finished", "_drive", "_nudge", "_xfer", "__weakref__")
+
     def __init__(self, transfer_id: str, nbytes: int, canceller: Callable[["TransferHandle"], None] | None = None):
         self.transfer_id = transfer_id
         #: total bytes this transfer moves (sum of segment lengths)
@@ -291,16 +294,21 @@ class TransferHandle:
         #: set by such a transport: ``_nudge(handle)`` asks it to make progress without this thread (called when the
         #: handle is polled with ``done()`` or given a callback while running)
         self._nudge: Callable[["TransferHandle"], None] | None = None
+        #: the transport's own record of this transfer (opaque here)
+        self._xfer: Any = None
 
     # -- producer side (transports) --
     def _finish(self, state: int, value: int, exc: BaseException | None) -> bool:
-        with self._lock:
-            if self._state:
-                return False
-            self.finished = time.monotonic()
-            self._value, self._exc, self._state = value, exc, state
-            cbs, self._cbs = self._cbs, None
-            self._running.release()
+        lock = self._lock
+        lock.acquire()
+        if self._state:
+            lock.release()
+            return False
+        self.finished = time.monotonic()
+        self._value, self._exc, self._state = value, exc, state
+        cbs, self._cbs = self._cbs, None
+        self._running.release()
+        lock.release()
         if cbs:
             for fn in cbs:
                 try:
