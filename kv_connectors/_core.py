@@ -779,7 +779,8 @@ class Endpoint(Transport):
             return
         conn = x.chunks[0].conn
         if (deadline is not None and deadline < x.deadline) or conn is None or not conn.outbound \
-                or conn.rx_owner == threading.get_ident() or any(c.conn is not conn for c in x.chunks):
+                or conn.rx_owner == threading.get_ident() \
+                or (len(x.chunks) > 1 and any(c.conn is not conn for c in x.chunks)):
             # a shorter wait than the transfer's own deadline (reading here could overrun it mid-frame), chunks on
             # several connections, or a notification handler on the reader thread itself: leave it to the readers
             self._nudge(h)
@@ -867,7 +868,9 @@ class Endpoint(Transport):
             return
         self.stats["served_ops"] += 1
         if req.dp == "tcp":
-            views = [reg.view[off:off + ln] for reg, off, ln in checked]
+            views = []
+            for reg, off, ln in checked:
+                views.append(reg.view[off:off + ln])
             if req.op == "w":
                 conn.rx.into(views)
                 self._send(conn, [W.pack(W.RESP, W.Resp(req.id, True, n=total))])
@@ -1011,7 +1014,7 @@ class Endpoint(Transport):
                 raise ValueError(f"cannot read into read-only region {s.local_region!r}")
             total += s[4]
         conns = self._out.get(peer)
-        if not conns or self._closed or not all(c.alive for c in conns):
+        if not conns or self._closed or not (conns[0].alive if len(conns) == 1 else all(c.alive for c in conns)):
             conns = self._conns_for(peer)
         h = TransferHandle(tid, total, canceller=self._cancel)
         h._drive = self._drive
@@ -1054,14 +1057,18 @@ class Endpoint(Transport):
     def _submit(self, x: _Xfer, op: str, peer: str, conns: list[_Conn], segs: list[Segment]) -> None:
         """Built-in TCP data path: chunks carry the payload in frames, spread over the stripes. A transfer of at least
         2 x ``min_stripe_bytes`` is cut into at least one chunk per stripe so every connection streams at once."""
-        total = sum(s.length for s in segs)
+        total = 0
+        for s in segs:
+            total += s[4]
         per = min(self.chunk_bytes, max(self.min_stripe_bytes, -(-total // len(conns))))
         regions = self._regions
         if total <= per and len(segs) <= self.segs_per_frame:  # one chunk (a small transfer): no cutting
-            segs = [s for s in segs if s.length] if not all(s.length for s in segs) else segs
-            if segs:
-                wire = [(s.remote_region, s.remote_offset, s.length) for s in segs]
-                views = [regions[s.local_region].view[s.local_offset:s.local_offset + s.length] for s in segs]
+            wire, views = [], []
+            for lr, lo, rr, ro, ln in segs:  # one loop, no comprehension objects: this is the latency path
+                if ln:
+                    wire.append((rr, ro, ln))
+                    views.append(regions[lr].view[lo:lo + ln])
+            if wire:
                 self._launch(x, conns, [_Chunk(x, op, "tcp", wire, views, total)])
             return
         groups = self._split(segs, per, self.segs_per_frame)
@@ -1080,7 +1087,7 @@ class Endpoint(Transport):
         for i, ch in enumerate(chunks):
             if h._state:
                 break
-            live = [c for c in conns if c.alive]
+            live = conns if all(c.alive for c in conns) else [c for c in conns if c.alive]
             if not live:
                 x.fail(PeerError(f"all connections to {x.peer!r} closed"))
                 break

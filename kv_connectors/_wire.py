@@ -165,7 +165,9 @@ def send_views(sock: socket.socket, views: list) -> None:
         return
     if len(views) <= IOV_BATCH:  # usually one sendmsg sends it all (a header and a few views)
         sent = sock.sendmsg(views)
-        total = sum(len(v) for v in views)
+        total = 0
+        for v in views:
+            total += len(v)
         if sent == total:
             return
         views = _skip(views, sent)
