@@ -10,8 +10,10 @@ Threads (all daemons, owned by the endpoint):
   or sends a read's bytes straight from the region (``sendmsg`` of memoryviews). On an *outbound* connection (us → the
   peer) it receives responses, a read's payload straight into the destination views; but a thread that waits on its
   own transfer (``result()``/``wait()``) reads the response itself (``Endpoint._drive``: no wake-up of the reader and
-  no hand-off back), with the reader's epoll disarmed meanwhile. Every connection reads through a buffered
-  :class:`._wire.FrameReader` (header, body and a small payload in one ``recv``);
+  no hand-off back). A transfer sent as one chunk disarms the reader's epoll *before* its request goes out, so the
+  reader thread cannot race the waiter for the response; the waiter arms it again when done, and whatever cannot
+  drive (``done()`` polling, callbacks, a short wait, and the reaper after 50 ms) arms it too. Every connection reads
+  through a buffered :class:`._wire.FrameReader` (header, body and a small payload in one ``recv``);
 * one sender per outbound connection for large write payloads (small ones are sent inline by the caller);
 * one reaper that fails transfers past their deadline (:class:`TransferTimeout`) and purges expired grants.
 
@@ -137,7 +139,7 @@ class _Chunk:
         self.views = views
         self.nbytes = nbytes
         self.iov = iov or []
-        self.lock = threading.Lock()
+        self.lock = xfer.lock  # never held together with another lock of the transfer; one allocation less
         self.receiving = False
         self.recv_done = _Gate()
         self.discard = False
@@ -149,12 +151,15 @@ class _Chunk:
 
         Returns False when cancelled: the caller must then not touch local memory. Cancellation waits on
         ``recv_done`` so it returns only once no byte can still land."""
-        with self.lock:
-            if self.discard:
-                return False
-            self.receiving = True
-            self.recv_done.clear()
-            return True
+        lock = self.lock
+        lock.acquire()
+        if self.discard:
+            lock.release()
+            return False
+        self.receiving = True
+        self.recv_done.clear()
+        lock.release()
+        return True
 
 
 class _Xfer:
@@ -173,10 +178,12 @@ class _Xfer:
         self.cause: BaseException | None = None  # set before tearing connections down (timeout)
 
     def chunk_done(self, n: int) -> bool:
-        with self.lock:
-            self.remaining -= 1
-            self.moved += n
-            last = self.remaining == 0
+        lock = self.lock
+        lock.acquire()
+        self.remaining -= 1
+        self.moved += n
+        last = self.remaining == 0
+        lock.release()
         if last:
             self.handle._set_result(self.moved)
         return last
@@ -205,19 +212,56 @@ class _Conn:
         self.rx_owner = 0  # thread id of the reader thread while it holds rx_lock
         self.cpoll.register(sock, select.POLLIN)
         self.fd = sock.fileno()
-        # the reader thread of an outbound connection waits on this epoll; a waiter reading its own response
-        # disarms it meanwhile, so the reader thread is not woken by bytes it would not read
+        # the reader thread of an outbound connection waits on this epoll. A transfer whose one chunk travels here
+        # disarms it before sending its request (``Endpoint._launch``) and the waiter re-arms it once it has read its
+        # own response (``Endpoint._drive``), so the reader thread is not woken by bytes it would not read; anything
+        # that cannot drive (``done()`` polling, callbacks, a short wait, the reaper's safety net) arms it again
         self.ep = select.epoll() if outbound and hasattr(select, "epoll") else None
+        self.armed = True
+        self.disarmed_at = 0.0
+        self.arm_lock = threading.Lock()
+        #: eventfd in the reader's epoll: a waiter that leaves bytes of a next frame buffered in ``rx`` pokes it
+        self.wake_fd = -1
         if self.ep is not None:
             self.ep.register(self.fd, select.EPOLLIN)
+            if hasattr(os, "eventfd"):
+                self.wake_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+                self.ep.register(self.wake_fd, select.EPOLLIN)
 
     def arm(self, on: bool) -> None:
-        """(Dis)arm the reader thread's wake-up on readable bytes (EPOLLHUP/EPOLLERR always wake it)."""
-        if self.ep is not None:
+        """(Dis)arm the reader thread's wake-up on readable bytes (EPOLLHUP/EPOLLERR always wake it). One
+        ``epoll_ctl`` per change of state, none when the state is already ``on``."""
+        if self.ep is None or self.armed is on:
+            return
+        with self.arm_lock:
+            if self.armed is on:
+                return
             try:
                 self.ep.modify(self.fd, select.EPOLLIN if on else 0)
             except (OSError, ValueError):  # closed meanwhile
                 pass
+            self.armed = on
+            if not on:
+                self.disarmed_at = time.monotonic()
+
+    def poke(self) -> None:
+        """Wake the reader thread although the socket has no new bytes (a frame is already buffered in ``rx``)."""
+        if self.wake_fd >= 0:
+            try:
+                os.eventfd_write(self.wake_fd, 1)
+            except OSError:
+                pass
+
+    def close_poll(self) -> None:
+        """Release the reader's epoll and eventfd (the reader thread, on exit)."""
+        if self.ep is not None:
+            self.ep.close()
+        if self.wake_fd >= 0:
+            try:
+                os.close(self.wake_fd)
+            except OSError:
+                pass
+            self.wake_fd = -1
 
     def shutdown(self) -> None:
         self.alive = False
@@ -689,7 +733,7 @@ class Endpoint(Transport):
                     if reason != "closed":
                         break
                 return
-            rx, lock, me = conn.rx, conn.rx_lock, threading.get_ident()
+            rx, lock, me, wake_fd = conn.rx, conn.rx_lock, threading.get_ident(), conn.wake_fd
             if conn.ep is not None:
                 wait = conn.ep.poll
             else:
@@ -698,7 +742,12 @@ class Endpoint(Transport):
                 wait = poller.poll
             while conn.alive:
                 if rx.start == rx.end:
-                    wait()
+                    for fd, _ in wait():
+                        if fd == wake_fd:
+                            try:
+                                os.eventfd_read(wake_fd)
+                            except OSError:
+                                pass
                 with lock:
                     conn.rx_owner = me
                     try:
@@ -713,41 +762,38 @@ class Endpoint(Transport):
             reason = self._conn_error(conn, e)
         finally:
             self._drop_conn(conn, reason)
-            if conn.ep is not None:
-                conn.ep.close()
+            conn.close_poll()
 
     def _drive(self, h: TransferHandle, deadline: float | None) -> None:
         """Called by a thread about to wait on ``h`` (``result``/``wait``): when all of its chunks travel on one
         outbound connection and the wait is at least as long as the transfer's own deadline, read that connection
-        here (after any frame another thread is handling) until ``h`` is done or ``deadline`` (``time.monotonic()``)
-        passes. This saves the wake-up of the reader thread and the hand-off back
-        (the latency of a small transfer); otherwise it returns at once and the reader thread completes ``h``."""
-        x: _Xfer | None = getattr(h, "_xfer", None)
+        here (after any frame another thread is handling) until ``h`` is done. This saves the wake-up of the reader
+        thread and the hand-off back (the latency of a small transfer); otherwise it arms the reader thread and
+        returns at once, and the reader thread completes ``h``.
+
+        The reads block in ``recv`` without a timeout of their own: a stalled peer is cut off by the reaper at the
+        transfer's deadline (it shuts the connection down, which ends the ``recv``), and ``deadline`` is not earlier
+        than that, so the wait never overruns it by more than one reaper tick."""
+        x: _Xfer | None = h._xfer
         if x is None or not x.chunks:
             return
-        if deadline is not None and deadline < x.deadline:
-            # a shorter wait than the transfer's own deadline: reading here could overrun it mid-frame (a stalled
-            # peer is only cut off at the transfer's deadline), so leave the reading to the reader thread
-            return
         conn = x.chunks[0].conn
-        if conn is None or not conn.outbound or any(c.conn is not conn for c in x.chunks):
-            return
-        if conn.rx_owner == threading.get_ident():  # e.g. a notification handler on the reader thread
+        if (deadline is not None and deadline < x.deadline) or conn is None or not conn.outbound \
+                or conn.rx_owner == threading.get_ident() \
+                or (len(x.chunks) > 1 and any(c.conn is not conn for c in x.chunks)):
+            # a shorter wait than the transfer's own deadline (reading here could overrun it mid-frame), chunks on
+            # several connections, or a notification handler on the reader thread itself: leave it to the readers
+            self._nudge(h)
             return
         # frames are ordered on a connection: one another thread is handling comes before this transfer's response
         if not conn.rx_lock.acquire(timeout=-1 if deadline is None else max(0.0, deadline - time.monotonic())):
+            self._nudge(h)
             return
         reason = None
         conn.arm(False)
+        rx = conn.rx
         try:
-            rx = conn.rx
-            while not h.done() and conn.alive:
-                if rx.start == rx.end:
-                    wait_ms = None if deadline is None else max(0, int((deadline - time.monotonic()) * 1000) + 1)
-                    if not conn.cpoll.poll(wait_ms):
-                        return
-                    if not rx.ready():
-                        continue
+            while not h._state and conn.alive:
                 reason = self._read_frame(conn, driving=True)
                 if reason is not None:
                     return
@@ -763,10 +809,22 @@ class Endpoint(Transport):
             reason = "interrupted while reading a frame"
             raise
         finally:
+            if rx.start < rx.end and reason is None:
+                conn.poke()  # a next frame is buffered: the reader thread's epoll would not see it
             conn.arm(True)
             conn.rx_lock.release()
             if reason is not None:
                 self._drop_conn(conn, reason)
+
+    def _nudge(self, h: TransferHandle) -> None:
+        """Make sure the reader threads will complete ``h``: arm the connections its chunks travel on (a transfer
+        launched on one connection disarms it, expecting its waiter to read the response in :meth:`_drive`)."""
+        x: _Xfer | None = h._xfer
+        if x is not None:
+            for ch in x.chunks:
+                c = ch.conn
+                if c is not None and not c.armed:
+                    c.arm(True)
 
     def _drop_conn(self, conn: _Conn, reason: str) -> None:
         conn.shutdown()
@@ -816,7 +874,9 @@ class Endpoint(Transport):
             return
         self.stats["served_ops"] += 1
         if req.dp == "tcp":
-            views = [reg.view[off:off + ln] for reg, off, ln in checked]
+            views = []
+            for reg, off, ln in checked:
+                views.append(reg.view[off:off + ln])
             if req.op == "w":
                 conn.rx.into(views)
                 self._send(conn, [W.pack(W.RESP, W.Resp(req.id, True, n=total))])
@@ -831,8 +891,10 @@ class Endpoint(Transport):
             W.send_views(conn.sock, views)
 
     def _on_resp(self, conn: _Conn, resp: W.Resp, plen: int) -> None:
-        with self._lock:
-            ch = conn.pending.pop(resp.id, None)
+        lock = self._lock
+        lock.acquire()
+        ch = conn.pending.pop(resp.id, None)
+        lock.release()
         if ch is None:  # cancelled/timed out: throw the bytes away
             if plen:
                 conn.rx.skip(plen)
@@ -862,7 +924,7 @@ class Endpoint(Transport):
                 conn.rx.skip(plen)
                 return
             try:
-                conn.rx.into(list(ch.views))
+                conn.rx.into(ch.views if len(ch.views) == 1 else list(ch.views))
             finally:
                 ch.receiving = False
                 ch.recv_done.set()
@@ -879,8 +941,10 @@ class Endpoint(Transport):
     def _chunk_ok(self, ch: _Chunk, resp: W.Resp) -> None:
         x = ch.xfer
         if x.chunk_done(ch.nbytes):
-            with self._lock:
-                self._xfers.pop(x.key, None)
+            lock = self._lock
+            lock.acquire()
+            self._xfers.pop(x.key, None)
+            lock.release()
             # break the handle <-> transfer <-> chunk cycles now: freed by reference counting, not by the cyclic GC
             # (whose collections cost more per transfer than the transfer's own Python work)
             x.chunks = []
@@ -913,10 +977,13 @@ class Endpoint(Transport):
         """Register ``ch`` as pending on ``conn`` and send its request (inline if small, else via the sender)."""
         ch.id = next(self._ids)
         ch.conn = conn
-        with self._lock:
-            if not conn.alive:
-                raise PeerError(f"connection to {conn.peer!r} is closed")
-            conn.pending[ch.id] = ch
+        lock = self._lock
+        lock.acquire()
+        if not conn.alive:
+            lock.release()
+            raise PeerError(f"connection to {conn.peer!r} is closed")
+        conn.pending[ch.id] = ch
+        lock.release()
         payload = ch.nbytes if (ch.op == "w" and ch.dp == "tcp") else 0
         if payload <= self.inline_bytes and conn.queued_bytes == 0 and conn.send_lock.acquire(blocking=False):
             try:
@@ -942,34 +1009,36 @@ class Endpoint(Transport):
             raise ValueError("transfer_id must be a str")
         segs = _norm_segments(segments)
         total = 0
-        with self._lock:
-            regions = self._regions
-            for s in segs:
-                reg = regions.get(s.local_region)
-                if reg is None:
-                    raise KeyError(f"unknown local region {s.local_region!r}")
-                if s.local_offset + s.length > reg.length:
-                    raise ValueError(f"segment {tuple(s)} ends past local region {s.local_region!r} ({reg.length} B)")
-                if op == "r" and reg.readonly:
-                    raise ValueError(f"cannot read into read-only region {s.local_region!r}")
-                total += s.length
-        conns = self._conns_for(peer)
-        timeout = self.timeout_s if timeout_s is None else float(timeout_s)
+        regions = self._regions  # a dict read is atomic; unregister() racing a transfer is the caller's bug either way
+        for s in segs:
+            reg = regions.get(s[0])
+            if reg is None:
+                raise KeyError(f"unknown local region {s.local_region!r}")
+            if s[1] + s[4] > reg.length:
+                raise ValueError(f"segment {tuple(s)} ends past local region {s.local_region!r} ({reg.length} B)")
+            if op == "r" and reg.readonly:
+                raise ValueError(f"cannot read into read-only region {s.local_region!r}")
+            total += s[4]
+        conns = self._out.get(peer)
+        if not conns or self._closed or not (conns[0].alive if len(conns) == 1 else all(c.alive for c in conns)):
+            conns = self._conns_for(peer)
         h = TransferHandle(tid, total, canceller=self._cancel)
         h._drive = self._drive
-        x = _Xfer(h, peer, op, time.monotonic() + timeout)
-        h._xfer = x  # type: ignore[attr-defined]
-        with self._lock:
-            self._xfers[x.key] = x
+        x = _Xfer(h, peer, op, time.monotonic() + (self.timeout_s if timeout_s is None else float(timeout_s)))
+        h._xfer = x
+        self._lock.acquire()
+        self._xfers[x.key] = x
+        self._lock.release()
         try:
             self._submit(x, op, peer, conns, segs)
         except TransportError as e:
             x.fail(e)
-        if not x.chunks and not h.done():
+        if not x.chunks and not h._state:
             h._set_result(0)
-        if h.done():
+        if h._state:
             with self._lock:
                 self._xfers.pop(x.key, None)
+        h._nudge = self._nudge
         return h
 
     def _split(self, segs: list[Segment], max_bytes: int, max_segs: int) -> list[list[tuple[Segment, int, int]]]:
@@ -994,10 +1063,21 @@ class Endpoint(Transport):
     def _submit(self, x: _Xfer, op: str, peer: str, conns: list[_Conn], segs: list[Segment]) -> None:
         """Built-in TCP data path: chunks carry the payload in frames, spread over the stripes. A transfer of at least
         2 x ``min_stripe_bytes`` is cut into at least one chunk per stripe so every connection streams at once."""
-        total = sum(s.length for s in segs)
+        total = 0
+        for s in segs:
+            total += s[4]
         per = min(self.chunk_bytes, max(self.min_stripe_bytes, -(-total // len(conns))))
-        groups = self._split(segs, per, self.segs_per_frame)
         regions = self._regions
+        if total <= per and len(segs) <= self.segs_per_frame:  # one chunk (a small transfer): no cutting
+            wire, views = [], []
+            for lr, lo, rr, ro, ln in segs:  # one loop, no comprehension objects: this is the latency path
+                if ln:
+                    wire.append((rr, ro, ln))
+                    views.append(regions[lr].view[lo:lo + ln])
+            if wire:
+                self._launch(x, conns, [_Chunk(x, op, "tcp", wire, views, total)])
+            return
+        groups = self._split(segs, per, self.segs_per_frame)
         chunks = []
         for g in groups:
             wire = [(s.remote_region, s.remote_offset + o, n) for s, o, n in g]
@@ -1009,17 +1089,22 @@ class Endpoint(Transport):
         x.chunks = chunks
         x.remaining = len(chunks)
         start = next(self._rr)
+        h = x.handle
         for i, ch in enumerate(chunks):
-            if x.handle.done():
+            if h._state:
                 break
-            live = [c for c in conns if c.alive]
+            live = conns if all(c.alive for c in conns) else [c for c in conns if c.alive]
             if not live:
                 x.fail(PeerError(f"all connections to {x.peer!r} closed"))
                 break
-            self._dispatch(live[(start + i) % len(live)], ch)
+            conn = live[(start + i) % len(live)]
+            if len(chunks) == 1:
+                # its waiter will read the response itself (_drive): keep the reader thread asleep meanwhile
+                conn.arm(False)
+            self._dispatch(conn, ch)
 
     def _cancel(self, h: TransferHandle) -> None:
-        x: _Xfer | None = getattr(h, "_xfer", None)
+        x: _Xfer | None = h._xfer
         if x is None:
             return
         for ch in x.chunks:
@@ -1038,13 +1123,18 @@ class Endpoint(Transport):
             time.sleep(0.02)
             now = time.monotonic()
             with self._lock:
-                late = [x for x in self._xfers.values() if now > x.deadline and not x.handle.done()]
-                for k in [k for k, x in self._xfers.items() if x.handle.done()]:
+                late = [x for x in self._xfers.values() if now > x.deadline and not x.handle._state]
+                for k in [k for k, x in self._xfers.items() if x.handle._state]:
                     del self._xfers[k]
                 for tid in [t for t, g in self._grants.items() if g.expires is not None and now > g.expires]:
                     del self._grants[tid]
+                idle = [c for cs in self._out.values() for c in cs if not c.armed]
             for x in late:
                 self._expire(x)
+            # safety net: a link disarmed for a waiter that has not come to read it within 50 ms is armed again
+            for c in idle:
+                if not c.armed and now - c.disarmed_at > 0.05 and not c.rx_lock.locked():
+                    c.arm(True)
 
     def _expire(self, x: _Xfer) -> None:
         x.cause = TransferTimeout(

@@ -163,6 +163,14 @@ def send_views(sock: socket.socket, views: list) -> None:
     if len(views) == 1:
         sock.sendall(views[0])
         return
+    if len(views) <= IOV_BATCH:  # usually one sendmsg sends it all (a header and a few views)
+        sent = sock.sendmsg(views)
+        total = 0
+        for v in views:
+            total += len(v)
+        if sent == total:
+            return
+        views = _skip(views, sent)
     views = [v if isinstance(v, memoryview) else memoryview(v) for v in views if len(v)]
     i = 0
     while i < len(views):
@@ -175,6 +183,19 @@ def send_views(sock: socket.socket, views: list) -> None:
             else:
                 views[i] = v[sent:]
                 sent = 0
+
+
+def _skip(views: list, n: int) -> list:
+    """``views`` without their first ``n`` bytes (memoryviews, no copy)."""
+    out = []
+    for v in views:
+        ln = len(v)
+        if n >= ln:
+            n -= ln
+            continue
+        out.append(memoryview(v)[n:] if n else v)
+        n = 0
+    return out
 
 
 _DRAIN = bytearray(1 << 20)
@@ -298,6 +319,13 @@ class FrameReader:
     def into(self, views: list[memoryview]) -> None:
         """Fill ``views`` (in order) with the next ``sum(len(v))`` bytes: buffered bytes are copied, a small rest is
         buffered then copied, a large rest is received straight into the views."""
+        if len(views) == 1:  # the common small read: its bytes usually came with the header, one copy
+            v = views[0]
+            n = len(v)
+            if n <= self.end - self.start:
+                v[:] = self.mv[self.start:self.start + n]
+                self.start += n
+                return
         views = [v for v in views if len(v)]
         total = sum(len(v) for v in views)
         if total < RX_DIRECT and total <= len(self.buf):

@@ -269,6 +269,9 @@ class TransferHandle:
     * ``await handle`` — from asyncio code, on any loop; returns the result or raises.
     """
 
+    __slots__ = ("transfer_id", "nbytes", "_state", "_value", "_exc", "_running", "_cbs", "_canceller", "_lock",
+                 "started", "finished", "_drive", "_nudge", "_xfer", "__weakref__")
+
     def __init__(self, transfer_id: str, nbytes: int, canceller: Callable[["TransferHandle"], None] | None = None):
         self.transfer_id = transfer_id
         #: total bytes this transfer moves (sum of segment lengths)
@@ -288,16 +291,24 @@ class TransferHandle:
         #: set by a transport that can make progress in the waiting thread: ``_drive(handle, deadline)`` is called
         #: by ``result``/``wait``/``exception`` before blocking (``deadline`` = ``time.monotonic()`` value or None)
         self._drive: Callable[["TransferHandle", float | None], None] | None = None
+        #: set by such a transport: ``_nudge(handle)`` asks it to make progress without this thread (called when the
+        #: handle is polled with ``done()`` or given a callback while running)
+        self._nudge: Callable[["TransferHandle"], None] | None = None
+        #: the transport's own record of this transfer (opaque here)
+        self._xfer: Any = None
 
     # -- producer side (transports) --
     def _finish(self, state: int, value: int, exc: BaseException | None) -> bool:
-        with self._lock:
-            if self._state:
-                return False
-            self.finished = time.monotonic()
-            self._value, self._exc, self._state = value, exc, state
-            cbs, self._cbs = self._cbs, None
-            self._running.release()
+        lock = self._lock
+        lock.acquire()
+        if self._state:
+            lock.release()
+            return False
+        self.finished = time.monotonic()
+        self._value, self._exc, self._state = value, exc, state
+        cbs, self._cbs = self._cbs, None
+        self._running.release()
+        lock.release()
         if cbs:
             for fn in cbs:
                 try:
@@ -317,6 +328,10 @@ class TransferHandle:
     # -- consumer side --
     def done(self) -> bool:
         """True when the transfer finished (successfully or not). Non-blocking."""
+        if self._state:
+            return True
+        if self._nudge is not None:
+            self._nudge(self)
         return self._state != 0
 
     def _progress(self, timeout: float | None) -> float | None:
@@ -366,12 +381,15 @@ class TransferHandle:
     def add_done_callback(self, fn: Callable[["TransferHandle"], None]) -> None:
         """Call ``fn(handle)`` once done (from the transport's thread, or at once if already done)."""
         with self._lock:
-            if not self._state:
+            running = not self._state
+            if running:
                 if self._cbs is None:
                     self._cbs = []
                 self._cbs.append(fn)
-                return
-        fn(self)
+        if not running:
+            fn(self)
+        elif self._nudge is not None:
+            self._nudge(self)
 
     @property
     def elapsed_s(self) -> float:

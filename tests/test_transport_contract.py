@@ -12,6 +12,8 @@ import asyncio
 import os
 import random
 import socket
+import threading
+import time
 
 import numpy as np
 import pytest
@@ -345,3 +347,37 @@ def test_await_handle(kind, local, spawn):
     assert asyncio.run(go()) == [size // 4] * 4
     assert sha(dst) == sha(pattern(size, 14))
 
+
+
+def test_progress_without_a_waiter(kind, local, spawn):
+    """A transfer sent as one chunk keeps its link's reader thread asleep for the thread that will wait on it; one that
+    is only polled with done(), only given a callback, or never touched at all still completes (the reader thread is
+    armed again), and a notification arriving over the same link right after a waited read is delivered."""
+    size = 4 * 4096
+    p, dst = _setup_pair(local, spawn, size, seed=15)
+
+    def seg(i):
+        return [Segment("kv", i * 4096, "kv", i * 4096, 4096)]
+
+    assert local.read("remote", seg(0), "t").result(60) == 4096
+    assert p.call("notify", peer="local", msg={"type": "after-read"})["ok"]
+    n = local.get_notification(30)
+    assert n is not None and n.msg == {"type": "after-read"}
+
+    h = local.read("remote", seg(1), "t")  # polled only
+    deadline = time.monotonic() + 60
+    while not h.done() and time.monotonic() < deadline:
+        time.sleep(0.001)
+    assert h.ok()
+
+    ev = threading.Event()  # a callback only
+    h = local.read("remote", seg(2), "t")
+    h.add_done_callback(lambda _: ev.set())
+    assert ev.wait(60) and h.ok()
+
+    h = local.read("remote", seg(3), "t")  # never waited on nor polled: ok() does not drive
+    deadline = time.monotonic() + 60
+    while not h.ok() and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert h.ok()
+    assert sha(dst) == sha(pattern(size, 15))
