@@ -151,9 +151,9 @@ class Router:
         return self.registry.describe(i)
 
     def _update_flags(self) -> None:
-        models = {tuple(i.model) for i in self.instances}
-        pd = any(i.role == "prefill" for i in self.instances)
-        self._needs_parse = self.policy.needs_prompt or len(models) > 1 or pd
+        """Recompute the fast-path flags from the registry's tallies (O(1): no scan of the fleet)."""
+        pd = self.registry.has_prefill
+        self._needs_parse = self.policy.needs_prompt or self.registry.distinct_models > 1 or pd
         self._pd = pd
 
     def _view(self, instances) -> ClusterView:
@@ -198,6 +198,9 @@ class Router:
         conn.send(200 if ok else 503, b'{"status":"ok"}' if ok else b'{"status":"no healthy instance"}')
 
     def _metrics(self, conn, req) -> None:
+        """Prometheus text. With client keys configured it needs one of them (or the admin key)."""
+        if self._client_auth and not (self._client_ok(req) or self.admin.key_ok(req)):
+            return conn.send(401, b'{"error":"invalid or missing API key"}')
         if self.metrics is None:
             return conn.send(404, b'{"error":"metrics disabled"}')
         body, ctype = self.metrics.render()
