@@ -297,3 +297,58 @@ def test_metrics_need_a_key_when_client_keys_are_set():
     assert call(r, "GET", "/metrics", headers=[("authorization", "Bearer nope")])[0] == 401
     assert call(r, "GET", "/metrics", headers=[("authorization", "Bearer k1")])[0] == 200
     assert call(r, "GET", "/metrics", headers=[("authorization", "Bearer adm")])[0] == 200
+
+
+# ---------------------------------------------------------------------------------------------- metrics count
+def _sample(router, name, **labels):
+    return router.metrics.registry.get_sample_value(name, labels) or 0.0
+
+
+def test_metrics_count_4xx_prefill_legs_decode_hits_and_reported_kv_bytes():
+    lt = LoopThread()
+    p = MockEngine(name="p", role="prefill")
+    d = MockEngine(name="d", role="decode", kv_events=True, record=False)
+    lay = _layout()
+    try:
+        urls = [lt.run(e.start()) for e in (p, d)]
+        insts = [{"url": urls[0], "id": "p", "role": "prefill", "model": "mock", "kv_layout": lay},
+                 {"url": urls[1], "id": "d", "role": "decode", "model": "mock", "kv_layout": lay,
+                  "kv_events": d.kv_endpoint}]
+        r = Router(RouterConfig(port=0, instances=insts, policy="cost", tokenizer="bytes",
+                                policy_params={"local_max_uncached": 0}, model_spec="llama-3.1-8b",
+                                health_interval_s=60))
+        lt.run(r.start())
+        base = f"http://127.0.0.1:{r.cfg.port}"
+        import time
+
+        time.sleep(0.3)  # the KV-event SUB socket connects
+        shared = "a shared system prompt. " * 16  # 384 bytes = 24 blocks of 16 byte-tokens
+        with httpx.Client(timeout=10) as h:
+            assert h.post(base + "/v1/completions", content=b"{nope").status_code == 400
+            assert h.post(base + "/v1/completions", json=[1]).status_code == 400
+            assert h.get(base + "/nowhere").status_code == 404
+            # the decode instance computes the shared prefix itself (its KV events tell the router)
+            assert h.post(d.url + "/v1/completions", json={"model": "mock", "prompt": shared, "max_tokens": 1}
+                          ).status_code == 200
+            deadline = time.time() + 5
+            while len(r.index) < 24 and time.time() < deadline:
+                time.sleep(0.05)
+            prompt = shared + "and then a long new question " * 20
+            res = h.post(base + "/v1/completions", json={"model": "mock", "prompt": prompt, "max_tokens": 4})
+            assert res.status_code == 200
+        assert p.prefill_legs == 1
+        assert _sample(r, "dlmix_router_client_responses_total", status="400") == 2
+        assert _sample(r, "dlmix_router_client_responses_total", status="404") == 1
+        assert _sample(r, "dlmix_router_client_responses_total", status="200") == 1
+        assert _sample(r, "dlmix_router_prefill_responses_total", instance="p", status="2xx") == 1
+        assert _sample(r, "dlmix_router_decode_prefix_hit_tokens_total", instance="d") == 24 * 16
+        from dlmix.kv.layout import KVLayout
+
+        n_blocks = -(-len(prompt.encode()) // 16)
+        assert _sample(r, "dlmix_router_kv_bytes_handed_off_total") == n_blocks * KVLayout.from_dict(lay).block_bytes()
+        assert _sample(r, "dlmix_router_kv_bytes_estimated_total") > 0
+        lt.run(r.stop())
+    finally:
+        for e in (p, d):
+            lt.run(e.stop())
+        lt.close()

@@ -184,33 +184,39 @@ class Router:
         route, params, status = self.routes.match(req.method, req.path)
         if route is None:
             if status == 405:
-                return conn.send(405, _json.encode({"error": f"use {' or '.join(params['allow'])}"}))
-            return conn.send(404, b'{"error":"not found"}')
+                return self._send(conn, 405, _json.encode({"error": f"use {' or '.join(params['allow'])}"}))
+            return self._send(conn, 404, b'{"error":"not found"}')
         r = route.handler(conn, req)
         if r is not None:
             await r
+
+    def _send(self, conn, status: int, body: bytes, content_type: bytes = b"application/json") -> None:
+        """Answer the client from the router itself (counted in ``dlmix_router_client_responses_total``)."""
+        if self.metrics is not None:
+            self.metrics.answer(status)
+        conn.send(status, body, content_type)
 
     def _client_ok(self, req) -> bool:
         return not self._client_auth or req.header(b"authorization") in self._client_auth
 
     def _health(self, conn, req) -> None:
         ok = any(i.available() for i in self.instances)
-        conn.send(200 if ok else 503, b'{"status":"ok"}' if ok else b'{"status":"no healthy instance"}')
+        self._send(conn, 200 if ok else 503, b'{"status":"ok"}' if ok else b'{"status":"no healthy instance"}')
 
     def _metrics(self, conn, req) -> None:
         """Prometheus text. With client keys configured it needs one of them (or the admin key)."""
         if self._client_auth and not (self._client_ok(req) or self.admin.key_ok(req)):
-            return conn.send(401, b'{"error":"invalid or missing API key"}')
+            return self._send(conn, 401, b'{"error":"invalid or missing API key"}')
         if self.metrics is None:
-            return conn.send(404, b'{"error":"metrics disabled"}')
+            return self._send(conn, 404, b'{"error":"metrics disabled"}')
         body, ctype = self.metrics.render()
-        conn.send(200, body, ctype)
+        self._send(conn, 200, body, ctype)
 
     async def _models(self, conn, req) -> None:
         """Union of the available instances' model lists (an instance that does not answer contributes its
         registered names)."""
         if not self._client_ok(req):
-            return conn.send(401, b'{"error":"invalid or missing API key"}')
+            return self._send(conn, 401, b'{"error":"invalid or missing API key"}')
         seen: Dict[str, dict] = {}
 
         async def one(b: Backend):
@@ -229,7 +235,7 @@ class Router:
             for e in lst:
                 if isinstance(e, dict) and e.get("id") not in seen:
                     seen[e["id"]] = e
-        conn.send(200, _json.encode({"object": "list", "data": list(seen.values())}))
+        self._send(conn, 200, _json.encode({"object": "list", "data": list(seen.values())}))
 
     def _chat(self, conn, req):
         return self._completion(conn, req, True)
@@ -239,15 +245,15 @@ class Router:
 
     async def _completion(self, conn, req, chat: bool) -> None:
         if not self._client_ok(req):
-            return conn.send(401, b'{"error":"invalid or missing API key"}')
+            return self._send(conn, 401, b'{"error":"invalid or missing API key"}')
         d, rr = None, self._plain
         if self._needs_parse:
             try:
                 d = msgspec.json.decode(req.body)
             except msgspec.DecodeError as ex:
-                return conn.send(400, _json.encode({"error": f"request body is not valid JSON: {ex}"}))
+                return self._send(conn, 400, _json.encode({"error": f"request body is not valid JSON: {ex}"}))
             if not isinstance(d, dict):
-                return conn.send(400, b'{"error":"request body must be a JSON object"}')
+                return self._send(conn, 400, b'{"error":"request body must be a JSON object"}')
             rr = self._request_from(d, chat)
         await self._run(conn, req, chat, d, rr)
 
@@ -366,7 +372,7 @@ class Router:
                 try:
                     dec = self.policy.choose(rr, view)
                 except NoInstanceError as ex:
-                    return conn.send(503, _json.encode({"error": str(ex)}))
+                    return self._send(conn, 503, _json.encode({"error": str(ex)}))
             self._dispatch(rr, dec, view)
             state = [False]  # prefilled
 
@@ -383,9 +389,11 @@ class Router:
                         return
                     if kvp is not None:  # else: fell back to prefill on D (dec.prefill is None now)
                         data = self.rt[dec.decode.id].engine.decode_body(req.body, kvp, d)
-                        if m and self.cost is not None:
+                        if m:
                             hd = min(view.hit_tokens(rr, dec.decode), rr.prompt_len)
-                            m.kv_bytes.inc(self.cost.kv_bytes(rr.prompt_len - hd))
+                            m.decode_hit(self.rt.get(dec.decode.id), hd)
+                            if self.cost is not None:
+                                m.kv_estimate(self.cost.kv_bytes(rr.prompt_len - hd))
                         first()
                 b = self.rt.get(dec.decode.id)
                 if b is None:
@@ -437,7 +445,7 @@ class Router:
                 conn.closed = True
             return False
         if attempts + 1 > self.cfg.retries:
-            conn.send(502, _json.encode({"error": f"backend failed: {err}"}))
+            self._send(conn, 502, _json.encode({"error": f"backend failed: {err}"}))
             return False
         if m:
             m.retry("decode")
