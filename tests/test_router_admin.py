@@ -133,10 +133,8 @@ def test_fuzzed_admin_bodies_never_answer_500(body, where, raw):
     method, path = where
     status, out = call(r, method, path, body, raw=raw)
     assert 200 <= status < 500, (body, out)
-    # the live instance is still there and unchanged unless the call was a valid re-registration of it
-    assert "p0" in r.rt
-    if status >= 400:
-        assert r.describe(r.rt["p0"].state) == _P0_VIEW[0] or where[1].endswith("heartbeat")
+    if status >= 400:  # refused: the live instance is still there and unchanged
+        assert [i.id for i in r.instances] == ["p0"] and r.describe(r.rt["p0"].state) == _P0_VIEW[0], (body, out)
 
 
 _FUZZ = []
@@ -147,9 +145,9 @@ def _fuzz_router() -> Router:
     if not _FUZZ:
         _FUZZ.append(_router())
     r = _FUZZ[0]
-    call(r, "POST", "/admin/instances", GOOD)
-    for iid in [i.id for i in r.instances if i.id != "p0"]:
+    for iid in [i.id for i in r.instances]:
         r.remove(iid)
+    assert call(r, "POST", "/admin/instances", GOOD)[0] == 201
     _P0_VIEW[:] = [r.describe(r.rt["p0"].state)]
     return r
 
@@ -352,3 +350,35 @@ def test_metrics_count_4xx_prefill_legs_decode_hits_and_reported_kv_bytes():
         for e in (p, d):
             lt.run(e.stop())
         lt.close()
+
+
+# ---------------------------------------------------------------------------------------------- prefix keys
+@pytest.mark.parametrize("tokenizer", [None, "bytes"])
+@pytest.mark.parametrize("chat", [False, True])
+def test_cache_salt_and_lora_in_every_prefix_key(tokenizer, chat):
+    from dlmix.routing.policies import ClusterView
+    from dlmix.routing.state import Decision
+
+    r = _router(policy="prefix", tokenizer=tokenizer)
+    r.register({"url": "http://127.0.0.1:9201", "id": "a", "model": "base", "lora_adapters": {"sql": "/l/sql"}})
+    inst = r.instances[0]
+    assert inst.model == ("base", "sql")  # an adapter is served under its name
+    text = "a long shared document about nothing in particular. " * 12
+
+    def rr(**kw):
+        body = {"model": "base", **kw}
+        body.update({"messages": [{"role": "user", "content": text}]} if chat else {"prompt": text})
+        return r._request_from(body, chat)
+
+    def hits(req):
+        return ClusterView(r.instances, r.index, r.cost, r.approx).hit_tokens(req, inst)
+
+    seen = rr(cache_salt="tenant-a")
+    r.approx.record_decision(seen, Decision(decode=inst))
+    assert hits(rr(cache_salt="tenant-a")) > 0.9 * seen.prompt_len  # same salt: a hit
+    assert hits(rr(cache_salt="tenant-b")) == 0                       # another salt: none
+    assert hits(rr()) == 0                                            # no salt: none
+    assert hits(rr(cache_salt="tenant-a", model="sql")) == 0          # a LoRA adapter: none
+    other = rr(model="sql")
+    r.approx.record_decision(other, Decision(decode=inst))
+    assert hits(rr(model="sql")) > 0 and hits(rr(model="other-adapter")) == 0 and hits(rr()) == 0

@@ -272,9 +272,12 @@ class Registry:
             except (TypeError, ValueError) as ex:
                 raise RegistrationError(400, f"bad transport: {ex}") from None
         model = reg.model or ()
+        model = (model,) if isinstance(model, str) else tuple(model)
+        if reg.lora_adapters:  # an adapter is served under its name: requests naming it may go here
+            model = model + tuple(n for n in reg.lora_adapters if n not in model)
         st = InstanceState(
             id=reg.id or url, url=url, engine=reg.engine, role=reg.role,
-            model=(model,) if isinstance(model, str) else tuple(model), cluster=reg.cluster or "default", chip=chip,
+            model=model, cluster=reg.cluster or "default", chip=chip,
             num_chips=reg.num_chips or 1, block_size=reg.block_size or self.cfg.default_block_size,
             kv_layout=reg.kv_layout, transport=transport, kv_events=reg.kv_events, api_key=reg.api_key, extra=extra)
         if reg.heartbeat_ttl_s is not None:

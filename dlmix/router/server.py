@@ -59,8 +59,8 @@ from dlmix.router.orchestrator import SENT, PDOrchestrator
 from dlmix.router.proxy import BackendError, build_request, forward_headers, request
 from dlmix.router.registry import Backend, RegistrationError, Registry, Runtime  # noqa: F401 - re-exported
 from dlmix.router.routes import Route, RouteTable
-from dlmix.router.tokenize import PromptExtractor
-from dlmix.routing.hashing import BlockHasher, char_chunk_keys
+from dlmix.router.tokenize import PromptExtractor, lora_of, prefix_keys
+from dlmix.routing.hashing import BlockHasher
 from dlmix.routing.policies import ClusterView, begin, end, make_policy, prefill_done
 from dlmix.routing.prefix_index import ApproxIndex, PrefixIndex
 from dlmix.routing.state import InstanceState, NoInstanceError, RouteRequest
@@ -266,29 +266,9 @@ class Router:
         rr = RouteRequest(model=model if isinstance(model, str) else None,
                           max_tokens=mt if isinstance(mt, int) else None, stream=bool(d.get("stream")))
         if self.policy.needs_prompt:
-            try:
-                tokens, text = self.extractor.extract(chat, d)
-            except RuntimeError:
-                tokens, text = None, ""
-            salt = d.get("cache_salt")
-            cache: dict = {}
-            if tokens is not None:
-                rr.prompt_len = len(tokens)
-                hasher = self.hasher
-
-                def bh(bs: int, _t=tokens, _c=cache, _s=salt):
-                    r = _c.get(bs)
-                    if r is None:
-                        r = _c[bs] = hasher.block_keys(_t, bs, _s if isinstance(_s, str) else None)
-                    return r
-            else:
-                rr.prompt_len = len(text) // 4
-
-                def bh(bs: int, _t=text, _c=cache):
-                    r = _c.get(bs)
-                    if r is None:
-                        r = _c[bs] = char_chunk_keys(_t, bs)
-                    return r
+            reg = self.registry
+            lora = lora_of(model, reg.loras, reg.model_names) if reg.model_names else None
+            rr.prompt_len, bh = prefix_keys(self.extractor, self.hasher, chat, d, lora)
             rr.block_hashes = bh
         return rr
 
