@@ -382,3 +382,35 @@ def test_cache_salt_and_lora_in_every_prefix_key(tokenizer, chat):
     other = rr(model="sql")
     r.approx.record_decision(other, Decision(decode=inst))
     assert hits(rr(model="sql")) > 0 and hits(rr(model="other-adapter")) == 0 and hits(rr()) == 0
+
+
+# ---------------------------------------------------------------------------------------------- loops
+def test_routers_registered_in_each_other_loop_once_then_leave_rotation():
+    """A and B each registered as the other's instance (different ports: no address check can see it). A request
+    comes back to A once, marked by A's x-dlmix-via header, and is refused with 508 instead of circling; the next
+    health checks see a dlmix router's /health and take both out of rotation."""
+    lt = LoopThread()
+    try:
+        a = Router(RouterConfig(port=0, policy="round_robin", health_interval_s=3600, retries=0))
+        b = Router(RouterConfig(port=0, policy="round_robin", health_interval_s=3600, retries=0))
+        lt.run(a.start())
+        lt.run(b.start())
+        ua, ub = f"http://127.0.0.1:{a.cfg.port}", f"http://127.0.0.1:{b.cfg.port}"
+        assert httpx.post(ua + "/admin/instances", json={"url": ub, "id": "B"}).status_code == 201
+        assert httpx.post(ub + "/admin/instances", json={"url": ua, "id": "A"}).status_code == 201
+        body = {"model": "m", "prompt": "hello", "max_tokens": 1}
+        for _ in range(2):
+            res = httpx.post(ua + "/v1/completions", json=body, timeout=20)
+            assert res.status_code == 508 and "routing loop" in res.json()["error"], res.text
+        assert httpx.post(ua + "/v1/completions", json=body, headers={"x-dlmix-via": a.router_id}).status_code == 508
+        lt.run(a.registry.check(a.rt["B"]))
+        lt.run(b.registry.check(b.rt["A"]))
+        assert not a.rt["B"].state.healthy and "another dlmix router" in a.rt["B"].loop
+        assert not b.rt["A"].state.healthy
+        listed = httpx.get(ua + "/admin/instances").json()["instances"][0]
+        assert listed["loop"].startswith("another dlmix router") and listed["healthy"] is False
+        assert httpx.post(ua + "/v1/completions", json=body).status_code == 503  # out of rotation: nothing to loop
+        for r in (a, b):
+            lt.run(r.stop())
+    finally:
+        lt.close()

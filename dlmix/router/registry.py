@@ -50,6 +50,13 @@ def _loopback(host: str) -> bool:
 _Count = Annotated[int, msgspec.Meta(ge=0)]
 
 
+def _router_id(body: bytes) -> str:
+    try:
+        return str(msgspec.json.decode(body).get("dlmix_router"))
+    except (msgspec.DecodeError, AttributeError):
+        return "?"
+
+
 class Heartbeat(msgspec.Struct, forbid_unknown_fields=True):
     """Heartbeat body: the engine's load; every field optional (an absent one keeps its last value), unknown ones
     refused. ``waiting``/``running``: requests (>= 0); ``kv_usage``: fraction of the KV cache in use, 0..1."""
@@ -79,7 +86,7 @@ class Backend:
     """
 
     __slots__ = ("state", "pool", "hostport", "auth", "engine", "hb_ttl", "last_hb", "hc_ok", "hc_fails", "fails",
-                 "open_until", "ev_task", "m")
+                 "open_until", "ev_task", "m", "loop")
 
     def __init__(self, state: InstanceState, connect_timeout: float, ttl: float, via: bytes = b""):
         self.state = state
@@ -96,6 +103,8 @@ class Backend:
         self.open_until = 0.0
         self.ev_task: Optional[asyncio.Task] = None
         self.m = None
+        #: why the instance is a routing loop (its health answer is a dlmix router's), or None
+        self.loop: Optional[str] = None
 
     def refresh(self, now: float) -> None:
         """Recompute ``state.healthy`` from health check, heartbeat and breaker (``now``: ``time.monotonic()``)."""
@@ -158,6 +167,8 @@ class Registry:
         self.on_change: Optional[Callable[[], None]] = None
         #: ``x-dlmix-via`` header line this router adds to every request it forwards (loop detection)
         self.via: bytes = b""
+        #: the owning router's id (what its /health answer carries)
+        self.own_id: str = ""
         #: registered model names (count of instances serving each) and LoRA adapters ``{name: path}``
         self.model_names: Dict[str, int] = {}
         self.loras: Dict[str, str] = {}
@@ -492,8 +503,16 @@ class Registry:
         try:
             c = await request(b.pool, raw, None, None, timeout=self.cfg.health_timeout_s)
             ok = c.status == 200
+            if b"dlmix_router" in c.collected()[2]:  # a dlmix router's /health: requests sent there would loop
+                rid = _router_id(c.collected()[2])
+                b.loop = ("this router itself (same router id)" if rid == self.own_id
+                          else f"another dlmix router (id {rid})")
+                b.state.extra["_loop"] = b.loop
         except BackendError:
             ok = False
+        if b.loop:
+            ok = False
+            b.hc_fails = self.cfg.health_failures
         if ok:
             b.hc_fails = 0
             b.hc_ok = True
@@ -523,7 +542,7 @@ class Registry:
         ld = i.load
         return {"id": i.id, "url": i.url, "engine": i.engine, "role": i.role, "model": list(i.model),
                 "cluster": i.cluster, "chip": i.chip, "num_chips": i.num_chips, "block_size": i.block_size,
-                "healthy": i.healthy, "draining": i.draining, "slot": i.slot, "kv_events": i.kv_events,
+                "healthy": i.healthy, "draining": i.draining, "loop": i.extra.get("_loop"), "slot": i.slot, "kv_events": i.kv_events,
                 "transport": i.transport, "ttft_ratio": i.ttft_ratio, "itl_ratio": i.itl_ratio,
                 "load": {"inflight": ld.inflight, "inflight_prefill_tokens": ld.inflight_prefill_tokens,
                          "inflight_decode": ld.inflight_decode, "waiting": ld.waiting, "running": ld.running,

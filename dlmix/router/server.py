@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import asyncio
 import ipaddress
+import uuid
 from typing import Dict, List, Optional
 
 import msgspec
@@ -112,6 +113,12 @@ class Router:
         self.registry.on_change = self._update_flags
         self.pd = PDOrchestrator(self.registry, self.policy, cfg, self.metrics, self._view)
         self.admin = AdminAPI(self.registry, cfg.admin_key)
+        #: this router's id: in its /health answer and in the x-dlmix-via header of every request it forwards, so a
+        #: router registered as an instance (of itself or of a router that leads back here) is detected
+        self.router_id = uuid.uuid4().hex[:16]
+        self._via = self.router_id.encode()
+        self.registry.own_id = self.router_id
+        self.registry.via = b"x-dlmix-via: %s\r\n" % self._via
         self.routes = RouteTable([
             Route("POST", "/v1/chat/completions", self._chat),
             Route("POST", "/v1/completions", self._completions),
@@ -200,8 +207,18 @@ class Router:
         return not self._client_auth or req.header(b"authorization") in self._client_auth
 
     def _health(self, conn, req) -> None:
+        """200 when an instance is available, else 503; the body names this router (loop detection)."""
         ok = any(i.available() for i in self.instances)
-        self._send(conn, 200 if ok else 503, b'{"status":"ok"}' if ok else b'{"status":"no healthy instance"}')
+        self._send(conn, 200 if ok else 503, b'{"status":"%s","dlmix_router":"%s"}' % (
+            b"ok" if ok else b"no healthy instance", self._via))
+
+    def _looped(self, req) -> bool:
+        """True when ``req`` already passed through this router (its id in an ``x-dlmix-via`` header)."""
+        own = self._via
+        for k, v in req.headers:
+            if k == b"x-dlmix-via" and own in v:
+                return True
+        return False
 
     def _metrics(self, conn, req) -> None:
         """Prometheus text. With client keys configured it needs one of them (or the admin key)."""
@@ -246,6 +263,9 @@ class Router:
     async def _completion(self, conn, req, chat: bool) -> None:
         if not self._client_ok(req):
             return self._send(conn, 401, b'{"error":"invalid or missing API key"}')
+        if self._looped(req):
+            return self._send(conn, 508, b'{"error":"routing loop: this request already passed through this router '
+                                         b'(an instance URL leads back to it); remove that instance"}')
         d, rr = None, self._plain
         if self._needs_parse:
             try:
@@ -285,6 +305,8 @@ class Router:
         if (path != _CHAT and path != _COMPL) or req.method != b"POST" or self._pd:
             return False
         if self._client_auth and req.header(b"authorization") not in self._client_auth:
+            return False
+        if self._looped(req):
             return False
         chat = path == _CHAT
         d = None
