@@ -13,11 +13,13 @@ JSON in and out; errors are ``{"error": msg, "reasons": [...]}``:
     ``cluster``, ``chip`` (catalog name), ``num_chips``, ``block_size``, ``kv_layout`` (``dlmix.kv.layout.KVLayout``
     dict), ``transport`` (e.g. ``{"link": "rdma-100g"}`` or ``{"bandwidth_gbps": 100, "setup_ms": 1}``),
     ``kv_events`` (``tcp://host:port`` of the engine's ZMQ KV-event publisher), ``api_key``, ``id``,
-    ``heartbeat_ttl_s`` (default ``heartbeat_ttl_s`` of the router; 0 = no heartbeats expected). → ``201 {"id":..,
-    "slot":..}``; ``400`` bad field; ``409`` KV layout incompatible with a registered counterpart (prefill vs decode of
-    the same model; ``reasons`` from :func:`dlmix.kv.layout.check_compat`).
+    ``heartbeat_ttl_s`` (default ``heartbeat_ttl_s`` of the router; 0 = no heartbeats expected), ``lora_adapters``.
+    Schema: :class:`dlmix.pd.registration.Registration`. → ``201 {"id":.., "slot":..}``; ``400`` bad field (named),
+    or the router's own address; ``409`` KV layout incompatible with a registered counterpart (prefill vs decode of
+    the same model; ``reasons`` from :func:`dlmix.pd.pair.check_pair`). A refused body changes nothing.
 ``POST /admin/instances/{id}/heartbeat``
-    Body ``{"waiting": int, "running": int, "kv_usage": float}`` (all optional). Send every ``ttl/3`` s; an instance
+    Body ``{"waiting": int, "running": int, "kv_usage": float}`` (all optional; :class:`~dlmix.router.registry.
+    Heartbeat`). Send every ``ttl/3`` s; an instance
     whose heartbeats stop for ``heartbeat_ttl_s`` leaves rotation and returns with the next heartbeat. ``404`` if the
     router does not know the id (re-register then).
 ``GET /admin/instances``
