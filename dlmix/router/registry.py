@@ -34,6 +34,8 @@ from dlmix.routing.state import ROLES, InstanceState
 __all__ = ["Backend", "Registry", "RegistrationError", "Heartbeat", "layout_reasons"]
 
 _HOST = re.compile(r"^([A-Za-z0-9_][A-Za-z0-9_.-]{0,252}|[0-9A-Fa-f:.]+(%[A-Za-z0-9_.-]+)?)$")
+#: health checks in flight at once
+HEALTH_CONCURRENCY = 256
 _KV_EVENT_SCHEMES = ("tcp://", "ipc://", "inproc://")
 _json_sorted = msgspec.json.Encoder(order="sorted").encode
 
@@ -493,9 +495,17 @@ class Registry:
             st.kv_events, self.index, lambda: st.slot, err, decoder=kv_events.get_decoder(st.engine)))
 
     async def _health_loop(self) -> None:
+        """Every ``health_interval_s``: one health check per instance, at most :data:`HEALTH_CONCURRENCY` at a time
+        (a fleet of 10,000 must not open 10,000 sockets at once and exhaust the router's file descriptors)."""
+        sem = asyncio.Semaphore(HEALTH_CONCURRENCY)
+
+        async def one(b: Backend) -> None:
+            async with sem:
+                await self.check(b)
+
         while True:
             await asyncio.sleep(self.cfg.health_interval_s)
-            await asyncio.gather(*(self.check(b) for b in list(self.backends.values())), return_exceptions=True)
+            await asyncio.gather(*(one(b) for b in list(self.backends.values())), return_exceptions=True)
 
     async def check(self, b: Backend) -> None:
         """One health check of ``b`` (GET the engine's health path, ``health_timeout_s``)."""
