@@ -253,7 +253,9 @@ def test_registration_work_does_not_grow_with_the_fleet():
     small, big = counts[100], counts[2000]
     assert big[0] == small[0] <= 2, counts        # pair checks over the whole fleet: one per distinct layout pair
     assert big[1] == small[1] == 0, counts        # and none more for a newcomer with a known layout
-    assert big[2:] == small[2:], counts           # lines executed per registration / re-registration / heartbeat
+    # Python lines executed per registration / re-registration / heartbeat: 20x the fleet, the same work (a few
+    # lines of slack for caches warmed differently by earlier tests; one scan of the fleet would add thousands)
+    assert all(b <= s + 40 for b, s in zip(big[2:], small[2:])), counts
 
 
 def test_incompatible_layout_still_refused_in_a_large_fleet():
@@ -334,6 +336,9 @@ def test_metrics_count_4xx_prefill_legs_decode_hits_and_reported_kv_bytes():
             prompt = shared + "and then a long new question " * 20
             res = h.post(base + "/v1/completions", json={"model": "mock", "prompt": prompt, "max_tokens": 4})
             assert res.status_code == 200
+        deadline = time.time() + 5  # the answer reaches the client just before the router's bookkeeping runs
+        while _sample(r, "dlmix_router_client_responses_total", status="200") < 1 and time.time() < deadline:
+            time.sleep(0.02)
         assert p.prefill_legs == 1
         assert _sample(r, "dlmix_router_client_responses_total", status="400") == 2
         assert _sample(r, "dlmix_router_client_responses_total", status="404") == 1
