@@ -7,7 +7,11 @@ GETs ``/metrics``. The same steps at ``N/10`` give a per-instance cost ratio: ``
 (cost per registration at N/10) / (cost per registration at N), about 1 when registration cost does not grow with
 the fleet (it was quadratic before: 6,732 of 10,000 in 240 s).
 
-    python benchmarks/router_admin.py [--quick] [--n 10000]
+    python benchmarks/router_admin.py [--quick] [--n 10000] [--baseline-src DIR [--baseline-n 2000]]
+
+``--baseline-src DIR``: also register ``--baseline-n`` instances on the router of another source tree and on this
+one, one after the other in the same run: ``register_2000_vs_baseline`` (baseline time / this time, higher is
+better) and ``metrics_bytes_2000_vs_baseline``.
 
 Prints one JSON object on the last line: ``register_10k_s``, ``heartbeat_10k_s``, ``metrics_10k_ms``,
 ``metrics_10k_bytes``, ``register_per_instance_10k_vs_1k``, and the same at N/10 (``register_1k_s``, ...).
@@ -43,11 +47,25 @@ def _layout() -> dict:
                     arrangement="vllm_lbnhc").to_dict()
 
 
-def _start_router():
+def _shim(src: str) -> str:
+    """A PYTHONPATH folder whose ``dlmix`` is the one of source tree ``src`` (for the baseline router)."""
+    import tempfile
+
+    d = tempfile.mkdtemp(prefix="dlmix-base-")
+    os.symlink(os.path.join(os.path.abspath(src), "dlmix"), os.path.join(d, "dlmix"))
+    os.symlink(os.path.join(os.path.abspath(src), "kv_connectors"), os.path.join(d, "dlmix_kv_connectors"))
+    return d
+
+
+def _start_router(src: str = None):
     port = _free_port()
     cmd = [sys.executable, "-m", "dlmix.cli", "router", "--port", str(port), "--policy", "round_robin",
            "--health-interval-s", "3600", "--heartbeat-ttl-s", "3600", "--admin-key", "adm"]
-    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT)
+    env = dict(os.environ)
+    if src:
+        env["PYTHONPATH"] = _shim(src)
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                         cwd=src or ROOT, env=env)
     base = f"http://127.0.0.1:{port}"
     deadline = time.time() + 60
     while time.time() < deadline:
@@ -119,8 +137,8 @@ async def _round(base: str, n: int, offset: int) -> dict:
     return {"register_s": t_reg, "heartbeat_s": t_hb, "metrics_ms": t_m * 1e3, "metrics_bytes": len(m.content)}
 
 
-def _measure(n: int) -> dict:
-    p, base = _start_router()
+def _measure(n: int, src: str = None) -> dict:
+    p, base = _start_router(src)
     try:
         return asyncio.run(_round(base, n, 0))
     finally:
@@ -135,6 +153,9 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--n", type=int, default=10_000)
+    ap.add_argument("--baseline-src", help="another dlmix source tree (e.g. `git archive main | tar -x -C DIR`): "
+                    "register --baseline-n instances on its router and on this one, side by side")
+    ap.add_argument("--baseline-n", type=int, default=2000)
     a = ap.parse_args()
     n, small = a.n, max(a.n // 10, 1)
     rounds = 1 if a.quick else 2
@@ -148,6 +169,14 @@ def main() -> None:
            f"metrics_{small // 1000}k_bytes": s["metrics_bytes"],
            f"register_per_instance_{n // 1000}k_vs_{small // 1000}k": round((s["register_s"] / small)
                                                                           / (big["register_s"] / n), 3)}
+    if a.baseline_src:
+        bn = a.baseline_n
+        base = _measure(bn, a.baseline_src)
+        mine = _measure(bn)
+        out[f"baseline_register_{bn}_s"] = round(base["register_s"], 3)
+        out[f"register_{bn}_s"] = round(mine["register_s"], 3)
+        out[f"register_{bn}_vs_baseline"] = round(base["register_s"] / mine["register_s"], 2)
+        out[f"metrics_bytes_{bn}_vs_baseline"] = round(base["metrics_bytes"] / mine["metrics_bytes"], 2)
     print(json.dumps(out))
 
 
