@@ -61,7 +61,7 @@ GOOD = {"url": "http://127.0.0.1:9101", "id": "p0", "role": "prefill", "model": 
     ({"url": 5}, "url"), ({"model": [1, 2]}, "model"), ({"chip": "X9"}, "X9"), ({"engine": "nope"}, "nope"),
     ({"heartbeat_ttl_s": -1}, "heartbeat_ttl_s"), ({"heartbeat_ttl_s": "x"}, "heartbeat_ttl_s"),
     ({"transport": "rdma"}, "transport"), ({"kv_events": "http://x:1"}, "kv_events"),
-    ({"kv_layout": {"model": 1}}, "kv_layout"), ({"api_key": 7}, "api_key"), ({"id": 3}, "id"),
+    ({"kv_layout": {"model": 1}}, "kv_layout"), ({"api_key": 7}, "api_key"), ({"api_key": "k\r\nx-evil: 1"}, "api_key"), ({"id": 3}, "id"),
 ])
 def test_bad_registration_fields_are_400_with_the_field_named(patch, reason):
     r = _router()

@@ -34,6 +34,7 @@ from dlmix.routing.state import ROLES, InstanceState
 __all__ = ["Backend", "Registry", "RegistrationError", "Heartbeat", "layout_reasons"]
 
 _HOST = re.compile(r"^([A-Za-z0-9_][A-Za-z0-9_.-]{0,252}|[0-9A-Fa-f:.]+(%[A-Za-z0-9_.-]+)?)$")
+_TOKEN = re.compile(r"^[\x21-\x7e]{1,4096}$")
 #: health checks in flight at once
 HEALTH_CONCURRENCY = 256
 _KV_EVENT_SCHEMES = ("tcp://", "ipc://", "inproc://")
@@ -258,6 +259,8 @@ class Registry:
         if self_reason:
             raise RegistrationError(400, f"refusing to register {url}: {self_reason} (the router would forward "
                                          "requests to itself)")
+        if reg.api_key is not None and not _TOKEN.match(reg.api_key):
+            raise RegistrationError(400, "api_key must be 1-4096 visible ASCII characters (it becomes an HTTP header)")
         try:
             get_engine(reg.engine)
         except ValueError as ex:
