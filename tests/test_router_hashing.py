@@ -95,3 +95,33 @@ def test_char_chunks_chain():
     b = char_chunk_keys("x" * 128 + "yy", 16)
     assert len(a) == 2 and a == b  # only full 64-char chunks count
     assert char_chunk_keys("y" + "x" * 127, 16)[1] != a[1]  # chained: an early difference changes later keys
+
+
+def test_lora_and_salt_extra_keys_equal_vllm(monkeypatch):
+    """vLLM's own extra-key builder (``generate_block_hash_extra_keys``) on a LoRA request with a salt."""
+    from types import SimpleNamespace
+
+    monkeypatch.delenv("PYTHONHASHSEED", raising=False)
+    kcu.init_none_hash(vh.sha256_cbor)
+    req = SimpleNamespace(lora_request=SimpleNamespace(lora_name="sql", lora_path="/loras/sql"), cache_salt="t",
+                          mm_features=[], prompt_embeds=None, _prompt_embeds_per_block_hashes={})
+    tokens, bs = list(range(300, 364)), 16
+    ref, parent = [], None
+    for i in range(0, len(tokens), bs):
+        extra, _ = kcu.generate_block_hash_extra_keys(req, i, i + bs, 0)
+        parent = kcu.hash_block_tokens(vh.sha256_cbor, parent, tokens[i:i + bs], extra)
+        ref.append(parent)
+    h = BlockHasher()
+    assert h.block_hashes(tokens, bs, cache_salt="t", lora=("sql", "/loras/sql")) == ref
+    base = h.block_hashes(tokens, bs, cache_salt="t")
+    assert all(a != b for a, b in zip(base, ref))  # every block differs from the base model's
+
+
+def test_namespaced_char_chunks():
+    text = "y" * 200
+    plain = char_chunk_keys(text, 16)
+    assert char_chunk_keys(text, 16, namespace=(None, None)) == plain
+    a, b = char_chunk_keys(text, 16, namespace=(None, "s1")), char_chunk_keys(text, 16, namespace=(None, "s2"))
+    assert a == char_chunk_keys(text, 16, namespace=(None, "s1")) and len(a) == len(plain) == 3
+    assert not set(a) & set(b) and not set(a) & set(plain)
+    assert not set(char_chunk_keys(text, 16, namespace=("lora", None))) & set(plain)

@@ -112,3 +112,63 @@ def test_entry_point_transport_passes_contract_cases(plugin_dir):
                        capture_output=True, text=True, timeout=600, cwd=str(REPO))
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
     assert "4 passed" in r.stdout, r.stdout[-2000:]
+
+
+def test_plugin_transport_carries_a_pd_pull_through_the_pd_core(plugin_dir):
+    """The outside distribution's ``xtcp`` kind under the engine-neutral PD core: the producer endpoint holds blocks
+    and grants them, the consumer pulls them over ``xtcp`` and converts arrangement, block size and dtype; the
+    values read back equal what was written, and the hold is released."""
+    import time
+
+    import torch
+
+    from dlmix.kv import KVLayout, ModelIdentity
+    from dlmix.kv.ops import allocate, read_kv, torch_dtype, write_kv
+    from dlmix.pd.consumer import claim
+    from dlmix.pd.contract import TransferParams, prompt_digest
+    from dlmix.pd.endpoint import KVEndpoint
+
+    model = ModelIdentity("LlamaForCausalLM", 2, 2, 16, "gqa", weights_fingerprint="sha256:aa")
+    src = KVLayout(model=model, block_size=64, dtype="bf16", arrangement="lmdeploy")
+    dst = KVLayout(model=model, block_size=32, dtype="fp32", arrangement="vllm_cpu")
+    n, start = 150, 40
+    sblocks = [13, 11, 12]
+    dblocks = [5, 2, 7, 1, 3]
+    sc, dc = allocate(src, 16), allocate(dst, 8)
+    g = torch.Generator().manual_seed(3)
+    ref = {}
+    for t in range(n):
+        for layer in range(model.num_layers):
+            k, v = (torch.randn(src.num_local_heads, model.head_size, generator=g).to(torch_dtype(src)) for _ in "kv")
+            write_kv(src, sc, sblocks, t, layer, k, v)
+            ref[(t, layer)] = (k, v)
+    p = KVEndpoint("xtcp", "prod", SECRET, "127.0.0.1", 0, src, sc, 0, registration_wait_s=1.0, io_timeout_s=10.0)
+    d = KVEndpoint("xtcp", "cons", SECRET, "127.0.0.1", 0, dst, dc, 2 * src.block_bytes(), registration_wait_s=1.0,
+                   io_timeout_s=10.0)
+    try:
+        desc = p.descriptor()
+        assert desc["kind"] == "xtcp" and desc["plugin"] == "dlmix-xtcp"
+        assert type(p.t).__name__ == type(d.t).__name__ == "XTcpTransport"
+        digest = prompt_digest(range(n))
+        params = TransferParams.make(engine="reference", instance_id="p0", transports=[desc], request_id="req",
+                                     block_ids=sblocks, num_tokens=n, layout=src, digest=digest)
+        p.add_hold("req", sblocks, n, digest)
+        c = claim(params.to_dict(), dst, n + 1, start, prompt_token_ids=list(range(n + 1)))
+        res = d.pull_params(c.params, c.start, c.end, dblocks, digest=digest)
+        assert res.error is None and res.loaded_upto == n and res.failed_block_ids == [], res
+        for t in range(start, n):
+            for layer in range(model.num_layers):
+                k, v = read_kv(dst, dc, dblocks, t, layer)
+                rk, rv = ref[(t, layer)]
+                assert torch.equal(k, rk.to(torch.float32)) and torch.equal(v, rv.to(torch.float32)), (t, layer)
+        k, _ = read_kv(dst, dc, dblocks, start - 1, 0)
+        assert torch.count_nonzero(k) == 0  # the consumer's own prefix is not overwritten
+        d.release(desc, "req", consumed=True)
+        deadline, done = time.monotonic() + 5, set()
+        while not done and time.monotonic() < deadline:
+            done = p.take_finished()
+            time.sleep(0.02)
+        assert done == {"req"} and p.held_count() == 0
+    finally:
+        p.close()
+        d.close()

@@ -7,7 +7,10 @@ Body fields (JSON): ``id``, ``url`` (``http://host:port``, required), ``role`` (
 ``num_chips``, ``cluster``, ``block_size`` (tokens), ``kv_layout`` (``KVLayout.to_dict()``), ``transport`` (TP rank
 0's transport descriptor, or a link description such as ``{"link": "rdma-100g"}``), ``kv_events``
 (``tcp://host:port`` of the engine's ZMQ KV-event publisher), ``heartbeat_ttl_s`` (0 = no heartbeats expected),
-``contract_version`` (the PD contract the instance speaks, :data:`dlmix.pd.contract.CONTRACT_VERSION`).
+``contract_version`` (the PD contract the instance speaks, :data:`dlmix.pd.contract.CONTRACT_VERSION`), ``api_key``
+(bearer key the router presents to the instance), ``lora_adapters`` (``{name: path}`` of the LoRA adapters the
+instance serves, as vLLM's ``--lora-modules``; the router puts vLLM's ``("lora", name, path)`` key into the prefix
+hashes of requests naming one).
 Unset optional fields are omitted (the router applies its defaults).
 """
 from __future__ import annotations
@@ -44,10 +47,16 @@ class Registration(msgspec.Struct, kw_only=True, omit_defaults=True, forbid_unkn
     kv_events: str | None = None
     heartbeat_ttl_s: Annotated[float, msgspec.Meta(ge=0)] | None = None
     contract_version: int | None = None
+    api_key: str | None = None
+    lora_adapters: dict[str, str] | None = None
 
     def __post_init__(self) -> None:
         u = urlparse(self.url.rstrip("/"))
-        if u.scheme not in ("http", "https") or not u.hostname or not u.port:
+        try:
+            port = u.port
+        except ValueError as e:  # e.g. "Port out of range 0-65535"
+            raise ValueError(f"url {self.url!r}: {e}") from None
+        if u.scheme not in ("http", "https") or not u.hostname or not port:
             raise ValueError(f"url must be http://host:port, got {self.url!r}")
         if self.kv_layout is not None:
             try:

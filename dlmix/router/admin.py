@@ -39,6 +39,10 @@ class AdminAPI:
             Route("DELETE", "/admin/instances/{id:path}", self.delete),
         ])
 
+    def key_ok(self, req) -> bool:
+        """True if ``req`` carries the admin key (False when no admin key is configured)."""
+        return self._auth is not None and req.header(b"authorization") == self._auth
+
     def allowed(self, conn, req) -> bool:
         """True if the caller may use the admin API (right bearer token, or a loopback peer without a key)."""
         if self._auth is not None:
@@ -93,7 +97,7 @@ class AdminAPI:
     def heartbeat(self, body, backend):
         try:
             backend.heartbeat(body)
-        except (TypeError, ValueError) as ex:
+        except ValueError as ex:
             return 400, {"error": f"bad heartbeat: {ex}"}
         return 200, b'{"ok":true}'
 

@@ -15,6 +15,7 @@ Example::
     api_keys: []                     # client keys (empty = open)
     admin_key: null                  # admin/registration key (null = admin API from loopback only)
     allow_open: false                # serve a non-loopback host without api_keys (refused otherwise)
+    metrics_instance_series: 32      # instances (by slot) with their own /metrics series; the rest: instance="_other"
     instances:
       - {url: "http://10.0.0.1:8000", role: prefill, chip: H100, model: llama, cluster: a,
          transport: {link: rdma-100g}, kv_events: "tcp://10.0.0.1:5557", kv_layout: {...}}
@@ -67,6 +68,7 @@ class RouterConfig:
     approx_index_capacity: int = 1 << 20
     default_block_size: int = 16
     metrics: bool = True
+    metrics_instance_series: int = 32
     fast_path: bool = True
     allow_open: bool = False
     max_body_mb: int = 64

@@ -62,17 +62,27 @@ class PDOrchestrator:
                     if status == 200:
                         kvp = b.engine.kv_transfer_params(rbody)
                         b.fails = 0
+                        if m:
+                            m.prefill_leg(b, status, kvp)
                         return kvp
+                    if m:
+                        m.prefill_leg(b, status)
                     if 400 <= status < 500:
                         ctype = next((v for k, v in hdrs if k == b"content-type"), b"application/json")
+                        if m:
+                            m.answer(status)
                         conn.send(status, rbody, ctype)
                         return SENT
                     self.registry.fail(b)
                 except BackendError as ex:
+                    if m:
+                        m.prefill_leg(b)
                     if conn.closed:
                         raise
                     self.registry.fail(b, ex)
                 except ValueError:  # 200 without kv_transfer_params
+                    if m:
+                        m.prefill_leg(b)
                     self.registry.fail(b)
             alt = self.replace(rr, dec, tried) if len(tried) <= self.cfg.retries else None
             if alt is None:

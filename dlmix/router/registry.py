@@ -14,17 +14,59 @@ Health (what takes an instance out of rotation, :meth:`Backend.refresh`):
 from __future__ import annotations
 
 import asyncio
+import heapq
+import ipaddress
+import re
 import time
-from typing import Callable, Dict, List, Optional
+from typing import Annotated, Callable, Dict, List, Optional, Tuple
 from urllib.parse import urlparse
 
+import msgspec
+
 from dlmix.errors import DlmixError
+from dlmix.pd.contract import ContractError
+from dlmix.pd.registration import decode_registration
 from dlmix.router import kv_events
 from dlmix.router.engines import get_engine
 from dlmix.router.proxy import BackendError, Pool, build_request, request
 from dlmix.routing.state import ROLES, InstanceState
 
-__all__ = ["Backend", "Registry", "RegistrationError", "layout_reasons"]
+__all__ = ["Backend", "Registry", "RegistrationError", "Heartbeat", "layout_reasons"]
+
+_HOST = re.compile(r"^([A-Za-z0-9_][A-Za-z0-9_.-]{0,252}|[0-9A-Fa-f:.]+(%[A-Za-z0-9_.-]+)?)$")
+_TOKEN = re.compile(r"^[\x21-\x7e]{1,4096}$")
+#: health checks in flight at once
+HEALTH_CONCURRENCY = 256
+_KV_EVENT_SCHEMES = ("tcp://", "ipc://", "inproc://")
+_json_sorted = msgspec.json.Encoder(order="sorted").encode
+
+
+def _loopback(host: str) -> bool:
+    if host in ("localhost",):
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+_Count = Annotated[int, msgspec.Meta(ge=0)]
+
+
+def _router_id(body: bytes) -> str:
+    try:
+        return str(msgspec.json.decode(body).get("dlmix_router"))
+    except (msgspec.DecodeError, AttributeError):
+        return "?"
+
+
+class Heartbeat(msgspec.Struct, forbid_unknown_fields=True):
+    """Heartbeat body: the engine's load; every field optional (an absent one keeps its last value), unknown ones
+    refused. ``waiting``/``running``: requests (>= 0); ``kv_usage``: fraction of the KV cache in use, 0..1."""
+
+    waiting: Optional[_Count] = None
+    running: Optional[_Count] = None
+    kv_usage: Optional[Annotated[float, msgspec.Meta(ge=0.0, le=1.0)]] = None
 
 
 class RegistrationError(DlmixError):
@@ -47,14 +89,14 @@ class Backend:
     """
 
     __slots__ = ("state", "pool", "hostport", "auth", "engine", "hb_ttl", "last_hb", "hc_ok", "hc_fails", "fails",
-                 "open_until", "ev_task", "m")
+                 "open_until", "ev_task", "m", "loop")
 
-    def __init__(self, state: InstanceState, connect_timeout: float, ttl: float):
+    def __init__(self, state: InstanceState, connect_timeout: float, ttl: float, via: bytes = b""):
         self.state = state
         u = urlparse(state.url)
         self.pool = Pool(u.hostname, u.port or 80, state.id, connect_timeout)
         self.hostport = self.pool.hostport
-        self.auth = b"authorization: Bearer %s\r\n" % state.api_key.encode() if state.api_key else b""
+        self.auth = (b"authorization: Bearer %s\r\n" % state.api_key.encode() if state.api_key else b"") + via
         self.engine = get_engine(state.engine)
         self.hb_ttl = ttl
         self.last_hb = time.monotonic()
@@ -64,6 +106,8 @@ class Backend:
         self.open_until = 0.0
         self.ev_task: Optional[asyncio.Task] = None
         self.m = None
+        #: why the instance is a routing loop (its health answer is a dlmix router's), or None
+        self.loop: Optional[str] = None
 
     def refresh(self, now: float) -> None:
         """Recompute ``state.healthy`` from health check, heartbeat and breaker (``now``: ``time.monotonic()``)."""
@@ -71,14 +115,21 @@ class Backend:
         self.state.healthy = self.hc_ok and hb_ok and now >= self.open_until
 
     def heartbeat(self, body) -> None:
-        """Apply a heartbeat body ``{"waiting": int, "running": int, "kv_usage": float}`` (all optional) and mark
-        the instance alive. Raises ValueError/TypeError for a bad field (nothing is changed then)."""
+        """Apply a heartbeat body (:class:`Heartbeat`: ``{"waiting": int, "running": int, "kv_usage": float}``, all
+        optional; ``{}``/None: alive only) and mark the instance alive. Raises ValueError naming the bad field
+        (nothing is changed then)."""
         ld = self.state.load
-        if isinstance(body, dict):
-            w = int(body.get("waiting", ld.waiting))
-            r = int(body.get("running", ld.running))
-            k = float(body.get("kv_usage", ld.kv_usage))
-            ld.waiting, ld.running, ld.kv_usage = w, r, k
+        if body is not None and body != {}:
+            try:
+                hb = msgspec.convert(body, Heartbeat, strict=True)
+            except msgspec.ValidationError as ex:
+                raise ValueError(str(ex)) from None
+            if hb.waiting is not None:
+                ld.waiting = hb.waiting
+            if hb.running is not None:
+                ld.running = hb.running
+            if hb.kv_usage is not None:
+                ld.kv_usage = hb.kv_usage
         self.last_hb = time.monotonic()
         self.refresh(self.last_hb)
 
@@ -117,32 +168,68 @@ class Registry:
         self.instances: List[InstanceState] = []
         self.backends: Dict[str, Backend] = {}
         self.on_change: Optional[Callable[[], None]] = None
+        #: ``x-dlmix-via`` header line this router adds to every request it forwards (loop detection)
+        self.via: bytes = b""
+        #: the owning router's id (what its /health answer carries)
+        self.own_id: str = ""
+        #: registered model names (count of instances serving each) and LoRA adapters ``{name: path}``
+        self.model_names: Dict[str, int] = {}
+        self.loras: Dict[str, str] = {}
+        self._pos: Dict[str, int] = {}
+        self._by_url: Dict[str, Backend] = {}
+        self._free: List[int] = []
+        self._next_slot = 0
+        self._roles: Dict[str, int] = {}
+        self._models: Dict[tuple, int] = {}
+        self._groups: Dict[Tuple[str, str], Dict[str, set]] = {}
+        self._layouts: Dict[str, dict] = {}
+        self._pair_cache: Dict[Tuple[str, str], bool] = {}
+        self._self_cache = None
         self._started = False
         self._task: Optional[asyncio.Task] = None
 
     # ------------------------------------------------------------------ registration
     def register(self, d: dict, ttl_default: Optional[float] = None) -> InstanceState:
-        """Add or replace (same ``id`` or ``url``: keeps its slot, drops its cache entries) an instance from a
-        registration mapping (fields in :mod:`dlmix.router.server`). Returns its state.
+        """Add or replace (same ``id`` or ``url``: keeps its slot and place, drops its cache entries) an instance from
+        a registration mapping (schema: :class:`dlmix.pd.registration.Registration`). Returns its state.
 
-        Raises RegistrationError: 400 for a bad field, 409 when its KV layout cannot pair with a registered
-        prefill/decode counterpart of the same model.
+        All-or-nothing: the body is validated in full before anything changes, so a refused re-registration leaves
+        the live instance registered and unchanged. Cost per call does not grow with the fleet: slots come from a
+        free list, the place in :attr:`instances` from a position map, and the KV-layout check runs once per
+        distinct (producer layout, consumer layout) pair and is memoised.
+
+        Raises RegistrationError: 400 for a bad field (the message names it), for the router's own address, or for an
+        id that another url already holds; 409 when its KV layout cannot pair with a registered prefill/decode
+        counterpart of the same model.
         """
-        st = self._parse(d)
-        reasons = self._layout_conflicts(st)
+        st, ttl, lkey = self._parse(d, ttl_default)
+        old = self.backends.get(st.id)
+        by_url = self._by_url.get(st.url)
+        if old is not None and old.state.url != st.url and by_url is not None and by_url is not old:
+            raise RegistrationError(400, f"id {st.id!r} is registered with url {old.state.url} and url {st.url} "
+                                    f"with id {by_url.state.id!r}; remove one first")
+        old = old or by_url
+        reasons = self._layout_conflicts(st, lkey, old)
         if reasons:
             raise RegistrationError(409, f"KV layout of {st.id} is incompatible with registered instances", reasons)
-        old = self.backends.get(st.id) or next((b for b in self.backends.values() if b.state.url == st.url), None)
+        # ---- commit (nothing below raises on a validated body)
         if old is not None:
             st.slot = old.state.slot
-            self._drop(old)
+            pos = self._pos[old.state.id]
+            self._detach(old)
+            self.instances[pos] = st
         else:
-            used = {i.slot for i in self.instances}
-            st.slot = next(s for s in range(len(used) + 1) if s not in used)
-        ttl = float(d.get("heartbeat_ttl_s", self.cfg.heartbeat_ttl_s if ttl_default is None else ttl_default))
-        b = Backend(st, self.cfg.connect_timeout_s, ttl)
+            if self._free:
+                st.slot = heapq.heappop(self._free)
+            else:
+                st.slot, self._next_slot = self._next_slot, self._next_slot + 1
+            pos = len(self.instances)
+            self.instances.append(st)
+        self._pos[st.id] = pos
+        b = Backend(st, self.cfg.connect_timeout_s, ttl, self.via)
         self.backends[st.id] = b
-        self.instances.append(st)
+        self._by_url[st.url] = b
+        self._attach(st, lkey)
         if self.metrics:
             self.metrics.bind(b)
         if self._started and st.kv_events:
@@ -150,85 +237,228 @@ class Registry:
         self._changed()
         return st
 
-    def _parse(self, d: dict) -> InstanceState:
-        url = d.get("url")
-        if not isinstance(url, str):
-            raise RegistrationError(400, "instance needs a url")
-        url = url.rstrip("/")
+    def _parse(self, d, ttl_default: Optional[float]) -> Tuple[InstanceState, float, Optional[str]]:
+        """Validate a registration body (schema, then the router's own checks); returns (state, heartbeat TTL,
+        canonical KV-layout key). Raises RegistrationError(400) naming the bad field."""
+        try:
+            reg = decode_registration(d)
+        except ContractError as ex:
+            raise RegistrationError(400, str(ex)) from None
+        url = reg.url.rstrip("/")
         u = urlparse(url)
+        if u.scheme != "http":
+            raise RegistrationError(400, f"instance url must be http://host:port (the router speaks plain HTTP to "
+                                         f"engines), got {reg.url!r}")
+        host = u.hostname or ""
+        if not _HOST.match(host):
+            raise RegistrationError(400, f"instance url has an invalid host {host!r}")
+        if u.path or u.query or u.fragment or u.username or u.password:
+            raise RegistrationError(400, f"instance url must be http://host:port without path, query or user, "
+                                         f"got {reg.url!r}")
+        self_reason = self.is_self(host, u.port)
+        if self_reason:
+            raise RegistrationError(400, f"refusing to register {url}: {self_reason} (the router would forward "
+                                         "requests to itself)")
+        if reg.api_key is not None and not _TOKEN.match(reg.api_key):
+            raise RegistrationError(400, "api_key must be 1-4096 visible ASCII characters (it becomes an HTTP header)")
         try:
-            port = u.port
-        except ValueError:
-            port = None
-        if u.scheme != "http" or not u.hostname or not port:
-            raise RegistrationError(400, f"instance url must be http://host:port, got {d.get('url')!r}")
-        role = d.get("role", "both")
-        if role not in ROLES:
-            raise RegistrationError(400, f"role must be one of {ROLES}, got {role!r}")
-        engine = d.get("engine", "vllm")
-        try:
-            get_engine(engine)
+            get_engine(reg.engine)
         except ValueError as ex:
             raise RegistrationError(400, str(ex)) from None
         try:
-            chip = self.catalog.chip(d.get("chip", "cpu-x86")).name
+            chip = self.catalog.chip(reg.chip or "cpu-x86").name
         except KeyError as ex:
             raise RegistrationError(400, str(ex.args[0])) from None
-        model = d.get("model") or ()
-        model = (model,) if isinstance(model, str) else tuple(model)
-        try:
-            st = InstanceState(
-                id=str(d.get("id") or url), url=url, engine=engine, role=role, model=model,
-                cluster=str(d.get("cluster", "default")), chip=chip, num_chips=int(d.get("num_chips", 1)),
-                block_size=int(d.get("block_size", self.cfg.default_block_size)), kv_layout=d.get("kv_layout"),
-                transport=d.get("transport"), kv_events=d.get("kv_events"), api_key=d.get("api_key"),
-                extra={k: v for k, v in d.items() if k not in ("api_key",)})
-            if st.block_size <= 0:
-                st.block_size = self.cfg.default_block_size
-            if st.transport is not None:
-                if not isinstance(st.transport, dict):
-                    raise ValueError("transport must be a mapping")
-                try:
-                    self.catalog.link(st.transport)
-                except KeyError as ex:  # unknown link name: keep the descriptor, price it as the default link
-                    st.extra["transport_warning"] = str(ex.args[0])
-                    st.transport = dict(st.transport, link=None)
-        except (TypeError, ValueError, KeyError) as ex:
-            raise RegistrationError(400, f"bad instance field: {ex}") from None
-        if st.kv_events:
+        if reg.kv_events is not None:
+            if not reg.kv_events.startswith(_KV_EVENT_SCHEMES):
+                raise RegistrationError(400, f"kv_events must be a ZMQ endpoint ({', '.join(_KV_EVENT_SCHEMES)}...), "
+                                             f"got {reg.kv_events!r}")
             try:
-                kv_events.get_decoder(engine)
+                kv_events.get_decoder(reg.engine)
             except ValueError as ex:
                 raise RegistrationError(400, str(ex)) from None
-        return st
+        transport = reg.transport
+        extra = {k: v for k, v in d.items() if k != "api_key"}
+        if transport is not None:
+            try:
+                self.catalog.link(transport)
+            except KeyError as ex:  # unknown link name: keep the descriptor, price it as the default link
+                extra["transport_warning"] = str(ex.args[0])
+                transport = dict(transport, link=None)
+            except (TypeError, ValueError) as ex:
+                raise RegistrationError(400, f"bad transport: {ex}") from None
+        model = reg.model or ()
+        model = (model,) if isinstance(model, str) else tuple(model)
+        if reg.lora_adapters:  # an adapter is served under its name: requests naming it may go here
+            model = model + tuple(n for n in reg.lora_adapters if n not in model)
+        st = InstanceState(
+            id=reg.id or url, url=url, engine=reg.engine, role=reg.role,
+            model=model, cluster=reg.cluster or "default", chip=chip,
+            num_chips=reg.num_chips or 1, block_size=reg.block_size or self.cfg.default_block_size,
+            kv_layout=reg.kv_layout, transport=transport, kv_events=reg.kv_events, api_key=reg.api_key, extra=extra)
+        if reg.heartbeat_ttl_s is not None:
+            ttl = reg.heartbeat_ttl_s
+        else:
+            ttl = float(self.cfg.heartbeat_ttl_s if ttl_default is None else ttl_default)
+        lkey = _json_sorted(reg.kv_layout).decode() if reg.kv_layout else None
+        return st, ttl, lkey
 
-    def _layout_conflicts(self, st: InstanceState) -> List[str]:
-        """Incompatibilities between ``st``'s KV layout and registered counterparts (prefill -> decode pairs of a
-        shared model)."""
-        if not st.kv_layout:
-            return []
-        reasons: List[str] = []
-        for o in self.instances:
-            if o.id == st.id or o.url == st.url or not o.kv_layout:
-                continue
-            if st.model and o.model and not set(st.model) & set(o.model):
-                continue
-            if st.role in ("prefill", "both") and o.role in ("decode", "both") and (st.role, o.role) != ("both", "both"):
-                reasons += [f"{st.id} -> {o.id}: {r}" for r in layout_reasons(st.kv_layout, o.kv_layout, st.id, o.id)]
-            if st.role in ("decode", "both") and o.role in ("prefill",) or (st.role == "decode" and o.role == "both"):
-                reasons += [f"{o.id} -> {st.id}: {r}" for r in layout_reasons(o.kv_layout, st.kv_layout, o.id, st.id)]
-        return reasons
+    # ------------------------------------------------------------------ self / loop detection
+    def is_self(self, host: str, port: Optional[int]) -> Optional[str]:
+        """Why ``host:port`` is this router's own listening address (None if it is not): the configured host, any
+        loopback address or ``localhost`` when the router listens on loopback or on all addresses, and for a
+        wildcard listener this machine's host names and interface addresses. No DNS lookups (names other than
+        this machine's are not resolved)."""
+        if not port or port != self.cfg.port or not self.cfg.port:
+            return None
+        h = host.lower().strip("[]")
+        if h in self._self_names():
+            return f"{host}:{port} is this router's own listening address"
+        return None
 
-    def _drop(self, b: Backend) -> None:
+    def _self_names(self) -> set:
+        if self._self_cache is not None and self._self_cache[0] == (self.cfg.host, self.cfg.port):
+            return self._self_cache[1]
+        bind = (self.cfg.host or "").lower().strip("[]")
+        names = {bind}
+        wildcard = bind in ("", "0.0.0.0", "::")
+        if wildcard or _loopback(bind):
+            names |= {"localhost", "localhost.localdomain", "ip6-localhost", "0.0.0.0", "::", "::1", "127.0.0.1"}
+        if wildcard:
+            import socket
+
+            names |= {socket.gethostname().lower(), socket.getfqdn().lower()}
+            try:
+                import psutil
+
+                for addrs in psutil.net_if_addrs().values():
+                    names |= {a.address.split("%")[0].lower() for a in addrs
+                              if a.family in (socket.AF_INET, socket.AF_INET6)}
+            except Exception:  # noqa: BLE001 - psutil missing or unsupported platform: names and loopback only
+                pass
+        names.discard("")
+        self._self_cache = ((self.cfg.host, self.cfg.port), names)
+        return names
+
+    # ------------------------------------------------------------------ bookkeeping (O(1) per instance)
+    def _attach(self, st: InstanceState, lkey: Optional[str]) -> None:
+        """Count ``st`` in the layout groups, role and model tallies."""
+        self._roles[st.role] = self._roles.get(st.role, 0) + 1
+        mk = tuple(st.model)
+        self._models[mk] = self._models.get(mk, 0) + 1
+        for m in st.model:
+            self.model_names[m] = self.model_names.get(m, 0) + 1
+        loras = st.extra.get("lora_adapters")
+        if isinstance(loras, dict):
+            self.loras.update(loras)
+        st.extra["_lkey"] = lkey
+        if lkey is not None:
+            self._layouts.setdefault(lkey, st.kv_layout)
+            for m in (st.model or ("",)):
+                self._groups.setdefault((m, st.role), {}).setdefault(lkey, set()).add(st.id)
+
+    def _detach(self, b: Backend) -> None:
+        """Undo :meth:`_attach` for ``b`` and stop its background work; its slot and cache entries go too (the
+        caller reuses or frees the slot)."""
         st = b.state
         if b.ev_task is not None:
             b.ev_task.cancel()
         b.pool.close()
         self.backends.pop(st.id, None)
-        self.instances = [i for i in self.instances if i is not st]
+        if self._by_url.get(st.url) is b:
+            del self._by_url[st.url]
+        self._pos.pop(st.id, None)
+        self._roles[st.role] -= 1
+        mk = tuple(st.model)
+        self._models[mk] -= 1
+        if not self._models[mk]:
+            del self._models[mk]
+        for m in st.model:
+            self.model_names[m] -= 1
+            if not self.model_names[m]:
+                del self.model_names[m]
+        lkey = st.extra.get("_lkey")
+        if lkey is not None:
+            for m in (st.model or ("",)):
+                g = self._groups.get((m, st.role))
+                if g is not None and lkey in g:
+                    g[lkey].discard(st.id)
+                    if not g[lkey]:
+                        del g[lkey]
         self.index.clear(st.slot)
         self.approx.clear(st.slot)
         self.on_remove(st)
+
+    @property
+    def has_prefill(self) -> bool:
+        """True when a prefill-role instance is registered (PD placements possible)."""
+        return self._roles.get("prefill", 0) > 0
+
+    @property
+    def distinct_models(self) -> int:
+        """Number of distinct registered model lists."""
+        return len(self._models)
+
+    def _layout_conflicts(self, st: InstanceState, lkey: Optional[str], old: Optional[Backend]) -> List[str]:
+        """Incompatibilities between ``st``'s KV layout and registered counterparts (prefill -> decode pairs of a
+        shared model; an instance without a model pairs with every model). Counterparts are grouped by (model,
+        role, layout), so the work is one memoised :func:`layout_reasons` call per distinct layout pair, not per
+        instance; a reason names one instance of the group and how many more share its layout."""
+        if lkey is None:
+            return []
+        skip = {st.id} | ({old.state.id} if old is not None else set())
+        if st.model:
+            keys = [(m, r) for m in tuple(st.model) + ("",) for r in ROLES]
+        else:
+            keys = list(self._groups)
+        reasons: List[str] = []
+        seen = set()
+        for m, orole in keys:
+            g = self._groups.get((m, orole))
+            if not g:
+                continue
+            fwd = st.role in ("prefill", "both") and orole in ("decode", "both") and (st.role, orole) != ("both", "both")
+            back = st.role in ("decode", "both") and orole in ("prefill", "both") and (st.role, orole) != ("both", "both")
+            if not (fwd or back):
+                continue
+            for ok, ids in g.items():
+                n = len(ids) - sum(1 for i in skip if i in ids)
+                if n <= 0:
+                    continue
+                rep = next(i for i in ids if i not in skip)
+                more = f" (and {n - 1} more with the same layout)" if n > 1 else ""
+                for src, dst, sname, dname in ((lkey, ok, st.id, rep + more), (ok, lkey, rep + more, st.id)) \
+                        if fwd and back else (((lkey, ok, st.id, rep + more),) if fwd else ((ok, lkey, rep + more, st.id),)):
+                    if (src, dst) in seen:
+                        continue
+                    seen.add((src, dst))
+                    if self._pair_ok(src, dst):
+                        continue
+                    reasons += [f"{sname} -> {dname}: {r}" for r in
+                                layout_reasons(self._layout_of(src, st), self._layout_of(dst, st), sname, dname)]
+        return reasons
+
+    def _layout_of(self, key: str, st: InstanceState) -> dict:
+        return self._layouts.get(key) or st.kv_layout
+
+    def _pair_ok(self, src: str, dst: str) -> bool:
+        """Memoised compatibility of two canonical layout keys (one :func:`layout_reasons` call per pair)."""
+        r = self._pair_cache.get((src, dst))
+        if r is None:
+            if len(self._pair_cache) >= 4096:
+                self._pair_cache.clear()
+            lay_src = self._layouts.get(src) or msgspec.json.decode(src)
+            lay_dst = self._layouts.get(dst) or msgspec.json.decode(dst)
+            r = self._pair_cache[(src, dst)] = not layout_reasons(lay_src, lay_dst, "prefill", "decode")
+        return r
+
+    def _drop(self, b: Backend) -> None:
+        """Remove ``b`` entirely (its slot is freed; the list keeps the others' order)."""
+        self._detach(b)
+        st = b.state
+        self.instances = [i for i in self.instances if i is not st]
+        self._pos = {i.id: k for k, i in enumerate(self.instances)}
+        heapq.heappush(self._free, st.slot)
 
     def remove(self, iid: str) -> bool:
         """Remove instance ``iid`` (its cache entries too); False if unknown."""
@@ -268,9 +498,17 @@ class Registry:
             st.kv_events, self.index, lambda: st.slot, err, decoder=kv_events.get_decoder(st.engine)))
 
     async def _health_loop(self) -> None:
+        """Every ``health_interval_s``: one health check per instance, at most :data:`HEALTH_CONCURRENCY` at a time
+        (a fleet of 10,000 must not open 10,000 sockets at once and exhaust the router's file descriptors)."""
+        sem = asyncio.Semaphore(HEALTH_CONCURRENCY)
+
+        async def one(b: Backend) -> None:
+            async with sem:
+                await self.check(b)
+
         while True:
             await asyncio.sleep(self.cfg.health_interval_s)
-            await asyncio.gather(*(self.check(b) for b in list(self.backends.values())), return_exceptions=True)
+            await asyncio.gather(*(one(b) for b in list(self.backends.values())), return_exceptions=True)
 
     async def check(self, b: Backend) -> None:
         """One health check of ``b`` (GET the engine's health path, ``health_timeout_s``)."""
@@ -278,8 +516,16 @@ class Registry:
         try:
             c = await request(b.pool, raw, None, None, timeout=self.cfg.health_timeout_s)
             ok = c.status == 200
+            if b"dlmix_router" in c.collected()[2]:  # a dlmix router's /health: requests sent there would loop
+                rid = _router_id(c.collected()[2])
+                b.loop = ("this router itself (same router id)" if rid == self.own_id
+                          else f"another dlmix router (id {rid})")
+                b.state.extra["_loop"] = b.loop
         except BackendError:
             ok = False
+        if b.loop:
+            ok = False
+            b.hc_fails = self.cfg.health_failures
         if ok:
             b.hc_fails = 0
             b.hc_ok = True
@@ -309,7 +555,7 @@ class Registry:
         ld = i.load
         return {"id": i.id, "url": i.url, "engine": i.engine, "role": i.role, "model": list(i.model),
                 "cluster": i.cluster, "chip": i.chip, "num_chips": i.num_chips, "block_size": i.block_size,
-                "healthy": i.healthy, "draining": i.draining, "slot": i.slot, "kv_events": i.kv_events,
+                "healthy": i.healthy, "draining": i.draining, "loop": i.extra.get("_loop"), "slot": i.slot, "kv_events": i.kv_events,
                 "transport": i.transport, "ttft_ratio": i.ttft_ratio, "itl_ratio": i.itl_ratio,
                 "load": {"inflight": ld.inflight, "inflight_prefill_tokens": ld.inflight_prefill_tokens,
                          "inflight_decode": ld.inflight_decode, "waiting": ld.waiting, "running": ld.running,

@@ -13,11 +13,13 @@ JSON in and out; errors are ``{"error": msg, "reasons": [...]}``:
     ``cluster``, ``chip`` (catalog name), ``num_chips``, ``block_size``, ``kv_layout`` (``dlmix.kv.layout.KVLayout``
     dict), ``transport`` (e.g. ``{"link": "rdma-100g"}`` or ``{"bandwidth_gbps": 100, "setup_ms": 1}``),
     ``kv_events`` (``tcp://host:port`` of the engine's ZMQ KV-event publisher), ``api_key``, ``id``,
-    ``heartbeat_ttl_s`` (default ``heartbeat_ttl_s`` of the router; 0 = no heartbeats expected). → ``201 {"id":..,
-    "slot":..}``; ``400`` bad field; ``409`` KV layout incompatible with a registered counterpart (prefill vs decode of
-    the same model; ``reasons`` from :func:`dlmix.kv.layout.check_compat`).
+    ``heartbeat_ttl_s`` (default ``heartbeat_ttl_s`` of the router; 0 = no heartbeats expected), ``lora_adapters``.
+    Schema: :class:`dlmix.pd.registration.Registration`. → ``201 {"id":.., "slot":..}``; ``400`` bad field (named),
+    or the router's own address; ``409`` KV layout incompatible with a registered counterpart (prefill vs decode of
+    the same model; ``reasons`` from :func:`dlmix.pd.pair.check_pair`). A refused body changes nothing.
 ``POST /admin/instances/{id}/heartbeat``
-    Body ``{"waiting": int, "running": int, "kv_usage": float}`` (all optional). Send every ``ttl/3`` s; an instance
+    Body ``{"waiting": int, "running": int, "kv_usage": float}`` (all optional; :class:`~dlmix.router.registry.
+    Heartbeat`). Send every ``ttl/3`` s; an instance
     whose heartbeats stop for ``heartbeat_ttl_s`` leaves rotation and returns with the next heartbeat. ``404`` if the
     router does not know the id (re-register then).
 ``GET /admin/instances``
@@ -45,6 +47,7 @@ from __future__ import annotations
 
 import asyncio
 import ipaddress
+import uuid
 from typing import Dict, List, Optional
 
 import msgspec
@@ -59,8 +62,8 @@ from dlmix.router.orchestrator import SENT, PDOrchestrator
 from dlmix.router.proxy import BackendError, build_request, forward_headers, request
 from dlmix.router.registry import Backend, RegistrationError, Registry, Runtime  # noqa: F401 - re-exported
 from dlmix.router.routes import Route, RouteTable
-from dlmix.router.tokenize import PromptExtractor
-from dlmix.routing.hashing import BlockHasher, char_chunk_keys
+from dlmix.router.tokenize import PromptExtractor, lora_of, prefix_keys
+from dlmix.routing.hashing import BlockHasher
 from dlmix.routing.policies import ClusterView, begin, end, make_policy, prefill_done
 from dlmix.routing.prefix_index import ApproxIndex, PrefixIndex
 from dlmix.routing.state import InstanceState, NoInstanceError, RouteRequest
@@ -112,6 +115,12 @@ class Router:
         self.registry.on_change = self._update_flags
         self.pd = PDOrchestrator(self.registry, self.policy, cfg, self.metrics, self._view)
         self.admin = AdminAPI(self.registry, cfg.admin_key)
+        #: this router's id: in its /health answer and in the x-dlmix-via header of every request it forwards, so a
+        #: router registered as an instance (of itself or of a router that leads back here) is detected
+        self.router_id = uuid.uuid4().hex[:16]
+        self._via = self.router_id.encode()
+        self.registry.own_id = self.router_id
+        self.registry.via = b"x-dlmix-via: %s\r\n" % self._via
         self.routes = RouteTable([
             Route("POST", "/v1/chat/completions", self._chat),
             Route("POST", "/v1/completions", self._completions),
@@ -151,9 +160,9 @@ class Router:
         return self.registry.describe(i)
 
     def _update_flags(self) -> None:
-        models = {tuple(i.model) for i in self.instances}
-        pd = any(i.role == "prefill" for i in self.instances)
-        self._needs_parse = self.policy.needs_prompt or len(models) > 1 or pd
+        """Recompute the fast-path flags from the registry's tallies (O(1): no scan of the fleet)."""
+        pd = self.registry.has_prefill
+        self._needs_parse = self.policy.needs_prompt or self.registry.distinct_models > 1 or pd
         self._pd = pd
 
     def _view(self, instances) -> ClusterView:
@@ -184,30 +193,49 @@ class Router:
         route, params, status = self.routes.match(req.method, req.path)
         if route is None:
             if status == 405:
-                return conn.send(405, _json.encode({"error": f"use {' or '.join(params['allow'])}"}))
-            return conn.send(404, b'{"error":"not found"}')
+                return self._send(conn, 405, _json.encode({"error": f"use {' or '.join(params['allow'])}"}))
+            return self._send(conn, 404, b'{"error":"not found"}')
         r = route.handler(conn, req)
         if r is not None:
             await r
+
+    def _send(self, conn, status: int, body: bytes, content_type: bytes = b"application/json") -> None:
+        """Answer the client from the router itself (counted in ``dlmix_router_client_responses_total``)."""
+        if self.metrics is not None:
+            self.metrics.answer(status)
+        conn.send(status, body, content_type)
 
     def _client_ok(self, req) -> bool:
         return not self._client_auth or req.header(b"authorization") in self._client_auth
 
     def _health(self, conn, req) -> None:
+        """200 when an instance is available, else 503; the body names this router (loop detection)."""
         ok = any(i.available() for i in self.instances)
-        conn.send(200 if ok else 503, b'{"status":"ok"}' if ok else b'{"status":"no healthy instance"}')
+        self._send(conn, 200 if ok else 503, b'{"status":"%s","dlmix_router":"%s"}' % (
+            b"ok" if ok else b"no healthy instance", self._via))
+
+    def _looped(self, req) -> bool:
+        """True when ``req`` already passed through this router (its id in an ``x-dlmix-via`` header)."""
+        own = self._via
+        for k, v in req.headers:
+            if k == b"x-dlmix-via" and own in v:
+                return True
+        return False
 
     def _metrics(self, conn, req) -> None:
+        """Prometheus text. With client keys configured it needs one of them (or the admin key)."""
+        if self._client_auth and not (self._client_ok(req) or self.admin.key_ok(req)):
+            return self._send(conn, 401, b'{"error":"invalid or missing API key"}')
         if self.metrics is None:
-            return conn.send(404, b'{"error":"metrics disabled"}')
+            return self._send(conn, 404, b'{"error":"metrics disabled"}')
         body, ctype = self.metrics.render()
-        conn.send(200, body, ctype)
+        self._send(conn, 200, body, ctype)
 
     async def _models(self, conn, req) -> None:
         """Union of the available instances' model lists (an instance that does not answer contributes its
         registered names)."""
         if not self._client_ok(req):
-            return conn.send(401, b'{"error":"invalid or missing API key"}')
+            return self._send(conn, 401, b'{"error":"invalid or missing API key"}')
         seen: Dict[str, dict] = {}
 
         async def one(b: Backend):
@@ -226,7 +254,7 @@ class Router:
             for e in lst:
                 if isinstance(e, dict) and e.get("id") not in seen:
                     seen[e["id"]] = e
-        conn.send(200, _json.encode({"object": "list", "data": list(seen.values())}))
+        self._send(conn, 200, _json.encode({"object": "list", "data": list(seen.values())}))
 
     def _chat(self, conn, req):
         return self._completion(conn, req, True)
@@ -236,15 +264,18 @@ class Router:
 
     async def _completion(self, conn, req, chat: bool) -> None:
         if not self._client_ok(req):
-            return conn.send(401, b'{"error":"invalid or missing API key"}')
+            return self._send(conn, 401, b'{"error":"invalid or missing API key"}')
+        if self._looped(req):
+            return self._send(conn, 508, b'{"error":"routing loop: this request already passed through this router '
+                                         b'(an instance URL leads back to it); remove that instance"}')
         d, rr = None, self._plain
         if self._needs_parse:
             try:
                 d = msgspec.json.decode(req.body)
             except msgspec.DecodeError as ex:
-                return conn.send(400, _json.encode({"error": f"request body is not valid JSON: {ex}"}))
+                return self._send(conn, 400, _json.encode({"error": f"request body is not valid JSON: {ex}"}))
             if not isinstance(d, dict):
-                return conn.send(400, b'{"error":"request body must be a JSON object"}')
+                return self._send(conn, 400, b'{"error":"request body must be a JSON object"}')
             rr = self._request_from(d, chat)
         await self._run(conn, req, chat, d, rr)
 
@@ -257,29 +288,9 @@ class Router:
         rr = RouteRequest(model=model if isinstance(model, str) else None,
                           max_tokens=mt if isinstance(mt, int) else None, stream=bool(d.get("stream")))
         if self.policy.needs_prompt:
-            try:
-                tokens, text = self.extractor.extract(chat, d)
-            except RuntimeError:
-                tokens, text = None, ""
-            salt = d.get("cache_salt")
-            cache: dict = {}
-            if tokens is not None:
-                rr.prompt_len = len(tokens)
-                hasher = self.hasher
-
-                def bh(bs: int, _t=tokens, _c=cache, _s=salt):
-                    r = _c.get(bs)
-                    if r is None:
-                        r = _c[bs] = hasher.block_keys(_t, bs, _s if isinstance(_s, str) else None)
-                    return r
-            else:
-                rr.prompt_len = len(text) // 4
-
-                def bh(bs: int, _t=text, _c=cache):
-                    r = _c.get(bs)
-                    if r is None:
-                        r = _c[bs] = char_chunk_keys(_t, bs)
-                    return r
+            reg = self.registry
+            lora = lora_of(model, reg.loras, reg.model_names) if reg.model_names else None
+            rr.prompt_len, bh = prefix_keys(self.extractor, self.hasher, chat, d, lora)
             rr.block_hashes = bh
         return rr
 
@@ -296,6 +307,8 @@ class Router:
         if (path != _CHAT and path != _COMPL) or req.method != b"POST" or self._pd:
             return False
         if self._client_auth and req.header(b"authorization") not in self._client_auth:
+            return False
+        if self._looped(req):
             return False
         chat = path == _CHAT
         d = None
@@ -363,7 +376,7 @@ class Router:
                 try:
                     dec = self.policy.choose(rr, view)
                 except NoInstanceError as ex:
-                    return conn.send(503, _json.encode({"error": str(ex)}))
+                    return self._send(conn, 503, _json.encode({"error": str(ex)}))
             self._dispatch(rr, dec, view)
             state = [False]  # prefilled
 
@@ -380,9 +393,11 @@ class Router:
                         return
                     if kvp is not None:  # else: fell back to prefill on D (dec.prefill is None now)
                         data = self.rt[dec.decode.id].engine.decode_body(req.body, kvp, d)
-                        if m and self.cost is not None:
+                        if m:
                             hd = min(view.hit_tokens(rr, dec.decode), rr.prompt_len)
-                            m.kv_bytes.inc(self.cost.kv_bytes(rr.prompt_len - hd))
+                            m.decode_hit(self.rt.get(dec.decode.id), hd)
+                            if self.cost is not None:
+                                m.kv_estimate(self.cost.kv_bytes(rr.prompt_len - hd))
                         first()
                 b = self.rt.get(dec.decode.id)
                 if b is None:
@@ -434,7 +449,7 @@ class Router:
                 conn.closed = True
             return False
         if attempts + 1 > self.cfg.retries:
-            conn.send(502, _json.encode({"error": f"backend failed: {err}"}))
+            self._send(conn, 502, _json.encode({"error": f"backend failed: {err}"}))
             return False
         if m:
             m.retry("decode")

@@ -17,12 +17,17 @@ piece separately and caches pieces by content (system prompts and shared documen
 self-checked: the first ``verify`` requests are also encoded whole; on any difference (e.g. SentencePiece
 ``prepend_scheme="first"``) the split is switched off and whole-text encoding (cached by text) is used.
 
+Prefix keys (:func:`prefix_keys`): every key the router computes for a request carries the request's namespace as
+the engine does: its ``cache_salt`` and, when its ``model`` names a LoRA adapter, the adapter (:func:`lora_of`), with
+a tokenizer (vLLM's extra keys, exact) and without (the character-chunk chain starts from the namespace). Identical
+prompts under different salts or adapters are therefore never prefix hits of each other.
+
 Chat text without a tokenizer is ``"<|role|>\\n" + content + "\\n"`` per message (an approximation of a template;
 stable per conversation prefix, which is all the approximate index needs).
 """
 from __future__ import annotations
 
-from typing import Any, List, Optional, Sequence, Tuple
+from typing import Any, Callable, List, Mapping, Optional, Sequence, Tuple
 
 
 def _content_text(c: Any) -> str:
@@ -165,3 +170,54 @@ class PromptExtractor:
         if not self.spec:
             return None, p
         return self._encode(p, bool(body.get("add_special_tokens", True))), p
+
+
+def lora_of(model: Any, loras: Mapping[str, str], served: Mapping[str, int]) -> Optional[Tuple[str, Optional[str]]]:
+    """The LoRA adapter a request's ``model`` names, as ``(name, path)``, or None for a base model.
+
+    ``loras``: adapters the instances registered (``lora_adapters: {name: path}``): exact, vLLM's key. ``served``:
+    every registered model name (adapters included): a name in it that is not an adapter is a base model. A name
+    nobody registered is keyed as an adapter of unknown path (``(name, None)``: kept apart from the base model,
+    never an exact hit). No model, or no registered names at all: None."""
+    if not isinstance(model, str) or not model:
+        return None
+    path = loras.get(model)
+    if path is not None:
+        return model, path
+    if not served or model in served:
+        return None
+    return model, None
+
+
+def prefix_keys(extractor: "PromptExtractor", hasher, chat: bool, body: dict,
+                lora: Optional[Tuple[str, Optional[str]]] = None) -> Tuple[int, Callable[[int], List[int]]]:
+    """(prompt length in tokens, ``block_size -> block keys`` memoised per block size) of a parsed request body.
+
+    With token ids (tokenizer configured, or a token-id prompt): vLLM's chained block hashes as 64-bit keys
+    (:meth:`dlmix.routing.hashing.BlockHasher.block_keys`) with the request's ``cache_salt`` and ``lora``. Without:
+    character-chunk keys (:func:`dlmix.routing.hashing.char_chunk_keys`) in the namespace ``(lora name, salt)``;
+    the length is then estimated as characters / 4. A tokenizer that cannot be loaded counts as none."""
+    from dlmix.routing.hashing import char_chunk_keys
+
+    try:
+        tokens, text = extractor.extract(chat, body)
+    except RuntimeError:
+        tokens, text = None, ""
+    salt = body.get("cache_salt")
+    salt = salt if isinstance(salt, str) and salt else None
+    cache: dict = {}
+    if tokens is not None:
+        def bh(bs: int, _t=tokens, _c=cache, _s=salt, _l=lora):
+            r = _c.get(bs)
+            if r is None:
+                r = _c[bs] = hasher.block_keys(_t, bs, _s, _l)
+            return r
+        return len(tokens), bh
+    ns = (lora[0] if lora else None, salt)
+
+    def bh(bs: int, _t=text, _c=cache, _ns=ns):
+        r = _c.get(bs)
+        if r is None:
+            r = _c[bs] = char_chunk_keys(_t, bs, namespace=_ns)
+        return r
+    return len(text) // 4, bh

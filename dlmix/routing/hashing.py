@@ -12,8 +12,11 @@ Exact mode reproduces vLLM v1 prefix caching (``vllm/v1/core/kv_cache_utils.py``
 * ``H`` = ``sha256_cbor``: SHA-256 of canonical CBOR (engine flag ``--prefix-caching-hash-algo sha256_cbor``), or the
   engine default ``sha256``: SHA-256 of ``pickle.dumps(obj, protocol=HIGHEST)`` (same Python pickler, deterministic
   for bytes/tuples of ints/None).
-* extra keys: ``(("cache_salt", salt),)`` on the first block when the request has ``cache_salt``; LoRA and
-  multi-modal keys are not reproduced (such requests get no exact hits).
+* extra keys (``generate_block_hash_extra_keys``): ``("lora", name, path)`` on every block of a LoRA request
+  (``_gen_lora_extra_hash_keys``), then ``("cache_salt", salt)`` on the first block when the request has
+  ``cache_salt``; the tuple of those, or None when there are none. Multi-modal and prompt-embeds keys are not
+  reproduced (such requests get no exact hits). A LoRA whose path the router does not know is keyed with
+  path None: never an exact hit, but never confused with the base model or another adapter either.
 * KV events carry ``int.from_bytes(hash, "big") & (2**64-1)`` (``maybe_convert_block_hash`` with
   ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1``, the default); the index stores exactly that 64-bit int (:func:`to_key`).
 
@@ -22,14 +25,16 @@ times faster than ``cbor2.dumps``; ``tests/test_router_hashing.py`` checks equal
 
 Approximate mode (no tokenizer configured): the prompt text is cut into chunks of ``4 × block_size`` characters
 (≈ one block at ~4 chars/token) and chained with Python's ``hash`` (process-local); these keys only ever meet the
-router's own approximate index, never engine events.
+router's own approximate index, never engine events. The chain starts from the request's namespace (LoRA adapter
+name, cache salt) when it has one, as the engine's keys do, so equal texts under different salts or adapters never
+share a key.
 """
 from __future__ import annotations
 
 import hashlib
 import pickle
 import struct
-from typing import Any, List, Optional, Sequence
+from typing import Any, List, Optional, Sequence, Tuple
 
 MASK64 = (1 << 64) - 1
 DEFAULT_SEED = "vllm-none-hash"
@@ -135,28 +140,39 @@ class BlockHasher:
         memo[key] = h
         return h
 
-    def block_hashes(self, tokens: Sequence[int], block_size: int, cache_salt: Optional[str] = None) -> List[bytes]:
-        """Hashes (32 bytes each) of every full ``block_size``-token block of ``tokens``, chained from NONE_HASH."""
+    def block_hashes(self, tokens: Sequence[int], block_size: int, cache_salt: Optional[str] = None,
+                     lora: Optional[Tuple[str, Optional[str]]] = None) -> List[bytes]:
+        """Hashes (32 bytes each) of every full ``block_size``-token block of ``tokens``, chained from NONE_HASH.
+
+        ``cache_salt``: the request's salt (first block's extra key). ``lora``: ``(adapter name, adapter path)`` of
+        a LoRA request (every block's extra key; vLLM's ``("lora", name, path)``)."""
         out: List[bytes] = []
         parent = None
+        lk = (("lora", lora[0], lora[1]),) if lora else ()
+        rest = lk or None
+        first = (lk + (("cache_salt", cache_salt),)) if cache_salt else rest
         for i in range(0, len(tokens) - block_size + 1, block_size):
-            extra = (("cache_salt", cache_salt),) if (i == 0 and cache_salt) else None
-            parent = self.hash_block(parent, tokens[i : i + block_size], extra)
+            parent = self.hash_block(parent, tokens[i : i + block_size], first if i == 0 else rest)
             out.append(parent)
         return out
 
-    def block_keys(self, tokens: Sequence[int], block_size: int, cache_salt: Optional[str] = None) -> List[int]:
+    def block_keys(self, tokens: Sequence[int], block_size: int, cache_salt: Optional[str] = None,
+                   lora: Optional[Tuple[str, Optional[str]]] = None) -> List[int]:
         """Like :meth:`block_hashes` but as 64-bit index keys (:func:`to_key`)."""
         fb = int.from_bytes
-        return [fb(h[-8:], "big") for h in self.block_hashes(tokens, block_size, cache_salt)]
+        return [fb(h[-8:], "big") for h in self.block_hashes(tokens, block_size, cache_salt, lora)]
 
 
-def char_chunk_keys(text: str, block_size: int, chars_per_token: int = 4) -> List[int]:
+def char_chunk_keys(text: str, block_size: int, chars_per_token: int = 4, namespace: Optional[tuple] = None
+                    ) -> List[int]:
     """Approximate block keys from text: chained hashes of ``chars_per_token × block_size``-character chunks
-    (full chunks only), 64-bit ints. Process-local (Python ``hash``); router-internal approximate index only."""
+    (full chunks only), 64-bit ints. Process-local (Python ``hash``); router-internal approximate index only.
+
+    ``namespace``: hashable that separates requests whose KV the engine keeps apart (e.g. ``(lora name,
+    cache_salt)``); the chain starts from its hash. None or all-None: the plain chain."""
     n = block_size * chars_per_token
     out: List[int] = []
-    prev = 0
+    prev = hash(("ns", namespace)) & MASK64 if namespace and any(x is not None for x in namespace) else 0
     for i in range(0, len(text) - n + 1, n):
         prev = hash((prev, text[i : i + n])) & MASK64
         out.append(prev)
