@@ -207,7 +207,7 @@ def test_connection_cap_refuses_with_503_then_recovers(lt):
 
 # ---------------------------------------------------------------------------------------------- size limits
 def test_url_header_and_body_limits(lt):
-    st = Setup(lt, [MockEngine(name="a")], max_body_mb=0.0625)  # 64 KiB
+    st = Setup(lt, [MockEngine(name="a")], max_body_mb=1)
     try:
         with httpx.Client(timeout=LIVE) as h:
             r = h.post(st.base + "/v1/completions?" + "a" * 9000, json=BODY)
@@ -217,10 +217,10 @@ def test_url_header_and_body_limits(lt):
             r = h.post(st.base + "/v1/completions", json=BODY, headers={f"x-h{k}": "1" for k in range(150)})
             assert r.status_code == 431 and "max_headers" in r.text
             # over the limit with Content-Length: a readable 413 (not a connection reset), sent after the body
-            r = h.post(st.base + "/v1/completions", json=dict(BODY, prompt="x" * (1 << 20)))
+            r = h.post(st.base + "/v1/completions", json=dict(BODY, prompt="x" * (2 << 20)))
             assert r.status_code == 413 and "max_body_mb" in r.text
             # and with chunked encoding (no length known in advance)
-            r = h.post(st.base + "/v1/completions", content=iter([b"x" * 16384] * 64))
+            r = h.post(st.base + "/v1/completions", content=iter([b"x" * 16384] * 128))
             assert r.status_code == 413 and "max_body_mb" in r.text
             # the router still serves
             assert h.post(st.base + "/v1/completions", json=BODY).status_code == 200
