@@ -57,24 +57,22 @@ class Setup:
             self.lt.run(e.stop())
 
 
-def _read_response(s: socket.socket) -> tuple:
-    """(status, headers dict, body) of one Content-Length framed response, read from a raw socket."""
-    buf = b""
-    while b"\r\n\r\n" not in buf:
-        d = s.recv(65536)
-        if not d:
-            raise ConnectionError(f"closed after {buf!r}")
-        buf += d
-    head, _, rest = buf.partition(b"\r\n\r\n")
-    lines = head.decode("latin-1").split("\r\n")
-    hdrs = {k.strip().lower(): v.strip() for k, _, v in (ln.partition(":") for ln in lines[1:])}
-    n = int(hdrs.get("content-length", "0"))
-    while len(rest) < n:
-        d = s.recv(65536)
-        if not d:
+def _read_response(s) -> tuple:
+    """(status, headers dict, body) of one Content-Length framed response, read from a raw socket or from a
+    buffered reader (``sock.makefile("rb")``: needed when several responses follow each other)."""
+    f = s.makefile("rb") if isinstance(s, socket.socket) else s
+    line = f.readline()
+    if not line:
+        raise ConnectionError("closed before a response")
+    hdrs = {}
+    while True:
+        h = f.readline()
+        if h in (b"\r\n", b""):
             break
-        rest += d
-    return int(lines[0].split()[1]), hdrs, rest[:n]
+        k, _, v = h.decode("latin-1").partition(":")
+        hdrs[k.strip().lower()] = v.strip()
+    body = f.read(int(hdrs.get("content-length", "0")))
+    return int(line.split()[1]), hdrs, body
 
 
 def _closed_or_answered(s: socket.socket) -> bytes | None:
@@ -202,6 +200,23 @@ def test_connection_cap_refuses_with_503_then_recovers(lt):
     finally:
         for s in held:
             s.close()
+        st.close()
+
+
+def test_pipelined_flood_is_answered_in_order(lt):
+    """200 pipelined requests in one write: the router stops reading while 32 wait, and answers all, in order."""
+    e = MockEngine(name="a")
+    st = Setup(lt, [e])
+    try:
+        s = st.sock()
+        reqs = [json.dumps(dict(BODY, prompt=f"request {k}")).encode() for k in range(200)]
+        s.sendall(b"".join(HEAD + b"content-length: %d\r\n\r\n%s" % (len(r), r) for r in reqs))
+        f = s.makefile("rb")
+        for k in range(200):
+            status, _, body = _read_response(f)
+            assert status == 200 and e.received[k] == reqs[k]
+        s.close()
+    finally:
         st.close()
 
 

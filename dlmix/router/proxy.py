@@ -178,6 +178,9 @@ class Hub:
                 self._handle = self._loop.call_later(lim.tick(), self._sweep)
 
 
+_MAX_PIPELINED = 32  # queued pipelined requests per connection before it stops reading
+
+
 class _Refused(Exception):
     """Raised inside a parser callback to stop parsing after the request was refused (response already sent)."""
 
@@ -194,7 +197,7 @@ class ServerProtocol(asyncio.Protocol):
 
     __slots__ = ("handler", "transport", "parser", "_url", "_headers", "_body", "_queue", "_task", "closed",
                  "peer", "backends", "max_body", "fast", "_busy", "hub", "lim", "_reading", "_t", "_hb", "_nbody",
-                 "_clen", "_discard", "_expect", "_hsz")
+                 "_clen", "_discard", "_expect", "_hsz", "_paused")
 
     def __init__(self, handler: Handler, max_body: int = 64 << 20, fast=None, hub: Optional[Hub] = None):
         self.handler = handler
@@ -218,6 +221,7 @@ class ServerProtocol(asyncio.Protocol):
         self._clen = None
         self._discard = False  # refused: read and drop whatever the client still sends
         self._expect = False
+        self._paused = False
 
     # asyncio callbacks
     def connection_made(self, transport):
@@ -341,7 +345,11 @@ class ServerProtocol(asyncio.Protocol):
         body = b"".join(b) if len(b) != 1 else b[0]
         req = Request(self.parser.get_method(), self._url, self._headers, body, self.parser.should_keep_alive())
         if self._busy:
-            self._queue.append(req)  # HTTP/1.1 pipelining: answer in order
+            q = self._queue
+            q.append(req)  # HTTP/1.1 pipelining: answer in order
+            if len(q) >= _MAX_PIPELINED and not self._paused:
+                self._paused = True  # stop reading: a pipelining client cannot queue without bound
+                self.transport.pause_reading()
         else:
             self._dispatch(req)
 
@@ -390,6 +398,9 @@ class ServerProtocol(asyncio.Protocol):
         if self._reading == 0:
             self._t = time.perf_counter()  # idle from now (keep-alive timeout)
         if self._queue and not self.closed:
+            if self._paused and len(self._queue) <= _MAX_PIPELINED // 2:
+                self._paused = False
+                self.transport.resume_reading()
             self._dispatch(self._queue.pop(0))
 
     def send(self, status: int, body: bytes, content_type: bytes = b"application/json", keep_alive: bool = True,
