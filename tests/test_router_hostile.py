@@ -140,19 +140,19 @@ def test_one_byte_chunked_body_does_not_freeze_other_clients(lt):
 
 # ---------------------------------------------------------------------------------------------- timeouts
 def test_header_body_and_idle_timeouts_close_slow_clients(lt):
-    st = Setup(lt, [MockEngine(name="a")], header_timeout_s=0.4, body_timeout_s=0.4, keepalive_timeout_s=0.4)
+    st = Setup(lt, [MockEngine(name="a")], header_timeout_s=1.0, body_timeout_s=1.0, keepalive_timeout_s=1.0)
     try:
-        # slowloris head: one header byte every 20 ms would take 8 s; the router answers 408 and closes first
+        # slowloris head: one header byte every 50 ms would take 20 s; the router answers 408 and closes first
         s = st.sock()
         s.sendall(HEAD)
-        n, got = _dribble(s, b"x-slow: " + b"a" * 392 + b"\r\n", 0.02)
+        n, got = _dribble(s, b"x-slow: " + b"a" * 392 + b"\r\n", 0.05)
         assert got is not None and n < 400, "the router kept a dribbling request head open"
         assert got == b"" or got.startswith(b"HTTP/1.1 408")
         s.close()
-        # slow body: Content-Length 400, one byte every 20 ms
+        # slow body: Content-Length 400, one byte every 50 ms
         s = st.sock()
         s.sendall(HEAD + b"content-length: 400\r\n\r\n")
-        n, got = _dribble(s, b"z" * 400, 0.02)
+        n, got = _dribble(s, b"z" * 400, 0.05)
         assert got is not None and n < 400, "the router kept a dribbling body open"
         assert got == b"" or got.startswith(b"HTTP/1.1 408")
         s.close()
