@@ -2,7 +2,10 @@
 
 Client API: ``POST /v1/chat/completions``, ``POST /v1/completions`` (streaming SSE or not; bodies and SSE chunks are
 passed through byte for byte), ``GET /v1/models`` (union of the instances' lists), ``GET /health``, ``GET /metrics``
-(Prometheus). Client keys (``api_keys``) are optional: ``Authorization: Bearer KEY``.
+(Prometheus). Client keys (``api_keys``) are optional: ``Authorization: Bearer KEY``. Client-side limits and
+timeouts (414/431/413/408, connection cap 503, backend 502/504) are config keys, enforced by
+:class:`~dlmix.router.proxy.Limits` (table in ``dlmix/router/README.md``); malformed generation bodies get 400 naming
+the problem (:mod:`~dlmix.router.bodies`), a model no instance serves 404.
 
 Admin / registration API (``Authorization: Bearer ADMIN_KEY``; without ``admin_key`` only loopback peers may call it).
 JSON in and out; errors are ``{"error": msg, "reasons": [...]}``:
