@@ -16,7 +16,7 @@ import threading
 import httpx
 import pytest
 
-from dlmix.router.config import RouterConfig
+from dlmix.router.config import ConfigError, RouterConfig
 from dlmix.router.server import Router
 from dlmix.testing import LoopThread, free_port
 from dlmix.testing.mock_engine import MockEngine
@@ -369,3 +369,9 @@ def test_unknown_model_is_404_openai_style(lt, policy):
         assert "no-such-model" in err["message"] and "does not exist" in err["message"]
     finally:
         st.close()
+
+
+@pytest.mark.parametrize("key", ["header_timeout_s", "max_connections", "max_body_mb", "backend_read_timeout_s"])
+def test_non_positive_limit_is_refused_at_construction(key):
+    with pytest.raises(ConfigError, match=f"{key} must be a positive number"):
+        Router(RouterConfig(port=0, **{key: 0}))

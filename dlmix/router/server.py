@@ -126,6 +126,7 @@ class Router:
         self._client_auth = {b"Bearer " + k.encode() for k in cfg.api_keys}
         self._server = None
         self.hub: Optional[proxy.Hub] = None
+        self.limits = self.http_limits()
         self._plain = RouteRequest()
         self._needs_parse = True
         self._pd = False
@@ -171,6 +172,12 @@ class Router:
         limit allows (each running request also holds a backend connection), after raising the soft limit towards
         the hard one. Raises ConfigError for a non-positive value."""
         c = self.cfg
+        for k in ("max_url_bytes", "max_header_bytes", "max_headers", "max_body_mb", "header_timeout_s",
+                  "body_timeout_s", "keepalive_timeout_s", "linger_timeout_s", "max_connections",
+                  "backend_read_timeout_s"):
+            v = getattr(c, k)
+            if not isinstance(v, (int, float)) or isinstance(v, bool) or v <= 0:
+                raise ConfigError(f"router config key {k} must be a positive number, got {v!r}")
         conns = int(c.max_connections)
         try:
             import resource
@@ -196,7 +203,7 @@ class Router:
 
     async def start(self) -> None:
         """Listen on ``cfg.host:cfg.port`` and start health checks and KV-event subscribers."""
-        self.hub = proxy.Hub(self.http_limits())
+        self.hub = proxy.Hub(self.limits)
         self._server = await proxy.serve(self.handle, self.cfg.host, self.cfg.port,
                                          fast=self.fast if self.cfg.fast_path else None, hub=self.hub)
         if self.cfg.port == 0:
