@@ -94,7 +94,9 @@ class Limits:
       this long fails with a timeout (the router answers ``504`` when nothing reached the client yet).
 
     Enforcement: one timer per server (:class:`Hub`) looks at every connection each ``tick`` seconds (a quarter of the
-    smallest timeout, 20 ms to 1 s), so a timeout fires up to ``tick`` late and the hot path pays no timer per request.
+    smallest timeout, 20 ms to 1 s). The hot path only marks a phase change (``_t = 0.0``); the sweep that sees the
+    mark starts the clock, so a timeout fires between its value and its value plus two ticks (at most 1.5x), and no
+    request pays for a timer or a clock read.
     Raises ValueError for a non-positive value.
     """
 
@@ -157,9 +159,14 @@ class Hub:
                     continue
                 if c._busy:
                     for b in c.backends:
-                        if now - b.t_io > lim.backend_read_timeout:
+                        if b.t_io == 0.0:
+                            b.t_io = now  # activity since the last sweep: the silence starts now
+                        elif now - b.t_io > lim.backend_read_timeout:
                             b.fail(BackendError(f"backend {b.pool.name} sent nothing for "
                                                 f"{lim.backend_read_timeout:.3g} s", b.forwarded, timeout=True))
+                    continue
+                if c._t == 0.0:
+                    c._t = now  # a new phase began since the last sweep: time it from now
                     continue
                 r = c._reading
                 if r == 1 and now - c._t > lim.header_timeout:
@@ -197,7 +204,7 @@ class ServerProtocol(asyncio.Protocol):
 
     __slots__ = ("handler", "transport", "parser", "_url", "_headers", "_body", "_queue", "_task", "closed",
                  "peer", "backends", "max_body", "fast", "_busy", "hub", "lim", "_reading", "_t", "_hb", "_nbody",
-                 "_clen", "_discard", "_expect", "_hsz", "_paused")
+                 "_clen", "_discard", "_expect", "_paused", "_cl_digits")
 
     def __init__(self, handler: Handler, max_body: int = 64 << 20, fast=None, hub: Optional[Hub] = None):
         self.handler = handler
@@ -206,6 +213,7 @@ class ServerProtocol(asyncio.Protocol):
         self.hub = hub
         self.lim = hub.limits if hub is not None else _DEFAULT_LIMITS
         self.max_body = self.lim.max_body if hub is not None else max_body
+        self._cl_digits = len(str(self.max_body))  # a shorter Content-Length cannot exceed the limit
         self.transport = None
         self.parser = httptools.HttpRequestParser(self)
         self._queue: List[Request] = []
@@ -214,10 +222,9 @@ class ServerProtocol(asyncio.Protocol):
         self.peer = None
         self.backends: List["BackendConn"] = []  # backend connections the current request uses
         self._reading = 1  # 0 idle (kept alive), 1 reading a request head, 2 reading a body
-        self._t = time.perf_counter()  # start of the current phase
+        self._t = 0.0  # start of the current phase (0.0: not seen by the Hub's sweep yet)
         self._hb = 0  # bytes received while the current head is incomplete
         self._nbody = 0
-        self._hsz = 0
         self._clen = None
         self._discard = False  # refused: read and drop whatever the client still sends
         self._expect = False
@@ -286,12 +293,11 @@ class ServerProtocol(asyncio.Protocol):
     # httptools callbacks
     def on_message_begin(self):
         self._reading = 1
-        self._t = time.perf_counter()
+        self._t = 0.0
         self._url = b""
         self._headers = []
         self._body = []
         self._nbody = 0
-        self._hsz = 0
         self._clen = None
         self._expect = False
 
@@ -303,26 +309,28 @@ class ServerProtocol(asyncio.Protocol):
 
     def on_header(self, name: bytes, value: bytes):
         name = name.lower()
-        h = self._headers
-        h.append((name, value))
+        self._headers.append((name, value))
         if name == b"content-length":
             self._clen = value
         elif name == b"expect":
             self._expect = value.lower() == b"100-continue"
-        if len(h) > self.lim.max_headers:
-            self._refuse(431, b'{"error":"too many request headers (max_headers)"}')
-            raise _Refused
-        n = self._hsz = self._hsz + len(name) + len(value) + 4
-        if n > self.lim.max_header_bytes:
-            self._refuse(431, b'{"error":"request headers too large (max_header_bytes)"}')
-            raise _Refused
 
     def on_headers_complete(self):
+        # sizes: a head still incomplete is cut in data_received; here the finished one (cheap bound first)
+        lim = self.lim
+        h = self._headers
+        if len(h) > lim.max_headers:
+            self._refuse(431, b'{"error":"too many request headers (max_headers)"}')
+            raise _Refused
+        if self._hb > lim.max_header_bytes and sum(len(k) + len(v) + 4 for k, v in h) > lim.max_header_bytes:
+            self._refuse(431, b'{"error":"request headers too large (max_header_bytes)"}')
+            raise _Refused
         self._reading = 2
-        self._t = time.perf_counter()
+        self._t = 0.0
         self._hb = 0
         cl = self._clen
-        if cl is not None and (len(cl) > 18 or not cl.isdigit() or int(cl) > self.max_body):
+        if cl is not None and len(cl) >= self._cl_digits and (len(cl) > 18 or not cl.isdigit()
+                                                               or int(cl) > self.max_body):
             self._refuse(413, b'{"error":"request body too large: %s bytes, limit %d (max_body_mb)"}' % (
                 cl[:32], self.max_body))
             raise _Refused
@@ -396,7 +404,7 @@ class ServerProtocol(asyncio.Protocol):
             self.closed = True
         self._busy = False
         if self._reading == 0:
-            self._t = time.perf_counter()  # idle from now (keep-alive timeout)
+            self._t = 0.0  # idle from now (keep-alive timeout)
         if self._queue and not self.closed:
             if self._paused and len(self._queue) <= _MAX_PIPELINED // 2:
                 self._paused = False
@@ -435,7 +443,8 @@ class BackendConn(asyncio.Protocol):
 
     A forwarded response reaches the client only once its status line and headers parsed: bytes before that are held
     back, so a backend that answers garbage fails with BackendError (the router answers 502) instead of reaching the
-    client. ``t_io`` is the time of the last send or receive (the :class:`Hub` times out silent backends)."""
+    client. ``t_io`` is reset to 0.0 on every send or receive; the :class:`Hub`'s sweep stamps it and times out a
+    backend that stays silent."""
 
     __slots__ = ("pool", "transport", "parser", "fut", "sink", "status", "headers", "body", "nchunks", "t_first",
                  "t_last", "gap_sum", "usable", "forwarded", "first_cb", "done_cb", "t_io", "hdr_done", "pending")
@@ -504,12 +513,12 @@ class BackendConn(asyncio.Protocol):
         self.gap_sum = 0.0
         self.hdr_done = False
         self.pending = None
-        self.t_io = time.perf_counter()
+        self.t_io = 0.0
         self.transport.write(data)
         return self.fut
 
     def data_received(self, data: bytes):
-        self.t_io = time.perf_counter()
+        self.t_io = 0.0
         sink = self.sink
         if sink is not None:
             if sink.is_closing():
