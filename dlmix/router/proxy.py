@@ -158,7 +158,7 @@ class Hub:
                 if c.closed:
                     continue
                 if c._busy:
-                    for b in c.backends:
+                    for b in list(c.backends):  # fail() may remove b from the list
                         if b.t_io == 0.0:
                             b.t_io = now  # activity since the last sweep: the silence starts now
                         elif now - b.t_io > lim.backend_read_timeout:
