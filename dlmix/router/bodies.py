@@ -12,7 +12,7 @@ from typing import Any, Dict, List, Optional, Union
 
 import msgspec
 
-__all__ = ["BadRequest", "check"]
+__all__ = ["BadRequest", "check", "decode"]
 
 
 class BadRequest(ValueError):
