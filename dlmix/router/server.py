@@ -292,8 +292,9 @@ class Router:
 
     def _no_instance(self, conn, rr: RouteRequest, ex: NoInstanceError, err: Optional[BackendError]) -> None:
         """Answer a request no instance can take: 404 (OpenAI style) for a model no registered instance serves,
-        the last attempt's 502/504 when earlier attempts failed, else 503."""
-        if rr.model and not any(i.serves(rr.model) for i in self.instances):
+        the last attempt's 502/504 when earlier attempts failed, else 503 (also while no instance is registered)."""
+        insts = self.instances
+        if rr.model and insts and not any(i.serves(rr.model) for i in insts):
             return conn.send(404, _json.encode({"error": {
                 "message": f"The model `{rr.model}` does not exist.", "type": "invalid_request_error",
                 "param": "model", "code": "model_not_found"}}))
