@@ -199,7 +199,9 @@ def test_fuzzed_requests_never_give_a_wrong_answer(mock_dep):
 
     t = fuzzed_requests(mock_dep, n=400, seed=3, workers=4)
     _invariants(t)
-    assert t.tried == 400 and t.ok > 20 and t.clear_error > 100  # valid ones answered, invalid ones refused
+    # valid ones answered, invalid ones refused (the router type-checks known fields, dlmix.router.bodies: a
+    # wrongly typed seed/n/stop/... is a 400 there, where the mock engine ignored it)
+    assert t.tried == 400 and t.ok > 5 and t.clear_error > 100
 
 
 def test_malformed_json_and_one_byte_chunks(mock_dep):

@@ -71,7 +71,17 @@ class RouterConfig:
     metrics_instance_series: int = 32
     fast_path: bool = True
     allow_open: bool = False
-    max_body_mb: int = 64
+    # client-side HTTP limits and timeouts (nginx-like defaults; dlmix.router.proxy.Limits)
+    max_body_mb: float = 64.0
+    max_url_bytes: int = 8192
+    max_header_bytes: int = 32768
+    max_headers: int = 100
+    header_timeout_s: float = 60.0
+    body_timeout_s: float = 60.0
+    keepalive_timeout_s: float = 75.0
+    linger_timeout_s: float = 5.0
+    max_connections: int = 4096
+    backend_read_timeout_s: float = 600.0
 
     @classmethod
     def from_yaml(cls, path: str | Path) -> "RouterConfig":

@@ -24,8 +24,9 @@ HOP_BY_HOP = frozenset(
 )
 
 _REASONS = {200: b"OK", 201: b"Created", 204: b"No Content", 400: b"Bad Request", 401: b"Unauthorized",
-            403: b"Forbidden", 404: b"Not Found", 405: b"Method Not Allowed", 409: b"Conflict",
-            413: b"Payload Too Large", 499: b"Client Closed Request", 500: b"Internal Server Error",
+            403: b"Forbidden", 404: b"Not Found", 405: b"Method Not Allowed", 408: b"Request Timeout",
+            409: b"Conflict", 413: b"Payload Too Large", 414: b"URI Too Long",
+            431: b"Request Header Fields Too Large", 499: b"Client Closed Request", 500: b"Internal Server Error",
             502: b"Bad Gateway", 503: b"Service Unavailable", 504: b"Gateway Timeout"}
 
 
@@ -73,18 +74,146 @@ def response_bytes(status: int, body: bytes, content_type: bytes = b"application
 Handler = Callable[["ServerProtocol", Request], Awaitable[None]]
 
 
+class Limits:
+    """Client-side limits and timeouts of one server (defaults after nginx's; times in seconds, sizes in bytes).
+
+    * ``max_url`` (8 KiB, nginx ``large_client_header_buffers`` 8k) -> ``414``;
+      ``max_header_bytes`` (32 KiB: 4 x 8k) for the whole request head, ``max_headers`` (100) -> ``431``;
+      ``max_body`` (64 MiB) -> ``413`` (readable: answered before or while the body arrives, then the rest is read
+      and discarded for up to ``linger_timeout``, nginx ``lingering_timeout`` 5 s, so the client sees the answer, not a
+      reset).
+    * ``header_timeout`` (60 s, nginx ``client_header_timeout``): the whole request head must arrive within it, counted
+      from its first byte (from the accept for a new connection); ``body_timeout`` (60 s, nginx
+      ``client_body_timeout``): the whole body within it, counted from the end of the head (stricter than nginx, which
+      times the gap between reads, so a 1-byte-per-minute body cannot hold a socket). Both answer ``408`` and close.
+    * ``keepalive_timeout`` (75 s, nginx ``keepalive_timeout``): an idle kept-alive connection is closed.
+    * ``max_connections`` (4096; nginx ``worker_connections`` 512 per worker): accepted connections beyond it are
+      answered ``503`` with ``connection: close`` at once.
+    * ``backend_read_timeout`` (600 s; nginx ``proxy_read_timeout`` is 60 s, but a non-streamed LLM answer sends no
+      byte until the whole generation is done): a backend connection of a running request that receives nothing for
+      this long fails with a timeout (the router answers ``504`` when nothing reached the client yet).
+
+    Enforcement: one timer per server (:class:`Hub`) looks at every connection each ``tick`` seconds (a quarter of the
+    smallest timeout, 20 ms to 1 s). The hot path only marks a phase change (``_t = 0.0``); the sweep that sees the
+    mark starts the clock, so a timeout fires between its value and its value plus two ticks (at most 1.5x), and no
+    request pays for a timer or a clock read.
+    Raises ValueError for a non-positive value.
+    """
+
+    __slots__ = ("max_url", "max_header_bytes", "max_headers", "max_body", "header_timeout", "body_timeout",
+                 "keepalive_timeout", "linger_timeout", "max_connections", "backend_read_timeout")
+
+    def __init__(self, max_url: int = 8192, max_header_bytes: int = 32768, max_headers: int = 100,
+                 max_body: int = 64 << 20, header_timeout: float = 60.0, body_timeout: float = 60.0,
+                 keepalive_timeout: float = 75.0, linger_timeout: float = 5.0, max_connections: int = 4096,
+                 backend_read_timeout: float = 600.0):
+        for k, v in locals().items():
+            if k != "self":
+                if not isinstance(v, (int, float)) or isinstance(v, bool) or v <= 0:
+                    raise ValueError(f"HTTP limit {k} must be a positive number, got {v!r}")
+                setattr(self, k, v)
+
+    def tick(self) -> float:
+        """Seconds between two sweeps of the :class:`Hub`."""
+        t = min(self.header_timeout, self.body_timeout, self.keepalive_timeout, self.backend_read_timeout) / 4
+        return min(max(t, 0.02), 1.0)
+
+
+_DEFAULT_LIMITS = Limits()
+
+
+class Hub:
+    """The connections of one server and the one timer that enforces their timeouts (:class:`Limits`).
+
+    ``start()`` in the running loop arms the timer; ``close()`` stops it. ``refused`` counts connections answered 503
+    because ``max_connections`` were open; ``timeouts`` counts connections closed by a client-side timeout.
+    """
+
+    __slots__ = ("limits", "conns", "refused", "timeouts", "_handle", "_loop")
+
+    def __init__(self, limits: Optional[Limits] = None):
+        self.limits = limits or Limits()
+        self.conns: set = set()
+        self.refused = 0
+        self.timeouts = 0
+        self._handle = None
+        self._loop = None
+
+    def start(self) -> None:
+        """Arm the sweep timer in the running loop."""
+        self._loop = asyncio.get_event_loop()
+        self._handle = self._loop.call_later(self.limits.tick(), self._sweep)
+
+    def close(self) -> None:
+        """Stop the sweep timer."""
+        if self._handle is not None:
+            self._handle.cancel()
+            self._handle = None
+
+    def _sweep(self) -> None:
+        lim = self.limits
+        now = time.perf_counter()
+        try:
+            for c in list(self.conns):
+                if c.closed:
+                    continue
+                if c._busy:
+                    for b in list(c.backends):  # fail() may remove b from the list
+                        if b.t_io == 0.0:
+                            b.t_io = now  # activity since the last sweep: the silence starts now
+                        elif now - b.t_io > lim.backend_read_timeout:
+                            b.fail(BackendError(f"backend {b.pool.name} sent nothing for "
+                                                f"{lim.backend_read_timeout:.3g} s", b.forwarded, timeout=True))
+                    continue
+                if c._t == 0.0:
+                    c._t = now  # a new phase began since the last sweep: time it from now
+                    continue
+                r = c._reading
+                if r == 1 and now - c._t > lim.header_timeout:
+                    self.timeouts += 1
+                    c.send(408, b'{"error":"request head not received in time (header_timeout_s)"}',
+                           keep_alive=False)
+                elif r == 2 and now - c._t > lim.body_timeout:
+                    self.timeouts += 1
+                    c.send(408, b'{"error":"request body not received in time (body_timeout_s)"}',
+                           keep_alive=False)
+                elif r == 0 and now - c._t > lim.keepalive_timeout:
+                    c.closed = True
+                    c.transport.close()
+        finally:
+            if self._handle is not None:
+                self._handle = self._loop.call_later(lim.tick(), self._sweep)
+
+
+_MAX_PIPELINED = 32  # queued pipelined requests per connection before it stops reading
+
+
+class _Refused(Exception):
+    """Raised inside a parser callback to stop parsing after the request was refused (response already sent)."""
+
+
 class ServerProtocol(asyncio.Protocol):
     """Client-facing HTTP/1.1 connection. ``handler(conn, request)`` must write exactly one response to
-    ``conn.transport`` (via :meth:`send` or by forwarding a backend response)."""
+    ``conn.transport`` (via :meth:`send` or by forwarding a backend response).
+
+    Args:
+        handler: coroutine function for a request. max_body: body limit in bytes (``hub.limits.max_body`` wins when
+            a hub is given). fast: optional callback driver (see :func:`serve`). hub: the server's :class:`Hub`
+            (limits, timeouts, connection cap); without one, the default :class:`Limits` sizes apply and no timeouts.
+    """
 
     __slots__ = ("handler", "transport", "parser", "_url", "_headers", "_body", "_queue", "_task", "closed",
-                 "peer", "backends", "max_body", "fast", "_busy")
+                 "peer", "backends", "max_body", "fast", "_busy", "hub", "lim", "_reading", "_t", "_hb", "_nbody",
+                 "_clen", "_discard", "_expect", "_paused", "_cl_digits")
 
-    def __init__(self, handler: Handler, max_body: int = 64 << 20, fast=None):
+    def __init__(self, handler: Handler, max_body: int = 64 << 20, fast=None, hub: Optional[Hub] = None):
         self.handler = handler
         self.fast = fast
         self._busy = False
-        self.max_body = max_body
+        self.hub = hub
+        self.lim = hub.limits if hub is not None else _DEFAULT_LIMITS
+        self.max_body = self.lim.max_body if hub is not None else max_body
+        self._cl_digits = len(str(self.max_body))  # a shorter Content-Length cannot exceed the limit
         self.transport = None
         self.parser = httptools.HttpRequestParser(self)
         self._queue: List[Request] = []
@@ -92,15 +221,32 @@ class ServerProtocol(asyncio.Protocol):
         self.closed = False
         self.peer = None
         self.backends: List["BackendConn"] = []  # backend connections the current request uses
+        self._reading = 1  # 0 idle (kept alive), 1 reading a request head, 2 reading a body
+        self._t = 0.0  # start of the current phase (0.0: not seen by the Hub's sweep yet)
+        self._hb = 0  # bytes received while the current head is incomplete
+        self._nbody = 0
+        self._clen = None
+        self._discard = False  # refused: read and drop whatever the client still sends
+        self._expect = False
+        self._paused = False
 
     # asyncio callbacks
     def connection_made(self, transport):
         self.transport = transport
         self.peer = transport.get_extra_info("peername")
         _nodelay(transport)
+        hub = self.hub
+        if hub is not None:
+            if len(hub.conns) >= self.lim.max_connections:
+                hub.refused += 1
+                self._refuse(503, b'{"error":"too many connections (max_connections); retry later"}')
+                return
+            hub.conns.add(self)
 
     def connection_lost(self, exc):
         self.closed = True
+        if self.hub is not None:
+            self.hub.conns.discard(self)
         if self._task is not None and not self._task.done():
             self._task.cancel()
         for b in self.backends:
@@ -108,50 +254,130 @@ class ServerProtocol(asyncio.Protocol):
         self.backends = []
 
     def data_received(self, data: bytes):
+        if self._discard:
+            return
+        if self._reading != 2:
+            self._hb += len(data)
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserUpgrade:
             self.send(400, b'{"error":"upgrade not supported"}', keep_alive=False)
-        except httptools.HttpParserError:
-            self.send(400, b'{"error":"malformed HTTP request"}', keep_alive=False)
+            return
+        except httptools.HttpParserError as ex:
+            if not self._discard:
+                self._refuse(400, b'{"error":"malformed HTTP request: %s"}' % (
+                    str(ex).replace("\\", "").replace('"', "'").encode("ascii", "replace"),))
+            return
+        if self._reading == 1 and self._hb > self.lim.max_header_bytes + self.lim.max_url:
+            self._refuse(431, b'{"error":"request head too large (max_header_bytes)"}')
+
+    def _refuse(self, status: int, body: bytes) -> None:
+        """Answer ``status`` with ``connection: close``, then read and drop the rest for ``linger_timeout`` (the
+        client sees the answer instead of a reset: closing with unread data would send RST)."""
+        self._discard = True
+        self._queue = []
+        if self.closed:
+            return
+        t = self.transport
+        t.write(response_bytes(status, body, keep_alive=False))
+        self.closed = True
+        if self.hub is not None:
+            self.hub.conns.discard(self)
+        try:
+            if t.can_write_eof():
+                t.write_eof()
+        except (OSError, RuntimeError):
+            pass
+        asyncio.get_event_loop().call_later(self.lim.linger_timeout, t.close)
 
     # httptools callbacks
     def on_message_begin(self):
+        self._reading = 1
+        self._t = 0.0
         self._url = b""
         self._headers = []
         self._body = []
+        self._nbody = 0
+        self._clen = None
+        self._expect = False
 
     def on_url(self, url: bytes):
         self._url += url
+        if len(self._url) > self.lim.max_url:
+            self._refuse(414, b'{"error":"request URL too long (max_url)"}')
+            raise _Refused
 
     def on_header(self, name: bytes, value: bytes):
-        self._headers.append((name.lower(), value))
+        name = name.lower()
+        self._headers.append((name, value))
+        if name == b"content-length":
+            self._clen = value
+        elif name == b"expect":
+            self._expect = value.lower() == b"100-continue"
+
+    def on_headers_complete(self):
+        # sizes: a head still incomplete is cut in data_received; here the finished one (cheap bound first)
+        lim = self.lim
+        h = self._headers
+        if len(h) > lim.max_headers:
+            self._refuse(431, b'{"error":"too many request headers (max_headers)"}')
+            raise _Refused
+        if self._hb > lim.max_header_bytes and sum(len(k) + len(v) + 4 for k, v in h) > lim.max_header_bytes:
+            self._refuse(431, b'{"error":"request headers too large (max_header_bytes)"}')
+            raise _Refused
+        self._reading = 2
+        self._t = 0.0
+        self._hb = 0
+        cl = self._clen
+        if cl is not None and len(cl) >= self._cl_digits and (len(cl) > 18 or not cl.isdigit()
+                                                               or int(cl) > self.max_body):
+            self._refuse(413, b'{"error":"request body too large: %s bytes, limit %d (max_body_mb)"}' % (
+                cl[:32], self.max_body))
+            raise _Refused
+        if self._expect and not self._busy:
+            self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
 
     def on_body(self, body: bytes):
+        n = self._nbody = self._nbody + len(body)  # a running count: 1-byte chunks cost O(1) each
+        if n > self.max_body:
+            self._refuse(413, b'{"error":"request body too large: over %d bytes (max_body_mb)"}' % self.max_body)
+            raise _Refused
         self._body.append(body)
-        if len(self._body) > 64 and sum(map(len, self._body)) > self.max_body:
-            self.send(413, b'{"error":"request body too large"}', keep_alive=False)
-            self.transport.abort()
 
     def on_message_complete(self):
+        self._reading = 0
+        self._hb = 0
         if self.closed:
             return
-        body = b"".join(self._body) if len(self._body) != 1 else self._body[0]
-        if len(body) > self.max_body:
-            self.send(413, b'{"error":"request body too large"}', keep_alive=False)
-            return
+        b = self._body
+        body = b"".join(b) if len(b) != 1 else b[0]
         req = Request(self.parser.get_method(), self._url, self._headers, body, self.parser.should_keep_alive())
         if self._busy:
-            self._queue.append(req)  # HTTP/1.1 pipelining: answer in order
+            q = self._queue
+            q.append(req)  # HTTP/1.1 pipelining: answer in order
+            if len(q) >= _MAX_PIPELINED and not self._paused:
+                self._paused = True  # stop reading: a pipelining client cannot queue without bound
+                self.transport.pause_reading()
         else:
             self._dispatch(req)
 
     def _dispatch(self, req: Request) -> None:
         self._busy = True
         fast = self.fast
-        if fast is not None and fast(self, req):
-            return  # handled with callbacks; the fast path calls done(req)
+        try:
+            if fast is not None and fast(self, req):
+                return  # handled with callbacks; the fast path calls done(req)
+        except Exception as ex:  # a handler bug must not surface as a parser error ("malformed request")
+            self._internal_error(ex)
+            return
         self.run_async(req, self.handler(self, req))
+
+    def _internal_error(self, ex: BaseException) -> None:
+        import json as _j
+
+        self._busy = False
+        self.send(500, _j.dumps({"error": f"internal router error: {type(ex).__name__}: {ex}"}).encode(),
+                  keep_alive=False)
 
     def run_async(self, req: Request, coro) -> None:
         """Finish ``req`` with a coroutine (slow path: awaits, retries, PD); calls :meth:`done` afterwards."""
@@ -167,10 +393,7 @@ class ServerProtocol(asyncio.Protocol):
             raise
         except Exception as ex:  # a handler bug must not kill the connection silently
             if not self.closed:
-                import json as _j
-
-                msg = _j.dumps({"error": f"internal router error: {type(ex).__name__}: {ex}"}).encode()
-                self.send(500, msg, keep_alive=False)
+                self._internal_error(ex)
         self._task = None
         self.done(req)
 
@@ -180,7 +403,12 @@ class ServerProtocol(asyncio.Protocol):
             self.transport.close()
             self.closed = True
         self._busy = False
+        if self._reading == 0:
+            self._t = 0.0  # idle from now (keep-alive timeout)
         if self._queue and not self.closed:
+            if self._paused and len(self._queue) <= _MAX_PIPELINED // 2:
+                self._paused = False
+                self.transport.resume_reading()
             self._dispatch(self._queue.pop(0))
 
     def send(self, status: int, body: bytes, content_type: bytes = b"application/json", keep_alive: bool = True,
@@ -195,18 +423,31 @@ class ServerProtocol(asyncio.Protocol):
 
 
 class BackendError(Exception):
-    """Backend connection failed, closed early or timed out (``sent_to_client`` says if bytes were forwarded)."""
+    """Backend connection failed, closed early, answered something that is not HTTP, or timed out
+    (``sent_to_client``: bytes were already forwarded; ``timeout``: it timed out, the router answers 504 rather than
+    502)."""
 
-    def __init__(self, msg: str, sent_to_client: bool = False):
+    def __init__(self, msg: str, sent_to_client: bool = False, timeout: bool = False):
         super().__init__(msg)
         self.sent_to_client = sent_to_client
+        self.timeout = timeout
+
+    @property
+    def status(self) -> int:
+        """The status a client gets for this failure when nothing was forwarded yet: 504 (timeout) or 502."""
+        return 504 if self.timeout else 502
 
 
 class BackendConn(asyncio.Protocol):
-    """One kept-alive connection to a backend; one request at a time."""
+    """One kept-alive connection to a backend; one request at a time.
+
+    A forwarded response reaches the client only once its status line and headers parsed: bytes before that are held
+    back, so a backend that answers garbage fails with BackendError (the router answers 502) instead of reaching the
+    client. ``t_io`` is reset to 0.0 on every send or receive; the :class:`Hub`'s sweep stamps it and times out a
+    backend that stays silent."""
 
     __slots__ = ("pool", "transport", "parser", "fut", "sink", "status", "headers", "body", "nchunks", "t_first",
-                 "t_last", "gap_sum", "usable", "forwarded", "first_cb", "done_cb")
+                 "t_last", "gap_sum", "usable", "forwarded", "first_cb", "done_cb", "t_io", "hdr_done", "pending")
 
     def __init__(self, pool: "Pool"):
         self.pool = pool
@@ -218,6 +459,9 @@ class BackendConn(asyncio.Protocol):
         self.forwarded = False
         self.first_cb = None
         self.done_cb = None
+        self.t_io = 0.0
+        self.hdr_done = False
+        self.pending = None
 
     def connection_made(self, transport):
         self.transport = transport
@@ -226,15 +470,22 @@ class BackendConn(asyncio.Protocol):
 
     def connection_lost(self, exc):
         self.usable = False
+        if self.fut is not None or self.done_cb is not None:
+            self.fail(BackendError(f"backend {self.pool.name} closed the connection" + (f": {exc}" if exc else ""),
+                                   self.forwarded))
+
+    def fail(self, err: BackendError) -> None:
+        """End the running request with ``err`` (its future or ``done_cb``) and close the connection."""
         f = self.fut
-        if f is not None and not f.done():
-            f.set_exception(BackendError(f"backend {self.pool.name} closed the connection"
-                                         + (f": {exc}" if exc else ""), self.forwarded))
+        self.fut = None
         cb = self.done_cb
+        self.done_cb = None
+        self.sink = None
+        self.abort()
+        if f is not None and not f.done():
+            f.set_exception(err)
         if cb is not None:
-            self.done_cb = None
-            cb(self, BackendError(f"backend {self.pool.name} closed the connection" + (f": {exc}" if exc else ""),
-                                  self.forwarded))
+            cb(self, err)
 
     def abort(self) -> None:
         """Close the connection now (client went away): vLLM aborts the request on disconnect."""
@@ -260,31 +511,43 @@ class BackendConn(asyncio.Protocol):
         self.t_first = 0.0
         self.t_last = 0.0
         self.gap_sum = 0.0
+        self.hdr_done = False
+        self.pending = None
+        self.t_io = 0.0
         self.transport.write(data)
         return self.fut
 
     def data_received(self, data: bytes):
+        self.t_io = 0.0
         sink = self.sink
         if sink is not None:
             if sink.is_closing():
                 self.abort()
                 return
-            sink.write(data)
-            self.forwarded = True
+            if self.hdr_done:
+                sink.write(data)
+            else:  # held back until the status line and headers parsed (on_headers_complete)
+                self.pending = data if self.pending is None else self.pending + data
+        elif self.fut is None and self.done_cb is None:
+            self.abort()  # bytes while no request runs: a broken backend; never reuse this connection
+            return
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserError as ex:
-            f = self.fut
-            if f is not None and not f.done():
-                f.set_exception(BackendError(f"bad HTTP from backend {self.pool.name}: {ex}", self.forwarded))
-            cb = self.done_cb
-            self.done_cb = None
-            self.abort()
-            if cb is not None:
-                cb(self, BackendError(f"bad HTTP from backend {self.pool.name}: {ex}", self.forwarded))
+            self.fail(BackendError(f"bad HTTP from backend {self.pool.name}: {ex}", self.forwarded))
 
     def on_status(self, status: bytes):
         self.status = self.parser.get_status_code()
+
+    def on_headers_complete(self):
+        self.hdr_done = True
+        p = self.pending
+        if p is not None:
+            self.pending = None
+            sink = self.sink
+            if sink is not None:
+                sink.write(p)
+                self.forwarded = True
 
     def on_header(self, name: bytes, value: bytes):
         if self.headers is not None:
@@ -399,7 +662,8 @@ async def request(pool: Pool, data: bytes, sink=None, conn: Optional[ServerProto
                 await asyncio.wait_for(fut, timeout)
             except asyncio.TimeoutError:
                 c.abort()
-                raise BackendError(f"backend {pool.name} timed out after {timeout:.3g} s", c.forwarded) from None
+                raise BackendError(f"backend {pool.name} timed out after {timeout:.3g} s", c.forwarded,
+                                   timeout=True) from None
         ok = True
     except BaseException:
         c.abort()
@@ -427,9 +691,12 @@ def forward_headers(headers: list) -> bytes:
 
 
 async def serve(handler: Handler, host: str, port: int, reuse_port: bool = False, backlog: int = 4096,
-                fast=None, max_body: int = 64 << 20):
+                fast=None, max_body: int = 64 << 20, hub: Optional[Hub] = None):
     """Start listening; returns the asyncio Server. ``fast(conn, req) -> bool`` may handle a request with callbacks
-    (returning True) before the coroutine ``handler`` is used."""
+    (returning True) before the coroutine ``handler`` is used. With ``hub`` (a :class:`Hub`, started here) its
+    :class:`Limits` and timeouts apply; without one, only ``max_body`` and the default size limits."""
     loop = asyncio.get_event_loop()
-    return await loop.create_server(lambda: ServerProtocol(handler, max_body, fast), host, port, backlog=backlog,
-                                    reuse_port=reuse_port or None)
+    if hub is not None:
+        hub.start()
+    return await loop.create_server(lambda: ServerProtocol(handler, max_body, fast, hub), host, port,
+                                    backlog=backlog, reuse_port=reuse_port or None)

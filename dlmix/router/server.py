@@ -2,7 +2,10 @@
 
 Client API: ``POST /v1/chat/completions``, ``POST /v1/completions`` (streaming SSE or not; bodies and SSE chunks are
 passed through byte for byte), ``GET /v1/models`` (union of the instances' lists), ``GET /health``, ``GET /metrics``
-(Prometheus). Client keys (``api_keys``) are optional: ``Authorization: Bearer KEY``.
+(Prometheus). Client keys (``api_keys``) are optional: ``Authorization: Bearer KEY``. Client-side limits and
+timeouts (414/431/413/408, connection cap 503, backend 502/504) are config keys, enforced by
+:class:`~dlmix.router.proxy.Limits` (table in ``dlmix/router/README.md``); malformed generation bodies get 400 naming
+the problem (:mod:`~dlmix.router.bodies`), a model no instance serves 404.
 
 Admin / registration API (``Authorization: Bearer ADMIN_KEY``; without ``admin_key`` only loopback peers may call it).
 JSON in and out; errors are ``{"error": msg, "reasons": [...]}``:
@@ -56,6 +59,7 @@ from dlmix.hw.cost import CostModel, ModelSpec, ewma_ratio
 from dlmix.hw.profiles import load_catalog
 from dlmix.router import proxy
 from dlmix.router.admin import AdminAPI
+from dlmix.router.bodies import BadRequest, check as check_body, decode as decode_body
 from dlmix.router.config import ConfigError, RouterConfig
 from dlmix.router.metrics import Metrics
 from dlmix.router.orchestrator import SENT, PDOrchestrator
@@ -130,6 +134,8 @@ class Router:
         ])
         self._client_auth = {b"Bearer " + k.encode() for k in cfg.api_keys}
         self._server = None
+        self.hub: Optional[proxy.Hub] = None
+        self.limits = self.http_limits()
         self._plain = RouteRequest()
         self._needs_parse = True
         self._pd = False
@@ -169,11 +175,46 @@ class Router:
         return ClusterView(instances, self.index, self.cost, self.approx)
 
     # ------------------------------------------------------------------ lifecycle
+    def http_limits(self) -> proxy.Limits:
+        """The client-side HTTP limits and timeouts from the config (``max_url_bytes`` ... ``backend_read_timeout_s``;
+        see :class:`~dlmix.router.proxy.Limits`). ``max_connections`` is lowered to what the process's open-file
+        limit allows (each running request also holds a backend connection), after raising the soft limit towards
+        the hard one. Raises ConfigError for a non-positive value."""
+        c = self.cfg
+        for k in ("max_url_bytes", "max_header_bytes", "max_headers", "max_body_mb", "header_timeout_s",
+                  "body_timeout_s", "keepalive_timeout_s", "linger_timeout_s", "max_connections",
+                  "backend_read_timeout_s"):
+            v = getattr(c, k)
+            if not isinstance(v, (int, float)) or isinstance(v, bool) or v <= 0:
+                raise ConfigError(f"router config key {k} must be a positive number, got {v!r}")
+        conns = int(c.max_connections)
+        try:
+            import resource
+
+            soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+            need = 2 * conns + 256
+            if soft != resource.RLIM_INFINITY and soft < need:
+                new = need if hard == resource.RLIM_INFINITY else min(need, hard)
+                if new > soft:
+                    resource.setrlimit(resource.RLIMIT_NOFILE, (new, hard))
+                    soft = new
+                conns = max(min(conns, (soft - 256) // 2), 1)
+        except (ImportError, ValueError, OSError):  # pragma: no cover - not POSIX, or not allowed
+            pass
+        try:
+            return proxy.Limits(max_url=c.max_url_bytes, max_header_bytes=c.max_header_bytes,
+                                max_headers=c.max_headers, max_body=int(c.max_body_mb * (1 << 20)),
+                                header_timeout=c.header_timeout_s, body_timeout=c.body_timeout_s,
+                                keepalive_timeout=c.keepalive_timeout_s, linger_timeout=c.linger_timeout_s,
+                                max_connections=conns, backend_read_timeout=c.backend_read_timeout_s)
+        except ValueError as ex:
+            raise ConfigError(f"router config: {ex}") from None
+
     async def start(self) -> None:
         """Listen on ``cfg.host:cfg.port`` and start health checks and KV-event subscribers."""
+        self.hub = proxy.Hub(self.limits)
         self._server = await proxy.serve(self.handle, self.cfg.host, self.cfg.port,
-                                         fast=self.fast if self.cfg.fast_path else None,
-                                         max_body=self.cfg.max_body_mb << 20)
+                                         fast=self.fast if self.cfg.fast_path else None, hub=self.hub)
         if self.cfg.port == 0:
             self.cfg.port = self._server.sockets[0].getsockname()[1]
         self.registry.start()
@@ -181,6 +222,8 @@ class Router:
     async def stop(self) -> None:
         """Stop listening and cancel background tasks."""
         self.registry.stop()
+        if self.hub is not None:
+            self.hub.close()
         if self._server is not None:
             self._server.close()
             await self._server.wait_closed()
@@ -271,13 +314,24 @@ class Router:
         d, rr = None, self._plain
         if self._needs_parse:
             try:
-                d = msgspec.json.decode(req.body)
-            except msgspec.DecodeError as ex:
-                return self._send(conn, 400, _json.encode({"error": f"request body is not valid JSON: {ex}"}))
-            if not isinstance(d, dict):
-                return self._send(conn, 400, b'{"error":"request body must be a JSON object"}')
+                d = decode_body(req.body)
+                check_body(d, chat)
+            except BadRequest as ex:
+                return self._send(conn, 400, _bad_request(str(ex)))
             rr = self._request_from(d, chat)
         await self._run(conn, req, chat, d, rr)
+
+    def _no_instance(self, conn, rr: RouteRequest, ex: NoInstanceError, err: Optional[BackendError]) -> None:
+        """Answer a request no instance can take: 404 (OpenAI style) for a model no registered instance serves,
+        the last attempt's 502/504 when earlier attempts failed, else 503 (also while no instance is registered)."""
+        insts = self.instances
+        if rr.model and insts and not any(i.serves(rr.model) for i in insts):
+            return self._send(conn, 404, _json.encode({"error": {
+                "message": f"The model `{rr.model}` does not exist.", "type": "invalid_request_error",
+                "param": "model", "code": "model_not_found"}}))
+        if err is not None:
+            return self._send(conn, err.status, _json.encode({"error": f"backend failed: {err}"}))
+        self._send(conn, 503, _json.encode({"error": str(ex)}))
 
     def _request_from(self, d: dict, chat: bool) -> RouteRequest:
         """The routing view of a parsed client body: model, max tokens, stream, and (when the policy uses prefixes)
@@ -314,11 +368,10 @@ class Router:
         d = None
         if self._needs_parse:
             try:
-                d = msgspec.json.decode(req.body)
-            except msgspec.DecodeError:
-                return False
-            if not isinstance(d, dict):
-                return False
+                d = decode_body(req.body)
+                check_body(d, chat)
+            except BadRequest:
+                return False  # the coroutine path answers 400
             rr = self._request_from(d, chat)
         else:
             rr = self._plain
@@ -369,6 +422,7 @@ class Router:
         on another instance while :meth:`_settle` says so."""
         fwd = forward_headers(req.headers)
         m = self.metrics
+        last: Optional[BackendError] = None
         while True:
             if dec is None:
                 insts = self.instances if not excluded else [i for i in self.instances if i.id not in excluded]
@@ -376,7 +430,7 @@ class Router:
                 try:
                     dec = self.policy.choose(rr, view)
                 except NoInstanceError as ex:
-                    return self._send(conn, 503, _json.encode({"error": str(ex)}))
+                    return self._no_instance(conn, rr, ex, last)
             self._dispatch(rr, dec, view)
             state = [False]  # prefilled
 
@@ -410,6 +464,7 @@ class Router:
                 end(dec, rr, state[0])
             if not self._settle(conn, req, b, dec, rr, c, err, attempts):
                 return
+            last = err
             attempts += 1
             excluded = (excluded or set()) | {dec.decode.id}
             dec = None
@@ -449,7 +504,7 @@ class Router:
                 conn.closed = True
             return False
         if attempts + 1 > self.cfg.retries:
-            self._send(conn, 502, _json.encode({"error": f"backend failed: {err}"}))
+            self._send(conn, err.status, _json.encode({"error": f"backend failed: {err}"}))
             return False
         if m:
             m.retry("decode")
@@ -467,6 +522,11 @@ class Router:
         step = cost.decode_step_time(dd.chip, max(dd.load.inflight_decode, 1), dd.load.decode_ctx_tokens + rr.prompt_len,
                                      dd.num_chips)
         dd.itl_ratio = ewma_ratio(dd.itl_ratio, itl, step)
+
+
+def _bad_request(msg: str) -> bytes:
+    """A 400 body naming the problem (OpenAI style)."""
+    return _json.encode({"error": {"message": msg, "type": "invalid_request_error", "param": None, "code": 400}})
 
 
 def run(cfg: RouterConfig) -> None:

@@ -1,0 +1,84 @@
+"""Type checks of the known fields of client generation bodies (OpenAI ``/v1/completions`` and
+``/v1/chat/completions``), so a malformed body gets a ``400`` naming the field instead of a router error.
+
+Only the fields the router reads or that engines reject by type are typed (the OpenAI API reference and vLLM's
+``CompletionRequest``/``ChatCompletionRequest`` in ``vllm/entrypoints/openai/protocol.py``); every other field passes
+through unchecked, and engines keep their own validation (ranges, sampling rules). Bodies the router does not parse
+(one model and a policy that needs no prompt) reach the engine as they are; the engine then answers 400 itself.
+"""
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional, Union
+
+import msgspec
+
+__all__ = ["BadRequest", "check", "decode"]
+
+
+class BadRequest(ValueError):
+    """A client body the router refuses (400); the message names the problem."""
+
+
+class _Part(msgspec.Struct):
+    type: str
+    text: Optional[str] = None
+
+
+class _Message(msgspec.Struct):
+    role: str
+    content: Union[str, List[_Part], None] = None
+
+
+class _Common(msgspec.Struct):
+    model: Optional[str] = None
+    max_tokens: Optional[int] = None
+    stream: Optional[bool] = None
+    stream_options: Optional[Dict[str, Any]] = None
+    n: Optional[int] = None
+    temperature: Optional[float] = None
+    top_p: Optional[float] = None
+    stop: Union[str, List[str], None] = None
+    seed: Optional[int] = None
+    cache_salt: Optional[str] = None
+    min_tokens: Optional[int] = None
+    kv_transfer_params: Optional[Dict[str, Any]] = None
+
+
+class _Completion(_Common, kw_only=True):
+    prompt: Union[str, List[Union[str, int, List[int]]]]
+
+
+class _Chat(_Common, kw_only=True):
+    messages: List[_Message]
+    max_completion_tokens: Optional[int] = None
+
+
+_conv = msgspec.convert
+
+
+def check(d: Any, chat: bool) -> None:
+    """Check the known fields of a decoded body ``d`` (``chat``: a chat completion, else a completion).
+
+    Raises BadRequest with the field's JSON path, e.g. ``Expected `str | null`, got `int` - at
+    `$.messages[0].content[0].text```; ``messages``/``prompt`` are required; ``n`` must be at least 1.
+    """
+    if not isinstance(d, dict):
+        raise BadRequest("request body must be a JSON object")
+    try:
+        v = _conv(d, _Chat if chat else _Completion)
+    except msgspec.ValidationError as ex:
+        raise BadRequest(f"invalid request body: {ex}") from None
+    if v.n is not None and v.n < 1:
+        raise BadRequest(f"invalid request body: n must be at least 1, got {v.n}")
+    if chat and not v.messages:
+        raise BadRequest("invalid request body: messages must not be empty")
+
+
+def decode(body: bytes) -> Any:
+    """JSON-decode a client body. Raises BadRequest for invalid JSON, invalid UTF-8 or nesting too deep."""
+    try:
+        return msgspec.json.decode(body)
+    except msgspec.DecodeError as ex:
+        raise BadRequest(f"request body is not valid JSON: {ex}") from None
+    except RecursionError:
+        raise BadRequest("request body is not valid JSON: nested too deeply") from None

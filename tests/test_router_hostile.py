@@ -1,0 +1,377 @@
+"""The router's client-facing HTTP layer under hostile clients and broken backends (issue 18, item 1).
+
+Each test starts the router in process on a free port over mock engines (dlmix.testing.mock_engine) or a raw asyncio
+backend that misbehaves on purpose, and talks to it over raw sockets where a well-behaved client library would not
+misbehave. Assertions are on statuses, bytes and the order of events; the only times are small configured timeouts
+and generous liveness bounds (socket timeouts), never a speed expectation.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import select
+import socket
+import threading
+
+import httpx
+import pytest
+
+from dlmix.router.config import ConfigError, RouterConfig
+from dlmix.router.server import Router
+from dlmix.testing import LoopThread, free_port
+from dlmix.testing.mock_engine import MockEngine
+
+LIVE = 20.0  # liveness bound (s): a socket that stays silent this long means the router never acted
+
+
+@pytest.fixture(scope="module")
+def lt():
+    t = LoopThread()
+    yield t
+    t.close()
+
+
+class Setup:
+    """A router over ``engines`` (MockEngine objects or plain URLs) with config ``cfg``."""
+
+    def __init__(self, lt, engines, **cfg):
+        self.lt = lt
+        self.engines = [e for e in engines if isinstance(e, MockEngine)]
+        urls = [lt.run(e.start()) if isinstance(e, MockEngine) else e for e in engines]
+        insts = [{"url": u, "model": "mock", "id": f"i{k}", "chip": "cpu-x86"} for k, u in enumerate(urls)]
+        cfg.setdefault("health_interval_s", 3600.0)  # the tests below decide what the backends do
+        cfg.setdefault("policy", "round_robin")
+        self.router = Router(RouterConfig(port=0, instances=insts, **cfg))
+        lt.run(self.router.start())
+        self.port = self.router.cfg.port
+        self.base = f"http://127.0.0.1:{self.port}"
+
+    def sock(self) -> socket.socket:
+        s = socket.create_connection(("127.0.0.1", self.port), timeout=LIVE)
+        s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        return s
+
+    def close(self):
+        self.lt.run(self.router.stop())
+        for e in self.engines:
+            self.lt.run(e.stop())
+
+
+def _read_response(s) -> tuple:
+    """(status, headers dict, body) of one Content-Length framed response, read from a raw socket or from a
+    buffered reader (``sock.makefile("rb")``: needed when several responses follow each other)."""
+    f = s.makefile("rb") if isinstance(s, socket.socket) else s
+    line = f.readline()
+    if not line:
+        raise ConnectionError("closed before a response")
+    hdrs = {}
+    while True:
+        h = f.readline()
+        if h in (b"\r\n", b""):
+            break
+        k, _, v = h.decode("latin-1").partition(":")
+        hdrs[k.strip().lower()] = v.strip()
+    body = f.read(int(hdrs.get("content-length", "0")))
+    return int(line.split()[1]), hdrs, body
+
+
+def _closed_or_answered(s: socket.socket) -> bytes | None:
+    """Non-blocking look at the socket: None while the router says nothing, else what it sent (b"" = closed)."""
+    r, _, _ = select.select([s], [], [], 0)
+    if not r:
+        return None
+    try:
+        return s.recv(65536)
+    except ConnectionError:
+        return b""
+
+
+def _dribble(s: socket.socket, data: bytes, gap: float) -> tuple:
+    """Send ``data`` one byte every ``gap`` seconds until the router answers or closes. Returns (bytes sent, what
+    the router sent or None if it never did)."""
+    import time
+
+    for k in range(len(data)):
+        got = _closed_or_answered(s)
+        if got is not None:
+            return k, got
+        try:
+            s.sendall(data[k:k + 1])
+        except OSError:
+            return k, b""
+        time.sleep(gap)
+    r, _, _ = select.select([s], [], [], 1.0)
+    return len(data), (s.recv(65536) if r else None)
+
+
+HEAD = b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+BODY = {"model": "mock", "prompt": "The quick brown fox jumps over the lazy dog. " * 4, "max_tokens": 5}
+
+
+# ---------------------------------------------------------------------------------------------- slow bodies
+def test_one_byte_chunked_body_does_not_freeze_other_clients(lt):
+    """A body in 1-byte chunks (chunked encoding) costs O(1) per chunk: a healthy client's request completes while
+    the dribbler's body is still incomplete, and the dribbler's request then completes with its exact bytes."""
+    e = MockEngine(name="a")
+    st = Setup(lt, [e])
+    try:
+        body = json.dumps(dict(BODY, prompt="y" * 150_000)).encode()
+        d = st.sock()
+        d.sendall(HEAD + b"transfer-encoding: chunked\r\n\r\n")
+        sent = threading.Event()
+
+        def dribbler():  # everything but the last byte and the terminating chunk
+            d.sendall(b"".join(b"1\r\n%s\r\n" % body[k:k + 1] for k in range(len(body) - 1)))
+            sent.set()
+        t = threading.Thread(target=dribbler, daemon=True)
+        t.start()
+        assert sent.wait(LIVE), "router stopped reading the dribbled body"
+        with httpx.Client(timeout=LIVE) as h:
+            r = h.post(st.base + "/v1/completions", content=json.dumps(BODY).encode())  # the healthy client
+        assert r.status_code == 200 and len(r.json()["choices"][0]["text"].split()) == 5
+        assert len(e.received) == 1 and e.received[0] == json.dumps(BODY).encode()  # dribbler not complete yet
+        d.sendall(b"1\r\n%s\r\n0\r\n\r\n" % body[-1:])
+        status, _, _ = _read_response(d)
+        assert status == 200 and e.received[-1] == body
+        d.close()
+    finally:
+        st.close()
+
+
+# ---------------------------------------------------------------------------------------------- timeouts
+def test_header_body_and_idle_timeouts_close_slow_clients(lt):
+    st = Setup(lt, [MockEngine(name="a")], header_timeout_s=1.0, body_timeout_s=1.0, keepalive_timeout_s=1.0)
+    try:
+        # slowloris head: one header byte every 50 ms would take 20 s; the router answers 408 and closes first
+        s = st.sock()
+        s.sendall(HEAD)
+        n, got = _dribble(s, b"x-slow: " + b"a" * 392 + b"\r\n", 0.05)
+        assert got is not None and n < 400, "the router kept a dribbling request head open"
+        assert got == b"" or got.startswith(b"HTTP/1.1 408")
+        s.close()
+        # slow body: Content-Length 400, one byte every 50 ms
+        s = st.sock()
+        s.sendall(HEAD + b"content-length: 400\r\n\r\n")
+        n, got = _dribble(s, b"z" * 400, 0.05)
+        assert got is not None and n < 400, "the router kept a dribbling body open"
+        assert got == b"" or got.startswith(b"HTTP/1.1 408")
+        s.close()
+        # a connection that never sends a byte is closed (header timeout from the accept)
+        s = st.sock()
+        got = s.recv(100)
+        assert got == b"" or got.startswith(b"HTTP/1.1 408")
+        s.close()
+        # an idle kept-alive connection is closed after its request
+        s = st.sock()
+        raw = json.dumps(BODY).encode()
+        s.sendall(HEAD + b"content-length: %d\r\n\r\n%s" % (len(raw), raw))
+        assert _read_response(s)[0] == 200
+        assert s.recv(100) == b""  # closed by the router (the socket timeout is the liveness bound)
+        s.close()
+        assert st.router.hub.timeouts >= 3
+    finally:
+        st.close()
+
+
+def test_connection_cap_refuses_with_503_then_recovers(lt):
+    st = Setup(lt, [MockEngine(name="a")], max_connections=4)
+    held = [st.sock() for _ in range(4)]
+    try:
+        for _ in range(400):  # wait until the router accepted all four (they count) ...
+            if lt.call(lambda: len(st.router.hub.conns)) == 4:
+                break
+            lt.run(asyncio.sleep(0.01))
+        s = st.sock()  # ... the fifth gets a readable 503 and a close
+        status, hdrs, body = _read_response(s)
+        assert status == 503 and hdrs.get("connection") == "close" and b"max_connections" in body
+        s.close()
+        assert st.router.hub.refused == 1
+        held.pop().close()
+        for _ in range(200):  # once the router saw the close, a new client is served
+            with httpx.Client(timeout=LIVE) as h:
+                try:
+                    r = h.post(st.base + "/v1/completions", json=BODY)
+                except httpx.TransportError:
+                    continue
+            if r.status_code == 200:
+                break
+            assert r.status_code == 503
+        assert r.status_code == 200
+    finally:
+        for s in held:
+            s.close()
+        st.close()
+
+
+def test_pipelined_flood_is_answered_in_order(lt):
+    """200 pipelined requests in one write: the router stops reading while 32 wait, and answers all, in order."""
+    e = MockEngine(name="a")
+    st = Setup(lt, [e])
+    try:
+        s = st.sock()
+        reqs = [json.dumps(dict(BODY, prompt=f"request {k}")).encode() for k in range(200)]
+        s.sendall(b"".join(HEAD + b"content-length: %d\r\n\r\n%s" % (len(r), r) for r in reqs))
+        f = s.makefile("rb")
+        for k in range(200):
+            status, _, body = _read_response(f)
+            assert status == 200 and e.received[k] == reqs[k]
+        s.close()
+    finally:
+        st.close()
+
+
+# ---------------------------------------------------------------------------------------------- size limits
+def test_url_header_and_body_limits(lt):
+    st = Setup(lt, [MockEngine(name="a")], max_body_mb=1)
+    try:
+        with httpx.Client(timeout=LIVE) as h:
+            r = h.post(st.base + "/v1/completions?" + "a" * 9000, json=BODY)
+            assert r.status_code == 414 and "max_url" in r.text
+            r = h.post(st.base + "/v1/completions", json=BODY, headers={"x-big": "b" * 40_000})
+            assert r.status_code == 431 and "max_header_bytes" in r.text
+            r = h.post(st.base + "/v1/completions", json=BODY, headers={f"x-h{k}": "1" for k in range(150)})
+            assert r.status_code == 431 and "max_headers" in r.text
+            # over the limit with Content-Length: a readable 413 (not a connection reset), sent after the body
+            r = h.post(st.base + "/v1/completions", json=dict(BODY, prompt="x" * (2 << 20)))
+            assert r.status_code == 413 and "max_body_mb" in r.text
+            # and with chunked encoding (no length known in advance)
+            r = h.post(st.base + "/v1/completions", content=iter([b"x" * 16384] * 128))
+            assert r.status_code == 413 and "max_body_mb" in r.text
+            # the router still serves
+            assert h.post(st.base + "/v1/completions", json=BODY).status_code == 200
+        # a head that never ends (one header line growing forever) is cut at the limit too
+        s = st.sock()
+        s.sendall(HEAD + b"x-endless: ")
+        got = b""
+        try:
+            for _ in range(64):
+                s.sendall(b"c" * 4096)
+        except OSError:
+            pass
+        got = s.recv(65536)
+        assert got.startswith(b"HTTP/1.1 431")
+        s.close()
+    finally:
+        st.close()
+
+
+# ---------------------------------------------------------------------------------------------- broken backends
+OK = b'HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 2\r\n\r\n{}'
+
+
+async def _fake_backend(*answers: bytes) -> tuple:
+    """A backend that answers the k-th request on a connection with ``answers[k]`` and then never answers again.
+    Returns (url, asyncio server)."""
+
+    async def conn(reader, writer):
+        try:
+            for a in answers:
+                head = await reader.readuntil(b"\r\n\r\n")
+                n = next((int(ln.split(b":")[1]) for ln in head.lower().split(b"\r\n")
+                          if ln.startswith(b"content-length:")), 0)
+                await reader.readexactly(n)
+                writer.write(a)
+                await writer.drain()
+            await asyncio.sleep(3600)
+        except (asyncio.IncompleteReadError, ConnectionError, asyncio.CancelledError):
+            pass
+        finally:
+            writer.close()
+    srv = await asyncio.start_server(conn, "127.0.0.1", 0)
+    return f"http://127.0.0.1:{srv.sockets[0].getsockname()[1]}", srv
+
+
+@pytest.mark.parametrize("garbage", [b"garbage that is not HTTP\r\n\r\n",
+                                     b"HTTP/1.1 200 OK\r\ncontent-length: 12\r\nbroken header line\r\n\r\n",
+                                     b"HTTP/1.1 200 OK\r\ncontent-length: nope\r\n\r\n"])
+@pytest.mark.parametrize("stream", [False, True])
+def test_backend_garbage_is_502_not_forwarded(lt, garbage, stream):
+    url, srv = lt.run(_fake_backend(garbage))
+    st = Setup(lt, [url])
+    try:
+        with httpx.Client(timeout=LIVE) as h:
+            r = h.post(st.base + "/v1/completions", json=dict(BODY, stream=stream))
+        assert r.status_code == 502 and "bad HTTP from backend" in r.json()["error"]
+        assert b"garbage" not in r.content and b"broken" not in r.content
+    finally:
+        st.close()
+        srv.close()
+
+
+@pytest.mark.parametrize("fast_path", [True, False])
+def test_backend_that_hangs_gets_504(lt, fast_path):
+    url, srv = lt.run(_fake_backend(OK))  # answers the first request on a connection, then hangs
+    st = Setup(lt, [url], backend_read_timeout_s=0.3, fast_path=fast_path, retries=0)
+    try:
+        with httpx.Client(timeout=LIVE) as h:
+            assert h.post(st.base + "/v1/completions", json=BODY).status_code == 200
+            # the second request reuses the pooled connection (on the callback path when fast_path is on)
+            r = h.post(st.base + "/v1/completions", json=BODY)
+            assert r.status_code == 504 and "sent nothing" in r.json()["error"]
+            r = h.post(st.base + "/v1/completions", json=BODY)  # a new connection: answered, the router serves on
+            assert r.status_code == 200
+    finally:
+        st.close()
+        srv.close()
+
+
+def test_backend_connect_failure_is_502(lt):
+    st = Setup(lt, [f"http://127.0.0.1:{free_port()}"])  # nothing listens there
+    try:
+        with httpx.Client(timeout=LIVE) as h:
+            r = h.post(st.base + "/v1/completions", json=BODY)
+        assert r.status_code == 502 and "cannot connect" in r.json()["error"]
+    finally:
+        st.close()
+
+
+# ---------------------------------------------------------------------------------------------- malformed bodies
+DEEP = b'{"model": "mock", "prompt": "hi", "x": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+
+
+@pytest.mark.parametrize("path,body,needle", [
+    ("/v1/chat/completions", {"model": "mock", "messages": [{"role": "user", "content": [{"type": "text",
+                                                                                          "text": 5}]}]},
+     "$.messages[0].content[0].text"),
+    ("/v1/chat/completions", {"model": "mock", "messages": "hi"}, "$.messages"),
+    ("/v1/completions", {"model": "mock", "prompt": "hi", "max_tokens": "7"}, "$.max_tokens"),
+    ("/v1/completions", {"model": "mock", "prompt": "hi", "stream": "yes"}, "$.stream"),
+    ("/v1/completions", {"model": 7, "prompt": "hi"}, "$.model"),
+    ("/v1/completions", {"model": "mock", "prompt": {"text": "hi"}}, "$.prompt"),
+    ("/v1/completions", {"model": "mock"}, "prompt"),
+    ("/v1/completions", DEEP, "nested too deeply"),
+    ("/v1/completions", b'{"model": "mock", "prompt": "\xff\xfe"}', "UTF-8"),
+    ("/v1/completions", b"[1, 2]", "JSON object"),
+])
+def test_malformed_bodies_get_400_naming_the_problem(lt, path, body, needle):
+    e = MockEngine(name="a")
+    st = Setup(lt, [e], policy="cost")  # a policy that reads the prompt parses every body
+    try:
+        raw = body if isinstance(body, bytes) else json.dumps(body).encode()
+        with httpx.Client(timeout=LIVE) as h:
+            r = h.post(st.base + path, content=raw, headers={"content-type": "application/json"})
+            assert r.status_code == 400, r.text
+            assert needle in r.json()["error"]["message"]
+            assert not e.received  # refused before any engine saw it
+            assert h.post(st.base + "/v1/completions", json=BODY).status_code == 200
+    finally:
+        st.close()
+
+
+@pytest.mark.parametrize("policy", ["cost", "round_robin"])
+def test_unknown_model_is_404_openai_style(lt, policy):
+    st = Setup(lt, [MockEngine(name="a")], policy=policy)
+    try:
+        with httpx.Client(timeout=LIVE) as h:
+            r = h.post(st.base + "/v1/completions", json=dict(BODY, model="no-such-model"))
+        assert r.status_code == 404
+        err = r.json()["error"]
+        assert "no-such-model" in err["message"] and "does not exist" in err["message"]
+    finally:
+        st.close()
+
+
+@pytest.mark.parametrize("key", ["header_timeout_s", "max_connections", "max_body_mb", "backend_read_timeout_s"])
+def test_non_positive_limit_is_refused_at_construction(key):
+    with pytest.raises(ConfigError, match=f"{key} must be a positive number"):
+        Router(RouterConfig(port=0, **{key: 0}))
