@@ -2,6 +2,10 @@
 from __future__ import annotations
 
 import os
+import re
+import signal
+import time
+from pathlib import Path
 
 import pytest
 
@@ -23,3 +27,108 @@ def tiny_model_dir():
     from dlmix.models import prepare
 
     return prepare("tiny-llama")
+
+
+class ProcessWatch:
+    """The processes a test started (process groups, pids, and every process whose pid is logged in, or whose
+    command line names, a log folder): counted while they run, and checked gone afterwards. The one clean-up check
+    of the launch tests (the ``orphans`` fixture)."""
+
+    _LOGGED = re.compile(r"(?:mock engine pid|grandchild pid) (\d+)")
+
+    def __init__(self):
+        self.pgids: set[int] = set()
+        self.pids: set[int] = set()
+        self.log_dirs: list[Path] = []
+
+    def track(self, *, pgids=(), pids=(), logs=None) -> "ProcessWatch":
+        """Add process groups, pids and a log folder to what :meth:`assert_gone` (and the teardown) check."""
+        self.pgids |= set(pgids)
+        self.pids |= set(pids)
+        if logs is not None:
+            self.log_dirs.append(Path(logs))
+        return self
+
+    @staticmethod
+    def alive(pid: int) -> bool:
+        """True if ``pid`` exists and is not a zombie (Linux ``/proc``)."""
+        try:
+            return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+        except (OSError, IndexError):
+            return False
+
+    @staticmethod
+    def group_members(pgids) -> set[int]:
+        """Live pids whose process group is in ``pgids``."""
+        from dlmix.launch.runner import group_members
+
+        return {pid for pid, _ in group_members(set(pgids))}
+
+    @staticmethod
+    def logged_pids(log_dir) -> set[int]:
+        """Pids the mock engines wrote into the ``*.log`` files of ``log_dir`` (theirs and their grandchildren's)."""
+        out: set[int] = set()
+        for f in Path(log_dir).glob("*.log"):
+            out |= {int(x) for x in ProcessWatch._LOGGED.findall(f.read_text(errors="replace"))}
+        return out
+
+    @classmethod
+    def cmdline_pids(cls, substr: str) -> set[int]:
+        """Live pids (not this one) whose command line contains ``substr``."""
+        out = set()
+        for d in Path("/proc").iterdir():
+            if d.name.isdigit() and int(d.name) != os.getpid():
+                try:
+                    cmd = (d / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+                except OSError:
+                    continue
+                if substr in cmd and cls.alive(int(d.name)):
+                    out.add(int(d.name))
+        return out
+
+    def left(self) -> set[int]:
+        """Tracked processes still alive."""
+        out = self.group_members(self.pgids) | {p for p in self.pids if self.alive(p)}
+        for d in self.log_dirs:
+            out |= {p for p in self.logged_pids(d) if self.alive(p)} | self.cmdline_pids(str(d))
+        return out
+
+    def assert_gone(self, timeout_s: float = 60.0) -> None:
+        """Wait until no tracked process is alive; fail naming the ones left after ``timeout_s`` seconds (a bound
+        on the wait only: a clean stop takes well under a second)."""
+        deadline = time.monotonic() + timeout_s
+        while (left := self.left()) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not left, f"processes left behind: {self._describe(left)}"
+
+    @staticmethod
+    def _describe(pids) -> str:
+        out = []
+        for p in sorted(pids):
+            try:
+                cmd = Path(f"/proc/{p}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            except OSError:
+                cmd = "?"
+            out.append(f"{p} ({cmd[:120]})")
+        return ", ".join(out)
+
+    def kill_left(self) -> set[int]:
+        """SIGKILL every tracked process still alive; returns their pids."""
+        left = self.left()
+        for p in left:
+            try:
+                os.kill(p, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        return left
+
+
+@pytest.fixture
+def orphans():
+    """A :class:`ProcessWatch`: the test tracks what it starts and calls ``assert_gone()`` after stopping it; at
+    teardown anything tracked that is still alive is killed and the test errors (no process outlives a test)."""
+    w = ProcessWatch()
+    yield w
+    left = w.kill_left()
+    if left:
+        pytest.fail(f"processes left behind (killed now): {sorted(left)}")
