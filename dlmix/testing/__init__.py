@@ -5,7 +5,8 @@
 * :class:`LoopThread`: an asyncio loop (uvloop when installed) in a daemon thread, for synchronous tests driving
   asyncio servers;
 * :class:`RouterThread`: the dlmix router started in-process on its own :class:`LoopThread`;
-* :func:`wait_http`: poll a URL until it answers 200; :func:`wait_until`: poll any condition with a deadline;
+* :func:`wait_http`: poll a URL until it answers 200; :func:`poll` / :func:`wait_until`: poll any condition with a
+  (generous) deadline;
 * :class:`~dlmix.testing.mock_engine.MockEngine`: the one mock OpenAI engine (vLLM's API, PD legs, KV events,
   Prometheus counters, fixed fast answers for router benchmarks).
 """
@@ -17,7 +18,7 @@ import time
 
 from dlmix.engine_process import free_port, free_port_block, port_free
 
-__all__ = ["free_port", "free_port_block", "port_free", "LoopThread", "RouterThread", "wait_http", "wait_until",
+__all__ = ["free_port", "free_port_block", "port_free", "LoopThread", "RouterThread", "wait_http", "poll", "wait_until",
            "MockEngine"]
 
 
@@ -90,17 +91,24 @@ class RouterThread:
             self.lt.close()
 
 
-def wait_until(cond, timeout_s: float = 120.0, what: str = "condition", interval_s: float = 0.05):
-    """Poll ``cond()`` until it returns a true value, which is returned. Raises AssertionError naming ``what``
-    after ``timeout_s`` seconds. A deadline only bounds the wait: keep it generous (loaded CI machines)."""
+def poll(cond, timeout_s: float = 120.0, interval_s: float = 0.05):
+    """Call ``cond()`` every ``interval_s`` seconds until it returns a true value or ``timeout_s`` seconds passed;
+    returns its last value (falsy on timeout). A deadline only bounds the wait: keep it generous, tests run on
+    loaded CI machines."""
     deadline = time.monotonic() + timeout_s
     while True:
         v = cond()
-        if v:
+        if v or time.monotonic() >= deadline:
             return v
-        if time.monotonic() >= deadline:
-            raise AssertionError(f"timed out after {timeout_s:g} s waiting for {what}")
         time.sleep(interval_s)
+
+
+def wait_until(cond, timeout_s: float = 120.0, what: str = "condition", interval_s: float = 0.05):
+    """:func:`poll`, raising AssertionError naming ``what`` when ``cond()`` is still false after ``timeout_s``."""
+    v = poll(cond, timeout_s, interval_s)
+    if not v:
+        raise AssertionError(f"timed out after {timeout_s:g} s waiting for {what}")
+    return v
 
 
 def wait_http(url: str, timeout: float = 30.0, interval: float = 0.2) -> bool:
