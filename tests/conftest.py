@@ -132,3 +132,58 @@ def orphans():
     left = w.kill_left()
     if left:
         pytest.fail(f"processes left behind (killed now): {sorted(left)}")
+
+
+class CliLaunch:
+    """``python -m dlmix.cli launch FILE --log-dir LOGS`` in its own session, its combined output read without
+    blocking (``out``, bytes). :meth:`wait_for` polls the output; :meth:`interrupt` is Ctrl-C and returns the text."""
+
+    def __init__(self, dep_file, logs, columns: int = 200):
+        import subprocess
+        import sys
+
+        self.proc = subprocess.Popen([sys.executable, "-m", "dlmix.cli", "launch", str(dep_file), "--log-dir",
+                                      str(logs)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                     start_new_session=True, env={**os.environ, "COLUMNS": str(columns)})
+        self.out = b""
+        os.set_blocking(self.proc.stdout.fileno(), False)
+
+    def seen(self, text: bytes) -> bool:
+        """Read what is there; True once ``text`` was printed. Fails (with the output) if the CLI exited."""
+        assert self.proc.poll() is None, self.out.decode(errors="replace")
+        self.out += self.proc.stdout.read() or b""
+        return text in self.out
+
+    def wait_for(self, text: bytes, timeout_s: float, what: str) -> None:
+        """Poll until ``text`` was printed (AssertionError naming ``what`` after ``timeout_s`` seconds)."""
+        from dlmix.testing import wait_until
+
+        wait_until(lambda: self.seen(text), timeout_s, what, interval_s=0.2)
+
+    def interrupt(self, timeout_s: float = 60.0) -> str:
+        """SIGINT to the CLI, wait for it to exit, return its whole output as text."""
+        os.kill(self.proc.pid, signal.SIGINT)
+        self.proc.wait(timeout_s)
+        os.set_blocking(self.proc.stdout.fileno(), True)
+        self.out += self.proc.stdout.read() or b""
+        return self.out.decode(errors="replace")
+
+    def kill(self) -> None:
+        """SIGKILL the CLI's whole session if it still runs."""
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(30)
+
+
+@pytest.fixture
+def cli_launch():
+    """Factory of :class:`CliLaunch` processes; any still running at teardown is killed."""
+    made: list[CliLaunch] = []
+
+    def start(dep_file, logs, columns: int = 200) -> CliLaunch:
+        made.append(CliLaunch(dep_file, logs, columns))
+        return made[-1]
+
+    yield start
+    for c in made:
+        c.kill()

@@ -5,9 +5,6 @@ from __future__ import annotations
 import os
 import signal
 import socket
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import httpx
@@ -93,33 +90,16 @@ def test_port_in_use_is_named_and_nothing_starts(tmp_path, orphans):
     assert not list(logs.glob("*.log")) and not orphans.cmdline_pids(str(logs))
 
 
-def test_cli_sigint_stops_every_child(tmp_path, orphans):
+def test_cli_sigint_stops_every_child(tmp_path, orphans, cli_launch):
     f = _deployment(tmp_path)
     logs = tmp_path / "logs"
-    proc = subprocess.Popen([sys.executable, "-m", "dlmix.cli", "launch", str(f), "--log-dir", str(logs)],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
-                            env={**os.environ, "COLUMNS": "200"})
-    out = b""
-    try:
-        deadline = time.monotonic() + 180
-        os.set_blocking(proc.stdout.fileno(), False)
-        while b"Ctrl-C stops everything" not in out:
-            assert proc.poll() is None, out.decode(errors="replace")
-            assert time.monotonic() < deadline, out.decode(errors="replace")
-            out += proc.stdout.read() or b""
-            time.sleep(0.2)
-        children = orphans.logged_pids(logs) | orphans.cmdline_pids(str(logs))
-        assert len(children) >= 5                                  # router, 2 engines, 1 grandchild, ...
-        orphans.track(pids=children, logs=logs)
-        os.kill(proc.pid, signal.SIGINT)
-        proc.wait(60)
-        os.set_blocking(proc.stdout.fileno(), True)
-        out += proc.stdout.read() or b""
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-    text = out.decode(errors="replace")
-    assert proc.returncode == 130, text
+    cli = cli_launch(f, logs, columns=200)
+    cli.wait_for(b"Ctrl-C stops everything", 180, "the deployment to be ready")
+    children = orphans.logged_pids(logs) | orphans.cmdline_pids(str(logs))
+    assert len(children) >= 5                                      # router, 2 engines, 1 grandchild, ...
+    orphans.track(pids=children, logs=logs)
+    text = cli.interrupt()
+    assert cli.proc.returncode == 130, text
     assert "stopping every process" in text and "stopped." in text
     orphans.assert_gone()
 

@@ -123,40 +123,19 @@ def test_restart_policy_backoff_and_overrides():
     assert "x.yaml:1:11: restart.max_restart: unknown key" in str(ei.value)
 
 
-def test_cli_reports_the_restart_and_stops_cleanly(tmp_path, orphans):
+def test_cli_reports_the_restart_and_stops_cleanly(tmp_path, orphans, cli_launch):
     import re
-    import subprocess
-    import sys
 
     f = _write(tmp_path, router=True, restart="{max_restarts: 2, backoff_s: 0.5}")
     logs = tmp_path / "logs"
-    proc = subprocess.Popen([sys.executable, "-m", "dlmix.cli", "launch", str(f), "--log-dir", str(logs)],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
-                            env={**os.environ, "COLUMNS": "250"})
-    out = b""
-    os.set_blocking(proc.stdout.fileno(), False)
-
-    def seen(text: bytes) -> bool:
-        nonlocal out
-        assert proc.poll() is None, out.decode(errors="replace")
-        out += proc.stdout.read() or b""
-        return text in out
-
-    try:
-        wait_until(lambda: seen(b"Ctrl-C stops everything"), 90, "the deployment to be ready")
-        pid_b = int(re.findall(r"mock engine pid (\d+)", (logs / "b.log").read_text())[0])
-        os.kill(pid_b, signal.SIGKILL)
-        wait_until(lambda: seen(b"b is healthy again after restart 1"), 60, "the CLI to report b's restart")
-        orphans.track(pgids=orphans.logged_pids(logs), logs=logs)
-        os.kill(proc.pid, signal.SIGINT)
-        proc.wait(60)
-        os.set_blocking(proc.stdout.fileno(), True)
-        out += proc.stdout.read() or b""
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-    text = out.decode(errors="replace")
-    assert proc.returncode == 130, text
+    cli = cli_launch(f, logs, columns=250)
+    cli.wait_for(b"Ctrl-C stops everything", 90, "the deployment to be ready")
+    pid_b = int(re.findall(r"mock engine pid (\d+)", (logs / "b.log").read_text())[0])
+    os.kill(pid_b, signal.SIGKILL)
+    cli.wait_for(b"b is healthy again after restart 1", 60, "the CLI to report b's restart")
+    orphans.track(pgids=orphans.logged_pids(logs), logs=logs)
+    text = cli.interrupt()
+    assert cli.proc.returncode == 130, text
     assert "supervisor b exited with code -9" in text and "restarting b in 0.5 s (restart 1 of 2)" in text
     assert "stopped." in text
     orphans.assert_gone()

@@ -97,20 +97,7 @@ def _refs(url: str, items: list[dict]) -> dict[int, tuple[list[int], list[float]
 
 def _compare(case: str, got: dict[int, list[int]], refs: dict, threshold: float) -> tuple[int, int]:
     """Return (identical, near_ties); fail on any divergence that is not a near-tie."""
-    same = ties = 0
-    for i, ids in got.items():
-        ref, gaps = refs[i]
-        assert len(ids) == len(ref) == MAX_TOKENS, (case, i, ids, ref)
-        if ids == ref:
-            same += 1
-            continue
-        k = next(j for j in range(len(ref)) if ids[j] != ref[j])
-        gap = gaps[k] if k < len(gaps) else float("inf")
-        assert gap < threshold, f"{case}: prompt {i} differs at token {k} with top-2 gap {gap:.4f} >= {threshold}"
-        ties += 1
-        print(f"[{case}] prompt {i}: near-tie at token {k} (top-2 gap {gap:.4f})")
-    print(f"[{case}] identical {same}/{len(got)}, near-ties {ties} (threshold {threshold} nats)")
-    return same, ties
+    return T.compare_greedy(case, got, refs, threshold, MAX_TOKENS)
 
 
 def _through_pd(P, D, items: list[dict], check_record: bool = True) -> dict[int, list[int]]:
