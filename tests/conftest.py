@@ -167,8 +167,9 @@ class CliLaunch:
 
         wait_until(lambda: self.seen(text), timeout_s, what, interval_s=0.2)
 
-    def interrupt(self, timeout_s: float = 60.0) -> str:
-        """SIGINT to the CLI, wait for it to exit, return its whole output as text."""
+    def interrupt(self, timeout_s: float = 240.0) -> str:
+        """SIGINT to the CLI, wait for it to exit (a clean stop takes seconds; at a load average of 8 on 2 cores it
+        took over 60 s, so the bound is generous), return its whole output as text."""
         os.kill(self.proc.pid, signal.SIGINT)
         self.proc.wait(timeout_s)
         os.set_blocking(self.proc.stdout.fileno(), True)
