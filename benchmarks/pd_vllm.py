@@ -33,8 +33,9 @@ import httpx
 from dlmix_vllm import testing as T
 
 LENGTHS = (128, 512, 1000)
-_WORDS = ("river mountain quiet engine market yellow window garden silver theory station winter bridge signal "
-          "harvest lantern ocean pocket rhythm castle meadow copper thunder village orbit canvas planet ribbon").split()
+_WORDS = T.PROSE_WORDS[:28]
+#: the servers' model and KV cache dtype (the figures above are for bf16; the test launcher's default is fp32)
+DTYPE = "bfloat16"
 
 
 def _prompt(tok, rng: random.Random, n: int) -> list[int]:
@@ -76,19 +77,20 @@ def run_phase(name: str, model: str, wd: Path, tok, reps: int, rng: random.Rando
     stats_dir = wd / f"stats-{name}"
     servers = []
     if name == "aggregated":
-        servers = [T.launch("agg", model, wd, role=None, cpu="1")]
+        servers = [T.launch("agg", model, wd, role=None, cpu="1", dtype=DTYPE)]
     elif name == "dlmix":
-        servers = [T.launch("dlmix-P", model, wd, role="kv_producer", cpu="0", extra={"transport": transport}),
-                   T.launch("dlmix-D", model, wd, role="kv_consumer", cpu="1",
+        servers = [T.launch("dlmix-P", model, wd, role="kv_producer", cpu="0", dtype=DTYPE,
+                            extra={"transport": transport}),
+                   T.launch("dlmix-D", model, wd, role="kv_consumer", cpu="1", dtype=DTYPE,
                             extra={"stats_dir": str(stats_dir), "transport": transport})]
     else:
         env_p = {"VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1", "VLLM_NIXL_SIDE_CHANNEL_PORT": str(T.free_port()),
                  "UCX_NET_DEVICES": "lo", "UCX_TLS": "sm,self,tcp"}
         env_d = dict(env_p, VLLM_NIXL_SIDE_CHANNEL_PORT=str(T.free_port()))
-        servers = [T.launch("nixl-P", model, wd, role="kv_producer", cpu="0", connector="NixlConnector", env=env_p,
-                            extra={"kv_lease_duration": 300}),
-                   T.launch("nixl-D", model, wd, role="kv_consumer", cpu="1", connector="NixlConnector", env=env_d,
-                            extra={"kv_lease_duration": 300})]
+        servers = [T.launch("nixl-P", model, wd, role="kv_producer", cpu="0", dtype=DTYPE, connector="NixlConnector",
+                            env=env_p, extra={"kv_lease_duration": 300}),
+                   T.launch("nixl-D", model, wd, role="kv_consumer", cpu="1", dtype=DTYPE, connector="NixlConnector",
+                            env=env_d, extra={"kv_lease_duration": 300})]
     out: dict = {"ttft_s": {}, "errors": []}
     try:
         T.wait_ready(servers, timeout_s=400)

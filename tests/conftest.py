@@ -2,11 +2,22 @@
 from __future__ import annotations
 
 import os
+import re
+import signal
+import time
+from pathlib import Path
 
 import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+
+@pytest.fixture(autouse=True)
+def _wide_cli_output(monkeypatch):
+    """CLI output (typer/rich) wraps at the terminal width, and a wrap inside a checked message (a tmp path of another
+    length moves it) must not fail a test: every CLI a test runs, in process or as a child, prints unwrapped."""
+    monkeypatch.setenv("COLUMNS", "1000")
 
 
 @pytest.fixture(scope="session")
@@ -23,3 +34,164 @@ def tiny_model_dir():
     from dlmix.models import prepare
 
     return prepare("tiny-llama")
+
+
+class ProcessWatch:
+    """The processes a test started (process groups, pids, and every process whose pid is logged in, or whose
+    command line names, a log folder): counted while they run, and checked gone afterwards. The one clean-up check
+    of the launch tests (the ``orphans`` fixture)."""
+
+    _LOGGED = re.compile(r"(?:mock engine pid|grandchild pid) (\d+)")
+
+    def __init__(self):
+        self.pgids: set[int] = set()
+        self.pids: set[int] = set()
+        self.log_dirs: list[Path] = []
+
+    def track(self, *, pgids=(), pids=(), logs=None) -> "ProcessWatch":
+        """Add process groups, pids and a log folder to what :meth:`assert_gone` (and the teardown) check."""
+        self.pgids |= set(pgids)
+        self.pids |= set(pids)
+        if logs is not None:
+            self.log_dirs.append(Path(logs))
+        return self
+
+    @staticmethod
+    def alive(pid: int) -> bool:
+        """True if ``pid`` exists and is not a zombie (Linux ``/proc``)."""
+        try:
+            return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+        except (OSError, IndexError):
+            return False
+
+    @staticmethod
+    def group_members(pgids) -> set[int]:
+        """Live pids whose process group is in ``pgids``."""
+        from dlmix.launch.runner import group_members
+
+        return {pid for pid, _ in group_members(set(pgids))}
+
+    @staticmethod
+    def logged_pids(log_dir) -> set[int]:
+        """Pids the mock engines wrote into the ``*.log`` files of ``log_dir`` (theirs and their grandchildren's)."""
+        out: set[int] = set()
+        for f in Path(log_dir).glob("*.log"):
+            out |= {int(x) for x in ProcessWatch._LOGGED.findall(f.read_text(errors="replace"))}
+        return out
+
+    @classmethod
+    def cmdline_pids(cls, substr: str) -> set[int]:
+        """Live pids (not this one) whose command line contains ``substr``."""
+        out = set()
+        for d in Path("/proc").iterdir():
+            if d.name.isdigit() and int(d.name) != os.getpid():
+                try:
+                    cmd = (d / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+                except OSError:
+                    continue
+                if substr in cmd and cls.alive(int(d.name)):
+                    out.add(int(d.name))
+        return out
+
+    def left(self) -> set[int]:
+        """Tracked processes still alive."""
+        out = self.group_members(self.pgids) | {p for p in self.pids if self.alive(p)}
+        for d in self.log_dirs:
+            out |= {p for p in self.logged_pids(d) if self.alive(p)} | self.cmdline_pids(str(d))
+        return out
+
+    def assert_gone(self, timeout_s: float = 60.0) -> None:
+        """Wait until no tracked process is alive; fail naming the ones left after ``timeout_s`` seconds (a bound
+        on the wait only: a clean stop takes well under a second)."""
+        deadline = time.monotonic() + timeout_s
+        while (left := self.left()) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not left, f"processes left behind: {self._describe(left)}"
+
+    @staticmethod
+    def _describe(pids) -> str:
+        out = []
+        for p in sorted(pids):
+            try:
+                cmd = Path(f"/proc/{p}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            except OSError:
+                cmd = "?"
+            out.append(f"{p} ({cmd[:120]})")
+        return ", ".join(out)
+
+    def kill_left(self) -> set[int]:
+        """SIGKILL every tracked process still alive; returns their pids."""
+        left = self.left()
+        for p in left:
+            try:
+                os.kill(p, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        return left
+
+
+@pytest.fixture
+def orphans():
+    """A :class:`ProcessWatch`: the test tracks what it starts and calls ``assert_gone()`` after stopping it; at
+    teardown anything tracked that is still alive is killed and the test errors (no process outlives a test)."""
+    w = ProcessWatch()
+    yield w
+    left = w.kill_left()
+    if left:
+        pytest.fail(f"processes left behind (killed now): {sorted(left)}")
+
+
+class CliLaunch:
+    """``python -m dlmix.cli launch FILE --log-dir LOGS`` in its own session, its combined output read without
+    blocking (``out``, bytes). :meth:`wait_for` polls the output; :meth:`interrupt` is Ctrl-C and returns the text."""
+
+    def __init__(self, dep_file, logs, columns: int = 200):
+        import subprocess
+        import sys
+
+        self.proc = subprocess.Popen([sys.executable, "-m", "dlmix.cli", "launch", str(dep_file), "--log-dir",
+                                      str(logs)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                     start_new_session=True, env={**os.environ, "COLUMNS": str(columns)})
+        self.out = b""
+        os.set_blocking(self.proc.stdout.fileno(), False)
+
+    def seen(self, text: bytes) -> bool:
+        """Read what is there; True once ``text`` was printed. Fails (with the output) if the CLI exited."""
+        assert self.proc.poll() is None, self.out.decode(errors="replace")
+        self.out += self.proc.stdout.read() or b""
+        return text in self.out
+
+    def wait_for(self, text: bytes, timeout_s: float, what: str) -> None:
+        """Poll until ``text`` was printed (AssertionError naming ``what`` after ``timeout_s`` seconds)."""
+        from dlmix.testing import wait_until
+
+        wait_until(lambda: self.seen(text), timeout_s, what, interval_s=0.2)
+
+    def interrupt(self, timeout_s: float = 240.0) -> str:
+        """SIGINT to the CLI, wait for it to exit (a clean stop takes seconds; at a load average of 8 on 2 cores it
+        took over 60 s, so the bound is generous), return its whole output as text."""
+        os.kill(self.proc.pid, signal.SIGINT)
+        self.proc.wait(timeout_s)
+        os.set_blocking(self.proc.stdout.fileno(), True)
+        self.out += self.proc.stdout.read() or b""
+        return self.out.decode(errors="replace")
+
+    def kill(self) -> None:
+        """SIGKILL the CLI's whole session if it still runs."""
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(30)
+
+
+@pytest.fixture
+def cli_launch():
+    """Factory of :class:`CliLaunch` processes; any still running at teardown is killed."""
+    made: list[CliLaunch] = []
+
+    def start(dep_file, logs, columns: int = 200) -> CliLaunch:
+        made.append(CliLaunch(dep_file, logs, columns))
+        return made[-1]
+
+    yield start
+    for c in made:
+        c.kill()

@@ -3,12 +3,8 @@ normal stop, a failed start, a port in use, and SIGINT to the CLI."""
 from __future__ import annotations
 
 import os
-import re
 import signal
 import socket
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import httpx
@@ -16,48 +12,7 @@ import pytest
 
 from dlmix.engine_process import free_port_block
 from dlmix.launch import Deployment, PortInUseError, ProcessFailedError, launch
-
-
-def _alive(pid: int) -> bool:
-    """True if ``pid`` exists and is not a zombie."""
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return False
-    return state != "Z"
-
-
-def _group_members(pgids) -> set:
-    out = set()
-    for d in Path("/proc").iterdir():
-        if d.name.isdigit():
-            try:
-                fields = (d / "stat").read_text().rsplit(")", 1)[1].split()
-            except (OSError, IndexError):
-                continue
-            if int(fields[2]) in pgids and fields[0] != "Z":
-                out.add(int(d.name))
-    return out
-
-
-def _cmdline_pids(substr: str) -> set:
-    out = set()
-    for d in Path("/proc").iterdir():
-        if d.name.isdigit() and int(d.name) != os.getpid():
-            try:
-                cmd = (d / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-            except OSError:
-                continue
-            if substr in cmd and _alive(int(d.name)):
-                out.add(int(d.name))
-    return out
-
-
-def _logged_pids(log_dir: Path) -> set:
-    pids = set()
-    for f in log_dir.glob("*.log"):
-        pids |= {int(x) for x in re.findall(r"(?:mock engine pid|grandchild pid) (\d+)", f.read_text())}
-    return pids
+from dlmix.testing import wait_until
 
 
 def _deployment(tmp_path: Path, *, router: bool = True, fail_b: bool = False, port_b: int | None = None) -> Path:
@@ -77,17 +32,7 @@ def _deployment(tmp_path: Path, *, router: bool = True, fail_b: bool = False, po
     return f
 
 
-def _wait_gone(pids, timeout=10.0) -> set:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        left = {p for p in pids if _alive(p)}
-        if not left:
-            return left
-        time.sleep(0.1)
-    return {p for p in pids if _alive(p)}
-
-
-def test_launch_router_and_engines_then_stop_leaves_no_process(tmp_path):
+def test_launch_router_and_engines_then_stop_leaves_no_process(tmp_path, orphans):
     dep = Deployment.from_file(_deployment(tmp_path))
     lines = []
     logs = tmp_path / "logs"
@@ -95,26 +40,28 @@ def test_launch_router_and_engines_then_stop_leaves_no_process(tmp_path):
         assert running.router_url == dep.router.url and running.url == dep.router.url
         assert [i.name for i in running.instances] == ["a", "b"]
         admin = httpx.get(running.router_url + "/admin/instances",
-                          headers={"Authorization": f"Bearer {running.secret}"}, timeout=5).json()
+                          headers={"Authorization": f"Bearer {running.secret}"}, timeout=30).json()
         assert sorted(i["url"] for i in admin["instances"]) == sorted(i.url for i in running.instances)
         for k in range(4):
-            r = httpx.post(running.url + "/v1/completions", timeout=10,
+            r = httpx.post(running.url + "/v1/completions", timeout=30,
                            json={"model": "mock", "prompt": [1, 2, 3, k], "max_tokens": 3})
             assert r.status_code == 200, r.text
             assert r.json()["usage"]["completion_tokens"] == 3
-        members = _group_members(set(running.pgids()))
+        orphans.track(pgids=running.pgids(), logs=logs)
+        members = orphans.group_members(running.pgids())
         assert len(running.pgids()) == 3
         assert len(members) >= 4                    # router, 2 engines, engine a's grandchild
-        assert _logged_pids(logs) <= members
-        time.sleep(0.5)
-    assert not _wait_gone(members)
-    assert not _group_members(set(running.pgids()))
+        assert orphans.logged_pids(logs) <= members
+        orphans.track(pids=members)
+        wait_until(lambda: any(n == "a" and "mock engine listening" in l for n, l in list(lines)), 60,
+                   "the log follower to pass on engine a's log")
+    orphans.assert_gone()
     names = {n for n, _ in lines}
     assert {"a", "b", "router"} <= names
     assert any(n == "a" and "mock engine listening" in l for n, l in lines)
 
 
-def test_engine_that_fails_to_start_stops_everything(tmp_path):
+def test_engine_that_fails_to_start_stops_everything(tmp_path, orphans):
     dep = Deployment.from_file(_deployment(tmp_path, fail_b=True))
     logs = tmp_path / "logs"
     with pytest.raises(ProcessFailedError) as ei:
@@ -123,13 +70,11 @@ def test_engine_that_fails_to_start_stops_everything(tmp_path):
     msg = str(ei.value)
     assert "engine 'b'" in msg and "exited with code 1 during start-up" in msg
     assert "ERROR: mock engine failed to start" in msg             # the log tail
-    pids = _logged_pids(logs)
-    assert len(pids) == 4                                          # 2 engines + 2 grandchildren
-    assert not _wait_gone(pids | _cmdline_pids(str(logs)))
-    assert not _cmdline_pids(str(logs))
+    assert len(orphans.logged_pids(logs)) == 4                     # 2 engines + 2 grandchildren
+    orphans.track(logs=logs).assert_gone()
 
 
-def test_port_in_use_is_named_and_nothing_starts(tmp_path):
+def test_port_in_use_is_named_and_nothing_starts(tmp_path, orphans):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         s.listen()
@@ -142,47 +87,30 @@ def test_port_in_use_is_named_and_nothing_starts(tmp_path):
     msg = str(ei.value)
     assert f"port {taken} on 127.0.0.1 (instances[1].port in {tmp_path / 'dep.yaml'}) is already in use" in msg
     assert "Nothing was started" in msg
-    assert not list(logs.glob("*.log")) and not _cmdline_pids(str(logs))
+    assert not list(logs.glob("*.log")) and not orphans.cmdline_pids(str(logs))
 
 
-def test_cli_sigint_stops_every_child(tmp_path):
+def test_cli_sigint_stops_every_child(tmp_path, orphans, cli_launch):
     f = _deployment(tmp_path)
     logs = tmp_path / "logs"
-    proc = subprocess.Popen([sys.executable, "-m", "dlmix.cli", "launch", str(f), "--log-dir", str(logs)],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
-                            env={**os.environ, "COLUMNS": "200"})
-    out = b""
-    try:
-        deadline = time.monotonic() + 90
-        os.set_blocking(proc.stdout.fileno(), False)
-        while b"Ctrl-C stops everything" not in out:
-            assert proc.poll() is None, out.decode(errors="replace")
-            assert time.monotonic() < deadline, out.decode(errors="replace")
-            out += proc.stdout.read() or b""
-            time.sleep(0.2)
-        children = _logged_pids(logs) | _cmdline_pids(str(logs))
-        assert len(children) >= 5                                  # router, 2 engines, 1 grandchild, ...
-        os.kill(proc.pid, signal.SIGINT)
-        proc.wait(60)
-        os.set_blocking(proc.stdout.fileno(), True)
-        out += proc.stdout.read() or b""
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-    text = out.decode(errors="replace")
-    assert proc.returncode == 130, text
+    cli = cli_launch(f, logs, columns=200)
+    cli.wait_for(b"Ctrl-C stops everything", 180, "the deployment to be ready")
+    children = orphans.logged_pids(logs) | orphans.cmdline_pids(str(logs))
+    assert len(children) >= 5                                      # router, 2 engines, 1 grandchild, ...
+    orphans.track(pids=children, logs=logs)
+    text = cli.interrupt()
+    assert cli.proc.returncode == 130, text
     assert "stopping every process" in text and "stopped." in text
-    assert not _wait_gone(children)
-    assert not _cmdline_pids(str(logs))
+    orphans.assert_gone()
 
 
-def test_engine_dying_after_ready_is_reported_and_everything_stops_when_unsupervised(tmp_path):
+def test_engine_dying_after_ready_is_reported_and_everything_stops_when_unsupervised(tmp_path, orphans):
     logs = tmp_path / "logs"
     with pytest.raises(ProcessFailedError) as ei:
         with launch(_deployment(tmp_path, router=False), log_dir=logs, supervise=False) as running:  # a path works
             assert running.router_url is None and running.url == running.instances[0].url
-            pgids = set(running.pgids())
+            orphans.track(pgids=running.pgids(), logs=logs)
             os.kill(running.instances[1].pid, signal.SIGKILL)
             running.wait(poll_s=0.05)
     assert "b exited with code -9" in str(ei.value)
-    assert not _wait_gone(_group_members(pgids) | _logged_pids(logs))
+    orphans.assert_gone()

@@ -14,7 +14,7 @@ import pytest
 from dlmix.engine_process import free_port
 from dlmix.launch import Deployment, ProcessFailedError, launch
 from dlmix.launch.config import RestartPolicy
-from dlmix.launch.runner import group_members
+from dlmix.testing import wait_until
 
 
 def _write(tmp_path: Path, *, router: bool, restart: str) -> Path:
@@ -30,16 +30,6 @@ def _write(tmp_path: Path, *, router: bool, restart: str) -> Path:
     f = tmp_path / "dep.yaml"
     f.write_text(text)
     return f
-
-
-def _until(cond, timeout_s: float = 60.0, what: str = "condition"):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        v = cond()
-        if v:
-            return v
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def _admin(running) -> dict:
@@ -58,17 +48,18 @@ def _served(url: str) -> float:
     return sum(float(ln.split()[-1]) for ln in text.splitlines() if ln.startswith("vllm:request_success_total"))
 
 
-def test_killed_engine_restarts_while_the_other_serves(tmp_path):
+def test_killed_engine_restarts_while_the_other_serves(tmp_path, orphans):
     f = _write(tmp_path, router=True, restart="{max_restarts: 3, backoff_s: 3.0, backoff_max_s: 3.0}")
     events = []
     with launch(Deployment.from_file(f), log_dir=tmp_path / "logs", on_event=events.append) as running:
         a, b = running.instances
         old_pid = a.pid
-        old_group = {pid for pid, _ in group_members({old_pid})}
+        old_group = orphans.group_members({old_pid})
         assert len(old_group) == 2                                   # the engine and its grandchild
+        orphans.track(pgids={old_pid}, pids=old_group)
         os.kill(old_pid, signal.SIGKILL)
         # while a is down (3 s back-off): the router shows it out of rotation and every request succeeds on b
-        _until(lambda: not _admin(running)[a.url]["healthy"], 30, "the router to take a out of rotation")
+        wait_until(lambda: not _admin(running)[a.url]["healthy"], 30, "the router to take a out of rotation")
         codes, k = [], 0
         while not any(e.kind == "started" for e in events):
             r = _complete(running.url, k)
@@ -78,10 +69,10 @@ def test_killed_engine_restarts_while_the_other_serves(tmp_path):
         assert codes and set(codes) == {(200, 2)}
         assert _admin(running)[b.url]["healthy"]
         # a is back: new pid, old group gone, healthy in the router, and it serves again through the router
-        _until(lambda: any(e.kind == "healthy" and e.name == "a" for e in events), 60, "a to be healthy again")
+        wait_until(lambda: any(e.kind == "healthy" and e.name == "a" for e in events), 60, "a to be healthy again")
         assert a.pid != old_pid and a.process.alive()
-        assert not group_members({old_pid})
-        _until(lambda: _admin(running)[a.url]["healthy"], 30, "the router to put a back into rotation")
+        assert not orphans.group_members({old_pid})
+        wait_until(lambda: _admin(running)[a.url]["healthy"], 30, "the router to put a back into rotation")
         before = _served(a.url)
         for j in range(6):
             r = _complete(running.url, 1000 + j)
@@ -92,23 +83,21 @@ def test_killed_engine_restarts_while_the_other_serves(tmp_path):
         assert "exited with code -9" in events[0].message and "in 3.0 s (restart 1 of 3)" in events[1].message
         assert [(e.name, e.kind) for e in running.events] == kinds
         assert running.supervisor.fatal is None
-        groups = set(running.pgids())
-        members = {pid for pid, _ in group_members(groups)}
+        members = orphans.group_members(running.pgids())
         assert len(members) >= 4                                     # router, a + grandchild, b
-    assert not group_members(groups | {old_pid})                      # clean stop: no orphans, old or new
-    assert not [p for p in old_group | members if Path(f"/proc/{p}").exists()
-                and Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"]
+        orphans.track(pgids=running.pgids(), pids=members)
+    orphans.assert_gone()                                            # clean stop: no orphans, old or new
 
 
-def test_given_up_engine_leaves_the_rest_serving_until_none_is_left(tmp_path):
+def test_given_up_engine_leaves_the_rest_serving_until_none_is_left(tmp_path, orphans):
     f = _write(tmp_path, router=False, restart="{max_restarts: 0}")
     events = []
     with pytest.raises(ProcessFailedError) as ei:
         with launch(Deployment.from_file(f), log_dir=tmp_path / "logs", on_event=events.append) as running:
             a, b = running.instances
-            groups = set(running.pgids())
+            orphans.track(pgids=running.pgids())
             os.kill(b.pid, signal.SIGKILL)
-            _until(lambda: any(e.kind == "gave_up" for e in events), 30, "b to be given up")
+            wait_until(lambda: any(e.kind == "gave_up" for e in events), 30, "b to be given up")
             assert running.supervisor.fatal is None
             assert _complete(a.url, 1).status_code == 200              # a keeps serving
             os.kill(a.pid, signal.SIGKILL)
@@ -116,7 +105,7 @@ def test_given_up_engine_leaves_the_rest_serving_until_none_is_left(tmp_path):
     assert "every engine was given up" in str(ei.value)
     assert [(e.name, e.kind) for e in events] == [("b", "exited"), ("b", "gave_up"), ("a", "exited"),
                                                   ("a", "gave_up")]
-    assert not group_members(groups)
+    orphans.assert_gone()
 
 
 def test_restart_policy_backoff_and_overrides():
@@ -134,40 +123,19 @@ def test_restart_policy_backoff_and_overrides():
     assert "x.yaml:1:11: restart.max_restart: unknown key" in str(ei.value)
 
 
-def test_cli_reports_the_restart_and_stops_cleanly(tmp_path):
+def test_cli_reports_the_restart_and_stops_cleanly(tmp_path, orphans, cli_launch):
     import re
-    import subprocess
-    import sys
 
     f = _write(tmp_path, router=True, restart="{max_restarts: 2, backoff_s: 0.5}")
     logs = tmp_path / "logs"
-    proc = subprocess.Popen([sys.executable, "-m", "dlmix.cli", "launch", str(f), "--log-dir", str(logs)],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
-                            env={**os.environ, "COLUMNS": "250"})
-    out = b""
-    os.set_blocking(proc.stdout.fileno(), False)
-
-    def seen(text: bytes) -> bool:
-        nonlocal out
-        assert proc.poll() is None, out.decode(errors="replace")
-        out += proc.stdout.read() or b""
-        return text in out
-
-    try:
-        _until(lambda: seen(b"Ctrl-C stops everything"), 90, "the deployment to be ready")
-        pid_b = int(re.findall(r"mock engine pid (\d+)", (logs / "b.log").read_text())[0])
-        os.kill(pid_b, signal.SIGKILL)
-        _until(lambda: seen(b"b is healthy again after restart 1"), 60, "the CLI to report b's restart")
-        pgids = {int(p) for log in logs.glob("*.log") for p in re.findall(r"mock engine pid (\d+)", log.read_text())}
-        os.kill(proc.pid, signal.SIGINT)
-        proc.wait(60)
-        os.set_blocking(proc.stdout.fileno(), True)
-        out += proc.stdout.read() or b""
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-    text = out.decode(errors="replace")
-    assert proc.returncode == 130, text
+    cli = cli_launch(f, logs, columns=250)
+    cli.wait_for(b"Ctrl-C stops everything", 90, "the deployment to be ready")
+    pid_b = int(re.findall(r"mock engine pid (\d+)", (logs / "b.log").read_text())[0])
+    os.kill(pid_b, signal.SIGKILL)
+    cli.wait_for(b"b is healthy again after restart 1", 60, "the CLI to report b's restart")
+    orphans.track(pgids=orphans.logged_pids(logs), logs=logs)
+    text = cli.interrupt()
+    assert cli.proc.returncode == 130, text
     assert "supervisor b exited with code -9" in text and "restarting b in 0.5 s (restart 1 of 2)" in text
     assert "stopped." in text
-    assert not group_members(pgids)
+    orphans.assert_gone()

@@ -2,8 +2,6 @@
 by ``dlmix launch`` (DLMixConnector kv_transfer_config, self-registration, shared secret); then a clean stop."""
 from __future__ import annotations
 
-from pathlib import Path
-
 import httpx
 import pytest
 
@@ -15,20 +13,7 @@ from dlmix.launch import Deployment, launch  # noqa: E402
 pytestmark = pytest.mark.slow
 
 
-def _members(pgids) -> set:
-    out = set()
-    for d in Path("/proc").iterdir():
-        if d.name.isdigit():
-            try:
-                f = (d / "stat").read_text().rsplit(")", 1)[1].split()
-            except (OSError, IndexError):
-                continue
-            if int(f[2]) in pgids and f[0] != "Z":
-                out.add(int(d.name))
-    return out
-
-
-def test_launch_tiny_llama_pd_behind_router(tmp_path):
+def test_launch_tiny_llama_pd_behind_router(tmp_path, orphans):
     text = f"""
 name: tiny-pd
 model: tiny-llama
@@ -45,7 +30,7 @@ instances:
     body = {"model": "tiny", "prompt": prompt, "max_tokens": 8, "temperature": 0, "ignore_eos": True,
             "return_token_ids": True}
     with launch(dep, log_dir=tmp_path / "logs") as running:
-        pgids = set(running.pgids())
+        orphans.track(pgids=running.pgids())
         admin = httpx.get(running.router_url + "/admin/instances",
                           headers={"Authorization": f"Bearer {running.secret}"}, timeout=10).json()["instances"]
         assert sorted((i["role"], i["block_size"]) for i in admin) == [("decode", 64), ("prefill", 32)]
@@ -57,6 +42,5 @@ instances:
         ref_ids = ref.json()["choices"][0]["token_ids"]
         assert len(ref_ids) == 8
         assert via.json()["choices"][0]["token_ids"] == ref_ids
-        members = _members(pgids)
-        assert len(members) >= 7          # router + 2 x (API server, EngineCore, worker)
-    assert not _members(pgids)
+        assert len(orphans.group_members(running.pgids())) >= 7   # router + 2 x (API server, EngineCore, worker)
+    orphans.assert_gone()

@@ -16,7 +16,6 @@ are released the producer's hold accounting shows no block held.
 """
 from __future__ import annotations
 
-import time
 from collections import Counter
 
 import pytest
@@ -33,18 +32,10 @@ from dlmix.pd.contract import ContractError, decode_message, decode_params, prom
 from dlmix.pd.endpoint import DEFAULT_LOOPBACK_SECRET, KVEndpoint  # noqa: E402
 from dlmix.pd.reference.producer import ReferenceConfig, ReferenceProducer  # noqa: E402
 from dlmix.pd.reference.server import ReferenceHTTPServer  # noqa: E402
+from dlmix.testing import poll  # noqa: E402
 
 N_CASES = 10_000
 PROMPTS = [list(range(7, 7 + n)) for n in (20, 33, 64)]
-
-
-def _wait(cond, timeout=60.0) -> bool:
-    end = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > end:
-            return False
-        time.sleep(0.02)
-    return True
 
 
 @pytest.fixture(scope="module")
@@ -123,7 +114,7 @@ def test_fuzz_10000_cases_refused_no_crash_no_block_held(rig):
             prod._handle(rig["peer"], c.obj)
             by_layer["to producer dispatch (non-dict/bytes)"] += 1
     by_layer["to producer: passed the contract, refused by the producer's pair gate"] = len(decoded)
-    assert _wait(lambda: prod.stats["bad_messages"] - stats0["bad_messages"] == n_bad
+    assert poll(lambda: prod.stats["bad_messages"] - stats0["bad_messages"] == n_bad
                  and prod.stats["refused"] - stats0["refused"] == len(decoded)), (prod.stats, stats0, n_bad)
 
     # ---- consumer: replies over TCP from the producer's transport
@@ -138,11 +129,11 @@ def test_fuzz_10000_cases_refused_no_crash_no_block_held(rig):
             sent += 1
         else:
             ep._handle(cpeer, c.obj)
-    assert _wait(lambda: ep.stats["bad_messages"] - cons_bad0 == len(to_cons)), (ep.stats, len(to_cons))
+    assert poll(lambda: ep.stats["bad_messages"] - cons_bad0 == len(to_cons)), (ep.stats, len(to_cons))
     by_layer["to consumer over TCP"] += sent
 
     # every want that named a request got a `refused` with a reason; nothing else reached a pull
-    assert _wait(lambda: len(refusals) >= wants_named + len(decoded))
+    assert poll(lambda: len(refusals) >= wants_named + len(decoded))
     assert all(type(m).__name__ == "Refuse" and m.reasons and all(m.reasons) for m in refusals)
     assert len(refusals) == wants_named + len(decoded)
 
@@ -162,7 +153,7 @@ def test_fuzz_10000_cases_refused_no_crash_no_block_held(rig):
     # ---- release everything: no block stays held
     for q in params:
         ep.release(q["remote_transports"][0], q["remote_request_id"], consumed=True)
-    assert _wait(lambda: app.stats()["held_requests"] == 0, 10)
+    assert poll(lambda: app.stats()["held_requests"] == 0)
     st = app.stats()
     assert st["used_blocks"] == 0 and st["free_blocks"] == st["num_blocks"] and st["core"]["holds"] == 0, st
 
@@ -204,11 +195,11 @@ def test_fuzz_into_a_separate_producer_process(tiny_model_dir):
 
         def stats():
             return httpx.get(info["url"] + "/stats", timeout=30).json()
-        assert _wait(lambda: stats()["core"]["bad_messages"] + stats()["core"]["refused"] == len(cases))
+        assert poll(lambda: stats()["core"]["bad_messages"] + stats()["core"]["refused"] == len(cases))
         st = stats()
         assert st["core"]["bad_messages"] == n_bad and st["core"]["grants"] == 0 and st["held_requests"] == 1, st
         ep.release(info["kv"], ktp["remote_request_id"], consumed=False)
-        assert _wait(lambda: stats()["held_requests"] == 0, 10)
+        assert poll(lambda: stats()["held_requests"] == 0)
         assert stats()["used_blocks"] == 0 and proc.poll() is None
     finally:
         if ep is not None:

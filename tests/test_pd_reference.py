@@ -24,17 +24,9 @@ from dlmix.pd.contract import decode_params, prompt_digest  # noqa: E402
 from dlmix.pd.endpoint import DEFAULT_LOOPBACK_SECRET, KVEndpoint  # noqa: E402
 from dlmix.pd.reference.producer import ReferenceConfig, ReferenceProducer  # noqa: E402
 from dlmix.pd.reference.server import ReferenceHTTPServer  # noqa: E402
+from dlmix.testing import poll  # noqa: E402
 
 PROMPT = list(range(5, 5 + 77))  # 77 token ids: 5 blocks of 16, the last one partial
-
-
-def _wait(cond, timeout=10.0):
-    end = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > end:
-            return False
-        time.sleep(0.02)
-    return True
 
 
 @pytest.fixture(scope="module")
@@ -162,7 +154,7 @@ def test_prefill_leg_params_and_pull_into_vllm_cpu_layout(producer, model_ref):
                 assert torch.allclose(k, k_ref[t], atol=2e-3, rtol=2e-3), (layer, t)
                 assert torch.allclose(v, v_ref[t], atol=2e-3, rtol=2e-3), (layer, t)
         ep.release(p.transport_for_rank(0), p.request_id, consumed=True)
-        assert _wait(lambda: app.stats()["held_requests"] == 0)
+        assert poll(lambda: app.stats()["held_requests"] == 0)
         st = app.stats()
         assert st["used_blocks"] == 0 and st["free_blocks"] == st["num_blocks"]
         assert st["core"]["consumed"] >= 1 and st["core"]["holds"] == 0
@@ -187,7 +179,7 @@ def test_prompt_one_token_off_is_refused_with_reason(producer):
         assert res.loaded_upto == 0 and res.failed_block_ids == [0, 1, 2]
         assert app.stats()["held_requests"] == 1  # a refused want never changes the hold
         ep.release(p.transport_for_rank(0), p.request_id, consumed=False)
-        assert _wait(lambda: app.stats()["held_requests"] == 0)
+        assert poll(lambda: app.stats()["held_requests"] == 0)
         assert app.stats()["used_blocks"] == 0
     finally:
         ep.close()
@@ -243,7 +235,7 @@ def test_cache_full_is_503_and_expired_holds_free_their_blocks(tiny_model_dir):
         r = _prefill(http.url, long_prompt)
         assert r.status_code == 503 and "KV cache full" in r.json()["error"]["message"], r.text
         assert app.stats()["held_requests"] == 1 and per > 0
-        assert _wait(lambda: app.stats()["held_requests"] == 0, timeout=10)  # expired: nobody pulled
+        assert poll(lambda: app.stats()["held_requests"] == 0)  # expired: nobody pulled
         st = app.stats()
         assert st["used_blocks"] == 0 and st["core"]["expired"] == 1
         assert _prefill(http.url, long_prompt).status_code == 200  # the space is back

@@ -17,14 +17,11 @@ only prefill instance, so every request takes the PD path).
 """
 from __future__ import annotations
 
-import asyncio
 import json
 import os
-import random
 import subprocess
 import sys
 import threading
-import time
 
 import httpx
 import pytest
@@ -35,27 +32,13 @@ pytest.importorskip("vllm")
 pytest.importorskip("transformers")
 
 from dlmix.router.config import RouterConfig  # noqa: E402
-from dlmix.router.server import Router  # noqa: E402
+from dlmix.testing import RouterThread, wait_until  # noqa: E402
 from dlmix_vllm import testing as T  # noqa: E402
 
 MAX_TOKENS = 16
 #: top-1/top-2 logprob gap (nats) below which a first divergence counts as a near-tie: the producer's KV comes from
 #: transformers' fp32 forward pass stored in fp16 (relative rounding 2^-11), the reference's from vLLM's fp32 kernels.
 NEAR_TIE = 0.25
-
-_WORDS = ("river mountain quiet engine market yellow window garden silver theory station winter bridge signal "
-          "harvest lantern ocean pocket rhythm castle meadow copper thunder village orbit canvas planet ribbon").split()
-
-
-def _text(rng: random.Random, n_words: int) -> str:
-    out = []
-    for i in range(n_words):
-        w = rng.choice(_WORDS)
-        out.append(w.capitalize() if i == 0 or out[-1].endswith(".") else w)
-        if rng.random() < 0.12:
-            out[-1] += "."
-    return " ".join(out) + "."
-
 
 class Producer:
     """A ``python -m dlmix.pd.reference`` subprocess (own process group) and its announced URL."""
@@ -94,28 +77,6 @@ class Producer:
                 self.proc.wait(10)
 
 
-class RouterThread:
-    """The dlmix router in-process on its own event loop thread."""
-
-    def __init__(self, cfg: RouterConfig):
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.thread.start()
-
-        async def make():
-            return Router(cfg)
-        self.router = asyncio.run_coroutine_threadsafe(make(), self.loop).result(120)
-        asyncio.run_coroutine_threadsafe(self.router.start(), self.loop).result(60)
-        self.url = f"http://127.0.0.1:{self.router.cfg.port}"
-
-    def close(self) -> None:
-        try:
-            asyncio.run_coroutine_threadsafe(self.router.stop(), self.loop).result(30)
-        finally:
-            self.loop.call_soon_threadsafe(self.loop.stop)
-            self.thread.join(10)
-
-
 @pytest.fixture(scope="module")
 def stack(smollm2_dir, tmp_path_factory):
     wd = tmp_path_factory.mktemp("pdref")
@@ -150,21 +111,8 @@ def prompts(smollm2_dir):
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(smollm2_dir))
-    rng = random.Random(2024)
-    out = []
-    for i, n in enumerate([12, 60, 130, 200, 290, 400, 520, 700]):
-        text = _text(rng, n)
-        kind = ("completion", "chat", "text")[i % 3]
-        if kind == "completion":
-            ids = tok(text, add_special_tokens=False).input_ids
-            while len(ids) < n:
-                ids += tok(" " + _text(rng, 50), add_special_tokens=False).input_ids
-            prompt = ids[:n]
-        else:
-            prompt = tok.decode(tok(text, add_special_tokens=False).input_ids[: max(1, n - 30)])
-        out.append({"i": i, "kind": "chat" if kind == "chat" else "completion", "prompt": prompt,
-                    "stream": i % 2 == 1})
-    return out
+    return T.prompt_set(tok, [12, 60, 130, 200, 290, 400, 520, 700], kinds=("completion", "chat", "text"), seed=2024,
+                        vocabulary=T.PROSE_WORDS[:28])
 
 
 def _post(url: str, p: dict, ktp: dict | None = None) -> dict:
@@ -185,7 +133,7 @@ def test_reference_producer_feeds_vllm_decode_through_router(stack, prompts):
     refs = {}
     for p in prompts:
         refs[p["i"]] = T.result_tokens(_post(D.url, p))
-    same = ties = 0
+    got = {}
     for p in prompts:
         T.reset_prefix_cache(D.url)  # D must load the whole prompt from P, not hit its own cache
         resp = _post(rt.url, p)
@@ -194,22 +142,10 @@ def test_reference_producer_feeds_vllm_decode_through_router(stack, prompts):
             assert not rec.get("refused") and not rec.get("error"), (p["i"], rec)
             assert rec.get("local_hit_tokens") == 0 and rec.get("loaded_tokens", 0) > 0, (p["i"], rec)
             assert rec.get("bytes_received", 0) > 0 and rec.get("failed_blocks", 0) == 0, (p["i"], rec)
-        ids, _ = T.result_tokens(resp)
-        ref, gaps = refs[p["i"]]
-        assert len(ids) == len(ref) == MAX_TOKENS, (p["i"], ids, ref)
-        if ids == ref:
-            same += 1
-            continue
-        k = next(j for j in range(len(ref)) if ids[j] != ref[j])
-        gap = gaps[k] if k < len(gaps) else float("inf")
-        assert gap < NEAR_TIE, f"prompt {p['i']} differs at token {k} with top-2 gap {gap:.4f} >= {NEAR_TIE}"
-        ties += 1
-        print(f"[reference->vllm] prompt {p['i']}: near-tie at token {k} (top-2 gap {gap:.4f})")
-    print(f"[reference->vllm] identical {same}/{len(prompts)}, near-ties {ties} (threshold {NEAR_TIE} nats)")
+        got[p["i"]] = T.result_tokens(resp)[0]
+    same, ties = T.compare_greedy("reference->vllm", got, refs, NEAR_TIE, MAX_TOKENS)
     assert same + ties == len(prompts)
-    deadline = time.monotonic() + 30
-    while P.stats()["held_requests"] and time.monotonic() < deadline:
-        time.sleep(0.2)
+    wait_until(lambda: not P.stats()["held_requests"], 120, "P to release every hold")
     st = P.stats()
     assert st["held_requests"] == 0 and st["used_blocks"] == 0, st
     assert st["core"]["consumed"] == len(prompts) and st["core"]["refused"] == 0, st
@@ -228,8 +164,6 @@ def test_producer_one_token_off_is_refused_by_decode(stack, prompts):
     print(f"[one token off] decode refused: {why}")
     assert "prompt differs" in why and "digest" in why and rec.get("loaded_tokens") == 0, rec
     assert T.result_tokens(r["decode"])[0] == ref  # D recomputed the prompt itself
-    deadline = time.monotonic() + 30
-    while Q.stats()["held_requests"] and time.monotonic() < deadline:
-        time.sleep(0.2)
+    wait_until(lambda: not Q.stats()["held_requests"], 120, "Q to release its hold")
     st = Q.stats()
     assert st["held_requests"] == 0 and st["used_blocks"] == 0 and st["core"]["grants"] == 0, st

@@ -1,4 +1,4 @@
-"""End-to-end checks of the dlmix router against REAL vLLM CPU servers (SmolLM2-135M, bf16, block size 32).
+"""End-to-end checks of the dlmix router against REAL vLLM CPU servers (SmolLM2-135M, fp32, block size 32).
 
 1. Block hashes: the router's tokenizer/chat-template path + sha256_cbor chained hashing produce exactly the
    ``BlockStored`` hashes the engine publishes (as ints, same order), decoded with the router's own decoder; a
@@ -12,14 +12,16 @@
 KV events use ``ipc://`` endpoints: vLLM 0.32's ZMQ publisher binds only ``*``/``::``/``ipc``/``inproc`` endpoints
 and *connects* to a concrete ``tcp://127.0.0.1:PORT`` (``ZmqEventPublisher._is_bind_endpoint``), so a loopback
 endpoint that both sides can use with a connecting SUB (the router) is ``ipc://``.
+
+The engines serve fp32: no check here depends on the dtype, and bf16 matmuls are tens of times slower on x86 CPUs
+without AVX-512 BF16. A SUB socket only receives what is published after its subscription reached the publisher (ZMQ's
+"slow joiner"), so before relying on events the tests send probe requests until one's events arrive.
 """
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import re
-import threading
 import time
 
 import httpx
@@ -33,6 +35,7 @@ from dlmix.router.config import RouterConfig  # noqa: E402
 from dlmix.router.kv_events.vllm import BlockStored, apply_batch, decode_batch  # noqa: E402
 from dlmix.routing.prefix_index import PrefixIndex  # noqa: E402
 from dlmix.router.server import Router  # noqa: E402
+from dlmix.testing import RouterThread, wait_until  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -63,8 +66,8 @@ def engines(smollm2_dir, tmp_path_factory):
     for name, core in (("a", "0"), ("b", "1")):
         ev = f"ipc://{d}/{name}-kvev.ipc"
         spec = VLLMServerSpec(
-            model=str(smollm2_dir), port=free_port(), dtype="bfloat16", block_size=BS, max_model_len=2048,
-            kv_cache_bytes=128 << 20, cpu_bind=core, served_model_name=MODEL,
+            model=str(smollm2_dir), port=free_port(), dtype="float32", block_size=BS, max_model_len=2048,
+            kv_cache_bytes=256 << 20, cpu_bind=core, served_model_name=MODEL,
             extra_args=["--enable-prefix-caching", "--prefix-caching-hash-algo", "sha256_cbor",
                         "--kv-events-config", json.dumps({"enable_kv_cache_events": True, "publisher": "zmq",
                                                           "endpoint": ev})])
@@ -80,15 +83,32 @@ def engines(smollm2_dir, tmp_path_factory):
             e.proc.stop()
 
 
-class EventTap:
-    """Synchronous SUB socket on an engine's KV-event endpoint, decoding with the router's decoder."""
+_probes = iter(range(1, 1 << 30))
 
-    def __init__(self, endpoint: str):
+
+def _until_events_flow(url: str, arrived, what: str) -> None:
+    """Send probe completions (each with its own first block) directly to the engine at ``url`` until
+    ``arrived(wait_s)`` sees events of one (ZMQ slow joiner: a subscription takes effect some time after connect)."""
+    def probe() -> bool:
+        k = next(_probes)
+        r = _post(url, "/v1/completions", {"model": MODEL, "prompt": f"Probe {k}. " + _text(f"probe {k}", 4),
+                                           "max_tokens": 1})
+        assert r.status_code == 200, r.text
+        return arrived(2.0)
+    wait_until(probe, 180, what, interval_s=0)
+
+
+class EventTap:
+    """Synchronous SUB socket on an engine's KV-event endpoint, decoding with the router's decoder. Returns once
+    the subscription is live (a probe request's events arrived), with nothing pending."""
+
+    def __init__(self, endpoint: str, url: str):
         self.sock = zmq.Context.instance().socket(zmq.SUB)
         self.sock.setsockopt(zmq.SUBSCRIBE, b"")
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.connect(endpoint)
-        time.sleep(1.0)  # ZMQ slow joiner: let the subscription reach the publisher
+        _until_events_flow(url, lambda wait_s: self.sock.poll(int(wait_s * 1000)) != 0, "a KV-event subscription")
+        self.drain()
 
     def drain(self) -> None:
         while self.sock.poll(200):
@@ -143,7 +163,7 @@ def _router_for_hashing(smollm2_dir) -> Router:
 def test_router_block_hashes_equal_vllm_kv_events(engines, smollm2_dir):
     eng = engines[0]
     router = _router_for_hashing(smollm2_dir)
-    tap = EventTap(eng.events)
+    tap = EventTap(eng.events, eng.url)
     index = PrefixIndex()
     try:
         cases = [
@@ -195,37 +215,25 @@ def test_router_block_hashes_equal_vllm_kv_events(engines, smollm2_dir):
 
 
 # ----------------------------------------------------------------------------------------------- 2. through the router
-class RouterThread:
-    """An in-process router on its own event loop thread (so the test can read its index and metrics)."""
-
-    def __init__(self, cfg: RouterConfig):
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.thread.start()
-        self.router = self.call(lambda: Router(cfg))
-        asyncio.run_coroutine_threadsafe(self.router.start(), self.loop).result(60)
-        self.url = f"http://127.0.0.1:{self.router.cfg.port}"
-
-    def call(self, fn):
-        async def run():
-            return fn()
-        return asyncio.run_coroutine_threadsafe(run(), self.loop).result(120)
-
-    def close(self) -> None:
-        try:
-            asyncio.run_coroutine_threadsafe(self.router.stop(), self.loop).result(30)
-        finally:
-            self.loop.call_soon_threadsafe(self.loop.stop)
-            self.thread.join(10)
-
-
 def _start_router(engines, smollm2_dir, policy: str) -> RouterThread:
     insts = [{"id": n, "url": e.url, "role": "both", "engine": "vllm", "model": MODEL, "chip": "cpu-x86",
               "block_size": BS, "kv_events": e.events} for n, e in zip("AB", engines)]
     rt = RouterThread(RouterConfig(host="127.0.0.1", port=0, policy=policy, tokenizer=str(smollm2_dir),
                                    hash_algo="sha256_cbor", hash_seed=HASH_SEED, model_spec=str(smollm2_dir),
                                    instances=insts))
-    time.sleep(1.0)  # KV-event subscriptions reach the publishers
+    try:
+        for e in engines:  # the router's KV-event subscriptions are live: a probe's blocks reach its index
+            def grew(wait_s: float, n0=rt.call(lambda: len(rt.router.index))) -> bool:
+                end = time.monotonic() + wait_s
+                while time.monotonic() < end:
+                    if rt.call(lambda: len(rt.router.index)) > n0:
+                        return True
+                    time.sleep(0.1)
+                return False
+            _until_events_flow(e.url, grew, f"the router's KV-event subscription to {e.url}")
+    except BaseException:
+        rt.close()
+        raise
     return rt
 
 

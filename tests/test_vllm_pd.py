@@ -1,9 +1,13 @@
 """End-to-end prefill/decode with DLMixConnector on real vLLM CPU servers and the real SmolLM2 (marked slow).
 
-Servers (started once for this module, prefill pinned to core 0, decode to core 1, 128 MiB KV cache, eager):
-  P1 bf16, block 128, kv_producer (debug dump of held KV pages on)   P2 bf16, block 32, kv_producer
-  D1 bf16, block 128, kv_consumer (default: weights verified)        D2 fp32, block 128, kv_consumer, verify_weights off
-  P3 (only in the negative-control test): perturbed weights, bf16, block 128, verify_weights off
+Servers (started once for this module, prefill pinned to core 0, decode to core 1, 256 MiB KV cache, eager):
+  P1 fp32, block 128, kv_producer (debug dump of held KV pages on)   P2 fp32, block 32, kv_producer
+  D1 fp32, block 128, kv_consumer (default: weights verified)        D2 fp32, block 128, kv_consumer, verify_weights off
+  PB (only in the bf16 -> fp32 test): bf16, block 128, kv_producer
+  P3 (only in the negative-control test): perturbed weights, fp32, block 128, verify_weights off
+
+Every server runs fp32 except PB: the dtype is only under test in the bf16 -> fp32 case, and bf16 matmuls run tens of
+times slower than fp32 on x86 CPUs without AVX-512 BF16/AMX, so that case alone pays for bf16, with short prompts.
 
 References are the decode servers themselves serving the prompt without kv_transfer_params after their prefix cache
 was reset (a single instance with the decode configuration). Near-ties: when a heterogeneous pair's greedy output
@@ -26,26 +30,14 @@ vllm = pytest.importorskip("vllm")
 from dlmix_vllm import testing as T  # noqa: E402
 
 MAX_TOKENS = 16
-#: top-1/top-2 logprob gap (nats) under which a first divergence counts as a near-tie. bf16 logits of this model
-#: (|logit| 16..32) are quantized in steps of 0.125 (8-bit mantissa), so two bf16 kernel paths can flip a gap of one
-#: or two such steps; with a bf16 prefill feeding an fp32 decode the KV itself carries bf16 rounding.
+#: top-1/top-2 logprob gap (nats) under which a first divergence counts as a near-tie. Decode recomputes only the
+#: prompt's last token against loaded KV while the reference prefills the whole prompt in one pass: two kernel paths
+#: whose rounding can flip a near-tie. bf16 logits of this model (|logit| 16..32) are quantized in steps of 0.125
+#: (8-bit mantissa); with a bf16 prefill feeding an fp32 decode the KV itself carries bf16 rounding.
 NEAR_TIE = {"same": 0.25, "block32->128": 0.25, "bf16->fp32": 0.5}
-BYTES_PER_BLOCK_LAYER_BF16_128 = 3 * 128 * 2 * 64 * 2  # KV heads * block * (K+V) * head size * bf16
+BYTES_PER_BLOCK_LAYER_FP32_128 = 3 * 128 * 2 * 64 * 4  # KV heads * block * (K+V) * head size * fp32
 LAYERS = 30
-
-_WORDS = ("river mountain quiet engine market yellow window garden silver theory station winter bridge signal "
-          "harvest lantern ocean pocket rhythm castle meadow copper thunder village orbit canvas planet ribbon "
-          "forest mirror candle summer compass feather island journey marble needle pebble shadow velvet").split()
-
-
-def _text(rng: random.Random, n_words: int) -> str:
-    out = []
-    for i in range(n_words):
-        w = rng.choice(_WORDS)
-        out.append(w.capitalize() if i == 0 or out[-1].endswith(".") else w)
-        if rng.random() < 0.12:
-            out[-1] += "."
-    return " ".join(out) + "."
+KV_BYTES = 256 << 20  # fp32 at the token capacity that 128 MiB gave bf16 (45 blocks of 128 tokens)
 
 
 @pytest.fixture(scope="module")
@@ -58,21 +50,7 @@ def tok(smollm2_dir):
 @pytest.fixture(scope="module")
 def prompts(tok):
     """20 prompts, 10..1000 tokens: completions get exact token-id lists, chats get text; half stream."""
-    rng = random.Random(1234)
-    lengths = [10 + round(i * 990 / 19) for i in range(20)]
-    out = []
-    for i, n in enumerate(lengths):
-        text = _text(rng, n)
-        kind = "chat" if i % 3 == 1 else "completion"
-        if kind == "completion":
-            ids = tok(text, add_special_tokens=False).input_ids
-            while len(ids) < n:
-                ids += tok(" " + _text(rng, 50), add_special_tokens=False).input_ids
-            prompt = ids[:n]
-        else:
-            prompt = tok.decode(tok(text, add_special_tokens=False).input_ids[: max(1, n - 30)])
-        out.append({"i": i, "kind": kind, "prompt": prompt, "stream": i % 2 == 1, "n": n})
-    return out
+    return T.prompt_set(tok, [10 + round(i * 990 / 19) for i in range(20)], seed=1234)
 
 
 @pytest.fixture(scope="module")
@@ -80,11 +58,13 @@ def servers(smollm2_dir, tmp_path_factory):
     wd = tmp_path_factory.mktemp("pd")
     m = str(smollm2_dir)
     s = {
-        "P1": T.launch("P1", m, wd, role="kv_producer", cpu="0", block_size=128,
+        "P1": T.launch("P1", m, wd, role="kv_producer", cpu="0", block_size=128, kv_bytes=KV_BYTES,
                        extra={"debug_dump_dir": str(wd / "dump"), "hold_timeout_s": 300}),
-        "P2": T.launch("P2", m, wd, role="kv_producer", cpu="0", block_size=32, extra={"hold_timeout_s": 300}),
-        "D1": T.launch("D1", m, wd, role="kv_consumer", cpu="1", block_size=128, extra={"io_timeout_s": 30}),
-        "D2": T.launch("D2", m, wd, role="kv_consumer", cpu="1", block_size=128, dtype="float32",
+        "P2": T.launch("P2", m, wd, role="kv_producer", cpu="0", block_size=32, kv_bytes=KV_BYTES,
+                       extra={"hold_timeout_s": 300}),
+        "D1": T.launch("D1", m, wd, role="kv_consumer", cpu="1", block_size=128, kv_bytes=KV_BYTES,
+                       extra={"io_timeout_s": 30}),
+        "D2": T.launch("D2", m, wd, role="kv_consumer", cpu="1", block_size=128, kv_bytes=KV_BYTES,
                        extra={"verify_weights": False, "io_timeout_s": 30}),
     }
     s["_dir"] = wd
@@ -117,20 +97,20 @@ def _refs(url: str, items: list[dict]) -> dict[int, tuple[list[int], list[float]
 
 def _compare(case: str, got: dict[int, list[int]], refs: dict, threshold: float) -> tuple[int, int]:
     """Return (identical, near_ties); fail on any divergence that is not a near-tie."""
-    same = ties = 0
-    for i, ids in got.items():
-        ref, gaps = refs[i]
-        assert len(ids) == len(ref) == MAX_TOKENS, (case, i, ids, ref)
-        if ids == ref:
-            same += 1
-            continue
-        k = next(j for j in range(len(ref)) if ids[j] != ref[j])
-        gap = gaps[k] if k < len(gaps) else float("inf")
-        assert gap < threshold, f"{case}: prompt {i} differs at token {k} with top-2 gap {gap:.4f} >= {threshold}"
-        ties += 1
-        print(f"[{case}] prompt {i}: near-tie at token {k} (top-2 gap {gap:.4f})")
-    print(f"[{case}] identical {same}/{len(got)}, near-ties {ties} (threshold {threshold} nats)")
-    return same, ties
+    return T.compare_greedy(case, got, refs, threshold, MAX_TOKENS)
+
+
+def _through_pd(P, D, items: list[dict], check_record: bool = True) -> dict[int, list[int]]:
+    """Each prompt of ``items`` through P then D (the two-step client); D's generated ids per prompt. With
+    ``check_record``, every non-streamed answer's transfer record shows KV loaded and no error."""
+    got = {}
+    for p in items:
+        r = T.two_step(P.url, D.url, p["kind"], p["prompt"], MAX_TOKENS, stream=p["stream"])
+        got[p["i"]] = _ids(r["decode"])[0]
+        if check_record and not p["stream"]:
+            info = _dlmix(r["decode"])
+            assert info.get("error") is None and info.get("loaded_tokens", 0) > 0, info
+    return got
 
 
 @pytest.fixture(scope="module")
@@ -139,19 +119,13 @@ def d1_refs(servers, prompts):
 
 
 def test_same_config_identical_to_single_instance(servers, prompts, d1_refs):
-    """P1 (bf16, 128) -> D1 (bf16, 128), 20 prompts of 10..1000 tokens, chat/completion, streaming or not."""
+    """P1 (fp32, 128) -> D1 (fp32, 128), 20 prompts of 10..1000 tokens, chat/completion, streaming or not."""
     P, D = servers["P1"], servers["D1"]
     T.reset_prefix_cache(D.url)
-    got = {}
-    for p in prompts:
-        r = T.two_step(P.url, D.url, p["kind"], p["prompt"], MAX_TOKENS, stream=p["stream"])
-        got[p["i"]] = _ids(r["decode"])[0]
-        if not p["stream"]:
-            info = _dlmix(r["decode"])
-            assert info.get("error") is None and info.get("loaded_tokens", 0) > 0, info
+    got = _through_pd(P, D, prompts)
     assert len(got) == 20
     # Decode recomputes only the prompt's last token against the loaded KV (vLLM always does), while the reference
-    # computes the whole prompt in one prefill pass; in bf16 the two kernel paths can round a near-tie either way.
+    # computes the whole prompt in one prefill pass; the two kernel paths can round a near-tie either way.
     same, ties = _compare("same", got, d1_refs, NEAR_TIE["same"])
     assert same >= 18
 
@@ -159,35 +133,35 @@ def test_same_config_identical_to_single_instance(servers, prompts, d1_refs):
 def test_block_size_32_to_128(servers, prompts, d1_refs):
     P, D = servers["P2"], servers["D1"]
     T.reset_prefix_cache(D.url)
-    got = {}
-    for p in prompts[::2]:
-        r = T.two_step(P.url, D.url, p["kind"], p["prompt"], MAX_TOKENS, stream=p["stream"])
-        got[p["i"]] = _ids(r["decode"])[0]
+    got = _through_pd(P, D, prompts[::2], check_record=False)
     same, ties = _compare("block32->128", got, d1_refs, NEAR_TIE["block32->128"])
     assert same + ties == len(got) and same >= len(got) - 2
 
 
-def test_bf16_prefill_to_fp32_decode(servers, prompts):
-    P, D = servers["P1"], servers["D2"]
-    items = prompts[1::2]
-    refs = _refs(D.url, items)
-    got = {}
-    for p in items:
-        r = T.two_step(P.url, D.url, p["kind"], p["prompt"], MAX_TOKENS, stream=p["stream"])
-        got[p["i"]] = _ids(r["decode"])[0]
-        if not p["stream"]:
-            assert _dlmix(r["decode"]).get("error") is None
-    same, ties = _compare("bf16->fp32", got, refs, NEAR_TIE["bf16->fp32"])
-    assert same + ties == len(got) and same >= len(got) // 2
+def test_bf16_prefill_to_fp32_decode(servers, prompts, smollm2_dir):
+    """The one real bf16 path: PB (bf16 KV cache) -> D2 (fp32), KV converted on the way; 5 short prompts (62..270
+    tokens: chat and completion, streamed and not), since bf16 prefill is slow on CPUs without AVX-512 BF16."""
+    pb = T.launch("PB", str(smollm2_dir), servers["_dir"], role="kv_producer", cpu="0", block_size=128,
+                  dtype="bfloat16", extra={"hold_timeout_s": 300})
+    try:
+        T.wait_ready([pb], timeout_s=400)
+        D = servers["D2"]
+        items = prompts[1:6]
+        refs = _refs(D.url, items)
+        got = _through_pd(pb, D, items)
+        same, ties = _compare("bf16->fp32", got, refs, NEAR_TIE["bf16->fp32"])
+        assert same + ties == len(got) and same >= len(got) // 2
+    finally:
+        pb.stop()
 
 
 def test_second_request_moves_only_missing_blocks(servers, tok):
     P, D = servers["P1"], servers["D1"]
     T.reset_prefix_cache(D.url)
     rng = random.Random(7)
-    prefix = tok(_text(rng, 700), add_special_tokens=False).input_ids[:700]
-    a = prefix + tok(" " + _text(rng, 60), add_special_tokens=False).input_ids[:60]
-    b = prefix + tok(" " + _text(rng, 90), add_special_tokens=False).input_ids[:90]
+    prefix = tok(T.prose(rng, 700), add_special_tokens=False).input_ids[:700]
+    a = prefix + tok(" " + T.prose(rng, 60), add_special_tokens=False).input_ids[:60]
+    b = prefix + tok(" " + T.prose(rng, 90), add_special_tokens=False).input_ids[:90]
     metric = "vllm:dlmix_kv_bytes_received_total"
     before = T.metric_sum(D.url, metric)
     ra = T.two_step(P.url, D.url, "completion", a, MAX_TOKENS)
@@ -195,13 +169,13 @@ def test_second_request_moves_only_missing_blocks(servers, tok):
     ia, ib = _dlmix(ra["decode"]), _dlmix(rb["decode"])
     # first request: nothing local, all 760 tokens = 6 blocks of 128 read
     assert ia["local_hit_tokens"] == 0 and ia["loaded_tokens"] == 760
-    assert ia["bytes_received"] == 6 * LAYERS * BYTES_PER_BLOCK_LAYER_BF16_128
+    assert ia["bytes_received"] == 6 * LAYERS * BYTES_PER_BLOCK_LAYER_FP32_128
     # second: D holds the 5 full blocks of the common 700-token prefix; only tokens 640..789 (blocks 5, 6) move
     assert ib["local_hit_tokens"] == 640 and ib["loaded_tokens"] == 790 - 640
-    assert ib["bytes_received"] == 2 * LAYERS * BYTES_PER_BLOCK_LAYER_BF16_128
+    assert ib["bytes_received"] == 2 * LAYERS * BYTES_PER_BLOCK_LAYER_FP32_128
     # the same bytes through vLLM's KV connector stats -> Prometheus (stats travel with the next engine steps)
     want = ia["bytes_received"] + ib["bytes_received"]
-    deadline = time.monotonic() + 30
+    deadline = time.monotonic() + 120
     while T.metric_sum(D.url, metric) - before != want and time.monotonic() < deadline:
         time.sleep(0.5)
     assert T.metric_sum(D.url, metric) - before == want
@@ -210,8 +184,8 @@ def test_second_request_moves_only_missing_blocks(servers, tok):
 
 
 def test_layout_descriptor_matches_transformers(servers, prompts, smollm2_dir):
-    """The K/V of a prompt read from P1's real registered cache through dlmix's descriptor equal transformers'
-    post-RoPE past_key_values (bf16 tolerance)."""
+    """The K/V of a prompt read from P1's real registered cache (fp32) through dlmix's descriptor equal transformers'
+    post-RoPE past_key_values (5 % relative L2 per layer)."""
     import torch
     from safetensors import safe_open
     from transformers import AutoModelForCausalLM
@@ -231,8 +205,9 @@ def test_layout_descriptor_matches_transformers(servers, prompts, smollm2_dir):
     assert n == len(p["prompt"]) and lay.arrangement == "vllm_cpu" and lay.block_size == 128
     L, H, D = lay.model.num_layers, lay.num_local_heads, lay.model.head_size
     wire = pack(lay, [pages[i] for i in range(L)], list(range(pages.shape[1])), lay, 0, n)
-    ours = wire.view(torch.bfloat16).view(L, 2, n, H, D).float()
-    model = AutoModelForCausalLM.from_pretrained(str(smollm2_dir), dtype=torch.bfloat16)
+    assert lay.dtype == "fp32", lay.dtype
+    ours = wire.view(torch.float32).view(L, 2, n, H, D)
+    model = AutoModelForCausalLM.from_pretrained(str(smollm2_dir), dtype=torch.float32)
     with torch.no_grad():
         pkv = model(torch.tensor([p["prompt"]]), use_cache=True).past_key_values
     worst = 0.0
@@ -270,7 +245,7 @@ def perturbed_dir(smollm2_dir, tmp_path_factory):
 
 def test_other_weights_refused_by_default_and_change_output_when_relaxed(servers, prompts, perturbed_dir, d1_refs):
     p3 = T.launch("P3", str(perturbed_dir), servers["_dir"], role="kv_producer", cpu="0", block_size=128,
-                  extra={"verify_weights": False, "hold_timeout_s": 60})
+                  kv_bytes=KV_BYTES, extra={"verify_weights": False, "hold_timeout_s": 60})
     try:
         T.wait_ready([p3], timeout_s=300)
         items = [p for p in prompts if not p["stream"]][2:6]
@@ -305,7 +280,7 @@ def _open_and_drop(url: str, path: str, body: dict) -> None:
             time.sleep(0.1)  # the server adds the request to the engine right after the headers
 
 
-def _wait_idle(url: str, timeout_s: float = 60.0) -> float:
+def _wait_idle(url: str, timeout_s: float = 120.0) -> float:
     deadline = time.monotonic() + timeout_s
     while T.kv_usage(url) > 0 and time.monotonic() < deadline:
         time.sleep(0.5)
@@ -322,7 +297,7 @@ def test_aborts_on_either_side_leave_no_blocks_held(servers, tok):
     import httpx
 
     for _ in range(2):
-        prompt = tok(_text(rng, 1100), add_special_tokens=False).input_ids[:1000]
+        prompt = tok(T.prose(rng, 1100), add_special_tokens=False).input_ids[:1000]
         path, body = T.request_body("completion", prompt, 1, ktp={"do_remote_decode": True})
         _open_and_drop(P.url, path, body)  # abort at P during prefill: nothing may stay held
         with httpx.Client(timeout=120) as c:
@@ -337,7 +312,7 @@ def test_prefill_killed_between_steps_decode_recomputes(servers, tok):
     """Runs last: kills P2. D1 fails the load fast, reports the blocks, recomputes, and nothing stays held."""
     P, D = servers["P2"], servers["D1"]
     T.reset_prefix_cache(D.url)
-    prompt = tok(_text(random.Random(99), 500), add_special_tokens=False).input_ids[:450]
+    prompt = tok(T.prose(random.Random(99), 500), add_special_tokens=False).input_ids[:450]
 
     def kill(params):
         P.kill()
@@ -352,7 +327,4 @@ def test_prefill_killed_between_steps_decode_recomputes(servers, tok):
     assert _ids(r["decode"])[0] == refs[0][0]
     # nothing left held: decode servers idle at 0 % KV usage, P1 released everything its decodes consumed
     for name in ("D1", "D2", "P1"):
-        deadline = time.monotonic() + 30
-        while T.kv_usage(servers[name].url) > 0 and time.monotonic() < deadline:
-            time.sleep(0.5)
-        assert T.kv_usage(servers[name].url) == 0.0, name
+        assert _wait_idle(servers[name].url) == 0.0, name

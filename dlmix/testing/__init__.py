@@ -4,7 +4,9 @@
   port helpers);
 * :class:`LoopThread`: an asyncio loop (uvloop when installed) in a daemon thread, for synchronous tests driving
   asyncio servers;
-* :func:`wait_http`: poll a URL until it answers 200;
+* :class:`RouterThread`: the dlmix router started in-process on its own :class:`LoopThread`;
+* :func:`wait_http`: poll a URL until it answers 200; :func:`poll` / :func:`wait_until`: poll any condition with a
+  (generous) deadline;
 * :class:`~dlmix.testing.mock_engine.MockEngine`: the one mock OpenAI engine (vLLM's API, PD legs, KV events,
   Prometheus counters, fixed fast answers for router benchmarks).
 """
@@ -16,7 +18,8 @@ import time
 
 from dlmix.engine_process import free_port, free_port_block, port_free
 
-__all__ = ["free_port", "free_port_block", "port_free", "LoopThread", "wait_http", "MockEngine"]
+__all__ = ["free_port", "free_port_block", "port_free", "LoopThread", "RouterThread", "wait_http", "poll", "wait_until",
+           "MockEngine"]
 
 
 class LoopThread:
@@ -54,6 +57,58 @@ class LoopThread:
         """Stop the loop and join the thread (5 s at most)."""
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(5)
+
+
+class RouterThread:
+    """A :class:`dlmix.router.server.Router` built from ``cfg`` (a ``RouterConfig``) and started on its own
+    :class:`LoopThread`, for synchronous tests that also read the router's state. ``url`` is its base URL (the port
+    the router bound, so ``port=0`` works); ``call(fn)`` runs ``fn()`` on the router's loop (its index and policy
+    are not thread-safe); ``close()`` stops the router, then the loop. Raises what ``Router``/``start`` raise."""
+
+    def __init__(self, cfg, start_timeout_s: float = 120.0):
+        from dlmix.router.server import Router
+
+        self.lt = LoopThread(use_uvloop=False)
+        try:
+            self.router = self.call(lambda: Router(cfg), start_timeout_s)
+            self.lt.run(self.router.start(), start_timeout_s)
+        except BaseException:
+            self.lt.close()
+            raise
+        self.url = f"http://127.0.0.1:{self.router.cfg.port}"
+
+    def call(self, fn, timeout_s: float = 120.0):
+        """Run ``fn()`` on the router's loop thread and return its result (TimeoutError after ``timeout_s``)."""
+        async def _c():
+            return fn()
+        return self.lt.run(_c(), timeout_s)
+
+    def close(self) -> None:
+        """Stop the router (30 s at most), then its loop."""
+        try:
+            self.lt.run(self.router.stop(), 30)
+        finally:
+            self.lt.close()
+
+
+def poll(cond, timeout_s: float = 120.0, interval_s: float = 0.05):
+    """Call ``cond()`` every ``interval_s`` seconds until it returns a true value or ``timeout_s`` seconds passed;
+    returns its last value (falsy on timeout). A deadline only bounds the wait: keep it generous, tests run on
+    loaded CI machines."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        v = cond()
+        if v or time.monotonic() >= deadline:
+            return v
+        time.sleep(interval_s)
+
+
+def wait_until(cond, timeout_s: float = 120.0, what: str = "condition", interval_s: float = 0.05):
+    """:func:`poll`, raising AssertionError naming ``what`` when ``cond()`` is still false after ``timeout_s``."""
+    v = poll(cond, timeout_s, interval_s)
+    if not v:
+        raise AssertionError(f"timed out after {timeout_s:g} s waiting for {what}")
+    return v
 
 
 def wait_http(url: str, timeout: float = 30.0, interval: float = 0.2) -> bool:

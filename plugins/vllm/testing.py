@@ -19,7 +19,53 @@ import httpx
 
 from dlmix.engine_process import free_port, pd_test_spec  # the one port helper and vLLM builder
 
-__all__ = ["free_port", "VllmServer", "start_servers", "two_step", "single", "kv_usage", "parse_sse"]
+__all__ = ["free_port", "VllmServer", "launch", "wait_ready", "two_step", "single", "kv_usage", "metric_sum",
+           "parse_sse", "prose", "prompt_set", "PROSE_WORDS", "compare_greedy"]
+
+#: Vocabulary of :func:`prose` (40 plain English words, each one or two tokens in Llama-style tokenizers).
+PROSE_WORDS = tuple(("river mountain quiet engine market yellow window garden silver theory station winter bridge "
+                     "signal harvest lantern ocean pocket rhythm castle meadow copper thunder village orbit canvas "
+                     "planet ribbon forest mirror candle summer compass feather island journey marble needle pebble "
+                     "shadow velvet").split())
+
+
+def prose(rng, n_words: int, vocabulary=PROSE_WORDS) -> str:
+    """Deterministic filler text of ``n_words`` words drawn by ``rng`` (a ``random.Random``) from ``vocabulary``:
+    sentences start capitalized, about one word in eight ends a sentence, and the text ends with a period."""
+    out: list[str] = []
+    for i in range(n_words):
+        w = rng.choice(vocabulary)
+        out.append(w.capitalize() if i == 0 or out[-1].endswith(".") else w)
+        if rng.random() < 0.12:
+            out[-1] += "."
+    return " ".join(out) + "."
+
+
+def prompt_set(tok, lengths, kinds=("completion", "chat", "completion"), seed: int = 1234,
+               vocabulary=PROSE_WORDS) -> list[dict]:
+    """Prompts for token-for-token PD tests: one per entry of ``lengths`` (tokens), the ``i``-th of kind
+    ``kinds[i % len(kinds)]``: ``completion`` = exactly ``n`` token ids, ``text`` = a completion whose prompt is text
+    (about ``n - 30`` tokens), ``chat`` = a user message of about ``n - 30`` tokens; odd ``i`` stream.
+    ``tok`` is a Hugging Face tokenizer. Returns dicts ``{i, kind ('completion'|'chat'), prompt, stream, n}``."""
+    import random
+
+    rng = random.Random(seed)
+    out = []
+    for i, n in enumerate(lengths):
+        text = prose(rng, n, vocabulary)
+        kind = kinds[i % len(kinds)]
+        if kind == "completion":
+            ids = tok(text, add_special_tokens=False).input_ids
+            while len(ids) < n:
+                ids += tok(" " + prose(rng, 50, vocabulary), add_special_tokens=False).input_ids
+            prompt = ids[:n]
+        elif kind in ("chat", "text"):
+            prompt = tok.decode(tok(text, add_special_tokens=False).input_ids[: max(1, n - 30)])
+        else:
+            raise ValueError(f"prompt kind {kind!r}: expected 'completion', 'text' or 'chat'")
+        out.append({"i": i, "kind": "chat" if kind == "chat" else "completion", "prompt": prompt,
+                    "stream": i % 2 == 1, "n": n})
+    return out
 
 
 @dataclass
@@ -60,10 +106,11 @@ class VllmServer:
 
 
 def launch(name: str, model: str, workdir: Path, *, role: str | None, cpu: str, block_size: int = 128,
-           dtype: str = "bfloat16", extra: dict[str, Any] | None = None, connector: str = "DLMixConnector",
+           dtype: str = "float32", extra: dict[str, Any] | None = None, connector: str = "DLMixConnector",
            port: int | None = None, served_name: str = "smollm2", env: dict[str, str] | None = None,
            extra_args: list[str] | None = None, kv_bytes: int = 134217728) -> VllmServer:
-    """Start one server (returns at once; call :meth:`wait_ready`). ``role`` None = no KV connector."""
+    """Start one server (returns at once; call :meth:`wait_ready`). ``role`` None = no KV connector. ``dtype``: model
+    and KV cache dtype (default fp32: bf16 matmuls are far slower on CPUs without AVX-512 BF16/AMX)."""
     port = port or free_port()
     log = workdir / f"{name}.log"
     spec = pd_test_spec(name, model, workdir, role=role, cpu=cpu, port=port, block_size=block_size, dtype=dtype,
@@ -175,6 +222,28 @@ def result_tokens(resp: dict) -> tuple[list[int], list[float]]:
                 v = sorted((t["logprob"] for t in c.get("top_logprobs") or []), reverse=True)
                 gaps.append(v[0] - v[1] if len(v) > 1 else float("inf"))
     return ids, gaps
+
+
+def compare_greedy(case: str, got: dict, refs: dict, threshold: float, max_tokens: int) -> tuple[int, int]:
+    """Compare greedy outputs with references, prompt by prompt. ``got``: ``{i: generated ids}``; ``refs``:
+    ``{i: (ids, top-1/top-2 logprob gaps)}`` from :func:`result_tokens`. Both must have ``max_tokens`` ids. A first
+    divergence at a position whose reference gap is below ``threshold`` (nats) is a near-tie (printed and counted);
+    any other divergence fails (AssertionError naming the prompt, position and gap). Returns (identical, near_ties).
+    """
+    same = ties = 0
+    for i, ids in got.items():
+        ref, gaps = refs[i]
+        assert len(ids) == len(ref) == max_tokens, (case, i, ids, ref)
+        if ids == ref:
+            same += 1
+            continue
+        k = next(j for j in range(len(ref)) if ids[j] != ref[j])
+        gap = gaps[k] if k < len(gaps) else float("inf")
+        assert gap < threshold, f"{case}: prompt {i} differs at token {k} with top-2 gap {gap:.4f} >= {threshold}"
+        ties += 1
+        print(f"[{case}] prompt {i}: near-tie at token {k} (top-2 gap {gap:.4f})")
+    print(f"[{case}] identical {same}/{len(got)}, near-ties {ties} (threshold {threshold} nats)")
+    return same, ties
 
 
 def two_step(prefill_url: str, decode_url: str, kind: str, prompt: Any, max_tokens: int, *, stream: bool = False,
