@@ -37,6 +37,7 @@ import logging
 import os
 import threading
 import time
+import uuid
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Optional
 
@@ -116,12 +117,12 @@ class DLMixKVManager(CommonKVManager):
         port = s.port + self.dlmix_tp_rank if s.port else 0
         role = "d" if self.is_decode else "p"
         self.endpoint = KVEndpoint(
-            s.transport, f"dlmix-sglang-{role}-r{self.dlmix_tp_rank}-{os.getpid()}",
+            s.transport, f"dlmix-sglang-{role}-r{self.dlmix_tp_rank}-{os.getpid()}-{uuid.uuid4().hex[:8]}",
             s.shared_secret or DEFAULT_LOOPBACK_SECRET, s.host, port, self.layout, pool_layers(args, self.layout),
             s.staging_bytes if self.is_decode else 0, hold_timeout_s=s.hold_timeout_s,
             registration_wait_s=s.registration_wait_s, io_timeout_s=s.io_timeout_s,
             verify_weights=s.verify_weights, on_released=None if self.is_decode else self._on_released)
-        self.instance_id = f"sglang-{os.getpid()}-r{self.dlmix_tp_rank}"
+        self.instance_id = f"sglang-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self._pending: dict[int, _Pending] = {}
         self._dst: dict[int, tuple[list[int], Optional[int]]] = {}
         self.incompatible: dict[str, str] = {}
