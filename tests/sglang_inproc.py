@@ -196,6 +196,21 @@ def main() -> int:
     r = run_pair("other-weights", ppool3, dpool, pmgr3, dmgr, baddr3, 10)
     assert r.get("refused") and "weights" in r["refused"], r
     results.append(r)
+    # decode aborts after sending its metadata: the prefill room fails with the reason, nothing stays held
+    room = random.getrandbits(62)
+    snd = get_kv_class(TransferBackend("dlmix"), KVClassType.SENDER)(pmgr, baddr, room)
+    rcv = get_kv_class(TransferBackend("dlmix"), KVClassType.RECEIVER)(dmgr, baddr, room)
+    rcv.init(0)
+    rcv.send_metadata(np.array([1, 2], dtype=np.int32), aux_index=1)
+    assert wait(snd.poll, (KVPoll.WaitingForInput,)) == KVPoll.WaitingForInput
+    rcv.abort()
+    assert wait(snd.poll, (KVPoll.Failed,)) == KVPoll.Failed
+    with pmgr.failure_lock:
+        why = pmgr.failure_records.get(room)
+    assert why and "abort" in why.lower(), why
+    snd.clear()
+    rcv.clear()
+    results.append({"case": "decode-abort", "ok": True, "prefill_reason": why})
     time.sleep(0.5)
     for m in (pmgr, pmgr2, pmgr3):
         m.endpoint.take_finished()

@@ -1,7 +1,7 @@
 """The SGLang ``dlmix`` transfer backend driven in one process as SGLang's scheduler drives it (real bootstrap server,
 real prefill and decode managers, senders and receivers over fake KV pools; no model, no server): same configuration
 (bytes equal), prefill page 4 bf16 -> decode page 16 fp32 (converted), a prefill with other weights refused at
-bootstrap with the reason, aux rows copied, no hold left. Runs ``tests/sglang_inproc.py`` with the SGLang venv's
+bootstrap with the reason, aux rows copied, a decode abort fails the prefill room with the reason, no hold left. Runs ``tests/sglang_inproc.py`` with the SGLang venv's
 python; skipped with the reason when there is none."""
 from __future__ import annotations
 
@@ -28,4 +28,5 @@ def test_backend_in_process():
     cases = {r["case"]: r for r in rows}
     assert all(cases[c]["ok"] for c in cases if c.startswith(("same/", "p4-bf16")))
     assert "weights" in cases["other-weights"]["refused"]
+    assert cases["decode-abort"]["ok"] and "abort" in cases["decode-abort"]["prefill_reason"].lower()
     assert cases["holds-left"]["counts"] == [0, 0, 0]
