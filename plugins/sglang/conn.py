@@ -62,7 +62,7 @@ from dlmix.pd.endpoint import DEFAULT_LOOPBACK_SECRET, KVEndpoint
 from dlmix.pd.pair import check_pair, layout_of
 
 from .config import load_settings
-from .layout import describe_pool, kv_dtype_name, pool_layers
+from .layout import describe_pool, kv_dtype_name, model_config, pool_layers
 
 log = logging.getLogger("dlmix_sglang.conn")
 
@@ -109,7 +109,10 @@ class DLMixKVManager(CommonKVManager):
         self.settings = s = load_settings()
         par = get_parallel()
         self.dlmix_tp_rank, self.dlmix_tp_size = int(par.attn_tp_rank), int(par.attn_tp_size)
-        kv_dtype = kv_dtype_name(args.kv_cache_dtype_str, getattr(server_args, "dtype", None))
+        model_dtype = getattr(server_args, "dtype", None)
+        if model_dtype in (None, "auto"):  # SGLang then runs the checkpoint's dtype
+            model_dtype = model_config(str(server_args.model_path)).get("torch_dtype", "auto")
+        kv_dtype = kv_dtype_name(args.kv_cache_dtype_str, model_dtype)
         self.layout = describe_pool(args, model_path=str(server_args.model_path), kv_dtype=kv_dtype,
                                     tp_rank=self.dlmix_tp_rank, tp_size=self.dlmix_tp_size,
                                     engine=f"sglang {sglang.__version__}")

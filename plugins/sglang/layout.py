@@ -17,7 +17,7 @@ from typing import Any
 from dlmix.kv import KVLayout, ModelIdentity
 from dlmix.pd.weights import weights_fingerprint
 
-__all__ = ["ARRANGEMENT", "kv_dtype_name", "describe_pool", "host_tensor", "pool_layers"]
+__all__ = ["ARRANGEMENT", "kv_dtype_name", "model_config", "describe_pool", "host_tensor", "pool_layers"]
 
 ARRANGEMENT = "sglang_nhd"
 _DTYPES = {"float32": "fp32", "fp32": "fp32", "torch.float32": "fp32", "float": "fp32",
@@ -38,7 +38,8 @@ def kv_dtype_name(kv_cache_dtype: Any, model_dtype: Any = None) -> str:
     return _DTYPES[s]
 
 
-def _config(model_path: str) -> dict[str, Any]:
+def model_config(model_path: str) -> dict[str, Any]:
+    """The model folder's ``config.json`` as a dict ({} when absent or unreadable)."""
     p = Path(model_path) / "config.json"
     try:
         return json.loads(p.read_text())
@@ -76,9 +77,9 @@ def describe_pool(kv_args: Any, *, model_path: str, kv_dtype: str, tp_rank: int,
     if item % (page * heads * el):
         raise ValueError(f"page bytes {item} are not page_size {page} x {heads} heads x {el} B x head size")
     head_size = item // (page * heads * el)
-    cfg = _config(model_path)
+    cfg = model_config(model_path)
     cfg = cfg.get("text_config", cfg) if "num_attention_heads" not in cfg else cfg
-    archs = list(_config(model_path).get("architectures") or [])
+    archs = list(model_config(model_path).get("architectures") or [])
     total = int(getattr(kv_args, "total_kv_head_num", heads * tp_size) or heads * tp_size)
     attn_heads = int(cfg.get("num_attention_heads", -1))
     ident = ModelIdentity(architecture=archs[0] if archs else "unknown", num_layers=num_layers,
