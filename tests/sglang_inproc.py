@@ -211,6 +211,19 @@ def main() -> int:
     snd.clear()
     rcv.clear()
     results.append({"case": "decode-abort", "ok": True, "prefill_reason": why})
+    # an abort that overtakes the prefill request: its sender fails at once with the reason
+    room = random.getrandbits(62)
+    rcv = get_kv_class(TransferBackend("dlmix"), KVClassType.RECEIVER)(dmgr, baddr, room)
+    rcv.init(0)
+    rcv.abort()
+    deadline = time.monotonic() + 10
+    while room not in pmgr.early_aborts and time.monotonic() < deadline:
+        time.sleep(0.02)
+    snd = get_kv_class(TransferBackend("dlmix"), KVClassType.SENDER)(pmgr, baddr, room)
+    assert snd.poll() == KVPoll.Failed
+    snd.clear()
+    rcv.clear()
+    results.append({"case": "early-abort", "ok": True})
     time.sleep(0.5)
     for m in (pmgr, pmgr2, pmgr3):
         m.endpoint.take_finished()

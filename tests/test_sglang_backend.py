@@ -29,4 +29,5 @@ def test_backend_in_process():
     assert all(cases[c]["ok"] for c in cases if c.startswith(("same/", "p4-bf16")))
     assert "weights" in cases["other-weights"]["refused"]
     assert cases["decode-abort"]["ok"] and "abort" in cases["decode-abort"]["prefill_reason"].lower()
+    assert cases["early-abort"]["ok"]
     assert cases["holds-left"]["counts"] == [0, 0, 0]

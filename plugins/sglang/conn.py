@@ -129,6 +129,7 @@ class DLMixKVManager(CommonKVManager):
         self._pending: dict[int, _Pending] = {}
         self._dst: dict[int, tuple[list[int], Optional[int]]] = {}
         self.incompatible: dict[str, str] = {}
+        self.early_aborts: dict[int, str] = {}
         self.transfer_stats: list[dict[str, Any]] = []
         self._ctl = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dlmix-sglang-ctl")
         self._stop = threading.Event()
@@ -221,12 +222,18 @@ class DLMixKVManager(CommonKVManager):
 
     def _abort_room(self, room: int, reason: str) -> None:
         """Prefill side: drop ``room`` (a hold already read from is freed by the core only after its reads)."""
-        self.record_failure(room, reason)
         self._pending.pop(room, None)
         if self.endpoint.is_held(str(room)):
+            self.record_failure(room, reason)
             self.endpoint.engine_abort(str(room))  # -> _on_released -> Failed
-        elif room in self.request_status and self.request_status.get(room) != KVPoll.Success:
-            self.update_status(room, KVPoll.Failed)
+        elif room in self.request_status:
+            if self.request_status.get(room) != KVPoll.Success:
+                self.record_failure(room, reason)
+                self.update_status(room, KVPoll.Failed)
+        else:  # the abort overtook the prefill request: fail its sender when it is created
+            self.early_aborts[room] = reason
+            while len(self.early_aborts) > 10000:
+                self.early_aborts.pop(next(iter(self.early_aborts)))
 
     # ------------------------------------------------------------------ prefill: chunks -> hold -> READY
     def add_transfer_request(self, bootstrap_room: int, kv_indices: Any, index_slice: slice, is_last_chunk: bool,
@@ -430,6 +437,15 @@ class DLMixKVSender(CommonKVSender):
     tensor indices (their pinned-memory/CUDA-event path needs an accelerator)."""
 
     supports_host_tensor_indices = False
+
+    def __init__(self, mgr: DLMixKVManager, bootstrap_addr: str, bootstrap_room: int,
+                 req_has_disagg_prefill_dp_rank: bool = False):
+        super().__init__(mgr, bootstrap_addr, bootstrap_room, req_has_disagg_prefill_dp_rank)
+        reason = mgr.early_aborts.pop(bootstrap_room, None)
+        if reason is not None:  # decode refused or aborted this room before the prefill request arrived
+            mgr.record_failure(bootstrap_room, reason)
+            mgr.update_status(bootstrap_room, KVPoll.Failed)
+            self.conclude_state = KVPoll.Failed
 
     def abort(self) -> None:
         """Aborted by SGLang: a hold a decode may be reading is freed only after its reads (status Failed then)."""
