@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from dlmix.kv import KVLayout, ModelIdentity
-from dlmix.pd.weights import weights_fingerprint
+from dlmix.pd.fingerprint import weights_fingerprint
 
 __all__ = ["ARRANGEMENT", "kv_dtype_name", "model_config", "describe_pool", "host_tensor", "pool_layers"]
 
