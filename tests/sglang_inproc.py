@@ -77,6 +77,7 @@ class Pool:
         self.k = [torch.zeros(page * pages, H, D, dtype=dtype) for _ in range(L)]
         self.v = [torch.zeros(page * pages, H, D, dtype=dtype) for _ in range(L)]
         self.aux = torch.zeros(16, 8, dtype=torch.int32)
+        self.hidden = torch.zeros(16, 4, dtype=dtype)  # SGLang's hidden-states row: model dtype
 
     def kv_args(self) -> KVArgs:
         a = KVArgs()
@@ -90,7 +91,10 @@ class Pool:
         a.kv_cache_dtype_str = str(self.dtype)
         a.kv_layout = None
         a.kv_head_num, a.total_kv_head_num, a.page_size = H, H, self.page
-        a.aux_data_ptrs, a.aux_data_lens, a.aux_item_lens = [self.aux.data_ptr()], [self.aux.numel() * 4], [32]
+        hs = self.hidden.element_size()
+        a.aux_data_ptrs = [self.aux.data_ptr(), self.hidden.data_ptr()]
+        a.aux_data_lens = [self.aux.numel() * 4, self.hidden.numel() * hs]
+        a.aux_item_lens = [32, 4 * hs]
         a.state_types, a.state_data_ptrs, a.state_data_lens, a.state_item_lens = [], [], [], []
         a.state_layer_ids, a.state_dim_per_tensor = [], []
         a.ib_device, a.gpu_id, a.num_draft_entries = "", 0, 0
@@ -139,6 +143,7 @@ def run_pair(name, ppool, dpool, pmgr, dmgr, baddr, ntok):
             ppool.k[layer][slot] = torch.randn(H, D).to(ppool.dtype)
             ppool.v[layer][slot] = torch.randn(H, D).to(ppool.dtype)
     ppool.aux[5] = torch.arange(8, dtype=torch.int32) + 100
+    ppool.hidden[5] = torch.tensor([0.5, -1.25, 2.0, 3.0]).to(ppool.dtype)
     sender.init(n_ppages, aux_index=5)
     half = max(1, n_ppages // 2)
     sender.send(np.array(ppages[:half], dtype=np.int32), num_kv_tokens=min(ntok, half * ppool.page))
@@ -157,6 +162,7 @@ def run_pair(name, ppool, dpool, pmgr, dmgr, baddr, ntok):
             for a, b in ((ppool.k, dpool.k), (ppool.v, dpool.v)):
                 assert torch.equal(a[layer][ps].float(), b[layer][ds].float()), (name, layer, t)
     assert dpool.aux[3].tolist() == list(range(100, 108)), dpool.aux[3]
+    assert dpool.hidden[3].float().tolist() == [0.5, -1.25, 2.0, 3.0], dpool.hidden[3]
     sender.clear()
     recv.clear()
     held = pmgr.endpoint.held_count()

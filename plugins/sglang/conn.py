@@ -406,7 +406,7 @@ class DLMixKVManager(CommonKVManager):
             self._release(c.params, room, consumed=False)
             return
         try:
-            self._write_aux(aux_index, aux)
+            self._write_aux(aux_index, aux, layout_of(c.params.layout))
         except ValueError as e:
             self._fail(room, f"dlmix: {e}")
             self._release(c.params, room, consumed=False)
@@ -421,14 +421,29 @@ class DLMixKVManager(CommonKVManager):
         del self.transfer_stats[:-1000]
         log.debug("dlmix transfer backend: %s", rec)
 
-    def _write_aux(self, aux_index: Optional[int], aux: list[bytes]) -> None:
+    def _write_aux(self, aux_index: Optional[int], aux: list[bytes], src: Any = None) -> None:
+        """Copy the prefill's metadata row into this side's row ``aux_index``. A row whose size differs only by the
+        model dtype (the hidden-states row of a bf16 prefill feeding an fp32 decode) is converted from the prefill's
+        KV dtype to this side's; a different number of buffers, or any other size, raises ValueError."""
         if aux_index is None:
             return
         lens = [int(n) for n in self.kv_args.aux_item_lens]
-        if len(aux) != len(lens) or any(len(a) != n for a, n in zip(aux, lens)):
-            raise ValueError(f"prefill metadata rows {[len(a) for a in aux]} B do not match decode's {lens} B "
-                             "(an optional metadata buffer is enabled on one side only)")
+        if len(aux) != len(lens):
+            raise ValueError(f"prefill sent {len(aux)} metadata buffers, decode has {len(lens)} (an optional "
+                             "metadata buffer is enabled on one side only)")
+        import torch
+
+        from dlmix.kv.ops import torch_dtype
+
         for ptr, n, data in zip(self.kv_args.aux_data_ptrs, lens, aux):
+            if len(data) != n:
+                sdt = torch_dtype(src) if src is not None else None
+                ddt = torch_dtype(self.layout)
+                esz = torch.empty((), dtype=sdt).element_size() if sdt is not None else 0
+                dsz = torch.empty((), dtype=ddt).element_size()
+                if not esz or len(data) % esz or (len(data) // esz) * dsz != n:
+                    raise ValueError(f"prefill metadata row of {len(data)} B does not fit decode's {n} B")
+                data = torch.frombuffer(bytearray(data), dtype=sdt).to(ddt).numpy().tobytes()
             ctypes.memmove(int(ptr) + int(aux_index) * n, data, n)
 
 
