@@ -35,6 +35,8 @@ pip=("$venv/bin/python" -m pip --disable-pip-version-check -q)
   jsonschema "soundfile==0.13.1" safetensors httpx pyyaml typer rich httptools
 # A CUDA torchvision (pulled by a dependency) breaks imports next to the CPU torch; triton stays (sglang imports it).
 "${pip[@]}" uninstall -y torchvision >/dev/null 2>&1 || true
+# SGLang's own PD router (the dlmix backend works behind it unchanged; tests/test_sglang_pd.py checks it).
+"${pip[@]}" install "sglang-router==0.3.2" || echo "[setup_sglang] sglang-router not installed: its test will skip"
 # Optional: the Mooncake backend (SGLang's default) over TCP, the baseline of benchmarks/pd_sglang.py.
 "${pip[@]}" install "mooncake-transfer-engine-non-cuda==0.3.13.post1" \
   || echo "[setup_sglang] mooncake not installed: the Mooncake baseline will be skipped"

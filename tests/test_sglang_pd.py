@@ -138,6 +138,28 @@ def test_page16_bf16_prefill_feeds_page64_fp32_decode(servers, prompts, refs):
     assert same + ties == len(prompts)
 
 
+def test_behind_sglangs_own_router(servers, prompts, refs):
+    """SGLang's router (sglang-router, PD mode) adds the bootstrap fields and sends both legs; unchanged."""
+    import subprocess
+
+    py = T.sglang_python()
+    if subprocess.run([py, "-c", "import sglang_router"], capture_output=True).returncode != 0:
+        pytest.skip("sglang-router is not installed in the SGLang venv")
+    r = T.start_sglang_router(servers["P1"], servers["D"], T.free_port(), servers["_dir"] / "router.log")
+    try:
+        r.wait_ready(timeout_s=180)
+        got = []
+        for ids in prompts[:6]:
+            st, body = T.post_json(r.url + "/generate", {"input_ids": ids, "sampling_params": {
+                "temperature": 0, "max_new_tokens": MAX_TOKENS}})
+            assert st == 200 and not _aborted(body), f"{body}\n{r.log_tail()}"
+            got.append(body["output_ids"])
+        same, _ = _compare("sglang-router", got, refs[:6], NEAR_TIE["same"])
+        assert same == len(got)
+    finally:
+        r.stop()
+
+
 @pytest.fixture(scope="module")
 def perturbed_dir(smollm2_dir, tmp_path_factory):
     import shutil

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["sglang_python", "SGLangServer", "start_server", "free_port", "generate", "post_json", "CPU_FLAGS",
+__all__ = ["sglang_python", "SGLangServer", "start_server", "start_sglang_router", "free_port", "generate", "post_json", "CPU_FLAGS",
            "PD_FLAGS"]
 
 CPU_FLAGS = ["--device", "cpu", "--attention-backend", "torch_native", "--disable-cuda-graph",
@@ -132,6 +132,23 @@ def start_server(model: str, port: int, log_path: str | Path, *, mode: str | Non
     if mode == "prefill":
         bp = int(args[args.index("--disaggregation-bootstrap-port") + 1])
     return SGLangServer(proc=proc, url=f"http://127.0.0.1:{port}", log_path=log_path, bootstrap_port=bp, args=args)
+
+
+def start_sglang_router(prefill: SGLangServer, decode: SGLangServer, port: int, log_path: str | Path,
+                        python: str | None = None) -> SGLangServer:
+    """Start SGLang's own PD router (``sglang_router.launch_router --pd-disaggregation``, PyPI ``sglang-router``)
+    in front of one prefill and one decode server. Raises RuntimeError when no SGLang venv is found."""
+    py = python or sglang_python()
+    if py is None:
+        raise RuntimeError("no SGLang venv: run scripts/setup_sglang.sh (or set DLMIX_SGLANG_VENV)")
+    args = [py, "-m", "sglang_router.launch_router", "--pd-disaggregation", "--prefill", prefill.url,
+            str(prefill.bootstrap_port), "--decode", decode.url, "--host", "127.0.0.1", "--port", str(port)]
+    log_path = Path(log_path)
+    fh = open(log_path, "wb")
+    e = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    proc = subprocess.Popen(args, stdout=fh, stderr=subprocess.STDOUT, env=e, start_new_session=True)
+    fh.close()
+    return SGLangServer(proc=proc, url=f"http://127.0.0.1:{port}", log_path=log_path, args=args)
 
 
 def post_json(url: str, body: dict[str, Any], timeout_s: float = 300.0) -> tuple[int, dict[str, Any] | str]:
