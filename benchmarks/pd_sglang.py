@@ -47,9 +47,11 @@ def _pd_once(p: T.SGLangServer, d: T.SGLangServer, ids: list[int]) -> tuple[floa
 
 
 def _phase(backend: str, model: str, work: Path, reps: int, rng: random.Random, vocab: int) -> dict:
+    env = {"DLMIX_SGLANG_CPU_AIDS": "1"}  # Mooncake's sender on a CPU-only host (dlmix_sglang._cpu_aids)
     p = T.start_server(model, T.free_port(), work / f"{backend}-P.log", mode="prefill", backend=backend,
-                       page_size=64)
-    d = T.start_server(model, T.free_port(), work / f"{backend}-D.log", mode="decode", backend=backend, page_size=64)
+                       page_size=64, env=env)
+    d = T.start_server(model, T.free_port(), work / f"{backend}-D.log", mode="decode", backend=backend, page_size=64,
+                       env=env)
     res: dict = {"ttft_s": {}, "errors": []}
     try:
         p.wait_ready()

@@ -16,6 +16,7 @@ them.
 from __future__ import annotations
 
 import logging
+import os
 
 BACKEND_NAME = "dlmix"
 
@@ -88,5 +89,19 @@ def register() -> bool:
         add_disagg_transfer_backend_choices([BACKEND_NAME])
     _add_enum_member()
     HookRegistry.register("sglang.srt.disaggregation.utils.get_kv_class", _get_kv_class, HookType.AROUND)
+    if os.environ.get("DLMIX_SGLANG_CPU_AIDS") == "1":
+        _cpu_aids()
     _registered = True
     return True
+
+
+def _cpu_aids() -> None:
+    """Opt-in development aid (``DLMIX_SGLANG_CPU_AIDS=1``, used by ``benchmarks/pd_sglang.py`` for its baseline):
+    SGLang's Mooncake sender claims host tensor indices, whose pinned-memory/CUDA-event path fails on a CPU-only
+    host (``prefill.py`` ``_send_kv_chunk``); turn that claim off so Mooncake over TCP runs on CPU."""
+    try:
+        from sglang.srt.disaggregation.mooncake.conn import MooncakeKVSender
+    except ImportError as e:
+        log.info("dlmix_sglang CPU aids: Mooncake backend not importable (%s)", e)
+        return
+    MooncakeKVSender.supports_host_tensor_indices = False
