@@ -98,7 +98,8 @@ class SGLangServer:
 def start_server(model: str, port: int, log_path: str | Path, *, mode: str | None = None,
                  backend: str = "dlmix", bootstrap_port: int | None = None, extra: list[str] | None = None,
                  env: dict[str, str] | None = None, dtype: str = "float32", page_size: int | None = None,
-                 max_total_tokens: int = 8192, python: str | None = None) -> SGLangServer:
+                 max_total_tokens: int = 8192, mem_fraction: float = 0.25,
+                 python: str | None = None) -> SGLangServer:
     """Start ``python -m sglang.launch_server`` for ``model`` on 127.0.0.1:``port`` (not waiting for it).
 
     ``mode``: None (a single server), ``prefill`` or ``decode`` (with ``--disaggregation-transfer-backend backend``;
@@ -109,7 +110,7 @@ def start_server(model: str, port: int, log_path: str | Path, *, mode: str | Non
     if py is None:
         raise RuntimeError("no SGLang venv: run scripts/setup_sglang.sh (or set DLMIX_SGLANG_VENV)")
     args = [py, "-m", "sglang.launch_server", "--model-path", str(model), "--port", str(port), "--dtype", dtype,
-            "--max-total-tokens", str(max_total_tokens), "--mem-fraction-static", "0.05", *CPU_FLAGS]
+            "--max-total-tokens", str(max_total_tokens), "--mem-fraction-static", str(mem_fraction), *CPU_FLAGS]
     if page_size is not None:
         args += ["--page-size", str(page_size)]
     if mode is not None:
