@@ -70,6 +70,18 @@ def test_pool_views_are_the_engine_buffers():
     assert bufs[0][5, 1, 2].item() == 42.0
 
 
+def test_decode_kv_args_without_head_counts_use_the_config(tmp_path):
+    """SGLang's decode sets kv_head_num only after building the manager: heads come from config.json then."""
+    import json
+
+    (tmp_path / "config.json").write_text(json.dumps({"num_attention_heads": 4, "num_key_value_heads": 2}))
+    a, bufs = _kv_args()
+    del a.kv_head_num, a.total_kv_head_num
+    lay = describe_pool(a, model_path=str(tmp_path), kv_dtype="fp32", tp_rank=0, tp_size=1)
+    assert (lay.model.num_kv_heads, lay.model.head_size, lay.model.attention) == (2, 8, "gqa")
+    assert check_caches(lay, pool_layers(a, lay)) == 10
+
+
 def test_different_page_size_and_dtype_pair_is_compatible():
     a, _ = _kv_args(N=4)
     b, _ = _kv_args(N=16, pages=3, dtype=torch.bfloat16)

@@ -70,17 +70,24 @@ def describe_pool(kv_args: Any, *, model_path: str, kv_dtype: str, tp_rank: int,
         raise ValueError(f"expected K then V buffers per layer (MHA pool), got {len(ptrs)} buffers (MLA pools are "
                          "not supported)")
     num_layers = len(ptrs) // 2
-    heads = int(kv_args.kv_head_num)
+    cfg = model_config(model_path)
+    cfg = cfg.get("text_config", cfg) if "num_attention_heads" not in cfg else cfg
+    cfg_heads = cfg.get("num_key_value_heads", cfg.get("num_attention_heads"))
+    # SGLang's decode sets kv_head_num/total_kv_head_num only after building the manager: fall back to the config
+    total = getattr(kv_args, "total_kv_head_num", None) or cfg_heads
+    heads = getattr(kv_args, "kv_head_num", None) or (int(total) // int(tp_size) if total else None)
+    if not heads:
+        raise ValueError("KV heads per rank unknown (no kv_head_num in KVArgs and no num_key_value_heads in "
+                         f"{model_path}/config.json)")
+    heads = int(heads)
     page = int(kv_args.page_size)
     item = int(kv_args.kv_item_lens[0])
     el = _SIZES[kv_dtype]
     if item % (page * heads * el):
         raise ValueError(f"page bytes {item} are not page_size {page} x {heads} heads x {el} B x head size")
     head_size = item // (page * heads * el)
-    cfg = model_config(model_path)
-    cfg = cfg.get("text_config", cfg) if "num_attention_heads" not in cfg else cfg
     archs = list(model_config(model_path).get("architectures") or [])
-    total = int(getattr(kv_args, "total_kv_head_num", heads * tp_size) or heads * tp_size)
+    total = int(total or heads * tp_size)
     attn_heads = int(cfg.get("num_attention_heads", -1))
     ident = ModelIdentity(architecture=archs[0] if archs else "unknown", num_layers=num_layers,
                           num_kv_heads=total, head_size=head_size,
@@ -111,7 +118,7 @@ def pool_layers(kv_args: Any, layout: KVLayout) -> list[tuple[Any, Any]]:
     from dlmix.kv.ops import torch_dtype
 
     dt = torch_dtype(layout)
-    heads = int(kv_args.kv_head_num)
+    heads = layout.model.num_kv_heads // layout.tp_size
     D = layout.model.head_size
     L = layout.model.num_layers
     el = {"fp32": 4, "bf16": 2, "fp16": 2}[layout.dtype]
