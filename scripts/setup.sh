@@ -50,3 +50,7 @@ else
 fi
 # Build the real model folder once per machine (cached by the GGUF's sha256).
 "$venv/bin/dlmix" models prepare smollm2
+# Optional: the separate SGLang venv the SGLang adapter's tests use (docs/engines/sglang.md); its tests skip without it.
+if [ "${DLMIX_WITH_SGLANG:-0}" = 1 ]; then
+  DLMIX_SGLANG_VENV="${DLMIX_SGLANG_VENV:-$here/.venv-sglang}" bash "$here/scripts/setup_sglang.sh"
+fi

@@ -1,0 +1,107 @@
+"""dlmix adapter for SGLang (import name ``dlmix_sglang``; directory ``plugins/sglang``).
+
+Installing dlmix next to SGLang is enough: SGLang runs the ``sglang.srt.plugins`` entry point ``dlmix =
+"dlmix_sglang:register"`` in each of its processes (``sglang.srt.plugins.load_plugins``), and :func:`register` adds
+the KV transfer backend ``dlmix``. Then::
+
+    python -m sglang.launch_server ... --disaggregation-mode prefill --disaggregation-transfer-backend dlmix
+    python -m sglang.launch_server ... --disaggregation-mode decode  --disaggregation-transfer-backend dlmix
+
+runs SGLang's own prefill/decode disaggregation (bootstrap server, rooms, queues, polling) with the transfer done by
+the engine-neutral PD core (:mod:`dlmix.pd`): decode pulls the prefill's pages and converts page size, KV dtype and
+arrangement on the way (:mod:`dlmix_sglang.conn`). Settings: :mod:`dlmix_sglang.config`. Nothing changes when another
+backend is selected. This module imports nothing heavy; SGLang imports the backend classes when it first asks for
+them.
+"""
+from __future__ import annotations
+
+import logging
+import os
+
+BACKEND_NAME = "dlmix"
+
+__all__ = ["BACKEND_NAME", "register"]
+
+log = logging.getLogger("dlmix_sglang")
+
+
+def _add_enum_member() -> None:
+    """Add ``TransferBackend.DLMIX = "dlmix"`` to SGLang's closed ``TransferBackend`` enum (idempotent).
+
+    SGLang builds ``TransferBackend(server_args.disaggregation_transfer_backend)`` in the scheduler, the tokenizer
+    mixin and the disaggregation service, and has no public way to extend the enum: the member is created and entered
+    in the enum's value map, member map and name list (the only private step of this adapter).
+    """
+    from sglang.srt.disaggregation.utils import TransferBackend
+
+    if BACKEND_NAME in TransferBackend._value2member_map_:
+        return
+    member = object.__new__(TransferBackend)
+    member._name_ = "DLMIX"
+    member._value_ = BACKEND_NAME
+    if hasattr(TransferBackend, "_sort_order_"):
+        member._sort_order_ = len(TransferBackend._member_names_)
+    type.__setattr__(TransferBackend, "DLMIX", member)
+    TransferBackend._member_map_["DLMIX"] = member
+    TransferBackend._value2member_map_[BACKEND_NAME] = member
+    TransferBackend._member_names_.append("DLMIX")
+
+
+def _get_kv_class(original, transfer_backend, class_type):
+    """AROUND hook of ``sglang.srt.disaggregation.utils.get_kv_class``: dlmix's classes for the ``dlmix`` backend,
+    SGLang's own for every other backend."""
+    if getattr(transfer_backend, "value", transfer_backend) != BACKEND_NAME:
+        return original(transfer_backend, class_type)
+    from sglang.srt.disaggregation.utils import KVClassType
+
+    if class_type == KVClassType.KVARGS:
+        return original(transfer_backend, class_type)
+    from . import conn
+
+    return {
+        KVClassType.MANAGER: conn.DLMixKVManager,
+        KVClassType.SENDER: conn.DLMixKVSender,
+        KVClassType.RECEIVER: conn.DLMixKVReceiver,
+        KVClassType.BOOTSTRAP_SERVER: conn.DLMixKVBootstrapServer,
+    }[class_type]
+
+
+_registered = False
+
+
+def register() -> bool:
+    """SGLang plugin entry point (group ``sglang.srt.plugins``): accept ``--disaggregation-transfer-backend dlmix``
+    and serve its classes. Idempotent per process; returns True when this call registered. Raises ImportError only
+    when SGLang itself cannot be imported."""
+    global _registered
+    if _registered:
+        return False
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+    from sglang.srt.server_args import add_disagg_transfer_backend_choices
+
+    try:
+        from sglang.srt.arg_groups.choices import DISAGG_TRANSFER_BACKEND_CHOICES
+
+        known = list(DISAGG_TRANSFER_BACKEND_CHOICES)
+    except ImportError:
+        known = []
+    if BACKEND_NAME not in known:
+        add_disagg_transfer_backend_choices([BACKEND_NAME])
+    _add_enum_member()
+    HookRegistry.register("sglang.srt.disaggregation.utils.get_kv_class", _get_kv_class, HookType.AROUND)
+    if os.environ.get("DLMIX_SGLANG_CPU_AIDS") == "1":
+        _cpu_aids()
+    _registered = True
+    return True
+
+
+def _cpu_aids() -> None:
+    """Opt-in development aid (``DLMIX_SGLANG_CPU_AIDS=1``, used by ``benchmarks/pd_sglang.py`` for its baseline):
+    SGLang's Mooncake sender claims host tensor indices, whose pinned-memory/CUDA-event path fails on a CPU-only
+    host (``prefill.py`` ``_send_kv_chunk``); turn that claim off so Mooncake over TCP runs on CPU."""
+    try:
+        from sglang.srt.disaggregation.mooncake.conn import MooncakeKVSender
+    except ImportError as e:
+        log.info("dlmix_sglang CPU aids: Mooncake backend not importable (%s)", e)
+        return
+    MooncakeKVSender.supports_host_tensor_indices = False

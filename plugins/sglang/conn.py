@@ -1,0 +1,540 @@
+"""The SGLang transfer backend ``dlmix``: SGLang's PD flow (bootstrap server, rooms, prefill/decode queues,
+``KVPoll`` states) on the engine-neutral PD core (:mod:`dlmix.pd`).
+
+SGLang's own backends push: decode allocates pages, sends their ids to prefill, and prefill writes into them. dlmix's
+core pulls, so this backend maps SGLang's states onto the core (one request = one bootstrap room; transfer id =
+``str(room)``):
+
+prefill (:class:`DLMixKVManager` in prefill mode, :class:`DLMixKVSender`)
+  * decode's metadata for a room arrives (``DLMIX META``) -> ``WaitingForInput`` (SGLang then runs the prefill);
+  * ``send(page_ids)`` per chunk accumulates pages and tokens; on the last chunk the pages become a core *hold*
+    (``KVEndpoint.add_hold``) and decode gets ``DLMIX READY``: the transfer parameters (:class:`dlmix.pd.contract.
+    TransferParams`, with this rank's layout and transport) and the request's aux row (first output token, ...);
+    status ``Transferring``;
+  * the core releases the hold (decode read it and said ``blocks_consumed``) -> ``Success``, SGLang frees the
+    pages; released otherwise (decode aborted, hold expired, engine abort) -> ``Failed`` with the reason.
+
+decode (:class:`DLMixKVManager` in decode mode, :class:`DLMixKVReceiver`)
+  * at bootstrap (``try_ensure_parallel_info``) the prefill's layout is read from the bootstrap server
+    (``GET /dlmix/layout``) and checked with :func:`dlmix.pd.pair.check_pair`: an incompatible pair fails each of its
+    requests with the reasons instead of SGLang's own equal-page-size / equal-dtype checks, which dlmix relaxes
+    (the bootstrap summary states no page size or dtype);
+  * ``send_metadata(page_ids, aux_index)`` records the destination and tells prefill;
+  * on ``DLMIX READY`` a worker thread runs :func:`dlmix.pd.consumer.claim` and ``KVEndpoint.pull_params`` (one-sided
+    reads in bounded rounds, converted into this pool's page size, dtype and arrangement), writes the aux row,
+    sets ``Success`` and releases the prefill's hold (``Failed`` with the reason on any error, hold aborted).
+
+Limits (refused with a reason): MLA pools, draft-model KV, extra state pools (Mamba/SWA/DSA), host destinations,
+decode prefix reuse (run decode with ``--disable-radix-cache``), pools outside host memory. Equal attention TP on both
+sides (the core's pull path).
+"""
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import json
+import logging
+import os
+import threading
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Optional
+
+import numpy as np
+import requests
+from aiohttp import web
+from sglang.srt.disaggregation.base.conn import KVArgs, KVPoll
+from sglang.srt.disaggregation.common.conn import (
+    ABORT_TAG,
+    AbortNotification,
+    CommonKVBootstrapServer,
+    CommonKVManager,
+    CommonKVReceiver,
+    CommonKVSender,
+)
+from sglang.srt.disaggregation.utils import DisaggregationMode
+from sglang.srt.runtime_context import get_parallel
+
+from dlmix.pd.consumer import claim
+from dlmix.pd.contract import ContractError, TransferParams
+from dlmix.pd.endpoint import DEFAULT_LOOPBACK_SECRET, KVEndpoint
+from dlmix.pd.pair import check_pair, layout_of
+
+from .config import load_settings
+from .layout import describe_pool, kv_dtype_name, model_config, pool_layers
+
+log = logging.getLogger("dlmix_sglang.conn")
+
+__all__ = ["DLMixKVManager", "DLMixKVSender", "DLMixKVReceiver", "DLMixKVBootstrapServer", "TAG"]
+
+#: First frame of every dlmix control message on SGLang's ZMQ channels.
+TAG = b"DLMIX"
+_REG, _META, _READY = b"REG", b"META", b"READY"
+
+
+@dataclasses.dataclass
+class _DecodeTarget:
+    """One decode rank waiting for a room (prefill side); field names as SGLang's ``_room_notify_targets`` reads."""
+
+    endpoint: str
+    dst_port: int
+    aux_index: Optional[int]
+    required_dst_info_num: int
+    decode_prefix_len: int = 0
+    is_dummy: bool = False
+
+
+@dataclasses.dataclass
+class _Pending:
+    pages: list = dataclasses.field(default_factory=list)
+    tokens: int = 0
+
+
+class DLMixKVManager(CommonKVManager):
+    """One SGLang rank's dlmix transfer manager (see module doc). Constructed by SGLang's scheduler with its
+    ``KVArgs``; raises ValueError for pools this backend does not move and
+    :class:`dlmix_sglang.config.DLMixSGLangConfigError` for bad settings."""
+
+    kv_status_msg_tag = b"DLMIX_STATUS"
+    kv_status_msg_carries_reason = True
+    reports_transfer_latency = True
+
+    def __init__(self, args: KVArgs, disaggregation_mode: DisaggregationMode, server_args: Any,
+                 is_mla_backend: Optional[bool] = False):
+        if is_mla_backend:
+            raise ValueError("the dlmix transfer backend does not move MLA KV pools yet")
+        import sglang
+
+        self.settings = s = load_settings()
+        par = get_parallel()
+        self.dlmix_tp_rank, self.dlmix_tp_size = int(par.attn_tp_rank), int(par.attn_tp_size)
+        model_dtype = getattr(server_args, "dtype", None)
+        if model_dtype in (None, "auto"):  # SGLang then runs the checkpoint's dtype
+            model_dtype = model_config(str(server_args.model_path)).get("torch_dtype", "auto")
+        kv_dtype = kv_dtype_name(args.kv_cache_dtype_str, model_dtype)
+        self.layout = describe_pool(args, model_path=str(server_args.model_path), kv_dtype=kv_dtype,
+                                    tp_rank=self.dlmix_tp_rank, tp_size=self.dlmix_tp_size,
+                                    engine=f"sglang {sglang.__version__}")
+        self.is_decode = disaggregation_mode == DisaggregationMode.DECODE
+        port = s.port + self.dlmix_tp_rank if s.port else 0
+        role = "d" if self.is_decode else "p"
+        self.endpoint = KVEndpoint(
+            s.transport, f"dlmix-sglang-{role}-r{self.dlmix_tp_rank}-{os.getpid()}-{uuid.uuid4().hex[:8]}",
+            s.shared_secret or DEFAULT_LOOPBACK_SECRET, s.host, port, self.layout, pool_layers(args, self.layout),
+            s.staging_bytes if self.is_decode else 0, hold_timeout_s=s.hold_timeout_s,
+            registration_wait_s=s.registration_wait_s, io_timeout_s=s.io_timeout_s,
+            verify_weights=s.verify_weights, on_released=None if self.is_decode else self._on_released)
+        self.instance_id = f"sglang-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        self._pending: dict[int, _Pending] = {}
+        self._dst: dict[int, tuple[list[int], Optional[int]]] = {}
+        self.incompatible: dict[str, str] = {}
+        self.early_aborts: dict[int, str] = {}
+        self.transfer_stats: list[dict[str, Any]] = []
+        self._ctl = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dlmix-sglang-ctl")
+        self._stop = threading.Event()
+        super().__init__(args, disaggregation_mode, server_args, is_mla_backend)
+        d = self.endpoint.descriptor()
+        log.info("dlmix transfer backend (%s) rank %d: %s page %d %s, %d layers; transport %s %s:%s",
+                 "decode" if self.is_decode else "prefill", self.dlmix_tp_rank, self.layout.arrangement,
+                 self.layout.block_size, self.layout.dtype, self.layout.model.num_layers, d.get("kind"),
+                 d.get("host"), d.get("port"))
+        if self.is_decode:
+            self._pulls = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dlmix-sglang-pull")
+            threading.Thread(target=self._guard(self._decode_listener), name="dlmix-sglang-dlisten",
+                             daemon=True).start()
+        else:
+            threading.Thread(target=self._guard(self._prefill_listener), name="dlmix-sglang-plisten",
+                             daemon=True).start()
+            threading.Thread(target=self._reaper, name="dlmix-sglang-reaper", daemon=True).start()
+
+    # ------------------------------------------------------------------ bootstrap registration (prefill)
+    def _register_topology_row(self, url: str, payload: dict) -> None:
+        """SGLang's bootstrap registration, plus this rank's dlmix layout (read by decode's pair check)."""
+        super()._register_topology_row(url, {**payload, "dlmix_layout": self.layout.to_dict()})
+
+    def _guard(self, fn):
+        def run():
+            try:
+                fn()
+            except Exception:
+                log.exception("dlmix transfer backend: %s died; requests on this rank will time out", fn.__name__)
+                raise
+        return run
+
+    # ------------------------------------------------------------------ messages decode -> prefill
+    def build_receiver_registration_message(self) -> list[bytes]:
+        body = {"layout": self.layout.to_dict(), "aux_item_lens": [int(x) for x in self.kv_args.aux_item_lens],
+                "engine_rank": int(self.kv_args.engine_rank)}
+        return [TAG, _REG, self.local_ip.encode("ascii"), str(self.rank_port).encode("ascii"),
+                json.dumps(body).encode()]
+
+    def build_receiver_metadata_message(self, *, bootstrap_room: int, required_dst_info_num: int,
+                                        kv_indices: Any, aux_index: Optional[int], state_indices: Optional[list],
+                                        decode_prefix_len: Optional[int], is_dummy: bool,
+                                        device_kv_indices: Any = None) -> list[bytes]:
+        body = {"required_dst_info_num": int(required_dst_info_num or 1), "num_pages": int(len(kv_indices)),
+                "aux_index": None if aux_index is None else int(aux_index),
+                "decode_prefix_len": int(decode_prefix_len or 0), "is_dummy": bool(is_dummy),
+                "peer": f"{self.local_ip}:{self.rank_port}:{self.kv_args.engine_rank}"}
+        return [TAG, _META, str(int(bootstrap_room)).encode("ascii"), self.local_ip.encode("ascii"),
+                str(self.rank_port).encode("ascii"), json.dumps(body).encode()]
+
+    def _prefill_listener(self) -> None:
+        recv = self._make_worker_recv(self.server_socket)
+        while not self._stop.is_set():
+            msg = recv()
+            if not msg:
+                continue
+            try:
+                self._on_prefill_message(msg)
+            except Exception as e:  # one bad message must not stop the listener
+                log.warning("dlmix transfer backend: bad message from decode dropped: %s", e)
+
+    def _on_prefill_message(self, msg: list[bytes]) -> None:
+        if msg[0] == ABORT_TAG:
+            n = AbortNotification.from_zmq(msg)
+            if n is not None:
+                self._abort_room(n.room, "Aborted by decode-side abort notification.")
+            return
+        if msg[0] != TAG or len(msg) < 2:
+            log.warning("dlmix transfer backend: unexpected message %r dropped", msg[0][:20])
+            return
+        if msg[1] == _REG:
+            body = json.loads(msg[4])
+            n_remote = len(body.get("aux_item_lens", []))
+            self.check_peer_aux_buffer_count(f"{msg[2].decode()}:{msg[3].decode()}", n_remote)
+            return
+        if msg[1] != _META:
+            log.warning("dlmix transfer backend: unknown message %r dropped", msg[1][:20])
+            return
+        room = int(msg[2])
+        body = json.loads(msg[5])
+        target = _DecodeTarget(endpoint=msg[3].decode("ascii"), dst_port=int(msg[4]), aux_index=body["aux_index"],
+                               required_dst_info_num=int(body["required_dst_info_num"]),
+                               decode_prefix_len=int(body.get("decode_prefix_len", 0)),
+                               is_dummy=bool(body.get("is_dummy", False)))
+        infos = self.transfer_infos.setdefault(room, {})
+        infos[body["peer"]] = target
+        if len(infos) >= target.required_dst_info_num:
+            self.req_to_decode_prefix_len[room] = target.decode_prefix_len
+            self.update_status(room, KVPoll.WaitingForInput)
+
+    def _abort_room(self, room: int, reason: str) -> None:
+        """Prefill side: drop ``room`` (a hold already read from is freed by the core only after its reads)."""
+        self._pending.pop(room, None)
+        if self.endpoint.is_held(str(room)):
+            self.record_failure(room, reason)
+            self.endpoint.engine_abort(str(room))  # -> _on_released -> Failed
+        elif room in self.request_status:
+            if self.request_status.get(room) != KVPoll.Success:
+                self.record_failure(room, reason)
+                self.update_status(room, KVPoll.Failed)
+        else:  # the abort overtook the prefill request: fail its sender when it is created
+            self.early_aborts[room] = reason
+            while len(self.early_aborts) > 10000:
+                self.early_aborts.pop(next(iter(self.early_aborts)))
+
+    # ------------------------------------------------------------------ prefill: chunks -> hold -> READY
+    def add_transfer_request(self, bootstrap_room: int, kv_indices: Any, index_slice: slice, is_last_chunk: bool,
+                             aux_index: Optional[int] = None, state_indices: Optional[list] = None,
+                             num_kv_tokens: Optional[int] = None, **_: Any) -> None:
+        """One chunk of a room's pages (``kv_indices``: SGLang page ids in token order, ``num_kv_tokens`` tokens).
+        The last chunk turns all of them into a core hold and tells decode (see module doc)."""
+        room = int(bootstrap_room)
+        if room not in self.transfer_infos:
+            return  # cleared or never bootstrapped
+        p = self._pending.setdefault(room, _Pending())
+        p.pages.extend(int(x) for x in np.asarray(kv_indices).reshape(-1))
+        p.tokens += int(num_kv_tokens) if num_kv_tokens is not None else len(kv_indices) * self.layout.block_size
+        if not is_last_chunk:
+            return
+        self._pending.pop(room, None)
+        try:
+            if any(x is not None and len(x) for x in (state_indices or [])):
+                raise ValueError("extra state pools are not moved by the dlmix transfer backend")
+            if self.req_to_decode_prefix_len.get(room, 0):
+                raise ValueError("decode reuses a cached prefix, which the dlmix transfer backend does not support "
+                                 "(start decode with --disable-radix-cache)")
+            self.endpoint.add_hold(str(room), p.pages, p.tokens)
+            desc = self.endpoint.descriptor()
+            params = TransferParams.make(engine="sglang", instance_id=self.instance_id,
+                                         transports=[desc] * self.dlmix_tp_size, request_id=str(room),
+                                         block_ids=p.pages, num_tokens=p.tokens, layout=self.layout,
+                                         expiry_s=self.settings.hold_timeout_s)
+            aux = self._read_aux(aux_index)
+            self.update_status(room, KVPoll.Transferring)
+            frames = [TAG, _READY, str(room).encode("ascii"), json.dumps(params.to_dict()).encode(),
+                      str(self._prefill_unique_rank()).encode("ascii"), *aux]
+            for ip, port in self._room_notify_targets(room):
+                self._send_multipart_locked(f"tcp://{ip}:{port}", frames)
+        except Exception as e:
+            log.warning("dlmix transfer backend: room %s failed on prefill: %s", room, e)
+            if self.endpoint.is_held(str(room)):
+                self.endpoint.engine_abort(str(room))
+            self.conclude_failure(bootstrap_room=room, failure_reason=f"dlmix: {type(e).__name__}: {e}")
+
+    def _read_aux(self, aux_index: Optional[int]) -> list[bytes]:
+        if aux_index is None:
+            return []
+        return [ctypes.string_at(int(ptr) + int(aux_index) * int(n), int(n))
+                for ptr, n in zip(self.kv_args.aux_data_ptrs, self.kv_args.aux_item_lens)]
+
+    def _on_released(self, req_id: str, why: str) -> None:  # core thread, under its lock: hand off
+        self._ctl.submit(self._released, int(req_id), why)
+
+    def _released(self, room: int, why: str) -> None:
+        if why == "consumed":
+            self.update_status(room, KVPoll.Success)
+        else:
+            self.conclude_failure(bootstrap_room=room, failure_reason=f"dlmix: KV hold of room {room} ended: {why}")
+
+    def _reaper(self) -> None:
+        while not self._stop.wait(0.2):
+            try:
+                self.endpoint.take_finished()
+            except Exception as e:
+                log.warning("dlmix transfer backend: reaper: %s", e)
+
+    # ------------------------------------------------------------------ decode: bootstrap check, READY -> pull
+    def try_ensure_parallel_info(self, bootstrap_addr: str) -> bool:
+        """SGLang's bootstrap (topology) plus dlmix's pair check against the prefill's layout. An incompatible
+        prefill is remembered with the reasons; each of its requests then fails with them (:class:`DLMixKVReceiver`).
+        """
+        if bootstrap_addr in self.prefill_info_table:
+            return True
+        reason = None
+        try:
+            r = requests.get(f"http://{bootstrap_addr}/dlmix/layout", timeout=5)
+            if r.status_code == 503:
+                return False
+            if r.status_code == 404:
+                reason = (f"prefill at {bootstrap_addr} does not run the dlmix transfer backend "
+                          "(--disaggregation-transfer-backend dlmix on both sides)")
+            elif r.status_code != 200:
+                return False
+            else:
+                layouts = r.json().get("layouts") or []
+                src = next((x for x in layouts if x.get("tp_rank") == self.dlmix_tp_rank), None)
+                if src is None:
+                    reason = (f"prefill at {bootstrap_addr} has no attention-TP rank {self.dlmix_tp_rank} "
+                              f"({len(layouts)} rank(s)); the dlmix pull path needs equal TP sizes")
+                else:
+                    reasons = check_pair(layout_of(src), self.layout, verify_weights=self.settings.verify_weights,
+                                         src_name="prefill", dst_name="decode")
+                    if reasons:
+                        reason = "incompatible prefill/decode pair: " + "; ".join(reasons)
+        except requests.RequestException as e:
+            log.warning("dlmix transfer backend: bootstrap %s unreachable: %s", bootstrap_addr, e)
+            return False
+        except (ValueError, ContractError) as e:
+            reason = f"prefill at {bootstrap_addr} sent an invalid dlmix layout: {e}"
+        if reason is not None:
+            log.warning("dlmix transfer backend: refusing prefill %s: %s", bootstrap_addr, reason)
+            self.incompatible[bootstrap_addr] = reason
+        return super().try_ensure_parallel_info(bootstrap_addr)
+
+    def register_destination(self, room: int, pages: Any, aux_index: Optional[int]) -> None:
+        """Decode side: the pages (ids, token order) and aux row a room's KV and metadata go to."""
+        self._dst[int(room)] = ([int(x) for x in np.asarray(pages).reshape(-1)], aux_index)
+
+    def drop_destination(self, room: int) -> None:
+        """Decode side: the room is over; a pull still running stops before its next round."""
+        self._dst.pop(int(room), None)
+
+    def _decode_listener(self) -> None:
+        while not self._stop.is_set():
+            msg = self.server_socket.recv_multipart()
+            try:
+                if msg and msg[0] == TAG and len(msg) >= 5 and msg[1] == _READY:
+                    self._pulls.submit(self._pull, int(msg[2]), msg[3], list(msg[5:]))
+                    continue
+                if self.handle_abort_ack_message(msg):
+                    continue
+                parsed = self.parse_kv_status_message(msg)
+                if parsed is not None:
+                    room, status, prank, reason = parsed
+                    self.apply_prefill_status(bootstrap_room=room, status=status, prefill_rank=prank,
+                                              failure_reason=reason)
+                    continue
+                log.warning("dlmix transfer backend: unexpected message %r dropped", msg[0][:20] if msg else b"")
+            except Exception as e:
+                log.warning("dlmix transfer backend: bad message from prefill dropped: %s", e)
+
+    def _fail(self, room: int, reason: str) -> None:
+        log.warning("dlmix transfer backend: room %s failed on decode: %s", room, reason)
+        self.record_failure(room, reason)
+        self.update_status(room, KVPoll.Failed)
+
+    def _release(self, params: Any, room: int, consumed: bool) -> None:
+        try:
+            remote = params.transport_for_rank(self.dlmix_tp_rank)
+            self.endpoint.release(remote, str(room), consumed)
+        except Exception as e:  # the prefill's hold timeout frees its pages then
+            log.warning("dlmix transfer backend: cannot release room %s on prefill: %s", room, e)
+
+    def _pull(self, room: int, raw_params: bytes, aux: list[bytes]) -> None:
+        """Load one room's KV into its decode pages, then its aux row; Success or Failed (with the reason)."""
+        t0 = time.perf_counter()
+        dst = self._dst.get(room)
+        try:
+            params_d = json.loads(raw_params)
+        except ValueError:
+            self._fail(room, "dlmix: prefill sent unreadable transfer parameters")
+            return
+        c = claim(params_d, self.layout, 1 << 62, 0, verify_weights=self.settings.verify_weights,
+                  tp_rank=self.dlmix_tp_rank)
+        if dst is None or room not in self.request_status:
+            if c.params is not None:
+                self._release(c.params, room, consumed=False)
+            return
+        if c.refused:
+            self._fail(room, f"dlmix: {c.refused}")
+            if c.params is not None:
+                self._release(c.params, room, consumed=False)
+            return
+        pages, aux_index = dst
+        cap = len(pages) * self.layout.block_size
+        if c.end > cap:
+            self._fail(room, f"dlmix: prefill holds {c.end} tokens, decode allocated {len(pages)} pages "
+                             f"({cap} tokens)")
+            self._release(c.params, room, consumed=False)
+            return
+        res = self.endpoint.pull_params(c.params, c.start, c.end, pages, cancelled=lambda: room not in self._dst)
+        if res.error is not None:
+            self._fail(room, f"dlmix: KV transfer failed: {res.error}")
+            self._release(c.params, room, consumed=False)
+            return
+        try:
+            self._write_aux(aux_index, aux, layout_of(c.params.layout))
+        except ValueError as e:
+            self._fail(room, f"dlmix: {e}")
+            self._release(c.params, room, consumed=False)
+            return
+        self.update_status(room, KVPoll.Success)
+        self._release(c.params, room, consumed=True)
+        rec = {"room": room, "tokens": c.end - c.start, "bytes": res.bytes_received, "rounds": res.rounds,
+               "pull_s": res.seconds, "total_s": time.perf_counter() - t0,
+               "src": f"{c.params.layout.get('arrangement')}/{c.params.layout.get('block_size')}/"
+                      f"{c.params.layout.get('dtype')}"}
+        self.transfer_stats.append(rec)
+        del self.transfer_stats[:-1000]
+        log.debug("dlmix transfer backend: %s", rec)
+
+    def _write_aux(self, aux_index: Optional[int], aux: list[bytes], src: Any = None) -> None:
+        """Copy the prefill's metadata row into this side's row ``aux_index``. A row whose size differs only by the
+        model dtype (the hidden-states row of a bf16 prefill feeding an fp32 decode) is converted from the prefill's
+        KV dtype to this side's; a different number of buffers, or any other size, raises ValueError."""
+        if aux_index is None:
+            return
+        lens = [int(n) for n in self.kv_args.aux_item_lens]
+        if len(aux) != len(lens):
+            raise ValueError(f"prefill sent {len(aux)} metadata buffers, decode has {len(lens)} (an optional "
+                             "metadata buffer is enabled on one side only)")
+        import torch
+
+        from dlmix.kv.ops import torch_dtype
+
+        for ptr, n, data in zip(self.kv_args.aux_data_ptrs, lens, aux):
+            if len(data) != n:
+                sdt = torch_dtype(src) if src is not None else None
+                ddt = torch_dtype(self.layout)
+                esz = torch.empty((), dtype=sdt).element_size() if sdt is not None else 0
+                dsz = torch.empty((), dtype=ddt).element_size()
+                if not esz or len(data) % esz or (len(data) // esz) * dsz != n:
+                    raise ValueError(f"prefill metadata row of {len(data)} B does not fit decode's {n} B")
+                data = torch.frombuffer(bytearray(data), dtype=sdt).to(ddt).numpy().tobytes()
+            ctypes.memmove(int(ptr) + int(aux_index) * n, data, n)
+
+
+class DLMixKVSender(CommonKVSender):
+    """Prefill side of one room (SGLang's sender contract; the work is :class:`DLMixKVManager`'s). Never claims host
+    tensor indices (their pinned-memory/CUDA-event path needs an accelerator)."""
+
+    supports_host_tensor_indices = False
+
+    def __init__(self, mgr: DLMixKVManager, bootstrap_addr: str, bootstrap_room: int,
+                 req_has_disagg_prefill_dp_rank: bool = False):
+        super().__init__(mgr, bootstrap_addr, bootstrap_room, req_has_disagg_prefill_dp_rank)
+        reason = mgr.early_aborts.pop(bootstrap_room, None)
+        if reason is not None:  # decode refused or aborted this room before the prefill request arrived
+            mgr.record_failure(bootstrap_room, reason)
+            mgr.update_status(bootstrap_room, KVPoll.Failed)
+            self.conclude_state = KVPoll.Failed
+
+    def abort(self) -> None:
+        """Aborted by SGLang: a hold a decode may be reading is freed only after its reads (status Failed then)."""
+        room = self.bootstrap_room
+        if self.kv_mgr.endpoint.is_held(str(room)):
+            self.kv_mgr._abort_room(room, "Aborted by AbortReq.")
+            return
+        super().abort()
+
+    def clear(self) -> None:
+        room = self.bootstrap_room
+        self.kv_mgr._pending.pop(room, None)
+        if self.kv_mgr.endpoint.is_held(str(room)) and self.conclude_state != KVPoll.Success:
+            self.kv_mgr.endpoint.engine_abort(str(room))
+        super().clear()
+
+
+class DLMixKVReceiver(CommonKVReceiver):
+    """Decode side of one room: SGLang's receiver contract plus the destination bookkeeping and the refusal of an
+    incompatible prefill (with the reasons) at bootstrap."""
+
+    def init(self, prefill_dp_rank: int) -> None:
+        super().init(prefill_dp_rank)
+        reason = self.kv_mgr.incompatible.get(self.bootstrap_addr)
+        if reason is not None and self.conclude_state != KVPoll.Failed:
+            self.kv_mgr.record_failure(self.bootstrap_room, f"dlmix: {reason}")
+            self.kv_mgr.update_status(self.bootstrap_room, KVPoll.Failed)
+            self.conclude_state = KVPoll.Failed
+            self.ensure_abort_notified()
+
+    def send_metadata(self, kv_indices: Any, aux_index: Optional[int] = None, state_indices: Optional[list] = None,
+                      decode_prefix_len: Optional[int] = None, *args: Any, **kwargs: Any) -> None:
+        if self.conclude_state == KVPoll.Failed:
+            return
+        self.kv_mgr.register_destination(self.bootstrap_room, kv_indices, aux_index)
+        super().send_metadata(kv_indices, aux_index, state_indices, decode_prefix_len, *args, **kwargs)
+
+    def _clear(self) -> None:
+        self.kv_mgr.drop_destination(self.bootstrap_room)
+        super()._clear()
+
+    def abort(self) -> None:
+        self.kv_mgr.drop_destination(self.bootstrap_room)
+        super().abort()
+
+
+class DLMixKVBootstrapServer(CommonKVBootstrapServer):
+    """SGLang's bootstrap server plus ``GET /dlmix/layout`` (each prefill rank's dlmix layout, from its
+    registration). Its summary states no page size or KV dtype: dlmix converts them, and the decode checks the pair
+    with the layouts instead."""
+
+    def __init__(self, host: str, port: int):
+        self.dlmix_layouts: dict[tuple[int, int, int, int], dict] = {}
+        super().__init__(host, port)
+
+    def _setup_routes(self) -> None:
+        super()._setup_routes()
+        self.app.router.add_get("/dlmix/layout", self._handle_dlmix_layout)
+
+    async def _handle_route_put(self, request: web.Request):
+        data = await request.json()
+        resp = await super()._handle_route_put(request)
+        if resp.status == 200:
+            lay = data.get("dlmix_layout")
+            if isinstance(lay, dict):
+                key = (int(data.get("attn_dp_rank", 0)), int(data.get("attn_cp_rank", 0)),
+                       int(data.get("attn_tp_rank", 0)), int(data.get("pp_rank", 0)))
+                self.dlmix_layouts[key] = lay
+            self.page_size = None
+            self.kv_cache_dtype = None
+        return resp
+
+    async def _handle_dlmix_layout(self, request: web.Request):
+        if not self._is_ready():
+            return web.Response(text="prefill not fully registered yet", status=503)
+        layouts = [v for k, v in sorted(self.dlmix_layouts.items()) if k[0] == 0 and k[1] == 0 and k[3] == 0]
+        return web.json_response({"layouts": layouts})

@@ -1,0 +1,179 @@
+"""Start real SGLang servers on a CPU machine for tests, benchmarks and development (no SGLang import here: the
+servers run with the SGLang venv's python, ``scripts/setup_sglang.sh``).
+
+The flags that run SGLang 0.5.23 on a CPU-only host: ``--device cpu --attention-backend torch_native
+--disable-cuda-graph --skip-server-warmup`` with ``SGLANG_USE_CPU_ENGINE=1``; for PD both sides also take
+``--disable-overlap-schedule`` (prefill's overlap path records ``torch.cuda.Event``) and ``--disable-radix-cache``,
+and decode ``--disaggregation-decode-retraction-backup cpu_tensor`` (the host-pool backup registers CUDA host
+memory). A crashed SGLang server waits for "CUDA coredumps" before it exits: stop servers by pid, with timeouts
+(:meth:`SGLangServer.stop`).
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+__all__ = ["sglang_python", "SGLangServer", "start_server", "start_sglang_router", "free_port", "generate", "post_json", "CPU_FLAGS",
+           "PD_FLAGS"]
+
+CPU_FLAGS = ["--device", "cpu", "--attention-backend", "torch_native", "--disable-cuda-graph",
+             "--skip-server-warmup", "--random-seed", "0", "--host", "127.0.0.1"]
+PD_FLAGS = ["--disable-overlap-schedule", "--disable-radix-cache"]
+
+
+def sglang_python() -> str | None:
+    """The SGLang venv's python (``$DLMIX_SGLANG_VENV``, else ``.venv-sglang`` beside this checkout, else
+    ``/work/sgvenv``) when SGLang imports there; None otherwise."""
+    root = Path(__file__).resolve().parents[2]
+    cands = [os.environ.get("DLMIX_SGLANG_VENV"), str(root / ".venv-sglang"), "/work/sgvenv"]
+    for c in cands:
+        if c and (Path(c) / "bin" / "python").exists() and list(Path(c).glob("lib/python3*/site-packages/sglang")):
+            return str(Path(c) / "bin" / "python")
+    return None
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class SGLangServer:
+    """One running ``sglang.launch_server`` (pid, URL, log file)."""
+
+    proc: subprocess.Popen
+    url: str
+    log_path: Path
+    bootstrap_port: int | None = None
+    args: list[str] = field(default_factory=list)
+
+    def log_tail(self, n: int = 40) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+        except OSError:
+            return ""
+
+    def wait_ready(self, timeout_s: float = 600.0) -> None:
+        """Wait for ``GET /health`` = 200. Raises RuntimeError (with the log tail) if the server dies or times out."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"SGLang server exited with {self.proc.returncode}:\n{self.log_tail()}")
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=5) as r:
+                    if r.status == 200:
+                        return
+            except (urllib.error.URLError, OSError):
+                pass
+            time.sleep(2)
+        raise RuntimeError(f"SGLang server not ready after {timeout_s:.0f} s:\n{self.log_tail()}")
+
+    def stop(self, timeout_s: float = 20.0) -> None:
+        """SIGTERM the server's process group, SIGKILL it after ``timeout_s``."""
+        if self.proc.poll() is not None:
+            return
+        for sig, wait in ((signal.SIGTERM, timeout_s), (signal.SIGKILL, 10.0)):
+            try:
+                os.killpg(self.proc.pid, sig)
+            except ProcessLookupError:
+                return
+            try:
+                self.proc.wait(wait)
+                return
+            except subprocess.TimeoutExpired:
+                continue
+
+
+def start_server(model: str, port: int, log_path: str | Path, *, mode: str | None = None,
+                 backend: str = "dlmix", bootstrap_port: int | None = None, extra: list[str] | None = None,
+                 env: dict[str, str] | None = None, dtype: str = "float32", page_size: int | None = None,
+                 max_total_tokens: int = 8192, mem_fraction: float = 0.25,
+                 python: str | None = None) -> SGLangServer:
+    """Start ``python -m sglang.launch_server`` for ``model`` on 127.0.0.1:``port`` (not waiting for it).
+
+    ``mode``: None (a single server), ``prefill`` or ``decode`` (with ``--disaggregation-transfer-backend backend``;
+    prefill listens for bootstrap on ``bootstrap_port``). ``env``: extra environment (e.g. ``DLMIX_SGLANG_CONFIG``).
+    Raises RuntimeError when no SGLang venv is found.
+    """
+    py = python or sglang_python()
+    if py is None:
+        raise RuntimeError("no SGLang venv: run scripts/setup_sglang.sh (or set DLMIX_SGLANG_VENV)")
+    args = [py, "-m", "sglang.launch_server", "--model-path", str(model), "--port", str(port), "--dtype", dtype,
+            "--max-total-tokens", str(max_total_tokens), "--mem-fraction-static", str(mem_fraction), *CPU_FLAGS]
+    if page_size is not None:
+        args += ["--page-size", str(page_size)]
+    if mode is not None:
+        args += [*PD_FLAGS, "--disaggregation-mode", mode, "--disaggregation-transfer-backend", backend]
+        if mode == "prefill":
+            args += ["--disaggregation-bootstrap-port", str(bootstrap_port or free_port())]
+        else:
+            args += ["--disaggregation-decode-retraction-backup", "cpu_tensor"]
+    args += list(extra or [])
+    e = dict(os.environ)
+    e.update({"SGLANG_USE_CPU_ENGINE": "1", "SGLANG_HOST_IP": "127.0.0.1", "MC_FORCE_TCP": "1",
+              "MOONCAKE_PROTOCOL": "tcp", "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"})
+    e.pop("PYTHONPATH", None)  # the SGLang venv has its own dlmix (editable) and stand-ins
+    e.update(env or {})
+    log_path = Path(log_path)
+    fh = open(log_path, "wb")
+    proc = subprocess.Popen(args, stdout=fh, stderr=subprocess.STDOUT, env=e, start_new_session=True)
+    fh.close()
+    bp = None
+    if mode == "prefill":
+        bp = int(args[args.index("--disaggregation-bootstrap-port") + 1])
+    return SGLangServer(proc=proc, url=f"http://127.0.0.1:{port}", log_path=log_path, bootstrap_port=bp, args=args)
+
+
+def start_sglang_router(prefill: SGLangServer, decode: SGLangServer, port: int, log_path: str | Path,
+                        python: str | None = None) -> SGLangServer:
+    """Start SGLang's own PD router (``sglang_router.launch_router --pd-disaggregation``, PyPI ``sglang-router``)
+    in front of one prefill and one decode server. Raises RuntimeError when no SGLang venv is found."""
+    py = python or sglang_python()
+    if py is None:
+        raise RuntimeError("no SGLang venv: run scripts/setup_sglang.sh (or set DLMIX_SGLANG_VENV)")
+    args = [py, "-m", "sglang_router.launch_router", "--pd-disaggregation", "--prefill", prefill.url,
+            str(prefill.bootstrap_port), "--decode", decode.url, "--host", "127.0.0.1", "--port", str(port)]
+    log_path = Path(log_path)
+    fh = open(log_path, "wb")
+    e = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    proc = subprocess.Popen(args, stdout=fh, stderr=subprocess.STDOUT, env=e, start_new_session=True)
+    fh.close()
+    return SGLangServer(proc=proc, url=f"http://127.0.0.1:{port}", log_path=log_path, args=args)
+
+
+def post_json(url: str, body: dict[str, Any], timeout_s: float = 300.0) -> tuple[int, dict[str, Any] | str]:
+    """POST JSON; returns ``(status, parsed JSON or text)`` (HTTP errors are returned, not raised)."""
+    req = urllib.request.Request(url, json.dumps(body).encode(), {"content-type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout_s) as r:
+            raw = r.read().decode()
+            status = r.status
+    except urllib.error.HTTPError as e:
+        raw, status = e.read().decode(errors="replace"), e.code
+    try:
+        return status, json.loads(raw)
+    except ValueError:
+        return status, raw
+
+
+def generate(url: str, input_ids: list[int], max_new_tokens: int, *, bootstrap: tuple[str, int, int] | None = None,
+             logprobs: bool = False, timeout_s: float = 300.0) -> tuple[int, dict[str, Any] | str]:
+    """SGLang ``POST /generate`` with token ids, greedy; ``bootstrap`` = (host, port, room) for a PD leg."""
+    body: dict[str, Any] = {"input_ids": list(input_ids),
+                            "sampling_params": {"temperature": 0, "max_new_tokens": int(max_new_tokens)}}
+    if logprobs:
+        body.update({"return_logprob": True, "top_logprobs_num": 2})
+    if bootstrap is not None:
+        body.update({"bootstrap_host": bootstrap[0], "bootstrap_port": bootstrap[1], "bootstrap_room": bootstrap[2]})
+    return post_json(url + "/generate", body, timeout_s)

@@ -1,0 +1,201 @@
+"""End-to-end SGLang prefill/decode with the ``dlmix`` transfer backend on real SGLang 0.5.23 CPU servers and the real
+SmolLM2 (marked slow; skipped with the reason when the SGLang venv of ``scripts/setup_sglang.sh`` is absent).
+
+Servers (started once for this module; SGLang runs with the SGLang venv's python, found by
+:func:`dlmix_sglang.testing.sglang_python`):
+  S   single server, fp32, page 64 (the decode configuration): the reference
+  P1  prefill fp32, page 64 (same configuration as D)      P2  prefill bf16, page 16 (converted on the way)
+  D   decode fp32, page 64
+  P3  (negative control only) prefill with perturbed weights: refused by D at bootstrap with the reason
+
+Each request sends the same ``/generate`` body with ``bootstrap_host/port/room`` to P and D at once (SGLang's PD
+flow, as its router does). Near-ties: a heterogeneous pair's first divergence from the reference is allowed only
+where the reference's top-1/top-2 logprob gap is below the threshold; they are counted and printed.
+"""
+from __future__ import annotations
+
+import random
+import threading
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+from dlmix_sglang import testing as T  # noqa: E402
+
+if T.sglang_python() is None:
+    pytest.skip("no SGLang venv (run scripts/setup_sglang.sh, or set DLMIX_SGLANG_VENV)", allow_module_level=True)
+
+MAX_TOKENS = 16
+#: top-1/top-2 gap (nats) under which a first divergence counts as a near-tie: bf16 KV carries bf16 rounding.
+NEAR_TIE = {"same": 0.0, "p16-bf16->p64-fp32": 0.5}
+_WORDS = ("river mountain quiet engine market yellow window garden silver theory station winter bridge signal "
+          "harvest lantern ocean pocket rhythm castle meadow copper thunder village orbit canvas planet ribbon").split()
+
+
+@pytest.fixture(scope="module")
+def prompts(smollm2_dir):
+    """20 token-id prompts of 10..1000 tokens."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(smollm2_dir))
+    rng = random.Random(14)
+    lengths = [10, 1000] + [rng.randint(10, 1000) for _ in range(18)]
+    out = []
+    for n in lengths:
+        ids: list[int] = []
+        while len(ids) < n:
+            ids += tok.encode(" ".join(rng.choice(_WORDS) for _ in range(64)), add_special_tokens=False)
+        out.append(ids[:n])
+    return out
+
+
+@pytest.fixture(scope="module")
+def servers(smollm2_dir, tmp_path_factory):
+    d = tmp_path_factory.mktemp("sglang-pd")
+    m = str(smollm2_dir)
+    started = {}
+    try:
+        started["S"] = T.start_server(m, T.free_port(), d / "S.log", page_size=64)
+        started["P1"] = T.start_server(m, T.free_port(), d / "P1.log", mode="prefill", page_size=64)
+        started["P2"] = T.start_server(m, T.free_port(), d / "P2.log", mode="prefill", page_size=16,
+                                       dtype="bfloat16")
+        started["D"] = T.start_server(m, T.free_port(), d / "D.log", mode="decode", page_size=64)
+        for s in started.values():
+            s.wait_ready()
+        started["_dir"] = d
+        yield started
+    finally:
+        for k, s in started.items():
+            if k != "_dir":
+                s.stop()
+
+
+def _pd(p: T.SGLangServer, d: T.SGLangServer, ids: list[int], room: int | None = None):
+    room = random.getrandbits(62) if room is None else room
+    out = {}
+
+    def leg(name, url):
+        out[name] = T.generate(url, ids, MAX_TOKENS, bootstrap=("127.0.0.1", p.bootstrap_port, room))
+
+    th = [threading.Thread(target=leg, args=(n, s.url)) for n, s in (("p", p), ("d", d))]
+    for t in th:
+        t.start()
+    for t in th:
+        t.join()
+    return out["p"], out["d"]
+
+
+@pytest.fixture(scope="module")
+def refs(servers, prompts):
+    """Reference output ids and per-position top-1/top-2 gaps from the single server."""
+    out = []
+    for ids in prompts:
+        st, body = T.generate(servers["S"].url, ids, MAX_TOKENS, logprobs=True)
+        assert st == 200, body
+        tops = body["meta_info"].get("output_top_logprobs") or []
+        gaps = [(t[0][0] - t[1][0]) if t and len(t) > 1 else float("inf") for t in tops]
+        out.append((body["output_ids"], gaps))
+    return out
+
+
+def _compare(case: str, got: list[list[int]], refs, threshold: float) -> tuple[int, int]:
+    same = ties = 0
+    for i, ids in enumerate(got):
+        ref, gaps = refs[i]
+        assert len(ids) == len(ref) == MAX_TOKENS, (case, i, ids, ref)
+        if ids == ref:
+            same += 1
+            continue
+        k = next(j for j in range(len(ref)) if ids[j] != ref[j])
+        gap = gaps[k] if k < len(gaps) else float("inf")
+        assert gap < threshold, f"{case}: prompt {i} differs at token {k} with top-2 gap {gap:.4f} >= {threshold}"
+        ties += 1
+        print(f"[{case}] prompt {i}: near-tie at token {k} (top-2 gap {gap:.4f})")
+    print(f"[{case}] identical {same}/{len(got)}, near-ties {ties} (threshold {threshold} nats)")
+    return same, ties
+
+
+def _run_pair(servers, prompts, pname: str) -> list[list[int]]:
+    got = []
+    for i, ids in enumerate(prompts):
+        (ps, pb), (ds, db) = _pd(servers[pname], servers["D"], ids)
+        assert ds == 200 and not _aborted(db), f"{pname}->D prompt {i} ({len(ids)} tokens): {db}\n{servers['D'].log_tail()}"
+        assert ps == 200, f"{pname} prompt {i}: {pb}"
+        got.append(db["output_ids"])
+    return got
+
+
+def test_same_configuration_equals_single_server(servers, prompts, refs):
+    got = _run_pair(servers, prompts, "P1")
+    same, ties = _compare("same", got, refs, NEAR_TIE["same"])
+    assert same == len(prompts)
+
+
+def test_page16_bf16_prefill_feeds_page64_fp32_decode(servers, prompts, refs):
+    got = _run_pair(servers, prompts, "P2")
+    same, ties = _compare("p16-bf16->p64-fp32", got, refs, NEAR_TIE["p16-bf16->p64-fp32"])
+    assert same + ties == len(prompts)
+
+
+def test_behind_sglangs_own_router(servers, prompts, refs):
+    """SGLang's router (sglang-router, PD mode) adds the bootstrap fields and sends both legs; unchanged."""
+    import subprocess
+
+    py = T.sglang_python()
+    if subprocess.run([py, "-c", "import sglang_router"], capture_output=True).returncode != 0:
+        pytest.skip("sglang-router is not installed in the SGLang venv")
+    r = T.start_sglang_router(servers["P1"], servers["D"], T.free_port(), servers["_dir"] / "router.log")
+    try:
+        r.wait_ready(timeout_s=180)
+        got = []
+        for ids in prompts[:6]:
+            st, body = T.post_json(r.url + "/generate", {"input_ids": ids, "sampling_params": {
+                "temperature": 0, "max_new_tokens": MAX_TOKENS}})
+            assert st == 200 and not _aborted(body), f"{body}\n{r.log_tail()}"
+            got.append(body["output_ids"])
+        same, _ = _compare("sglang-router", got, refs[:6], NEAR_TIE["same"])
+        assert same == len(got)
+    finally:
+        r.stop()
+
+
+@pytest.fixture(scope="module")
+def perturbed_dir(smollm2_dir, tmp_path_factory):
+    import shutil
+    from pathlib import Path
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    out = tmp_path_factory.mktemp("smollm2-perturbed")
+    for f in Path(smollm2_dir).iterdir():
+        if f.suffix != ".safetensors" and f.is_file():
+            shutil.copy(f, out / f.name)
+    g = torch.Generator().manual_seed(0)
+    for f in Path(smollm2_dir).glob("*.safetensors"):
+        w = load_file(str(f))
+        w = {k: (v.float() * (1 + 0.2 * torch.randn(v.shape, generator=g))).to(v.dtype) for k, v in w.items()}
+        save_file(w, str(out / f.name), metadata={"format": "pt"})
+    return out
+
+
+def _aborted(body) -> bool:
+    fr = body.get("meta_info", {}).get("finish_reason") if isinstance(body, dict) else None
+    return isinstance(fr, dict) and fr.get("type") == "abort"
+
+
+def test_other_weights_refused_at_bootstrap_with_the_reason(servers, prompts, perturbed_dir):
+    p3 = T.start_server(str(perturbed_dir), T.free_port(), servers["_dir"] / "P3.log", mode="prefill", page_size=64)
+    try:
+        p3.wait_ready()
+        (ps, pb), (ds, db) = _pd(p3, servers["D"], prompts[0])
+        # SGLang answers a failed transfer with an error status or an aborted finish reason carrying the reason
+        assert ds != 200 or _aborted(db), db
+        assert "weights" in str(db) and "dlmix" in str(db), db
+        assert ps != 200 or _aborted(pb), pb
+        # the decode still serves a compatible prefill afterwards
+        (ps, pb), (ds, db) = _pd(servers["P1"], servers["D"], prompts[0])
+        assert ds == 200 and not _aborted(db), db
+    finally:
+        p3.stop()
