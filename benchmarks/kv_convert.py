@@ -80,7 +80,10 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1,
                     help="torch CPU threads for copy and conversion alike (default 1: on a shared 2-core box a "
                          "multi-threaded run mostly measures the other jobs)")
+    ap.add_argument("--cases", default="",
+                    help="comma-separated case names to run (default: all; the JSON line then holds only those)")
     a = ap.parse_args()
+    only = {c.strip() for c in a.cases.split(",") if c.strip()}
     if a.threads > 0:
         torch.set_num_threads(a.threads)
     mib = a.mib or (256 if a.quick else 512)
@@ -97,6 +100,8 @@ def main() -> None:
                                   "kv_mib": mib, "repeats": repeats, "model": "llama3-8b-kv(32x8x128)"}
 
     def measure(name: str, nbytes: int, run_conv, blockcopy=None) -> None:
+        if only and name not in only:
+            return
         a_src = torch.empty(nbytes, dtype=torch.uint8, device=device).random_(0, 255)
         a_dst = torch.empty_like(a_src)
         run_conv()  # warm-up
