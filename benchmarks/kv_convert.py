@@ -15,6 +15,10 @@ destination, scattered over shuffled block ids in larger pools), one per kind of
   sizes differ);
 * ``reshard``: prefill TP=2 (two ranks of 4 heads) -> decode TP=1 (8 heads), bytes = destination bytes.
 
+Bytes counted: the larger side of the conversion (for ``cast`` the fp32 destination, for ``fp8`` the bf16 source;
+otherwise both sides are equal), so the baseline copy moves at least as many bytes as the conversion reads or
+writes, and a conversion is never credited with bytes it did not touch.
+
 Baseline: ``dst.copy_(src)`` between two contiguous tensors of the counted bytes on the same device, alternating
 with the conversion, ``--repeats`` times. ``WHAT_vs_copy`` = best copy time / best conversion time (best of the
 repeats on both sides: on a shared machine the fastest run is the least disturbed one);
