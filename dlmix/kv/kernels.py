@@ -11,34 +11,42 @@ request's block pairs, reading the source and writing the destination once:
   flat array of the engine tensor plus element strides, innermost loop along the source's dense axis (a run dense
   on both sides is moved as 8-byte words).
 
-numba is a dependency of vLLM's CPU build and of the ``torch`` extra; without it :data:`AVAILABLE` is False and the
-callers keep their torch/numpy paths (same bytes, slower). Functions compile on first use (cached on disk by numba,
-``NUMBA_CACHE_DIR``) and release the GIL. Indices come from block tables validated by :mod:`dlmix.kv.plan`; the
+numba is a dependency of vLLM's CPU build and of the ``torch`` extra; without it (or with ``DLMIX_KV_NO_NUMBA=1``)
+:data:`AVAILABLE` is False and the callers keep their torch/numpy paths (same bytes, slower). Loops compile on first
+use (~3 s each; cached on disk by numba next to this file or in ``NUMBA_CACHE_DIR``) and release the GIL. Indices come from block tables validated by :mod:`dlmix.kv.plan`; the
 loops do no bounds checks.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from typing import Any
 
 import numpy as np
 
-try:  # pragma: no cover - depends on the environment
-    if os.environ.get("DLMIX_KV_NO_NUMBA"):
-        raise ImportError("disabled by DLMIX_KV_NO_NUMBA")
-    import numba as _nb
-except ImportError:  # pragma: no cover
-    _nb = None
+#: True when the compiled loops can be used: numba is installed and ``DLMIX_KV_NO_NUMBA`` is unset or ``0``.
+#: numba itself is imported on the first call of a loop, not with this module.
+AVAILABLE = (os.environ.get("DLMIX_KV_NO_NUMBA", "0") in ("", "0")
+             and importlib.util.find_spec("numba") is not None)
 
-#: True when the compiled loops can be used (numba importable and not disabled by ``DLMIX_KV_NO_NUMBA=1``).
-AVAILABLE = _nb is not None
+
+class _Lazy:
+    """A function compiled with ``numba.njit`` on its first call (numba imported then)."""
+
+    def __init__(self, fn: Any) -> None:
+        self.fn, self.compiled = fn, None
+
+    def __call__(self, *args: Any) -> Any:
+        if self.compiled is None:
+            import numba
+
+            self.compiled = numba.njit(nogil=True, cache=True, boundscheck=False)(self.fn)
+        return self.compiled(*args)
 
 
 def _jit(fn: Any) -> Any:
-    if _nb is None:  # pragma: no cover
-        return fn
-    return _nb.njit(nogil=True, cache=True, boundscheck=False)(fn)
+    return _Lazy(fn)
 
 
 @_jit
