@@ -1,8 +1,9 @@
 """One-pass CPU conversion paths for segments of at least :data:`~dlmix.kv.plan.DIRECT_MIN_BYTES`.
 
 * identical layouts: whole blocks (K and V together) with one libc ``memmove`` per run of blocks;
-* equal block sizes, no re-encoding (TP re-sharding, arrangement changes): whole blocks with one
-  ``index_select(..., out=destination run)`` per run of consecutive destination ids (:func:`_transfer_blocks`);
+* equal block sizes, no re-encoding (TP re-sharding, arrangement changes): whole blocks in one compiled loop per
+  layer and plane over every source rank (:func:`_transfer_compiled`, :mod:`dlmix.kv.kernels`), or without numba
+  one ``index_select(..., out=destination run)`` per run of consecutive destination ids (:func:`_transfer_blocks`);
 * block size changes and casts: each segment (or run of segments whose slots continue on both sides) copied
   directly, ``memmove`` when both sides are dense rows of one dtype, else one ``torch._foreach_copy_`` per layer
   and plane (``copy_`` also casts bf16/fp16/fp32) (:func:`_transfer_direct`);
