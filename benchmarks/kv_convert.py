@@ -15,6 +15,10 @@ destination, scattered over shuffled block ids in larger pools), one per kind of
   sizes differ);
 * ``reshard``: prefill TP=2 (two ranks of 4 heads) -> decode TP=1 (8 heads), bytes = destination bytes.
 
+Bytes counted: the larger side of the conversion (for ``cast`` the fp32 destination, for ``fp8`` the bf16 source;
+otherwise both sides are equal), so the baseline copy moves at least as many bytes as the conversion reads or
+writes, and a conversion is never credited with bytes it did not touch.
+
 Baseline: ``dst.copy_(src)`` between two contiguous tensors of the counted bytes on the same device, alternating
 with the conversion, ``--repeats`` times. ``WHAT_vs_copy`` = best copy time / best conversion time (best of the
 repeats on both sides: on a shared machine the fastest run is the least disturbed one);
@@ -80,7 +84,10 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1,
                     help="torch CPU threads for copy and conversion alike (default 1: on a shared 2-core box a "
                          "multi-threaded run mostly measures the other jobs)")
+    ap.add_argument("--cases", default="",
+                    help="comma-separated case names to run (default: all; the JSON line then holds only those)")
     a = ap.parse_args()
+    only = {c.strip() for c in a.cases.split(",") if c.strip()}
     if a.threads > 0:
         torch.set_num_threads(a.threads)
     mib = a.mib or (256 if a.quick else 512)
@@ -97,6 +104,8 @@ def main() -> None:
                                   "kv_mib": mib, "repeats": repeats, "model": "llama3-8b-kv(32x8x128)"}
 
     def measure(name: str, nbytes: int, run_conv, blockcopy=None) -> None:
+        if only and name not in only:
+            return
         a_src = torch.empty(nbytes, dtype=torch.uint8, device=device).random_(0, 255)
         a_dst = torch.empty_like(a_src)
         run_conv()  # warm-up

@@ -11,6 +11,7 @@ This module gathers the tensor API in one import (``from dlmix.kv.ops import pac
 * :mod:`dlmix.kv.move`: byte movers (``memmove`` runs, batched copies, gathers, scratch buffers);
 * :mod:`dlmix.kv.direct`: one-pass CPU paths (identity ``memmove``, equal-block re-arrangement and TP re-shard,
   re-blocking and casts segment by segment, fp8 by lookup table);
+* :mod:`dlmix.kv.kernels`: compiled CPU loops (numba, optional): fp8 table lookup, block copies, K^T transposes;
 * :mod:`dlmix.kv.cells`: one-pass CPU cell gather (``numpy.take``) for re-arrangements between layouts without
   dense token rows (NHD <-> HND, vLLM CPU re-blocking);
 * :mod:`dlmix.kv.chunked`: the general path through scratch (CUDA, fp8 re-scaling, tiny segments);

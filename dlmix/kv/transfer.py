@@ -34,8 +34,9 @@ def _transfer(sources: Sequence[tuple[KVLayout, Sequence[Any], Any, tuple[int, .
               relax_fingerprint: bool) -> int:
     """Validate, then move tokens ``skip_tokens..num_tokens`` by the first path that applies: on CPU with segments
     of at least :data:`~dlmix.kv.plan.DIRECT_MIN_BYTES`, (1) one source, same encoding, a side without dense token
-    rows: the cell gather (:mod:`dlmix.kv.cells`); (2) equal block sizes, same encoding: one
-    ``index_select`` per run of destination blocks (:func:`~dlmix.kv.direct._transfer_blocks`); (3) one source, fp8
+    rows: the cell gather (:mod:`dlmix.kv.cells`); (2) equal block sizes, same encoding: a compiled block
+    copy (:mod:`dlmix.kv.kernels`), or without numba one ``index_select`` per run of destination blocks
+    (:func:`~dlmix.kv.direct._transfer_blocks`); (3) one source, fp8
     re-encoding: the lookup table (:func:`~dlmix.kv.direct._transfer_lookup`); (4) no fp8 re-scaling: segment
     copies (:func:`~dlmix.kv.direct._transfer_direct`); otherwise (CUDA, small blocks, fp8 from fp32) the chunked
     path through scratch (:mod:`dlmix.kv.chunked`). Returns the destination bytes written."""
