@@ -22,6 +22,7 @@ import pytest
 pytestmark = pytest.mark.slow
 
 from dlmix_sglang import testing as T  # noqa: E402
+from dlmix.testing import compare_greedy  # noqa: E402
 
 if T.sglang_python() is None:
     pytest.skip("no SGLang venv (run scripts/setup_sglang.sh, or set DLMIX_SGLANG_VENV)", allow_module_level=True)
@@ -100,20 +101,7 @@ def refs(servers, prompts):
 
 
 def _compare(case: str, got: list[list[int]], refs, threshold: float) -> tuple[int, int]:
-    same = ties = 0
-    for i, ids in enumerate(got):
-        ref, gaps = refs[i]
-        assert len(ids) == len(ref) == MAX_TOKENS, (case, i, ids, ref)
-        if ids == ref:
-            same += 1
-            continue
-        k = next(j for j in range(len(ref)) if ids[j] != ref[j])
-        gap = gaps[k] if k < len(gaps) else float("inf")
-        assert gap < threshold, f"{case}: prompt {i} differs at token {k} with top-2 gap {gap:.4f} >= {threshold}"
-        ties += 1
-        print(f"[{case}] prompt {i}: near-tie at token {k} (top-2 gap {gap:.4f})")
-    print(f"[{case}] identical {same}/{len(got)}, near-ties {ties} (threshold {threshold} nats)")
-    return same, ties
+    return compare_greedy(case, dict(enumerate(got)), dict(enumerate(refs)), threshold, MAX_TOKENS)
 
 
 def _run_pair(servers, prompts, pname: str) -> list[list[int]]:

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import heapq
-import ipaddress
 import re
 import time
 from typing import Annotated, Callable, Dict, List, Optional, Tuple
@@ -30,6 +29,7 @@ from dlmix.router import kv_events
 from dlmix.router.engines import get_engine
 from dlmix.router.proxy import BackendError, Pool, build_request, request
 from dlmix.routing.state import ROLES, InstanceState
+from dlmix.net import is_loopback as _loopback
 
 __all__ = ["Backend", "Registry", "RegistrationError", "Heartbeat", "layout_reasons"]
 
@@ -39,15 +39,6 @@ _TOKEN = re.compile(r"^[\x21-\x7e]{1,4096}$")
 HEALTH_CONCURRENCY = 256
 _KV_EVENT_SCHEMES = ("tcp://", "ipc://", "inproc://")
 _json_sorted = msgspec.json.Encoder(order="sorted").encode
-
-
-def _loopback(host: str) -> bool:
-    if host in ("localhost",):
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 _Count = Annotated[int, msgspec.Meta(ge=0)]

@@ -49,7 +49,6 @@ completion and retry path.
 from __future__ import annotations
 
 import asyncio
-import ipaddress
 import uuid
 from typing import Dict, List, Optional
 
@@ -71,21 +70,13 @@ from dlmix.routing.hashing import BlockHasher
 from dlmix.routing.policies import ClusterView, begin, end, make_policy, prefill_done
 from dlmix.routing.prefix_index import ApproxIndex, PrefixIndex
 from dlmix.routing.state import InstanceState, NoInstanceError, RouteRequest
+from dlmix.net import is_loopback as _is_loopback
 
 __all__ = ["Router", "RegistrationError", "run"]
 
 _json = msgspec.json.Encoder()
 _CHAT = b"/v1/chat/completions"
 _COMPL = b"/v1/completions"
-
-
-def _is_loopback(host: str) -> bool:
-    if host in ("localhost",):
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 class Router:

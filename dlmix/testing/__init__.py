@@ -5,6 +5,8 @@
 * :class:`LoopThread`: an asyncio loop (uvloop when installed) in a daemon thread, for synchronous tests driving
   asyncio servers;
 * :class:`RouterThread`: the dlmix router started in-process on its own :class:`LoopThread`;
+* :func:`compare_greedy`: greedy token ids against a reference, near-ties (small top-2 gaps) counted, any other
+  divergence fails;
 * :func:`wait_http`: poll a URL until it answers 200; :func:`poll` / :func:`wait_until`: poll any condition with a
   (generous) deadline;
 * :class:`~dlmix.testing.mock_engine.MockEngine`: the one mock OpenAI engine (vLLM's API, PD legs, KV events,
@@ -19,7 +21,7 @@ import time
 from dlmix.engine_process import free_port, free_port_block, port_free
 
 __all__ = ["free_port", "free_port_block", "port_free", "LoopThread", "RouterThread", "wait_http", "poll", "wait_until",
-           "MockEngine"]
+           "MockEngine", "compare_greedy"]
 
 
 class LoopThread:
@@ -132,3 +134,25 @@ def __getattr__(name):  # MockEngine imports the router's HTTP layer: load it on
 
         return MockEngine
     raise AttributeError(f"module 'dlmix.testing' has no attribute {name!r}")
+
+
+def compare_greedy(case: str, got: dict, refs: dict, threshold: float, max_tokens: int) -> tuple[int, int]:
+    """Compare greedy outputs with references, prompt by prompt. ``got``: ``{i: generated ids}``; ``refs``:
+    ``{i: (ids, top-1/top-2 logprob gaps)}`` (e.g. from ``dlmix_vllm.testing.result_tokens``). Both must have ``max_tokens`` ids. A first
+    divergence at a position whose reference gap is below ``threshold`` (nats) is a near-tie (printed and counted);
+    any other divergence fails (AssertionError naming the prompt, position and gap). Returns (identical, near_ties).
+    """
+    same = ties = 0
+    for i, ids in got.items():
+        ref, gaps = refs[i]
+        assert len(ids) == len(ref) == max_tokens, (case, i, ids, ref)
+        if ids == ref:
+            same += 1
+            continue
+        k = next(j for j in range(len(ref)) if ids[j] != ref[j])
+        gap = gaps[k] if k < len(gaps) else float("inf")
+        assert gap < threshold, f"{case}: prompt {i} differs at token {k} with top-2 gap {gap:.4f} >= {threshold}"
+        ties += 1
+        print(f"[{case}] prompt {i}: near-tie at token {k} (top-2 gap {gap:.4f})")
+    print(f"[{case}] identical {same}/{len(got)}, near-ties {ties} (threshold {threshold} nats)")
+    return same, ties

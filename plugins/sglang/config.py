@@ -8,12 +8,12 @@ as :class:`DLMixSGLangConfigError` with one line per bad field.
 """
 from __future__ import annotations
 
-import ipaddress
 import json
 import os
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from dlmix.net import is_loopback as _is_loopback
 
 __all__ = ["ENV_VAR", "DLMixSGLangConfigError", "SGLangSettings", "load_settings"]
 
@@ -22,15 +22,6 @@ ENV_VAR = "DLMIX_SGLANG_CONFIG"
 
 class DLMixSGLangConfigError(ValueError):
     """Raised for an invalid ``DLMIX_SGLANG_CONFIG``."""
-
-
-def _is_loopback(host: str) -> bool:
-    if host in ("localhost", "ip6-localhost"):
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 class SGLangSettings(BaseModel):

@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import time
 import urllib.error
@@ -21,6 +20,8 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from dlmix.engine_process import free_port  # the one port helper
 
 __all__ = ["sglang_python", "SGLangServer", "start_server", "start_sglang_router", "free_port", "generate", "post_json", "CPU_FLAGS",
            "PD_FLAGS"]
@@ -39,13 +40,6 @@ def sglang_python() -> str | None:
         if c and (Path(c) / "bin" / "python").exists() and list(Path(c).glob("lib/python3*/site-packages/sglang")):
             return str(Path(c) / "bin" / "python")
     return None
-
-
-def free_port() -> int:
-    """A TCP port free on 127.0.0.1 now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass

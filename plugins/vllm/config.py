@@ -10,13 +10,12 @@ Validation errors are raised as :class:`DLMixConfigError` with one line per bad 
 """
 from __future__ import annotations
 
-import ipaddress
 from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, model_validator
+from dlmix.net import is_loopback as _is_loopback
 
 __all__ = ["DLMixConfigError", "DLMixSettings", "parse_settings"]
-
 
 
 def _known_transport(kind: str) -> str:
@@ -32,15 +31,6 @@ def _known_transport(kind: str) -> str:
 
 class DLMixConfigError(ValueError):
     """Raised when ``kv_connector_extra_config`` holds an invalid DLMixConnector setting."""
-
-
-def _is_loopback(host: str) -> bool:
-    if host in ("localhost", "ip6-localhost"):
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 class DLMixSettings(BaseModel):

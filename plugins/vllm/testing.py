@@ -18,6 +18,7 @@ from typing import Any
 import httpx
 
 from dlmix.engine_process import free_port, pd_test_spec  # the one port helper and vLLM builder
+from dlmix.testing import compare_greedy  # engine-neutral; re-exported here for the vLLM tests
 
 __all__ = ["free_port", "VllmServer", "launch", "wait_ready", "two_step", "single", "kv_usage", "metric_sum",
            "parse_sse", "prose", "prompt_set", "PROSE_WORDS", "compare_greedy"]
@@ -222,28 +223,6 @@ def result_tokens(resp: dict) -> tuple[list[int], list[float]]:
                 v = sorted((t["logprob"] for t in c.get("top_logprobs") or []), reverse=True)
                 gaps.append(v[0] - v[1] if len(v) > 1 else float("inf"))
     return ids, gaps
-
-
-def compare_greedy(case: str, got: dict, refs: dict, threshold: float, max_tokens: int) -> tuple[int, int]:
-    """Compare greedy outputs with references, prompt by prompt. ``got``: ``{i: generated ids}``; ``refs``:
-    ``{i: (ids, top-1/top-2 logprob gaps)}`` from :func:`result_tokens`. Both must have ``max_tokens`` ids. A first
-    divergence at a position whose reference gap is below ``threshold`` (nats) is a near-tie (printed and counted);
-    any other divergence fails (AssertionError naming the prompt, position and gap). Returns (identical, near_ties).
-    """
-    same = ties = 0
-    for i, ids in got.items():
-        ref, gaps = refs[i]
-        assert len(ids) == len(ref) == max_tokens, (case, i, ids, ref)
-        if ids == ref:
-            same += 1
-            continue
-        k = next(j for j in range(len(ref)) if ids[j] != ref[j])
-        gap = gaps[k] if k < len(gaps) else float("inf")
-        assert gap < threshold, f"{case}: prompt {i} differs at token {k} with top-2 gap {gap:.4f} >= {threshold}"
-        ties += 1
-        print(f"[{case}] prompt {i}: near-tie at token {k} (top-2 gap {gap:.4f})")
-    print(f"[{case}] identical {same}/{len(got)}, near-ties {ties} (threshold {threshold} nats)")
-    return same, ties
 
 
 def two_step(prefill_url: str, decode_url: str, kind: str, prompt: Any, max_tokens: int, *, stream: bool = False,
