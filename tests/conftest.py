@@ -29,6 +29,27 @@ def smollm2_dir():
 
 
 @pytest.fixture(scope="session")
+def perturbed_dir(smollm2_dir, tmp_path_factory):
+    """A copy of SmolLM2 whose every weight is scaled by ``1 + 0.2 * N(0, 1)`` (seed 0): same shapes and tokenizer,
+    other weights, so its weights fingerprint differs (the negative control of the PD pair checks)."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    out = tmp_path_factory.mktemp("smollm2-perturbed")
+    for f in Path(smollm2_dir).iterdir():
+        if f.suffix != ".safetensors" and f.is_file():
+            shutil.copy(f, out / f.name)
+    g = torch.Generator().manual_seed(0)
+    for f in Path(smollm2_dir).glob("*.safetensors"):
+        w = load_file(str(f))
+        w = {k: (v.float() * (1 + 0.2 * torch.randn(v.shape, generator=g))).to(v.dtype) for k, v in w.items()}
+        save_file(w, str(out / f.name), metadata={"format": "pt"})
+    return out
+
+
+@pytest.fixture(scope="session")
 def tiny_model_dir():
     """Path of the deterministic tiny random-weight Llama folder (fp32, 2 layers, 2 KV heads, head size 32)."""
     from dlmix.models import prepare

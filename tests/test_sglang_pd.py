@@ -148,26 +148,6 @@ def test_behind_sglangs_own_router(servers, prompts, refs):
         r.stop()
 
 
-@pytest.fixture(scope="module")
-def perturbed_dir(smollm2_dir, tmp_path_factory):
-    import shutil
-    from pathlib import Path
-
-    import torch
-    from safetensors.torch import load_file, save_file
-
-    out = tmp_path_factory.mktemp("smollm2-perturbed")
-    for f in Path(smollm2_dir).iterdir():
-        if f.suffix != ".safetensors" and f.is_file():
-            shutil.copy(f, out / f.name)
-    g = torch.Generator().manual_seed(0)
-    for f in Path(smollm2_dir).glob("*.safetensors"):
-        w = load_file(str(f))
-        w = {k: (v.float() * (1 + 0.2 * torch.randn(v.shape, generator=g))).to(v.dtype) for k, v in w.items()}
-        save_file(w, str(out / f.name), metadata={"format": "pt"})
-    return out
-
-
 def _aborted(body) -> bool:
     fr = body.get("meta_info", {}).get("finish_reason") if isinstance(body, dict) else None
     return isinstance(fr, dict) and fr.get("type") == "abort"

@@ -19,7 +19,6 @@ from __future__ import annotations
 import json
 import random
 import time
-from pathlib import Path
 
 import pytest
 
@@ -222,25 +221,6 @@ def test_layout_descriptor_matches_transformers(servers, prompts, smollm2_dir):
     wrong = pages[0].view(pages.shape[1], H, 128, 2 * D).permute(0, 2, 1, 3).reshape(-1, H, 2 * D)[:n, :, :D].float()
     ref0 = pkv.layers[0].keys[0].float().transpose(0, 1)
     assert float((wrong - ref0).norm() / ref0.norm()) > 0.5
-
-
-@pytest.fixture(scope="module")
-def perturbed_dir(smollm2_dir, tmp_path_factory):
-    import shutil
-
-    import torch
-    from safetensors.torch import load_file, save_file
-
-    out = tmp_path_factory.mktemp("smollm2-perturbed")
-    for f in Path(smollm2_dir).iterdir():
-        if f.suffix != ".safetensors" and f.is_file():
-            shutil.copy(f, out / f.name)
-    g = torch.Generator().manual_seed(0)
-    for f in Path(smollm2_dir).glob("*.safetensors"):
-        w = load_file(str(f))
-        w = {k: (v.float() * (1 + 0.2 * torch.randn(v.shape, generator=g))).to(v.dtype) for k, v in w.items()}
-        save_file(w, str(out / f.name), metadata={"format": "pt"})
-    return out
 
 
 def test_other_weights_refused_by_default_and_change_output_when_relaxed(servers, prompts, perturbed_dir, d1_refs):
