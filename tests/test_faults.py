@@ -17,6 +17,7 @@ from dlmix.pd.contract import Abort, Consumed, TransferParams, Want, prompt_dige
 from dlmix.pd.endpoint import KVEndpoint
 from dlmix.pd.producer import MAX_CONSUMERS, Producer
 from dlmix.router.engines import vllm as vllm_adapter
+from dlmix.testing import poll
 
 SECRET = "faults-test"
 
@@ -150,11 +151,7 @@ def test_n_concurrent_pulls_of_one_hold_over_tcp_read_exact_values():
         time.sleep(0.2)
         assert p.take_finished() == set() and p.is_held("req")  # one choice still to go
         d.release(p.descriptor(), "req", consumed=True)
-        deadline = time.monotonic() + 5
-        done: set = set()
-        while not done and time.monotonic() < deadline:
-            done = p.take_finished()
-            time.sleep(0.02)
+        done = poll(p.take_finished, timeout_s=60)
         assert done == {"req"} and p.held_count() == 0 and p.stats["refused"] == 0
     finally:
         p.close()

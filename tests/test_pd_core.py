@@ -16,6 +16,7 @@ from dlmix.pd.consumer import claim, failed_blocks
 from dlmix.pd.contract import Abort, Consumed, Extend, TransferParams, Want, encode, prompt_digest
 from dlmix.pd.endpoint import KVEndpoint
 from dlmix.pd.producer import Producer, block_ranges
+from dlmix.testing import poll
 
 SECRET = "pd-core-test"
 
@@ -229,11 +230,7 @@ def test_pull_between_arrangements_over_tcp(src, dst):
                 rk, rv = ref[(t, layer)]
                 assert torch.equal(k, rk.to(torch_dtype(dst))) and torch.equal(v, rv.to(torch_dtype(dst)))
         d.release(p.descriptor(), "req", consumed=True)
-        deadline = time.monotonic() + 60
-        done: set = set()
-        while not done and time.monotonic() < deadline:
-            done = p.take_finished()
-            time.sleep(0.02)
+        done = poll(p.take_finished, timeout_s=60)
         assert done == {"req"} and p.held_count() == 0
     finally:
         p.close()

@@ -16,6 +16,7 @@ import pytest
 import dlmix_kv_connectors as kv
 from dlmix_kv_connectors import Segment, make_transport
 from dlmix_kv_connectors.testing import PeerProcess, pattern, sha
+from dlmix.testing import poll
 
 SECRET = "registry-secret"
 REPO = Path(__file__).resolve().parents[1]
@@ -118,8 +119,6 @@ def test_plugin_transport_carries_a_pd_pull_through_the_pd_core(plugin_dir):
     """The outside distribution's ``xtcp`` kind under the engine-neutral PD core: the producer endpoint holds blocks
     and grants them, the consumer pulls them over ``xtcp`` and converts arrangement, block size and dtype; the
     values read back equal what was written, and the hold is released."""
-    import time
-
     import torch
 
     from dlmix.kv import KVLayout, ModelIdentity
@@ -164,10 +163,7 @@ def test_plugin_transport_carries_a_pd_pull_through_the_pd_core(plugin_dir):
         k, _ = read_kv(dst, dc, dblocks, start - 1, 0)
         assert torch.count_nonzero(k) == 0  # the consumer's own prefix is not overwritten
         d.release(desc, "req", consumed=True)
-        deadline, done = time.monotonic() + 5, set()
-        while not done and time.monotonic() < deadline:
-            done = p.take_finished()
-            time.sleep(0.02)
+        done = poll(p.take_finished, timeout_s=60)
         assert done == {"req"} and p.held_count() == 0
     finally:
         p.close()
