@@ -32,10 +32,10 @@ PD_FLAGS = ["--disable-overlap-schedule", "--disable-radix-cache"]
 
 
 def sglang_python() -> str | None:
-    """The SGLang venv's python (``$DLMIX_SGLANG_VENV``, else ``.venv-sglang`` beside this checkout, else
-    ``/work/sgvenv``) when SGLang imports there; None otherwise."""
+    """The SGLang venv's python (``$DLMIX_SGLANG_VENV``, else ``.venv-sglang`` beside this checkout, where
+    ``scripts/setup_sglang.sh`` builds it) when SGLang imports there; None otherwise."""
     root = Path(__file__).resolve().parents[2]
-    cands = [os.environ.get("DLMIX_SGLANG_VENV"), str(root / ".venv-sglang"), "/work/sgvenv"]
+    cands = [os.environ.get("DLMIX_SGLANG_VENV"), str(root / ".venv-sglang")]
     for c in cands:
         if c and (Path(c) / "bin" / "python").exists() and list(Path(c).glob("lib/python3*/site-packages/sglang")):
             return str(Path(c) / "bin" / "python")
