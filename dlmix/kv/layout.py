@@ -38,6 +38,7 @@ __all__ = [
     "ARRANGEMENTS",
     "ATTENTION_KINDS",
     "DTYPES",
+    "canonical_dtype",
     "Compat",
     "KVLayout",
     "ModelIdentity",
@@ -67,7 +68,9 @@ ATTENTION_KINDS = ("mha", "gqa", "mla")
 SCALE_CONVENTIONS = ("per_tensor",)
 
 
-def _canon_dtype(name: str) -> str:
+def canonical_dtype(name: str) -> str:
+    """The canonical dlmix dtype name (a key of :data:`DTYPES`) of ``name``: a dlmix name, a torch dtype or its
+    string (``torch.bfloat16``, ``float16``, ``half``, ...). Raises ValueError for an unknown dtype."""
     key = str(name).lower().replace("torch.", "")
     if key not in _DTYPE_ALIASES:
         raise ValueError(f"unknown KV dtype {name!r}; known: {sorted(DTYPES)}")
@@ -163,7 +166,7 @@ class KVLayout:
     def __post_init__(self) -> None:
         if isinstance(self.model, dict):
             object.__setattr__(self, "model", ModelIdentity(**self.model))
-        object.__setattr__(self, "dtype", _canon_dtype(self.dtype))
+        object.__setattr__(self, "dtype", canonical_dtype(self.dtype))
         arr = get_arrangement(self.arrangement)  # ValueError naming the known ones
         if int(self.block_size) <= 0:
             raise ValueError(f"block_size must be positive, got {self.block_size}")

@@ -15,15 +15,14 @@ from pathlib import Path
 from typing import Any
 
 from dlmix.kv import KVLayout, ModelIdentity
+from dlmix.kv.layout import DTYPES, canonical_dtype
 from dlmix.pd.fingerprint import weights_fingerprint
 
 __all__ = ["ARRANGEMENT", "kv_dtype_name", "model_config", "describe_pool", "host_tensor", "pool_layers"]
 
 ARRANGEMENT = "sglang_nhd"
-_DTYPES = {"float32": "fp32", "fp32": "fp32", "torch.float32": "fp32", "float": "fp32",
-           "bfloat16": "bf16", "bf16": "bf16", "torch.bfloat16": "bf16",
-           "float16": "fp16", "fp16": "fp16", "half": "fp16", "torch.float16": "fp16"}
-_SIZES = {"fp32": 4, "bf16": 2, "fp16": 2}
+#: KV dtypes this backend moves (fp8 pools are refused).
+_MOVED = ("fp32", "bf16", "fp16")
 
 
 def kv_dtype_name(kv_cache_dtype: Any, model_dtype: Any = None) -> str:
@@ -32,10 +31,14 @@ def kv_dtype_name(kv_cache_dtype: Any, model_dtype: Any = None) -> str:
     s = str(kv_cache_dtype)
     if s == "auto" and model_dtype is not None:
         s = str(model_dtype)
-    if s not in _DTYPES:
+    try:
+        name = canonical_dtype(s)
+    except ValueError:
+        name = None
+    if name not in _MOVED:
         raise ValueError(f"KV cache dtype {kv_cache_dtype!r} is not supported by the dlmix transfer backend "
                          "(fp32, bf16, fp16)")
-    return _DTYPES[s]
+    return name
 
 
 def model_config(model_path: str) -> dict[str, Any]:
@@ -82,7 +85,7 @@ def describe_pool(kv_args: Any, *, model_path: str, kv_dtype: str, tp_rank: int,
     heads = int(heads)
     page = int(kv_args.page_size)
     item = int(kv_args.kv_item_lens[0])
-    el = _SIZES[kv_dtype]
+    el = DTYPES[kv_dtype]
     if item % (page * heads * el):
         raise ValueError(f"page bytes {item} are not page_size {page} x {heads} heads x {el} B x head size")
     head_size = item // (page * heads * el)
