@@ -19,6 +19,7 @@ Adjacent segments are coalesced first (DLSlime opens one TCP connection per assi
 """
 from __future__ import annotations
 
+import threading
 import time
 from typing import Any, Mapping
 
@@ -58,6 +59,7 @@ class _Peer:
         self.info = remote_info
         self.local: dict[str, int] = {}
         self.remote: dict[str, int] = {}
+        self.lock = threading.Lock()  # chunks complete on several receiver threads at once
 
 
 @register_transport("dlslime")
@@ -105,16 +107,34 @@ class DLSlimeTransport(AdapterEndpoint):
         ep.connect(new)
         return _Peer(ep, new)
 
-    def _handles(self, p: _Peer, local: Region, remote: str) -> tuple[int, int]:
+    @staticmethod
+    def _handles(p: _Peer, local: Region, remote: str) -> tuple[int, int]:
+        """DLSlime handles of a local region and a peer region on ``p``'s endpoint, registered on first use.
+
+        Registration runs under ``p.lock``: chunks of one transfer complete on several receiver threads, and DLSlime
+        answers a second registration of the same local name with handle -1 (which its ``read`` then rejects).
+        Raises PeerError when the peer region is unknown or DLSlime refuses a registration."""
         lh = p.local.get(local.name)
-        if lh is None:
-            lh = p.local[local.name] = p.ep.register_memory_region(local.name, local.ptr, 0, local.length)
         rh = p.remote.get(remote)
-        if rh is None:
-            mr = p.info.get("mr_info", {}).get(remote)
-            if mr is None:
-                raise PeerError(f"peer region {remote!r} unknown to DLSlime; call connect() with a fresh descriptor")
-            rh = p.remote[remote] = p.ep.register_remote_memory_region(remote, mr)
+        if lh is not None and rh is not None:
+            return lh, rh
+        with p.lock:
+            lh = p.local.get(local.name)
+            if lh is None:
+                lh = p.ep.register_memory_region(local.name, local.ptr, 0, local.length)
+                if lh < 0:
+                    raise PeerError(f"DLSlime refused to register local region {local.name!r} (handle {lh})")
+                p.local[local.name] = lh
+            rh = p.remote.get(remote)
+            if rh is None:
+                mr = p.info.get("mr_info", {}).get(remote)
+                if mr is None:
+                    raise PeerError(f"peer region {remote!r} unknown to DLSlime; call connect() with a fresh "
+                                    "descriptor")
+                rh = p.ep.register_remote_memory_region(remote, mr)
+                if rh < 0:
+                    raise PeerError(f"DLSlime refused to register peer region {remote!r} (handle {rh})")
+                p.remote[remote] = rh
         return lh, rh
 
     def _lib_transfer(self, op, peer, local, remote, remote_addrs, deadline) -> None:

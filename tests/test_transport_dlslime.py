@@ -37,3 +37,51 @@ def test_dlslime_writes_use_acknowledged_tcp_and_reads_use_dlslime(kind, spawn, 
         assert p.call("sha", name="kv", off=0, len=size)["sha"] == sha(dst)
     finally:
         local.close()
+
+
+def test_dlslime_registers_a_local_region_once_under_concurrent_first_use():
+    # chunks of one transfer complete on several receiver threads; DLSlime 0.1.23 answers a second registration of
+    # the same local name with handle -1, which its read() rejects (a CI run failed with "read(): incompatible
+    # function arguments ... [(-1, 0, 0, 0, 262144)]"). The stand-in endpoint behaves the same, slowly, so that
+    # every thread reaches the registration at once.
+    import threading
+    import time
+
+    why = skip_reason("dlslime")
+    if why:
+        pytest.skip(why)
+    from dlmix_kv_connectors.base import Region
+    from dlmix_kv_connectors.dlslime import DLSlimeTransport, _Peer
+
+    class SlowEndpoint:
+        def __init__(self):
+            self.names: dict[str, int] = {}
+            self.calls = 0
+
+        def register_memory_region(self, name, ptr, off, length):
+            self.calls += 1
+            time.sleep(0.02)
+            if name in self.names:
+                return -1
+            self.names[name] = len(self.names)
+            return self.names[name]
+
+        def register_remote_memory_region(self, name, mr):
+            return 7
+
+    ep = SlowEndpoint()
+    peer = _Peer(ep, {"mr_info": {"kv": {"addr": 1, "length": 4096, "name": "kv"}}})
+    reg = Region("kv", 4096, 4096)
+    go = threading.Barrier(8)
+    got = []
+
+    def one():
+        go.wait()
+        got.append(DLSlimeTransport._handles(peer, reg, "kv"))
+
+    ts = [threading.Thread(target=one) for _ in range(8)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    assert got == [(0, 7)] * 8 and ep.calls == 1
