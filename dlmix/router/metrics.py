@@ -36,12 +36,88 @@ So ``/metrics`` has at most ``metrics_instance_series + 1`` instance values what
 from __future__ import annotations
 
 import time
+from bisect import bisect_left
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest, CONTENT_TYPE_LATEST
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client import CollectorRegistry, generate_latest, CONTENT_TYPE_LATEST
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 _LAT = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 OTHER = "_other"
+
+
+class _Count:
+    """A counter child: a plain number, read at scrape time (the router's event loop is its only writer)."""
+
+    __slots__ = ("v",)
+
+    def __init__(self):
+        self.v = 0
+
+    def inc(self, n=1) -> None:
+        """Add ``n`` (>= 0)."""
+        self.v += n
+
+
+class _Hist:
+    """A histogram child over the bucket upper bounds ``bounds`` (seconds): per-bucket counts, sum and count;
+    Prometheus' ``le`` rule (a value equal to a bound falls in that bucket)."""
+
+    __slots__ = ("bounds", "counts", "sum")
+
+    def __init__(self, bounds):
+        self.bounds = bounds
+        self.counts = [0] * (len(bounds) + 1)  # the last one is +Inf
+        self.sum = 0.0
+
+    def observe(self, v: float) -> None:
+        """Record one value ``v``."""
+        self.counts[bisect_left(self.bounds, v)] += 1
+        self.sum += v
+
+
+class _Family:
+    """The children of one metric, by label values; exported by :class:`_Exporter` at scrape time.
+
+    Args: name (without ``_total``), help text, label names, kind (``counter`` or ``histogram``)."""
+
+    __slots__ = ("name", "doc", "labels", "kind", "children")
+
+    def __init__(self, name: str, doc: str, labels=(), kind: str = "counter"):
+        self.name, self.doc, self.labels, self.kind = name, doc, tuple(labels), kind
+        self.children: dict = {}
+
+    def child(self, *values: str):
+        """The child of these label values (created on first use; keep it: lookups are not free)."""
+        c = self.children.get(values)
+        if c is None:
+            c = self.children[values] = _Count() if self.kind == "counter" else _Hist(_LAT)
+        return c
+
+    def collect(self):
+        if self.kind == "counter":
+            fam = CounterMetricFamily(self.name, self.doc, labels=self.labels)
+            for lv, c in self.children.items():
+                fam.add_metric(list(lv), c.v)
+        else:
+            fam = HistogramMetricFamily(self.name, self.doc, labels=self.labels)
+            for lv, h in self.children.items():
+                acc, buckets = 0, []
+                for b, n in zip(h.bounds + (float("inf"),), h.counts):
+                    acc += n
+                    buckets.append(("+Inf" if b == float("inf") else repr(float(b)), acc))
+                fam.add_metric(list(lv), buckets, h.sum)
+        return fam
+
+
+class _Exporter:
+    """prometheus-client collector over the :class:`_Family` objects of one router."""
+
+    def __init__(self, families):
+        self.families = families
+
+    def collect(self):
+        for f in self.families:
+            yield f.collect()
 
 
 class _Children:
@@ -56,6 +132,10 @@ def _klass(status: int) -> str:
 class Metrics:
     """Metric objects bound to one router; per-instance children are cached (no label lookups per request).
 
+    The request path only adds to plain numbers (:class:`_Count`, :class:`_Hist`); prometheus-client renders them
+    at scrape time through one collector, so a request pays no lock and no label check. Single writer: the
+    router's event loop.
+
     Args:
         router: the :class:`~dlmix.router.server.Router` (its ``instances`` and ``cfg.metrics_instance_series``).
     """
@@ -64,33 +144,33 @@ class Metrics:
         self.router = router
         cfg = getattr(router, "cfg", None)
         self.max_series = int(getattr(cfg, "metrics_instance_series", 32))
-        r = self.registry = CollectorRegistry()
-        self.requests = Counter("dlmix_router_requests", "Requests by placement route", ["route"], registry=r)
-        self.answers = Counter("dlmix_router_client_responses", "Answers to clients by HTTP status (passed through "
-                               "or made by the router)", ["status"], registry=r)
-        self.responses = Counter("dlmix_router_responses", "Forwarded responses by instance and status class",
-                                 ["instance", "status"], registry=r)
-        self.prefill = Counter("dlmix_router_prefill_responses", "PD prefill-leg responses by instance and status "
-                               "class (error: no HTTP answer)", ["instance", "status"], registry=r)
-        self.hits = Counter("dlmix_router_prefix_hit_tokens", "Prefix-hit tokens expected on the prefilling instance",
-                            ["instance"], registry=r)
-        self.dhits = Counter("dlmix_router_decode_prefix_hit_tokens", "PD: prompt tokens the decode instance already "
-                             "holds (index)", ["instance"], registry=r)
-        self.kv_bytes = Counter("dlmix_router_kv_bytes_handed_off", "KV bytes prefill engines reported holding for "
-                                "the decode side (kv_transfer_params)", registry=r)
-        self.kv_bytes_est = Counter("dlmix_router_kv_bytes_estimated", "Cost-model estimate of PD KV bytes",
-                                    registry=r)
-        self.ttft = Histogram("dlmix_router_ttft_seconds", "TTFT of streamed requests", ["instance", "chip"],
-                              buckets=_LAT, registry=r)
-        self.itl = Histogram("dlmix_router_itl_seconds", "Mean ITL per streamed request", ["instance", "chip"],
-                             buckets=_LAT, registry=r)
-        self.e2e = Histogram("dlmix_router_request_seconds", "End-to-end latency", ["instance", "chip"],
-                             buckets=_LAT, registry=r)
-        self.retries = Counter("dlmix_router_retries", "Retries and fallbacks", ["kind"], registry=r)
-        self.errors = Counter("dlmix_router_backend_errors", "Backend failures", ["instance"], registry=r)
-        self.ev_errors = Counter("dlmix_router_kv_event_errors", "Undecodable KV event payloads", registry=r)
+        F = _Family
+        self.requests = F("dlmix_router_requests", "Requests by placement route", ["route"])
+        self.answers = F("dlmix_router_client_responses", "Answers to clients by HTTP status (passed through or made "
+                         "by the router)", ["status"])
+        self.responses = F("dlmix_router_responses", "Forwarded responses by instance and status class",
+                           ["instance", "status"])
+        self.prefill = F("dlmix_router_prefill_responses", "PD prefill-leg responses by instance and status class "
+                         "(error: no HTTP answer)", ["instance", "status"])
+        self.hits = F("dlmix_router_prefix_hit_tokens", "Prefix-hit tokens expected on the prefilling instance",
+                      ["instance"])
+        self.dhits = F("dlmix_router_decode_prefix_hit_tokens", "PD: prompt tokens the decode instance already holds "
+                       "(index)", ["instance"])
+        kvb = F("dlmix_router_kv_bytes_handed_off", "KV bytes prefill engines reported holding for the decode side "
+                "(kv_transfer_params)")
+        kve = F("dlmix_router_kv_bytes_estimated", "Cost-model estimate of PD KV bytes")
+        self.ttft = F("dlmix_router_ttft_seconds", "TTFT of streamed requests", ["instance", "chip"], "histogram")
+        self.itl = F("dlmix_router_itl_seconds", "Mean ITL per streamed request", ["instance", "chip"], "histogram")
+        self.e2e = F("dlmix_router_request_seconds", "End-to-end latency", ["instance", "chip"], "histogram")
+        self.retries = F("dlmix_router_retries", "Retries and fallbacks", ["kind"])
+        self.errors = F("dlmix_router_backend_errors", "Backend failures", ["instance"])
+        eve = F("dlmix_router_kv_event_errors", "Undecodable KV event payloads")
+        self.kv_bytes, self.kv_bytes_est, self.ev_errors = kvb.child(), kve.child(), eve.child()
         self._routes: dict = {}
         self._answers: dict = {}
+        r = self.registry = CollectorRegistry()
+        r.register(_Exporter([self.requests, self.answers, self.responses, self.prefill, self.hits, self.dhits, kvb,
+                              kve, self.ttft, self.itl, self.e2e, self.retries, self.errors, eve]))
         r.register(_InstanceCollector(router, self.max_series))
 
     def label(self, state) -> str:
@@ -103,34 +183,36 @@ class Metrics:
         ch = _Children()
         ch.label = i
         ch.block_bytes = None
-        ch.ttft, ch.itl, ch.e2e = self.ttft.labels(i, c), self.itl.labels(i, c), self.e2e.labels(i, c)
-        ch.hits, ch.dhits, ch.err = self.hits.labels(i), self.dhits.labels(i), self.errors.labels(i)
-        ch.s2, ch.s4, ch.s5 = (self.responses.labels(i, s) for s in ("2xx", "4xx", "5xx"))
-        ch.p2, ch.p4, ch.p5, ch.perr = (self.prefill.labels(i, s) for s in ("2xx", "4xx", "5xx", "error"))
+        ch.ttft, ch.itl, ch.e2e = self.ttft.child(i, c), self.itl.child(i, c), self.e2e.child(i, c)
+        ch.hits, ch.dhits, ch.err = self.hits.child(i), self.dhits.child(i), self.errors.child(i)
+        ch.s2, ch.s4, ch.s5 = (self.responses.child(i, s) for s in ("2xx", "4xx", "5xx"))
+        ch.p2, ch.p4, ch.p5, ch.perr = (self.prefill.child(i, s) for s in ("2xx", "4xx", "5xx", "error"))
         rt.m = ch
 
     def answer(self, status: int) -> None:
         """One answer with HTTP ``status`` went to a client."""
         c = self._answers.get(status)
         if c is None:
-            c = self._answers[status] = self.answers.labels(str(status))
-        c.inc()
+            c = self._answers[status] = self.answers.child(str(status))
+        c.v += 1
 
     def done(self, rt, dec, rr, t0: float, status: int, nchunks: int, t_first: float, gaps: float) -> None:
         """A forwarded response finished (``t0``: ``perf_counter`` at arrival; ``gaps``: sum of inter-chunk gaps)."""
         ch = rt.m
-        now = time.perf_counter()
-        ch.e2e.observe(now - t0)
-        (ch.s2 if status < 400 else ch.s4 if status < 500 else ch.s5).inc()
-        self.answer(status)
+        ch.e2e.observe(time.perf_counter() - t0)
+        (ch.s2 if status < 400 else ch.s4 if status < 500 else ch.s5).v += 1
+        c = self._answers.get(status)
+        if c is None:
+            c = self._answers[status] = self.answers.child(str(status))
+        c.v += 1
         if nchunks > 1:
             ch.ttft.observe(t_first - t0)
             ch.itl.observe(gaps / (nchunks - 1))
         route = dec.reason
         c = self._routes.get(route)
         if c is None:
-            c = self._routes[route] = self.requests.labels(route)
-        c.inc()
+            c = self._routes[route] = self.requests.child(route)
+        c.v += 1
 
     def prefill_leg(self, rt, status: int = 0, kvp=None) -> None:
         """A PD prefill leg on ``rt`` ended: HTTP ``status`` (0: no answer) and, on success, the engine's
@@ -177,7 +259,7 @@ class Metrics:
             self.kv_bytes_est.inc(nbytes)
 
     def retry(self, kind: str) -> None:
-        self.retries.labels(kind).inc()
+        self.retries.child(kind).inc()
 
     def backend_error(self, rt) -> None:
         if rt.m is not None:

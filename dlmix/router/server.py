@@ -163,7 +163,7 @@ class Router:
         self._pd = pd
 
     def _view(self, instances) -> ClusterView:
-        return ClusterView(instances, self.index, self.cost, self.approx)
+        return ClusterView(instances, self.index, self.cost, self.approx, self.registry.has_prefill)
 
     # ------------------------------------------------------------------ lifecycle
     def http_limits(self) -> proxy.Limits:
@@ -367,7 +367,7 @@ class Router:
         else:
             rr = self._plain
         reg = self.registry
-        view = ClusterView(reg.instances, self.index, self.cost, self.approx)
+        view = ClusterView(reg.instances, self.index, self.cost, self.approx, False)
         try:
             dec = self.policy.choose(rr, view)
         except NoInstanceError:

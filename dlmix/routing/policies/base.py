@@ -36,7 +36,7 @@ policy overrides ``choose`` to pick the pair jointly.
 """
 from __future__ import annotations
 
-from typing import Any, ClassVar, Dict, List, Mapping, Sequence, Type
+from typing import Any, ClassVar, Dict, List, Mapping, Optional, Sequence, Type
 
 import pydantic
 
@@ -87,15 +87,19 @@ class ClusterView:
         cost: a :class:`dlmix.hw.cost.CostModel` or None (only the ``cost`` policy needs one).
         approx_index: optional second index (router-recorded prefixes) consulted when ``index`` has no hit for an
             instance; hits from it count the same.
+        has_prefill: False when the caller knows no ``prefill``-role instance is among ``instances`` (the router
+            keeps that tally), so :meth:`prefill_candidates` need not scan them; None (default): scan.
     """
 
-    __slots__ = ("instances", "index", "approx_index", "cost", "_hits")
+    __slots__ = ("instances", "index", "approx_index", "cost", "_hits", "has_prefill")
 
-    def __init__(self, instances: Sequence[InstanceState], index=None, cost=None, approx_index=None):
+    def __init__(self, instances: Sequence[InstanceState], index=None, cost=None, approx_index=None,
+                 has_prefill: Optional[bool] = None):
         self.instances = instances
         self.index = index
         self.approx_index = approx_index
         self.cost = cost
+        self.has_prefill = has_prefill
         self._hits: Dict[int, Dict[int, int]] = {}
 
     def hit_tokens(self, req: RouteRequest, inst: InstanceState) -> int:
@@ -129,6 +133,8 @@ class ClusterView:
 
     def prefill_candidates(self, req: RouteRequest) -> List[InstanceState]:
         """Available ``prefill``-role instances serving ``req.model`` (empty: no PD disaggregation)."""
+        if self.has_prefill is False:
+            return []
         m = req.model
         return [i for i in self.instances if i.healthy and not i.draining and i.role == "prefill"
                 and (not m or not i.model or m in i.model)]
