@@ -10,7 +10,9 @@ Body fields (JSON): ``id``, ``url`` (``http://host:port``, required), ``role`` (
 ``contract_version`` (the PD contract the instance speaks, :data:`dlmix.pd.contract.CONTRACT_VERSION`), ``api_key``
 (bearer key the router presents to the instance), ``lora_adapters`` (``{name: path}`` of the LoRA adapters the
 instance serves, as vLLM's ``--lora-modules``; the router puts vLLM's ``("lora", name, path)`` key into the prefix
-hashes of requests naming one).
+hashes of requests naming one), ``bootstrap_port`` (the port of the instance's PD bootstrap server, on the host of
+``url``: SGLang's ``--disaggregation-bootstrap-port``; required for a prefill instance of an engine whose PD flow
+is concurrent, see :mod:`dlmix.router.engines.base`).
 Unset optional fields are omitted (the router applies its defaults).
 """
 from __future__ import annotations
@@ -49,6 +51,7 @@ class Registration(msgspec.Struct, kw_only=True, omit_defaults=True, forbid_unkn
     contract_version: int | None = None
     api_key: str | None = None
     lora_adapters: dict[str, str] | None = None
+    bootstrap_port: Annotated[int, msgspec.Meta(ge=1, le=65535)] | None = None
 
     def __post_init__(self) -> None:
         u = urlparse(self.url.rstrip("/"))
@@ -75,7 +78,7 @@ def registration_body(*, url: str, role: str = "both", engine: str = "vllm", ins
                       cluster: str | None = None, block_size: int | None = None,
                       kv_layout: KVLayout | dict[str, Any] | None = None, transport: dict[str, Any] | None = None,
                       kv_events: str | None = None, heartbeat_ttl_s: float | None = None,
-                      pd: bool | None = None) -> dict[str, Any]:
+                      pd: bool | None = None, bootstrap_port: int | None = None) -> dict[str, Any]:
     """The JSON body of ``POST /admin/instances`` (pure function).
 
     ``block_size`` defaults to the layout's. ``pd``: whether the instance takes part in PD transfers under this
@@ -91,7 +94,7 @@ def registration_body(*, url: str, role: str = "both", engine: str = "vllm", ins
                          "transport": dict(transport) if transport else None, "kv_events": kv_events,
                          "heartbeat_ttl_s": float(heartbeat_ttl_s) if heartbeat_ttl_s is not None else None,
                          "contract_version": CONTRACT_VERSION if (pd if pd is not None else lay is not None)
-                         else None}
+                         else None, "bootstrap_port": bootstrap_port}
     reg = decode_registration({k: v for k, v in d.items() if v is not None})
     out = msgspec.to_builtins(reg)
     if "role" not in out:  # omit_defaults drops it; the router's default is the same, but be explicit

@@ -1,5 +1,11 @@
 """PD orchestration: the prefill leg of a disaggregated request, its retries and its fallback.
 
+Two flows, by the engine adapter's ``PD_FLOW`` (:mod:`dlmix.router.engines.base`): *sequential* (vLLM,
+:meth:`PDOrchestrator.prefill`, below) and *concurrent* (SGLang, :meth:`PDOrchestrator.concurrent`: both legs at
+once, joined by a bootstrap hand-off; a failed prefill leg cancels the decode leg and is placed again by the policy,
+a failed decode leg or a client that goes away cancels the prefill leg).
+
+Sequential flow:
 For a decision with a prefill instance P and a decode instance D, :meth:`PDOrchestrator.prefill` sends P the engine
 adapter's prefill request (:func:`dlmix.router.engines.get_engine` ``.prefill_body``) and returns the
 ``kv_transfer_params`` the decode leg carries to D. When the leg fails (connection error, timeout after
@@ -10,6 +16,7 @@ instance is tried next, its choice of no prefill instance (or no choice at all) 
 """
 from __future__ import annotations
 
+import asyncio
 from typing import Callable, Optional
 
 from dlmix.router.proxy import BackendError, build_request, request
@@ -93,6 +100,90 @@ class PDOrchestrator:
             self.move(dec, rr, alt.prefill, alt.hit_tokens, alt.predicted_ttft)
             p = alt.prefill
             tried.add(p.id)
+            if m:
+                m.retry("prefill")
+
+    async def concurrent(self, conn, req, d: dict, rr: RouteRequest, dec: Decision, chat: bool, fwd: bytes,
+                         first: Callable[[], None]):
+        """Run both legs of ``dec`` at once (concurrent PD flow): the hand-off (the prefill instance's bootstrap host,
+        port and a fresh room) goes into both; the decode leg streams to the client.
+
+        Returns ``(decode backend, decode BackendConn)`` when the decode leg finished; :data:`SENT` when the prefill
+        instance's 4xx answer went to the client (the decode leg is cancelled). A prefill leg that fails (connection
+        error, timeout after ``prefill_timeout_s``, 5xx) before the decode leg sent anything cancels the decode leg
+        and is placed again by the policy (at most ``retries`` other prefill instances, each with a new room).
+        Raises BackendError: from the decode leg (``.prefill_failed`` False: the decode instance is to blame), or,
+        with ``.prefill_failed`` True, when no prefill instance could serve the request. Cancelling this coroutine
+        (client gone) cancels both legs.
+        """
+        m = self.metrics
+        tried: set = set()
+        last: Optional[str] = None
+        while True:
+            p = dec.prefill
+            tried.add(p.id)
+            db = self.registry.backends.get(dec.decode.id)
+            if db is None:
+                raise BackendError(f"instance {dec.decode.id} was removed")
+            pb = self.registry.backends.get(p.id)
+            if pb is None or pb.bootstrap is None:
+                last = f"prefill instance {p.id} was removed" if pb is None else f"{p.id} has no bootstrap_port"
+            else:
+                kvp = pb.engine.handoff(*pb.bootstrap)
+                praw = build_request(b"POST", req.url, pb.hostport, pb.auth + fwd, pb.engine.prefill_body(d, chat, kvp))
+                draw = build_request(req.method, req.url, db.hostport, db.auth + fwd,
+                                     db.engine.decode_body(req.body, kvp, d))
+                started = [False]
+
+                def on_first(_s=started):
+                    _s[0] = True
+                    first()
+                ptask = asyncio.ensure_future(request(pb.pool, praw, None, conn, self.cfg.prefill_timeout_s))
+                dtask = asyncio.ensure_future(request(db.pool, draw, conn.transport, conn, None, on_first))
+                try:
+                    await asyncio.wait((ptask, dtask), return_when=asyncio.FIRST_COMPLETED)
+                    if not ptask.done():  # the decode leg ended first
+                        if dtask.exception() is not None:
+                            raise dtask.exception()  # (the prefill leg is cancelled below)
+                        if dtask.result().status != 200:  # its answer went to the client; the prefill is moot
+                            return db, dtask.result()
+                        await asyncio.wait((ptask,))  # the KV is home: the prefill's answer follows
+                    perr = ptask.exception()
+                    pstatus = None if perr is not None else ptask.result().status
+                    if m:
+                        m.prefill_leg(pb, pstatus or 0)
+                    if pstatus == 200 or started[0] or dtask.done():
+                        if pstatus == 200:
+                            pb.fails = 0
+                        elif not (conn.closed or conn.transport.is_closing()):
+                            self.registry.fail(pb, perr)
+                        c = await dtask  # raises the decode leg's BackendError
+                        return db, c
+                    dtask.cancel()
+                    if pstatus is not None and 400 <= pstatus < 500:
+                        status, hdrs, rbody = ptask.result().collected()
+                        ctype = next((v for k, v in hdrs if k == b"content-type"), b"application/json")
+                        if m:
+                            m.answer(status)
+                        conn.send(status, rbody, ctype)
+                        return SENT
+                    if conn.closed:
+                        raise perr or BackendError("client went away")
+                    self.registry.fail(pb, perr)
+                    last = str(perr) if perr is not None else f"prefill instance {p.id} answered {pstatus}"
+                finally:
+                    for t in (ptask, dtask):
+                        if not t.done():
+                            t.cancel()
+                    for t in (ptask, dtask):
+                        if t.done() and not t.cancelled():
+                            t.exception()  # retrieved: no "never retrieved" warning
+            alt = self.replace(rr, dec, tried) if len(tried) <= self.cfg.retries else None
+            if alt is None:
+                ex = BackendError(f"no prefill instance could serve the request (last: {last})")
+                ex.prefill_failed = True
+                raise ex
+            self.move(dec, rr, alt.prefill, alt.hit_tokens, alt.predicted_ttft)
             if m:
                 m.retry("prefill")
 

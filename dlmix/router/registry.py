@@ -80,7 +80,7 @@ class Backend:
     """
 
     __slots__ = ("state", "pool", "hostport", "auth", "engine", "hb_ttl", "last_hb", "hc_ok", "hc_fails", "fails",
-                 "open_until", "ev_task", "m", "loop")
+                 "open_until", "ev_task", "m", "loop", "bootstrap")
 
     def __init__(self, state: InstanceState, connect_timeout: float, ttl: float, via: bytes = b""):
         self.state = state
@@ -89,6 +89,9 @@ class Backend:
         self.hostport = self.pool.hostport
         self.auth = (b"authorization: Bearer %s\r\n" % state.api_key.encode() if state.api_key else b"") + via
         self.engine = get_engine(state.engine)
+        bp = state.extra.get("bootstrap_port")
+        #: (host, port) of the instance's PD bootstrap server (concurrent PD flow), or None
+        self.bootstrap = (u.hostname, int(bp)) if isinstance(bp, int) else None
         self.hb_ttl = ttl
         self.last_hb = time.monotonic()
         self.hc_ok = True
@@ -174,6 +177,11 @@ class Registry:
         self._models: Dict[tuple, int] = {}
         self._groups: Dict[Tuple[str, str], Dict[str, set]] = {}
         self._layouts: Dict[str, dict] = {}
+        #: decode-role instances that cannot serve a request without a prefill instance (engine adapter's
+        #: ``DECODE_NEEDS_PREFILL``)
+        self.decode_needs_prefill = 0
+        #: (model, role) -> {engine PD flow: instance count}
+        self._flows: Dict[Tuple[str, str], Dict[str, int]] = {}
         self._pair_cache: Dict[Tuple[str, str], bool] = {}
         self._self_cache = None
         self._started = False
@@ -200,6 +208,9 @@ class Registry:
             raise RegistrationError(400, f"id {st.id!r} is registered with url {old.state.url} and url {st.url} "
                                     f"with id {by_url.state.id!r}; remove one first")
         old = old or by_url
+        reasons = self._flow_conflicts(st, old)
+        if reasons:
+            raise RegistrationError(409, f"PD flow of {st.id} cannot pair with registered instances", reasons)
         reasons = self._layout_conflicts(st, lkey, old)
         if reasons:
             raise RegistrationError(409, f"KV layout of {st.id} is incompatible with registered instances", reasons)
@@ -253,9 +264,12 @@ class Registry:
         if reg.api_key is not None and not _TOKEN.match(reg.api_key):
             raise RegistrationError(400, "api_key must be 1-4096 visible ASCII characters (it becomes an HTTP header)")
         try:
-            get_engine(reg.engine)
+            eng = get_engine(reg.engine)
         except ValueError as ex:
             raise RegistrationError(400, str(ex)) from None
+        if reg.role == "prefill" and eng.PD_FLOW == "concurrent" and reg.bootstrap_port is None:
+            raise RegistrationError(400, f"a {reg.engine} prefill instance needs bootstrap_port (the port of its PD "
+                                         "bootstrap server, e.g. SGLang's --disaggregation-bootstrap-port)")
         try:
             chip = self.catalog.chip(reg.chip or "cpu-x86").name
         except KeyError as ex:
@@ -343,6 +357,13 @@ class Registry:
         if isinstance(loras, dict):
             self.loras.update(loras)
         st.extra["_lkey"] = lkey
+        eng = get_engine(st.engine)
+        if st.role == "decode" and eng.DECODE_NEEDS_PREFILL:
+            self.decode_needs_prefill += 1
+        flow = eng.PD_FLOW
+        for m in (st.model or ("",)):
+            f = self._flows.setdefault((m, st.role), {})
+            f[flow] = f.get(flow, 0) + 1
         if lkey is not None:
             self._layouts.setdefault(lkey, st.kv_layout)
             for m in (st.model or ("",)):
@@ -368,6 +389,15 @@ class Registry:
             self.model_names[m] -= 1
             if not self.model_names[m]:
                 del self.model_names[m]
+        if st.role == "decode" and b.engine.DECODE_NEEDS_PREFILL:
+            self.decode_needs_prefill -= 1
+        flow = b.engine.PD_FLOW
+        for m in (st.model or ("",)):
+            f = self._flows.get((m, st.role))
+            if f is not None and f.get(flow):
+                f[flow] -= 1
+                if not f[flow]:
+                    del f[flow]
         lkey = st.extra.get("_lkey")
         if lkey is not None:
             for m in (st.model or ("",)):
@@ -389,6 +419,34 @@ class Registry:
     def distinct_models(self) -> int:
         """Number of distinct registered model lists."""
         return len(self._models)
+
+    def _flow_conflicts(self, st: InstanceState, old: Optional[Backend]) -> List[str]:
+        """Why ``st`` cannot take part in PD with the registered prefill/decode counterparts of a shared model: their
+        engines' PD flows differ (e.g. vLLM's sequential ``kv_transfer_params`` and SGLang's concurrent bootstrap
+        hand-off; :mod:`dlmix.router.engines.base`). Cost: a few dict lookups per model of ``st``."""
+        if st.role == "both":
+            others = ("prefill",)
+        elif st.role == "prefill":
+            others = ("decode", "both")
+        else:
+            others = ("prefill",)
+        flow = get_engine(st.engine).PD_FLOW
+        keys = [(m, r) for m in (tuple(st.model) + ("",) if st.model else ("",)) for r in others]
+        if not st.model:
+            keys += [k for k in self._flows if k[1] in others and k[0]]
+        reasons: List[str] = []
+        for m, r in keys:
+            f = dict(self._flows.get((m, r)) or {})
+            if old is not None and old.state.role == r and (m in old.state.model or (not m and not old.state.model)):
+                of = old.engine.PD_FLOW
+                if f.get(of):
+                    f[of] -= 1
+            bad = sorted(k for k, n in f.items() if n > 0 and k != flow)
+            if bad:
+                what = f"model {m!r}" if m else "any model"
+                reasons.append(f"{st.id} ({st.engine}, PD flow {flow}) vs registered {r} instances of {what} "
+                               f"(PD flow {', '.join(bad)}): a prefill and a decode must use the same PD flow")
+        return reasons
 
     def _layout_conflicts(self, st: InstanceState, lkey: Optional[str], old: Optional[Backend]) -> List[str]:
         """Incompatibilities between ``st``'s KV layout and registered counterparts (prefill -> decode pairs of a

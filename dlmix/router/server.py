@@ -160,7 +160,7 @@ class Router:
         """Recompute the fast-path flags from the registry's tallies (O(1): no scan of the fleet)."""
         pd = self.registry.has_prefill
         self._needs_parse = self.policy.needs_prompt or self.registry.distinct_models > 1 or pd
-        self._pd = pd
+        self._pd = pd or self.registry.decode_needs_prefill > 0
 
     def _view(self, instances) -> ClusterView:
         return ClusterView(instances, self.index, self.cost, self.approx, self.registry.has_prefill)
@@ -412,7 +412,6 @@ class Router:
         """Coroutine driver: place (unless ``dec`` is given), run the PD prefill leg if any, forward, settle; retry
         on another instance while :meth:`_settle` says so."""
         fwd = forward_headers(req.headers)
-        m = self.metrics
         last: Optional[BackendError] = None
         while True:
             if dec is None:
@@ -431,26 +430,13 @@ class Router:
                     prefill_done(_dec, _rr)
             b = c = err = None
             try:
-                data = req.body
-                if dec.prefill is not None:
-                    kvp = await self.pd.prefill(conn, req, d, rr, dec, chat, fwd)
-                    if kvp is SENT:
-                        return
-                    if kvp is not None:  # else: fell back to prefill on D (dec.prefill is None now)
-                        data = self.rt[dec.decode.id].engine.decode_body(req.body, kvp, d)
-                        if m:
-                            hd = min(view.hit_tokens(rr, dec.decode), rr.prompt_len)
-                            m.decode_hit(self.rt.get(dec.decode.id), hd)
-                            if self.cost is not None:
-                                m.kv_estimate(self.cost.kv_bytes(rr.prompt_len - hd))
-                        first()
-                b = self.rt.get(dec.decode.id)
-                if b is None:
-                    raise BackendError(f"instance {dec.decode.id} was removed")
-                raw = build_request(req.method, req.url, b.hostport, b.auth + fwd, data)
-                c = await request(b.pool, raw, conn.transport, conn, None, first)
+                r = await self._legs(conn, req, chat, d, rr, dec, view, fwd, first)
+                if r is SENT:
+                    return
+                b, c = r
             except BackendError as ex:
                 err = ex
+                b = None if getattr(ex, "prefill_failed", False) else self.rt.get(dec.decode.id)
             finally:
                 end(dec, rr, state[0])
             if not self._settle(conn, req, b, dec, rr, c, err, attempts):
@@ -459,6 +445,38 @@ class Router:
             attempts += 1
             excluded = (excluded or set()) | {dec.decode.id}
             dec = None
+
+    async def _legs(self, conn, req, chat: bool, d, rr: RouteRequest, dec, view, fwd: bytes, first):
+        """The backend legs of one placement: the PD prefill leg (sequential or concurrent, by the prefill instance's
+        engine adapter) if any, and the decode (or whole-request) leg streaming to the client. Returns
+        ``(decode backend, BackendConn)``, or :data:`SENT` when the answer was already sent (a prefill instance's
+        4xx; 503 when a decode-only instance has no prefill instance). Raises BackendError."""
+        m = self.metrics
+        pb = self.rt.get(dec.prefill.id) if dec.prefill is not None else None
+        if pb is not None and pb.engine.PD_FLOW == "concurrent":
+            return await self.pd.concurrent(conn, req, d, rr, dec, chat, fwd, first)
+        data = req.body
+        if dec.prefill is not None:
+            kvp = await self.pd.prefill(conn, req, d, rr, dec, chat, fwd)
+            if kvp is SENT:
+                return SENT
+            if kvp is not None:  # else: fell back to prefill on D (dec.prefill is None now)
+                data = self.rt[dec.decode.id].engine.decode_body(req.body, kvp, d)
+                if m:
+                    hd = min(view.hit_tokens(rr, dec.decode), rr.prompt_len)
+                    m.decode_hit(self.rt.get(dec.decode.id), hd)
+                    if self.cost is not None:
+                        m.kv_estimate(self.cost.kv_bytes(rr.prompt_len - hd))
+                first()
+        b = self.rt.get(dec.decode.id)
+        if b is None:
+            raise BackendError(f"instance {dec.decode.id} was removed")
+        if dec.prefill is None and dec.decode.role == "decode" and b.engine.DECODE_NEEDS_PREFILL:
+            self._send(conn, 503, _json.encode({"error": f"no prefill instance available for decode-only "
+                                                         f"instance {dec.decode.id} ({dec.decode.engine})"}))
+            return SENT
+        raw = build_request(req.method, req.url, b.hostport, b.auth + fwd, data)
+        return b, await request(b.pool, raw, conn.transport, conn, None, first)
 
     def _dispatch(self, rr: RouteRequest, dec, view: ClusterView) -> None:
         """A placement goes out: count it in the load, tell the policy, remember the prefix (approximate index)."""

@@ -11,6 +11,12 @@ Used by the router tests (in process, with :class:`~dlmix.testing.LoopThread`), 
   non-streamed answer is sent after ``ttft + itl * (n - 1)``).
 * PD: a request with ``kv_transfer_params.do_remote_decode`` is a prefill leg (1 token, returns NIXL-like
   ``kv_transfer_params``); one with ``do_remote_prefill`` is recorded in ``remote_prefills`` and decodes normally.
+* SGLang's PD flow (``engine="sglang"``): a request carrying ``bootstrap_host``/``bootstrap_port``/``bootstrap_room``
+  on a ``prefill`` mock (its ``bootstrap_port`` set) is a prefill leg: after ``ttft`` it marks the room ready (in a
+  table shared by the mocks of one process) and answers 1 token; on a ``decode`` mock it waits (up to
+  ``bootstrap_timeout`` s; 500 then) until the room named by its bootstrap fields is ready, then decodes normally.
+  A ``decode`` SGLang mock answers a request without bootstrap fields with 400, as a decode-mode server cannot serve
+  it. ``rooms`` records ``(bootstrap_host, bootstrap_port, bootstrap_room)`` of each leg.
 * Prefix cache counters as vLLM counts them (``GET /metrics``: ``vllm:prefix_cache_queries_total``,
   ``vllm:prefix_cache_hits_total``, ``vllm:num_requests_running``, ``vllm:request_success_total``): the prompt is cut
   into ``block_size``-token blocks chained by hash; a request hits the leading full blocks seen before (unbounded).
@@ -18,7 +24,7 @@ Used by the router tests (in process, with :class:`~dlmix.testing.LoopThread`), 
   ``BlockRemoved`` on LRU eviction past ``capacity_blocks``).
 * Control: ``fail_status`` (answer every generation request with that status), ``healthy`` (``/health`` 200 or 503),
   ``die()`` (close the listener and drop every connection, like a killed process), ``received`` raw bodies
-  (``bodies`` parsed), ``max_inflight``, ``aborted``.
+  (``bodies`` parsed), ``max_inflight``, ``aborted`` (streams cut short), ``cancelled`` (any request cut short).
 * ``canned=True``: every generation request gets a fixed 8-token answer (JSON or SSE) written from a callback without
   parsing, so a router benchmark measures the router, not the mock; ``GET /mock/stats`` answers ``{"requests": n}``.
 
@@ -46,6 +52,8 @@ from dlmix.routing.hashing import BlockHasher
 __all__ = ["MockEngine", "serve", "main"]
 
 _enc = msgspec.json.Encoder()
+#: SGLang PD emulation: (bootstrap_port, bootstrap_room) -> name of the prefill mock that served the room
+_READY_ROOMS: dict = {}
 _GEN = (b"/v1/completions", b"/v1/chat/completions")
 
 
@@ -73,12 +81,20 @@ class MockEngine:
         block_size: KV block size (tokens) for events and prefix counters. capacity_blocks: LRU size for events.
         record: keep raw request bodies in ``received``. name: ``remote_engine_id`` of its prefill answers.
         canned: fixed fast answers (benchmarks; see the module docstring).
+        engine: ``vllm`` or ``sglang`` (PD flow, see the module docstring). bootstrap_port: an SGLang prefill
+        mock's bootstrap port (any int: no socket is opened). bootstrap_timeout: seconds an SGLang decode mock
+        waits for its room's prefill.
     """
 
     def __init__(self, model: str = "mock", role: str = "both", ttft: float = 0.0, itl: float = 0.0,
                  kv_events: bool = False, block_size: int = 16, capacity_blocks: int = 100_000,
-                 record: bool = True, name: str = "mock", canned: bool = False):
+                 record: bool = True, name: str = "mock", canned: bool = False, engine: str = "vllm",
+                 bootstrap_port: Optional[int] = None, bootstrap_timeout: float = 5.0):
         self.model, self.role, self.ttft, self.itl = model, role, ttft, itl
+        self.engine = engine
+        self.bootstrap_port = bootstrap_port
+        self.bootstrap_timeout = bootstrap_timeout
+        self.rooms: List[tuple] = []
         self.block_size = block_size
         self.capacity = capacity_blocks
         self.record = record
@@ -95,6 +111,7 @@ class MockEngine:
         self.queries = 0  # prefix-cache query tokens
         self.fail_status: Optional[int] = None
         self.aborted = 0  # streams cut short because the client (router) closed the connection
+        self.cancelled = 0  # requests of any kind cut short that way (waiting, prefilling or streaming)
         self.healthy = True
         self._kv = kv_events
         self._pub = None
@@ -271,11 +288,33 @@ class MockEngine:
         tokens, text = self._extract.extract(chat, d)
         tokens = tokens or []
         kvp_in = d.get("kv_transfer_params") or {}
+        room = None
+        if self.engine == "sglang":
+            if "bootstrap_room" in d:
+                room = (d.get("bootstrap_host"), d.get("bootstrap_port"), d.get("bootstrap_room"))
+                self.rooms.append(room)
+            elif self.role == "decode":
+                return conn.send(400, _enc.encode({"error": {"message": "decode mode needs bootstrap_room",
+                                                             "type": "BadRequestError", "code": 400}}))
         self.inflight += 1
         self.max_inflight = max(self.max_inflight, self.inflight)
         try:
+            if room is not None and self.role == "decode":
+                deadline = time.monotonic() + self.bootstrap_timeout
+                while _READY_ROOMS.get(room[1:]) is None:
+                    if time.monotonic() > deadline:
+                        return conn.send(500, _enc.encode({"error": {"message": f"bootstrap room {room[2]} timed "
+                                                                                f"out", "code": 500}}))
+                    await asyncio.sleep(0.005)
             if self.ttft:
                 await asyncio.sleep(self.ttft)
+            if room is not None and self.role == "prefill":
+                if room[1] != self.bootstrap_port:
+                    return conn.send(400, _enc.encode({"error": {"message": f"bootstrap_port {room[1]} is not "
+                                                                            f"this prefill's", "code": 400}}))
+                _READY_ROOMS[room[1:]] = self.name
+                if len(_READY_ROOMS) > 100_000:
+                    _READY_ROOMS.clear()
             salt = d.get("cache_salt")
             hashes = self._hasher.block_hashes(tokens, self.block_size, salt if isinstance(salt, str) else None)
             self.prefix_lookup(hashes, len(tokens))
@@ -284,7 +323,10 @@ class MockEngine:
             rid = ("chatcmpl-" if chat else "cmpl-") + f"{seed:08x}"
             words = [f" w{(seed + i) % 997}" for i in range(n)]
             kvp_out = None
-            if kvp_in.get("do_remote_decode"):
+            if room is not None and self.role == "prefill":
+                self.prefill_legs += 1
+                words = words[:1]
+            elif kvp_in.get("do_remote_decode"):
                 self.prefill_legs += 1
                 words = words[:1]
                 bs = self.block_size
@@ -315,6 +357,9 @@ class MockEngine:
                 out = {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": 0,
                        "model": self.model, "choices": [choice], "usage": usage, "kv_transfer_params": kvp_out}
                 conn.send(200, _enc.encode(out))
+        except asyncio.CancelledError:  # the client (router) closed the connection mid-request
+            self.cancelled += 1
+            raise
         finally:
             self.inflight -= 1
 

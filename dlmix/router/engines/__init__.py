@@ -1,16 +1,17 @@
 """Engine adapters: everything engine-specific the router needs, one small module per engine protocol.
 
 Each adapter module implements :class:`dlmix.router.engines.base.EngineAdapter` (``NAME``, ``HEALTH_PATH``,
-``MODELS_PATH``, ``prefill_body``, ``kv_transfer_params``, ``decode_body``); see that module for the contract.
+``MODELS_PATH``, ``PD_FLOW``, ``prefill_body``, ``kv_transfer_params``, ``decode_body``); see that module for the
+contract.
 """
 from __future__ import annotations
 
 from typing import Dict
 
-from dlmix.router.engines import vllm
+from dlmix.router.engines import sglang, vllm
 from dlmix.router.engines.base import EngineAdapter
 
-ENGINES: Dict[str, EngineAdapter] = {vllm.NAME: vllm}  # type: ignore[dict-item]
+ENGINES: Dict[str, EngineAdapter] = {vllm.NAME: vllm, sglang.NAME: sglang}  # type: ignore[dict-item]
 
 
 def get_engine(name: str) -> EngineAdapter:

@@ -4,13 +4,19 @@ The router only calls these names on an instance's adapter (``get_engine(state.e
 
 * ``NAME``: engine name used in registrations (``vllm``, ``sglang``, ``lmdeploy``).
 * ``HEALTH_PATH`` / ``MODELS_PATH``: bytes paths of the health check and the model list.
-* ``prefill_body(body, chat) -> bytes``: the prefill-leg request built from the client's parsed JSON ``body``
-  (not modified); ``chat`` is True for ``/v1/chat/completions``.
-* ``kv_transfer_params(resp_body) -> dict``: the transfer parameters out of the prefill response (for engines that
-  speak the dlmix contract: a :class:`dlmix.pd.contract.TransferParams` dict). Raises ValueError when absent or
-  malformed.
-* ``decode_body(raw, kvp, parsed=None) -> bytes``: the decode-leg request: the client's original bytes plus ``kvp``.
-  Raises ValueError when ``raw`` is not a JSON object.
+* ``PD_FLOW``: how a disaggregated request runs. ``"sequential"`` (vLLM): the prefill leg first, its answer's
+  ``kv_transfer_params`` go into the decode leg. ``"concurrent"`` (SGLang): both legs at once, joined by a hand-off
+  the router makes before either starts (``handoff(host, bootstrap_port) -> dict``). The router pairs a prefill
+  and a decode instance only when their flows are equal (registration answers 409 otherwise).
+* ``DECODE_NEEDS_PREFILL``: True when a decode-role instance cannot serve a request alone (then, without a prefill
+  instance, the router answers 503 rather than sending it there).
+* ``prefill_body(body, chat, kvp=None) -> bytes``: the prefill-leg request built from the client's parsed JSON
+  ``body`` (not modified); ``chat`` is True for ``/v1/chat/completions``; ``kvp``: the hand-off (concurrent flow).
+* ``kv_transfer_params(resp_body) -> dict``: the transfer parameters out of the prefill response (sequential flow;
+  for engines that speak the dlmix contract: a :class:`dlmix.pd.contract.TransferParams` dict). Raises ValueError
+  when absent or malformed.
+* ``decode_body(raw, kvp, parsed=None) -> bytes``: the decode-leg request: the client's original bytes plus ``kvp``
+  (the transfer parameters, or the hand-off). Raises ValueError when ``raw`` is not a JSON object.
 
 A new engine is one file implementing these (copy :mod:`dlmix.router.engines.vllm`), added to
 :data:`dlmix.router.engines.ENGINES`; ``tests/test_pd_contract.py`` checks every registered adapter against
@@ -30,8 +36,10 @@ class EngineAdapter(Protocol):
     NAME: str
     HEALTH_PATH: bytes
     MODELS_PATH: bytes
+    PD_FLOW: str
+    DECODE_NEEDS_PREFILL: bool
 
-    def prefill_body(self, body: dict, chat: bool) -> bytes: ...
+    def prefill_body(self, body: dict, chat: bool, kvp: Any = None) -> bytes: ...
 
     def kv_transfer_params(self, resp_body: bytes) -> dict: ...
 

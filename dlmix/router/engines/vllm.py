@@ -20,6 +20,10 @@ import msgspec
 NAME = "vllm"
 HEALTH_PATH = b"/health"
 MODELS_PATH = b"/v1/models"
+#: the prefill leg first; its ``kv_transfer_params`` go into the decode leg
+PD_FLOW = "sequential"
+#: a decode-role (kv_consumer / kv_both) vLLM instance recomputes the prompt itself when no prefill is available
+DECODE_NEEDS_PREFILL = False
 
 PREFILL_KV_PARAMS = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
                      "remote_block_ids": None, "remote_host": None, "remote_port": None}
@@ -34,8 +38,9 @@ class _PrefillResp(msgspec.Struct):
 _dec_prefill = msgspec.json.Decoder(_PrefillResp)
 
 
-def prefill_body(body: dict, chat: bool) -> bytes:
-    """JSON bytes of the prefill-leg request built from the client's parsed ``body`` (not modified)."""
+def prefill_body(body: dict, chat: bool, kvp: dict | None = None) -> bytes:
+    """JSON bytes of the prefill-leg request built from the client's parsed ``body`` (not modified); ``kvp`` is
+    unused (the sequential flow has no hand-off before the prefill)."""
     b = dict(body)
     b["max_tokens"] = 1
     if chat:

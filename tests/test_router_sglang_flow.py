@@ -1,0 +1,235 @@
+"""The router's SGLang PD flow against mock SGLang engines (:mod:`dlmix.testing.mock_engine`, ``engine="sglang"``):
+both legs at once with one bootstrap room, answers identical to a single engine, a failed leg cancels the other,
+a failed prefill is placed again by the policy, registration checks. The same flow on real SGLang servers is in
+``tests/test_sglang_pd.py``."""
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import httpx
+import pytest
+
+from dlmix.router.config import RouterConfig
+from dlmix.router.engines import sglang as sg
+from dlmix.router.server import Router
+from dlmix.testing import LoopThread, poll
+from dlmix.testing.mock_engine import MockEngine
+
+BODY = {"model": "mock", "prompt": "The quick brown fox jumps over the lazy dog. " * 20, "max_tokens": 7,
+        "temperature": 0.0, "my_unknown_field": {"nested": [1, 2.5, None, "x"]}}
+CHAT = {"model": "mock", "messages": [{"role": "system", "content": "You are terse. " * 30},
+                                      {"role": "user", "content": "Say hi."}], "max_tokens": 6}
+#: the PD placements of the ``cost`` policy on every request (no local prefill)
+PD = {"policy": "cost", "policy_params": {"local_max_uncached": 0}, "model_spec": "llama-3.1-8b"}
+
+
+@pytest.fixture(scope="module")
+def lt():
+    t = LoopThread()
+    yield t
+    t.close()
+
+
+class Cluster:
+    """Mock SGLang prefill/decode engines behind a router (plus a plain reference engine, not registered)."""
+
+    def __init__(self, lt, prefills, decodes, **cfg):
+        self.lt = lt
+        self.ref = MockEngine(name="ref")
+        self.engines = [*prefills, *decodes, self.ref]
+        for e in self.engines:
+            lt.run(e.start())
+        insts = [{"url": e.url, "model": "mock", "role": "prefill", "id": e.name, "chip": "H100", "engine": "sglang",
+                  "bootstrap_port": e.bootstrap_port} for e in prefills]
+        insts += [{"url": e.url, "model": "mock", "role": "decode", "id": e.name, "chip": "H20", "engine": "sglang"}
+                  for e in decodes]
+        cfg.setdefault("health_interval_s", 0.2)
+        self.cfg = RouterConfig(port=0, instances=insts, **cfg)
+        self.router = Router(self.cfg)
+        lt.run(self.router.start())
+        self.base = f"http://127.0.0.1:{self.cfg.port}"
+
+    def close(self):
+        self.lt.run(self.router.stop())
+        for e in self.engines:
+            self.lt.run(e.stop())
+
+
+def _sse(text: str):
+    return [json.loads(line[6:]) for line in text.split("\n") if line.startswith("data: {")]
+
+
+def _prefill(name="p", port=7001, **kw):
+    return MockEngine(name=name, role="prefill", engine="sglang", bootstrap_port=port, **kw)
+
+
+def _decode(name="d", **kw):
+    return MockEngine(name=name, role="decode", engine="sglang", **kw)
+
+
+def test_adapter_bodies():
+    kvp = sg.handoff("10.0.0.7", 8998, room=42)
+    assert kvp == {"bootstrap_host": "10.0.0.7", "bootstrap_port": 8998, "bootstrap_room": 42}
+    assert 0 <= sg.handoff("h", 1)["bootstrap_room"] < 2 ** 63
+    raw = b'{"model": "m", "prompt": "hi", "stream": true}'
+    assert json.loads(sg.decode_body(raw, kvp)) == {"model": "m", "prompt": "hi", "stream": True, **kvp}
+    assert json.loads(sg.decode_body(b"{}", kvp)) == kvp
+    # a client's own bootstrap fields are replaced, not duplicated
+    spoof = b'{"prompt": "x", "bootstrap_room": 1, "bootstrap_host": "evil"}'
+    assert json.loads(sg.decode_body(spoof, kvp)) == {"prompt": "x", **kvp}
+    with pytest.raises(ValueError):
+        sg.decode_body(b"[1, 2]", kvp)
+    p = json.loads(sg.prefill_body({"prompt": "x", "stream": True, "stream_options": {"include_usage": True}},
+                                   False, kvp))
+    assert p == {"prompt": "x", "stream": False, **kvp}
+    with pytest.raises(ValueError):
+        sg.prefill_body({"prompt": "x"}, False, None)
+
+
+def test_both_legs_at_once_with_one_room_and_identical_answers(lt):
+    p, d = _prefill(ttft=0.02), _decode()
+    c = Cluster(lt, [p], [d], **PD)
+    try:
+        with httpx.Client(timeout=30) as h:
+            for path, base in (("/v1/completions", BODY), ("/v1/chat/completions", CHAT)):
+                for stream in (False, True):
+                    body = dict(base, stream=stream)
+                    via = h.post(c.base + path, json=body)
+                    direct = h.post(c.ref.url + path, json=body)
+                    assert via.status_code == 200, via.text
+                    if stream:
+                        assert _sse(via.text) == _sse(direct.text)
+                    else:
+                        assert via.json() == direct.json()
+        assert p.prefill_legs == 4 and len(d.rooms) == 4
+        assert p.rooms == d.rooms  # the same room on both legs, each request its own
+        assert len({r[2] for r in d.rooms}) == 4 and all(r[:2] == ("127.0.0.1", 7001) for r in d.rooms)
+        leg, dec = json.loads(p.received[-1]), json.loads(d.received[-1])
+        room = {k: dec.pop(k) for k in ("bootstrap_host", "bootstrap_port", "bootstrap_room")}
+        assert dec == dict(CHAT, stream=True)  # the client's request plus the hand-off, nothing else changed
+        assert leg == dict(CHAT, stream=False, **room)
+    finally:
+        c.close()
+
+
+def test_legs_run_concurrently(lt):
+    """The decode leg is sent while the prefill leg is still running (SGLang's decode pre-allocates and waits)."""
+    p, d = _prefill(ttft=3.0), _decode()
+    c = Cluster(lt, [p], [d], **PD)
+    try:
+        seen = []
+
+        async def run():
+            async with httpx.AsyncClient(timeout=30) as h:
+                t = asyncio.ensure_future(h.post(c.base + "/v1/completions", json=BODY))
+                deadline = time.monotonic() + 20
+                while not d.rooms and time.monotonic() < deadline:
+                    await asyncio.sleep(0.005)
+                seen.append((len(d.rooms), p.inflight, p.prefill_legs))
+                return await t
+        r = lt.run(run(), 60)
+        assert r.status_code == 200
+        assert seen == [(1, 1, 0)]  # D had the request while P was still prefilling
+    finally:
+        c.close()
+
+
+def test_failed_prefill_cancels_the_decode_leg_and_is_placed_again(lt):
+    slow, good, d = _prefill("slow", 7001, ttft=30.0), _prefill("good", 7002), _decode()
+    c = Cluster(lt, [slow, good], [d], prefill_timeout_s=0.5, breaker_failures=1000, **PD)
+    try:
+        with httpx.Client(timeout=60) as h:
+            for i in range(6):
+                body = dict(BODY, prompt=f"{i} " + BODY["prompt"])
+                r = h.post(c.base + "/v1/completions", json=body)
+                assert r.status_code == 200, r.text
+                assert r.json() == h.post(c.ref.url + "/v1/completions", json=body).json()
+        assert slow.requests >= 1  # the policy did place some on the hanging prefill
+        assert poll(lambda: slow.cancelled == slow.requests and d.cancelled == slow.requests, 10)
+        assert good.prefill_legs == 6 and d.requests == 6 + slow.requests
+        retries = c.router.metrics.registry.get_sample_value("dlmix_router_retries_total", {"kind": "prefill"})
+        assert retries == slow.requests
+        assert all(i.load.inflight == 0 for i in c.router.instances)
+    finally:
+        c.close()
+
+
+def test_no_prefill_left_is_a_502_and_cancels_the_decode_leg(lt):
+    p, d = _prefill(ttft=30.0), _decode()
+    c = Cluster(lt, [p], [d], prefill_timeout_s=0.3, retries=0, **PD)
+    try:
+        with httpx.Client(timeout=60) as h:
+            r = h.post(c.base + "/v1/completions", json=BODY)
+        assert r.status_code == 502 and "no prefill instance could serve" in r.json()["error"], r.text
+        assert poll(lambda: d.cancelled == 1 and p.cancelled == 1, 10)
+        assert d.inflight == 0 and p.inflight == 0
+    finally:
+        c.close()
+
+
+def test_failed_decode_cancels_the_prefill_leg(lt):
+    p, d = _prefill(ttft=30.0), _decode()
+    d.fail_status = 503
+    c = Cluster(lt, [p], [d], **PD)
+    try:
+        with httpx.Client(timeout=60) as h:
+            r = h.post(c.base + "/v1/completions", json=BODY)
+        assert r.status_code == 503  # the decode instance's answer, as it sent it
+        assert poll(lambda: p.cancelled == 1, 10)
+        assert p.prefill_legs == 0 and p.inflight == 0
+    finally:
+        c.close()
+
+
+def test_client_disconnect_cancels_both_legs(lt):
+    p, d = _prefill(ttft=30.0), _decode()
+    c = Cluster(lt, [p], [d], **PD)
+    try:
+        with pytest.raises(httpx.ReadTimeout):
+            with httpx.Client(timeout=httpx.Timeout(10, read=0.5)) as h:
+                h.post(c.base + "/v1/completions", json=dict(BODY, stream=True))
+        assert poll(lambda: p.cancelled == 1 and d.cancelled == 1, 10)
+        assert poll(lambda: all(i.load.inflight == 0 for i in c.router.instances), 10)
+    finally:
+        c.close()
+
+
+def test_prefill_4xx_reaches_the_client_and_cancels_the_decode_leg(lt):
+    p, d = _prefill(), _decode(bootstrap_timeout=30.0)
+    p.fail_status = 422
+    c = Cluster(lt, [p], [d], **PD)
+    try:
+        with httpx.Client(timeout=30) as h:
+            r = h.post(c.base + "/v1/completions", json=BODY)
+        assert r.status_code == 422 and r.json()["error"]["message"] == "mock failure"
+        # the decode leg was cancelled (or never reached D: P's 422 can come first)
+        assert poll(lambda: d.cancelled == d.requests and d.inflight == 0 and not d.prefill_legs, 10)
+        assert d.requests <= 1
+    finally:
+        c.close()
+
+
+def test_registration_checks(lt):
+    d = _decode()
+    c = Cluster(lt, [], [d])
+    try:
+        with httpx.Client(timeout=30) as h:
+            # a decode-only SGLang instance cannot serve a request alone
+            r = h.post(c.base + "/v1/completions", json=BODY)
+            assert r.status_code == 503 and "no prefill instance available" in r.json()["error"], r.text
+            assert d.requests == 0
+            adm = c.base + "/admin/instances"
+            r = h.post(adm, json={"url": "http://127.0.0.1:9", "role": "prefill", "engine": "sglang", "model": "mock"})
+            assert r.status_code == 400 and "bootstrap_port" in r.json()["error"]
+            r = h.post(adm, json={"url": "http://127.0.0.1:9", "role": "prefill", "engine": "sglang", "model": "mock",
+                                  "bootstrap_port": 70000})
+            assert r.status_code == 400 and "bootstrap_port" in r.json()["error"]
+            # a vLLM prefill cannot feed an SGLang decode through the router's flows
+            r = h.post(adm, json={"url": "http://127.0.0.1:9", "role": "prefill", "engine": "vllm", "model": "mock"})
+            assert r.status_code == 409, r.text
+            assert any("PD flow" in x for x in r.json()["reasons"]), r.text
+            assert [i["id"] for i in h.get(adm).json()["instances"]] == ["d"]
+    finally:
+        c.close()
