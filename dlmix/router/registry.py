@@ -28,6 +28,7 @@ from dlmix.pd.registration import decode_registration
 from dlmix.router import kv_events
 from dlmix.router.engines import get_engine
 from dlmix.router.proxy import BackendError, Pool, build_request, request
+from dlmix.routing.hashing import BlockHasher
 from dlmix.routing.state import ROLES, InstanceState
 from dlmix.net import is_loopback as _loopback
 
@@ -177,6 +178,8 @@ class Registry:
         self._models: Dict[tuple, int] = {}
         self._groups: Dict[Tuple[str, str], Dict[str, set]] = {}
         self._layouts: Dict[str, dict] = {}
+        #: the router's block hasher (stateful KV-event decoders re-hash token ids with it; set by the router)
+        self.hasher = None
         #: decode-role instances that cannot serve a request without a prefill instance (engine adapter's
         #: ``DECODE_NEEDS_PREFILL``)
         self.decode_needs_prefill = 0
@@ -543,8 +546,11 @@ class Registry:
     def _subscribe(self, b: Backend) -> None:
         st = b.state
         err = self.metrics.kv_event_error if self.metrics else None
+        if self.hasher is None:
+            self.hasher = BlockHasher(self.cfg.hash_algo, self.cfg.hash_seed)
+        dec = kv_events.decode_fn(st.engine, self.hasher, st.block_size)
         b.ev_task = asyncio.get_event_loop().create_task(kv_events.subscribe(
-            st.kv_events, self.index, lambda: st.slot, err, decoder=kv_events.get_decoder(st.engine)))
+            st.kv_events, self.index, lambda: st.slot, err, decoder=dec))
 
     async def _health_loop(self) -> None:
         """Every ``health_interval_s``: one health check per instance, at most :data:`HEALTH_CONCURRENCY` at a time

@@ -105,6 +105,7 @@ class Router:
         self.extractor = PromptExtractor(cfg.tokenizer)
         self.hasher = BlockHasher(cfg.hash_algo, cfg.hash_seed)
         self.registry = Registry(cfg, self.catalog, self.index, self.approx, self.policy.on_remove)
+        self.registry.hasher = self.hasher
         self.metrics = Metrics(self) if cfg.metrics else None
         self.registry.metrics = self.metrics
         self.registry.on_change = self._update_flags

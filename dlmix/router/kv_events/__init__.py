@@ -4,10 +4,13 @@ An engine publishes which KV blocks it stored or evicted; the router keeps a
 :class:`~dlmix.routing.prefix_index.PrefixIndex` per instance slot from them. The router core only knows three
 engine-neutral updates (:class:`Stored`, :class:`Removed`, :class:`Cleared`, block keys as 64-bit ints, see
 :func:`dlmix.routing.hashing.to_key`). Each engine's wire format lives in its own decoder module in this package
-(``vllm.py`` today), registered in :data:`DECODERS` by engine name; a decoder module exposes
-``decode(payload: bytes) -> list`` of updates and raises ``ValueError`` (or msgspec's errors) on a bad payload.
+(``vllm.py``, ``sglang.py``), registered in :data:`DECODERS` by engine name; a decoder module exposes
+``decode(payload: bytes) -> list`` of updates (stateless: the engine publishes the router's own block hashes, as
+vLLM does) or ``make(hasher, block_size) -> callable(payload) -> list`` (stateful, one per instance: the router
+re-hashes published token ids, as for SGLang), and raises ``ValueError`` (or msgspec's errors) on a bad payload.
 
-Adding an engine: write ``dlmix/router/kv_events/<engine>.py`` with ``decode`` and add it to :data:`DECODERS`.
+Adding an engine: write ``dlmix/router/kv_events/<engine>.py`` with ``decode`` or ``make`` and add it to
+:data:`DECODERS`.
 """
 from __future__ import annotations
 
@@ -16,9 +19,9 @@ from typing import Callable, Iterable, List, Optional, Sequence
 
 import msgspec
 
-from dlmix.router.kv_events import vllm
+from dlmix.router.kv_events import sglang, vllm
 
-__all__ = ["Stored", "Removed", "Cleared", "apply", "DECODERS", "get_decoder", "subscribe"]
+__all__ = ["Stored", "Removed", "Cleared", "apply", "DECODERS", "get_decoder", "decode_fn", "subscribe"]
 
 
 class Stored(msgspec.Struct, frozen=True):
@@ -54,8 +57,8 @@ def apply(index, slot: int, updates: Iterable) -> int:
     return n
 
 
-#: engine name -> decoder module (``decode(payload) -> list`` of updates)
-DECODERS = {"vllm": vllm}
+#: engine name -> decoder module (``decode(payload) -> list`` of updates, or ``make(hasher, block_size)``)
+DECODERS = {"vllm": vllm, "sglang": sglang}
 
 
 def get_decoder(engine: str):
@@ -66,11 +69,20 @@ def get_decoder(engine: str):
         raise ValueError(f"no KV-event decoder for engine {engine!r}; known: {', '.join(DECODERS)}") from None
 
 
+def decode_fn(engine: str, hasher, block_size: int) -> Callable[[bytes], list]:
+    """The payload decoder for one instance of ``engine``: the module's ``decode``, or a fresh stateful decoder from
+    its ``make(hasher, block_size)``. Raises ValueError for an engine without a decoder."""
+    mod = get_decoder(engine)
+    make = getattr(mod, "make", None)
+    return make(hasher, block_size) if make is not None else mod.decode
+
+
 async def subscribe(endpoint: str, index, slot_of: Callable[[], int], on_error: Optional[Callable] = None,
                     topic: bytes = b"", decoder=vllm) -> None:
     """Run forever: SUB to the ZMQ ``endpoint`` and apply every message's last frame, decoded by ``decoder`` (a
-    module from :data:`DECODERS`), to ``index`` for slot ``slot_of()`` (a callable, so a re-slotted instance keeps
-    working). Bad payloads are reported to ``on_error(exc)`` and skipped. Cancel the task to stop."""
+    module from :data:`DECODERS` with ``decode``, or a callable ``payload -> list``, see :func:`decode_fn`), to
+    ``index`` for slot ``slot_of()`` (a callable, so a re-slotted instance keeps working). Bad payloads are reported
+    to ``on_error(exc)`` and skipped. Cancel the task to stop."""
     import zmq
     import zmq.asyncio
 
@@ -79,11 +91,12 @@ async def subscribe(endpoint: str, index, slot_of: Callable[[], int], on_error: 
     sock.setsockopt(zmq.SUBSCRIBE, topic)
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(endpoint)
+    decode = decoder if callable(decoder) else decoder.decode
     try:
         while True:
             frames: List[bytes] = await sock.recv_multipart()
             try:
-                apply(index, slot_of(), decoder.decode(frames[-1]))
+                apply(index, slot_of(), decode(frames[-1]))
             except (msgspec.DecodeError, msgspec.ValidationError, ValueError, IndexError) as ex:
                 if on_error is not None:
                     on_error(ex)
