@@ -1,4 +1,4 @@
-"""Start and stop engine server processes (vLLM's OpenAI server today) for tests, demos and ``dlmix launch``.
+"""Start and stop engine server processes (vLLM's and SGLang's OpenAI servers) for tests, demos and ``dlmix launch``.
 
 This module only builds command lines and manages child processes; it never imports an engine.
 
@@ -26,7 +26,8 @@ from pathlib import Path
 
 import httpx
 
-__all__ = ["EngineProcess", "VLLMServerSpec", "pd_test_spec", "free_port", "EngineStartError"]
+__all__ = ["EngineProcess", "VLLMServerSpec", "SGLangServerSpec", "SGLANG_CPU_FLAGS", "SGLANG_CPU_PD_FLAGS",
+           "pd_test_spec", "free_port", "EngineStartError"]
 
 
 class EngineStartError(RuntimeError):
@@ -192,6 +193,130 @@ class VLLMServerSpec:
     @property
     def url(self) -> str:
         """Base URL of the OpenAI API, e.g. ``http://127.0.0.1:8000``."""
+        return f"http://{self.host}:{self.port}"
+
+
+#: SGLang 0.5 flags that run its server on a CPU-only host (with ``SGLANG_USE_CPU_ENGINE=1``): the torch-native
+#: attention backend, no CUDA graphs, no warm-up request, and ``--sleep-on-idle`` (an idle scheduler otherwise spins
+#: a core at 100 %). PD on CPU adds :data:`SGLANG_CPU_PD_FLAGS` on both sides (the overlap scheduler records
+#: ``torch.cuda.Event``) and ``--disaggregation-decode-retraction-backup cpu_tensor`` on decode (the host-pool
+#: backup registers CUDA host memory).
+SGLANG_CPU_FLAGS = ["--device", "cpu", "--attention-backend", "torch_native", "--disable-cuda-graph",
+                    "--skip-server-warmup", "--sleep-on-idle"]
+SGLANG_CPU_PD_FLAGS = ["--disable-overlap-schedule", "--disable-radix-cache"]
+
+
+@dataclass
+class SGLangServerSpec:
+    """What an SGLang server (``python -m sglang.launch_server``, SGLang 0.5) needs: the one builder of SGLang
+    command lines and environments in dlmix (``dlmix launch`` and the SGLang adapter's test helpers use it).
+
+    Attributes:
+        model: Hugging Face model folder (or hub id); port / host: the OpenAI API's address (loopback default).
+        python: interpreter of the SGLang environment (SGLang usually lives in its own venv); default: this one.
+        served_model_name: ``--served-model-name``. dtype: ``--dtype``. page_size: ``--page-size`` (KV page, tokens).
+        kv_cache_dtype: ``--kv-cache-dtype``. tensor_parallel_size: ``--tp-size`` (passed when > 1).
+        context_length: ``--context-length`` tokens. max_total_tokens: ``--max-total-tokens`` (KV pool size in
+            tokens). mem_fraction_static: ``--mem-fraction-static``. seed: ``--random-seed``.
+        device: ``cpu`` adds :data:`SGLANG_CPU_FLAGS` (and the CPU PD flags) and ``SGLANG_USE_CPU_ENGINE=1``.
+        disaggregation_mode: None, ``prefill`` or ``decode`` (``--disaggregation-mode``), with
+            ``--disaggregation-transfer-backend transfer_backend`` (default ``dlmix``) and, for prefill,
+            ``--disaggregation-bootstrap-port bootstrap_port`` (required then).
+        backend_config: the ``dlmix`` transfer backend's settings (JSON in ``DLMIX_SGLANG_CONFIG``, see the SGLang
+            adapter's ``config`` module), e.g. ``{"shared_secret": ..., "host": ...}``.
+        kv_events: ZMQ endpoint ``tcp://host:port`` the server binds to publish its KV events
+            (``--kv-events-config``), or None.
+        taskset_cpus: run under ``taskset -c CPUS`` when ``taskset`` is installed.
+        hub_offline: ``HF_HUB_OFFLINE``/``TRANSFORMERS_OFFLINE`` = 1 unless our environment sets them.
+        extra_args: further flags, last. env: extra environment variables (applied last).
+    Raises ValueError (from :meth:`argv`) for a prefill without ``bootstrap_port`` or an unknown mode.
+    """
+
+    model: str
+    port: int
+    host: str = "127.0.0.1"
+    python: str | None = None
+    served_model_name: str | None = None
+    dtype: str | None = None
+    page_size: int | None = None
+    kv_cache_dtype: str | None = None
+    tensor_parallel_size: int = 1
+    context_length: int | None = None
+    max_total_tokens: int | None = None
+    mem_fraction_static: float | None = None
+    seed: int = 0
+    device: str = "cpu"
+    disaggregation_mode: str | None = None
+    transfer_backend: str = "dlmix"
+    bootstrap_port: int | None = None
+    backend_config: dict | None = None
+    kv_events: str | None = None
+    taskset_cpus: str | None = None
+    hub_offline: bool = True
+    extra_args: list[str] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)
+
+    def argv(self) -> list[str]:
+        """The full command line."""
+        cmd = [self.python or sys.executable, "-m", "sglang.launch_server", "--model-path", str(self.model),
+               "--host", self.host, "--port", str(self.port), "--random-seed", str(self.seed)]
+        for flag, v in (("--served-model-name", self.served_model_name), ("--dtype", self.dtype),
+                        ("--page-size", self.page_size), ("--kv-cache-dtype", self.kv_cache_dtype),
+                        ("--context-length", self.context_length), ("--max-total-tokens", self.max_total_tokens),
+                        ("--mem-fraction-static", self.mem_fraction_static)):
+            if v is not None:
+                cmd += [flag, str(v)]
+        if self.tensor_parallel_size > 1:
+            cmd += ["--tp-size", str(self.tensor_parallel_size)]
+        cpu = self.device == "cpu"
+        if cpu:
+            cmd += SGLANG_CPU_FLAGS
+        if self.disaggregation_mode is not None:
+            if self.disaggregation_mode not in ("prefill", "decode"):
+                raise ValueError(f"disaggregation_mode must be prefill or decode, got {self.disaggregation_mode!r}")
+            if cpu:
+                cmd += SGLANG_CPU_PD_FLAGS
+            cmd += ["--disaggregation-mode", self.disaggregation_mode,
+                    "--disaggregation-transfer-backend", self.transfer_backend]
+            if self.disaggregation_mode == "prefill":
+                if not self.bootstrap_port:
+                    raise ValueError("an SGLang prefill server needs bootstrap_port")
+                cmd += ["--disaggregation-bootstrap-port", str(self.bootstrap_port)]
+            elif cpu:
+                cmd += ["--disaggregation-decode-retraction-backup", "cpu_tensor"]
+        if self.kv_events:
+            cmd += ["--kv-events-config", json.dumps({"publisher": "zmq", "endpoint": self.kv_events, "bind": True},
+                                                     separators=(",", ":"))]
+        cmd += list(self.extra_args)
+        if self.taskset_cpus and shutil.which("taskset"):
+            cmd = ["taskset", "-c", self.taskset_cpus] + cmd
+        return cmd
+
+    def env_additions(self) -> dict[str, str]:
+        """Variables on top of our environment: the CPU engine switch, the host SGLang advertises for bootstrap,
+        single-threaded tokenizers, hub offline (when ``hub_offline``), ``DLMIX_SGLANG_CONFIG``, then ``env``."""
+        add = {"SGLANG_HOST_IP": self.host, "TOKENIZERS_PARALLELISM": "false"}
+        if self.device == "cpu":
+            add["SGLANG_USE_CPU_ENGINE"] = "1"
+        if self.hub_offline:
+            add.update(HF_HUB_OFFLINE=os.environ.get("HF_HUB_OFFLINE", "1"),
+                       TRANSFORMERS_OFFLINE=os.environ.get("TRANSFORMERS_OFFLINE", "1"))
+        if self.backend_config is not None:
+            add["DLMIX_SGLANG_CONFIG"] = json.dumps(self.backend_config, separators=(",", ":"))
+        add.update(self.env)
+        return add
+
+    def child_env(self) -> dict[str, str]:
+        """The child's environment: ours without ``PYTHONPATH`` (the SGLang venv has its own dlmix and stand-ins),
+        with ``PYTHONUNBUFFERED`` defaulted, plus :meth:`env_additions`."""
+        env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+        env.setdefault("PYTHONUNBUFFERED", "1")
+        env.update(self.env_additions())
+        return env
+
+    @property
+    def url(self) -> str:
+        """Base URL of the OpenAI API."""
         return f"http://{self.host}:{self.port}"
 
 

@@ -133,3 +133,51 @@ def test_kv_events_use_a_local_ipc_socket_the_router_subscribes_to(tmp_path):
     assert ev["endpoint"] == f"ipc://{tmp_path.resolve()}/a-kv-events.ipc"
     cfg = yaml.safe_load((tmp_path / "router.yaml").read_text())
     assert [i["kv_events"] for i in cfg["instances"]] == [ev["endpoint"]]
+
+
+def test_sglang_pd_plan_builds_sglangs_own_flags_and_registers_the_bootstrap_port(tmp_path):
+    import yaml
+
+    dep = Deployment.from_file(next(p for p in EXAMPLES if p.name == "sglang-cpu-pd.yaml"))
+    plans = {p.name: p for p in plan(dep, "s3cret", tmp_path, models={0: "/m", 1: "/m"})}
+    pre, dec = plans["prefill"].argv, plans["decode"].argv
+    for argv, page, dtype, core in ((pre, "16", "bfloat16", "0"), (dec, "64", "float32", "1")):
+        if argv[0] == "taskset":  # pinned to its cpus where taskset is installed
+            assert argv[1:3] == ["-c", core]
+            argv = argv[3:]
+        assert argv[0] == ".venv-sglang/bin/python" and argv[1:3] == ["-m", "sglang.launch_server"]
+        assert argv[argv.index("--page-size") + 1] == page and argv[argv.index("--dtype") + 1] == dtype
+        assert argv[argv.index("--disaggregation-transfer-backend") + 1] == "dlmix"
+        assert "--sleep-on-idle" in argv and "--disable-overlap-schedule" in argv
+    assert pre[pre.index("--disaggregation-mode") + 1] == "prefill"
+    assert dec[dec.index("--disaggregation-mode") + 1] == "decode"
+    assert dec[dec.index("--disaggregation-decode-retraction-backup") + 1] == "cpu_tensor"
+    bp = int(pre[pre.index("--disaggregation-bootstrap-port") + 1])
+    for p in plans.values():
+        if p.kind == "engine":
+            assert json.loads(p.env["DLMIX_SGLANG_CONFIG"]) == {"shared_secret": "s3cret", "host": "127.0.0.1"}
+            assert p.env["SGLANG_USE_CPU_ENGINE"] == "1"
+    cfg = yaml.safe_load((tmp_path / "router.yaml").read_text())
+    regs = {i["id"]: i for i in cfg["instances"]}
+    assert regs["prefill"]["engine"] == "sglang" and regs["prefill"]["bootstrap_port"] == bp
+    assert "bootstrap_port" not in regs["decode"] and regs["decode"]["block_size"] == 64
+    ev = json.loads(pre[pre.index("--kv-events-config") + 1])
+    assert ev == {"publisher": "zmq", "endpoint": regs["prefill"]["kv_events"], "bind": True}
+    assert ev["endpoint"].startswith("tcp://127.0.0.1:")
+    # the router accepts the registrations as launch writes them
+    from dlmix.router.config import RouterConfig
+    from dlmix.router.server import Router
+
+    r = Router(RouterConfig(**{k: v for k, v in cfg.items() if k in ("instances", "policy")}, port=0))
+    assert [i.engine for i in r.instances] == ["sglang", "sglang"]
+
+
+def test_sglang_config_errors():
+    two = ("model: m\nrouter: {port: 18000}\ninstances:\n"
+           "  - {name: p, engine: sglang, role: prefill, port: 18100}\n"
+           "  - {name: d, engine: %s, role: decode, port: 18200%s}\n")
+    assert "PD flows differ" in _err(two % ("vllm", ""))
+    assert "SGLang sizes its KV pool in tokens" in _err(two % ("sglang", ", kv: {cache_bytes: 1048576}"))
+    assert "needs an SGLang prefill" in _err("model: m\nrouter: {port: 18000}\ninstances:\n"
+                                             "  - {engine: sglang, role: decode, port: 18200}\n"
+                                             "  - {engine: sglang, role: both, port: 18300}\n")

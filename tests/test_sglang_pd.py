@@ -14,8 +14,10 @@ where the reference's top-1/top-2 logprob gap is below the threshold; they are c
 """
 from __future__ import annotations
 
+import json
 import random
 import threading
+import time
 
 import pytest
 
@@ -57,7 +59,9 @@ def servers(smollm2_dir, tmp_path_factory):
     m = str(smollm2_dir)
     started = {}
     try:
-        started["S"] = T.start_server(m, T.free_port(), d / "S.log", page_size=64)
+        # S publishes its KV events (test_kv_events_reach_the_dlmix_router)
+        started["S"] = T.start_server(m, T.free_port(), d / "S.log", page_size=64,
+                                      kv_events=f"tcp://127.0.0.1:{T.free_port()}")
         started["P1"] = T.start_server(m, T.free_port(), d / "P1.log", mode="prefill", page_size=64)
         started["P2"] = T.start_server(m, T.free_port(), d / "P2.log", mode="prefill", page_size=16,
                                        dtype="bfloat16")
@@ -147,6 +151,76 @@ def test_behind_sglangs_own_router(servers, prompts, refs):
         assert same == len(got)
     finally:
         r.stop()
+
+
+def test_behind_the_dlmix_router(servers, prompts, smollm2_dir):
+    """The dlmix router speaks SGLang's PD flow (both legs at once with one bootstrap room): OpenAI completions with
+    token-id prompts, streamed and not, equal the single server's text; both legs carried the same room."""
+    from dlmix.router.config import RouterConfig
+    from dlmix.testing import RouterThread
+
+    p, d, s = servers["P1"], servers["D"], servers["S"]
+    insts = [{"id": "P1", "url": p.url, "role": "prefill", "engine": "sglang", "bootstrap_port": p.bootstrap_port,
+              "chip": "cpu-x86"},
+             {"id": "D", "url": d.url, "role": "decode", "engine": "sglang", "chip": "cpu-x86"}]
+    rt = RouterThread(RouterConfig(host="127.0.0.1", port=0, policy="cost", model_spec=str(smollm2_dir),
+                                   policy_params={"local_max_uncached": 0}, instances=insts))
+    try:
+        import httpx
+
+        with httpx.Client(timeout=300) as h:
+            for i, ids in enumerate(prompts[:6]):
+                body = {"prompt": ids, "max_tokens": MAX_TOKENS, "temperature": 0, "stream": i % 2 == 1}
+                ref = h.post(s.url + "/v1/completions", json=dict(body, stream=False))
+                assert ref.status_code == 200, ref.text
+                r = h.post(rt.url + "/v1/completions", json=body)
+                assert r.status_code == 200, f"{r.text}\n{d.log_tail()}"
+                if body["stream"]:
+                    text = "".join(c["choices"][0].get("text", "") for c in
+                                   (json.loads(x[6:]) for x in r.text.split("\n") if x.startswith("data: {")))
+                else:
+                    text = r.json()["choices"][0]["text"]
+                assert text == ref.json()["choices"][0]["text"], f"prompt {i} ({len(ids)} tokens)"
+        ok = rt.call(lambda: rt.router.metrics.registry.get_sample_value(
+            "dlmix_router_prefill_responses_total", {"instance": "P1", "status": "2xx"}))
+        assert ok == 6  # every request went through the prefill instance
+    finally:
+        rt.close()
+
+
+def test_kv_events_reach_the_dlmix_router(servers, prompts, smollm2_dir):
+    """SGLang's own KV events (``--kv-events-config``) give the dlmix router exact prefix hits: after a prompt is
+    served directly by S (page 64), the router's index (block 16) holds every full block of it under the keys the
+    router computes for the same prompt."""
+    from dlmix.router.config import RouterConfig
+    from dlmix.testing import RouterThread, wait_until
+
+    s = servers["S"]
+    insts = [{"id": "S", "url": s.url, "role": "both", "engine": "sglang", "chip": "cpu-x86", "block_size": 16,
+              "kv_events": s.kv_events}]
+    rt = RouterThread(RouterConfig(host="127.0.0.1", port=0, policy="cost", model_spec=str(smollm2_dir),
+                                   instances=insts))
+    try:
+        router = rt.router
+        probe = iter(range(1000))
+
+        def hit() -> bool:  # ZMQ slow joiner: probe with fresh prompts until one's blocks arrive
+            ids = [7 + next(probe)] + prompts[1][:199]
+            st, body = T.generate(s.url, ids, 2)
+            assert st == 200, body
+            rr = rt.call(lambda: router._request_from({"prompt": ids}, False))
+            keys = list(rr.block_hashes(16))
+            deadline = time.monotonic() + 5
+            while time.monotonic() < deadline:
+                m = rt.call(lambda: router.index.match(keys))
+                if m:
+                    assert len(keys) == 12 and m == {router.instances[0].slot: 12}, m
+                    return True
+                time.sleep(0.1)
+            return False
+        wait_until(hit, 180, "S's KV events in the router's index", interval_s=0)
+    finally:
+        rt.close()
 
 
 def _aborted(body) -> bool:

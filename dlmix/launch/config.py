@@ -178,7 +178,9 @@ class Instance(_Strict):
 
     Attributes:
         name: unique name (default ``ROLE-INDEX``); prefixes its log lines.
-        engine: ``vllm``, or ``mock`` (dlmix's test engine :mod:`dlmix.testing.mock_engine`).
+        engine: ``vllm``, ``sglang`` (its prefill/decode instances use the ``dlmix`` transfer backend; SGLang
+            usually lives in its own venv: set ``python``), or ``mock`` (dlmix's test engine
+            :mod:`dlmix.testing.mock_engine`).
         model: dlmix model name (``smollm2``, ``tiny-llama``; built by :func:`dlmix.models.prepare`), a local folder,
             or a hub id; default: the deployment's ``model``.
         served_model_name: name clients use (default: deployment's ``served_model_name``, else the model name).
@@ -202,7 +204,7 @@ class Instance(_Strict):
     """
 
     name: Optional[str] = None
-    engine: Literal["vllm", "mock"] = "vllm"
+    engine: Literal["vllm", "sglang", "mock"] = "vllm"
     model: Optional[str] = None
     served_model_name: Optional[str] = None
     role: Literal["prefill", "decode", "both"] = "both"
@@ -483,8 +485,15 @@ def _cross_checks(dep: Deployment, marks: Dict[Path_, Tuple[int, int]], origin: 
         if key in ports:
             bad(("instances", i, "port"), f"port {inst.port} is also used by {ports[key]}")
         ports[key] = f"instances[{i}].port"
-        if inst.engine == "vllm" and not dep.model_of(i):
+        if inst.engine != "mock" and not dep.model_of(i):
             bad(("instances", i, "model"), "no model: set it here or as the top-level 'model'")
+        if inst.engine == "sglang":
+            if inst.kv.cache_bytes is not None:
+                bad(("instances", i, "kv", "cache_bytes"), "SGLang sizes its KV pool in tokens: pass "
+                    "--max-total-tokens (and --mem-fraction-static) in extra_args")
+            if inst.connector is not None:
+                bad(("instances", i, "connector"), "connector is vLLM's --kv-transfer-config; SGLang's PD uses "
+                    "the dlmix transfer backend (settings: env DLMIX_SGLANG_CONFIG)")
         if catalog is not None:
             try:
                 catalog.chip(inst.chip)
@@ -507,6 +516,16 @@ def _cross_checks(dep: Deployment, marks: Dict[Path_, Tuple[int, int]], origin: 
                     f"port {cp} is also used by {ports[('*', cp)]}")
             ports[("*", cp)] = f"instances[{i}].connector.extra_config.port"
     if "prefill" in roles or "decode" in roles:
+        # a prefill instance pairs with decode and both instances (as the router does)
+        pd_engines = sorted({i.engine for i in dep.instances
+                             if i.role != "both" or "prefill" in roles})
+        flows = {e: ("concurrent" if e == "sglang" else "sequential") for e in pd_engines}
+        if len(set(flows.values())) > 1:
+            bad(("instances",), f"prefill and decode instances of {' and '.join(pd_engines)} cannot be paired: "
+                "their PD flows differ (vLLM hands off kv_transfer_params after the prefill, SGLang a bootstrap "
+                "room before it)")
+        if "decode" in roles and "prefill" not in roles and "sglang" in pd_engines:
+            bad(("instances",), "an SGLang decode instance needs an SGLang prefill instance")
         if "prefill" in roles and "decode" not in roles:
             bad(("instances",), "a prefill instance needs at least one decode instance")
         if "decode" in roles and "prefill" not in roles and "both" not in roles:

@@ -39,7 +39,7 @@ from typing import Callable, Dict, Iterator, List, Optional
 
 import httpx
 
-from dlmix.engine_process import EngineProcess, VLLMServerSpec, free_port_block, port_free as _port_free
+from dlmix.engine_process import EngineProcess, SGLangServerSpec, VLLMServerSpec, free_port_block, port_free as _port_free
 from dlmix.launch.config import DEVICE_VISIBILITY_ENV, Deployment, Instance
 from dlmix.launch.supervisor import Supervised, Supervisor, SupervisorEvent, console_printer
 from dlmix.pd.registration import registration_body
@@ -178,6 +178,42 @@ def _vllm_spec(dep: Deployment, i: int, model: str, kv_transfer: Optional[dict],
         env=env)
 
 
+def _sglang_spec(dep: Deployment, i: int, model: str, secret: str, kv_events: Optional[str], taken: set
+                 ) -> SGLangServerSpec:
+    """The :class:`SGLangServerSpec` of instance ``i``: prefill/decode roles use the ``dlmix`` transfer backend
+    (authenticated with the launch's secret; a prefill gets a free bootstrap port unless ``extra_args`` name
+    one), KV pool ``--max-total-tokens 8192 --mem-fraction-static 0.25`` on CPU unless ``extra_args`` set them."""
+    inst = dep.instances[i]
+    kv = inst.kv
+    cpu = inst.device == "cpu"
+    mode = inst.role if inst.role in ("prefill", "decode") else None
+    args = list(inst.extra_args)
+    bp = None
+    if mode == "prefill":
+        if "--disaggregation-bootstrap-port" in args:
+            k = args.index("--disaggregation-bootstrap-port")
+            bp = int(args[k + 1])
+            del args[k:k + 2]
+        else:
+            bp = _free_block(1, taken)
+    env: Dict[str, str] = {}
+    if not cpu and inst.devices:
+        env[DEVICE_VISIBILITY_ENV[inst.device]] = inst.devices
+    env.update(dep.env)
+    env.update(inst.env)
+    return SGLangServerSpec(
+        model=model, port=inst.port, host=inst.host, python=inst.python, served_model_name=dep.served_name_of(i),
+        dtype=kv.dtype, page_size=kv.block_size, kv_cache_dtype=kv.cache_dtype,
+        tensor_parallel_size=inst.tensor_parallel_size, context_length=inst.max_model_len,
+        max_total_tokens=8192 if cpu and "--max-total-tokens" not in args else None,
+        mem_fraction_static=(kv.gpu_memory_utilization if kv.gpu_memory_utilization is not None
+                             else 0.25 if cpu and "--mem-fraction-static" not in args else None),
+        device=inst.device, disaggregation_mode=mode, bootstrap_port=bp,
+        backend_config={"shared_secret": secret, "host": inst.host} if mode else None,
+        kv_events=kv_events, taskset_cpus=inst.cpus, extra_args=args, env=env,
+        hub_offline=bool(model) and Path(model).is_dir())
+
+
 def _router_argv(config_path: Path) -> List[str]:
     """``python -m dlmix.cli router --config FILE``: the router runs as the CLI sub-command in a child process (the
     launcher never imports the CLI, which imports the launcher)."""
@@ -233,6 +269,22 @@ def plan(dep: Deployment, secret: str, log_dir: Path, models: Optional[Dict[int,
         ev = (f"ipc://{Path(log_dir).resolve()}/{name}-kv-events.ipc"
               if dep.router_enabled() and dep.router.kv_events and inst.engine == "vllm"  # type: ignore[union-attr]
               else None)
+        bootstrap = None
+        if inst.engine == "sglang":
+            # SGLang binds a concrete tcp://host:port when told to ("bind": true)
+            if dep.router_enabled() and dep.router.kv_events:  # type: ignore[union-attr]
+                ev = f"tcp://{inst.host}:{_free_block(1, taken)}"
+            sspec = _sglang_spec(dep, i, models[i], secret, ev, taken)
+            bootstrap = sspec.bootstrap_port
+            argv, env = sspec.argv(), sspec.env_additions()
+            plans.append(ProcessPlan(name=name, kind="engine", argv=argv, env=env, host=inst.host,
+                                     port=inst.port, index=i, ready_timeout_s=inst.ready_timeout_s))
+            if router_url:
+                static.append(registration_body(
+                    url=inst.url, instance_id=name, role=inst.role, engine="sglang", model=dep.served_name_of(i),
+                    chip=inst.chip, heartbeat_ttl_s=0, block_size=inst.kv.block_size or 16, kv_events=ev,
+                    bootstrap_port=bootstrap))
+            continue
         vspec = _vllm_spec(dep, i, models[i], kv_transfer, ev)
         env = vspec.env_additions()  # mock engines get the same environment
         if inst.engine == "vllm":

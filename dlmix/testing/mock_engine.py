@@ -251,7 +251,7 @@ class MockEngine:
 
     async def _handle(self, conn: proxy.ServerProtocol, req: proxy.Request) -> None:
         path = req.path
-        if path == b"/health":
+        if path == b"/health" or path == b"/ready":  # vLLM's and SGLang's health paths
             return conn.send(200 if self.healthy else 503, b"")
         if path == b"/v1/models":
             return conn.send(200, _enc.encode({"object": "list", "data": [

@@ -1,12 +1,9 @@
 """Start real SGLang servers on a CPU machine for tests, benchmarks and development (no SGLang import here: the
 servers run with the SGLang venv's python, ``scripts/setup_sglang.sh``).
 
-The flags that run SGLang 0.5.23 on a CPU-only host: ``--device cpu --attention-backend torch_native
---disable-cuda-graph --skip-server-warmup`` with ``SGLANG_USE_CPU_ENGINE=1``; for PD both sides also take
-``--disable-overlap-schedule`` (prefill's overlap path records ``torch.cuda.Event``) and ``--disable-radix-cache``,
-and decode ``--disaggregation-decode-retraction-backup cpu_tensor`` (the host-pool backup registers CUDA host
-memory). A crashed SGLang server waits for "CUDA coredumps" before it exits: stop servers by pid, with timeouts
-(:meth:`SGLangServer.stop`).
+The flags that run SGLang 0.5.23 on a CPU-only host, and the PD flags, are built by
+:class:`dlmix.engine_process.SGLangServerSpec` (its docstring says why each is there). A crashed SGLang server waits
+for "CUDA coredumps" before it exits: stop servers by pid, with timeouts (:meth:`SGLangServer.stop`).
 """
 from __future__ import annotations
 
@@ -21,14 +18,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dlmix.engine_process import free_port  # the one port helper
+from dlmix.engine_process import SGLANG_CPU_FLAGS, SGLANG_CPU_PD_FLAGS, SGLangServerSpec, free_port
 
 __all__ = ["sglang_python", "SGLangServer", "start_server", "start_sglang_router", "free_port", "generate", "post_json", "CPU_FLAGS",
            "PD_FLAGS"]
 
-CPU_FLAGS = ["--device", "cpu", "--attention-backend", "torch_native", "--disable-cuda-graph",
-             "--skip-server-warmup", "--random-seed", "0", "--host", "127.0.0.1"]
-PD_FLAGS = ["--disable-overlap-schedule", "--disable-radix-cache"]
+#: the CPU flags (one definition: :class:`dlmix.engine_process.SGLangServerSpec`)
+CPU_FLAGS = SGLANG_CPU_FLAGS
+PD_FLAGS = SGLANG_CPU_PD_FLAGS
 
 
 def sglang_python() -> str | None:
@@ -51,6 +48,8 @@ class SGLangServer:
     log_path: Path
     bootstrap_port: int | None = None
     args: list[str] = field(default_factory=list)
+    #: ZMQ endpoint of its KV events (``--kv-events-config``), or None
+    kv_events: str | None = None
 
     def log_tail(self, n: int = 40) -> str:
         try:
@@ -93,40 +92,31 @@ def start_server(model: str, port: int, log_path: str | Path, *, mode: str | Non
                  backend: str = "dlmix", bootstrap_port: int | None = None, extra: list[str] | None = None,
                  env: dict[str, str] | None = None, dtype: str = "float32", page_size: int | None = None,
                  max_total_tokens: int = 8192, mem_fraction: float = 0.25,
-                 python: str | None = None) -> SGLangServer:
+                 python: str | None = None, kv_events: str | None = None) -> SGLangServer:
     """Start ``python -m sglang.launch_server`` for ``model`` on 127.0.0.1:``port`` (not waiting for it).
 
     ``mode``: None (a single server), ``prefill`` or ``decode`` (with ``--disaggregation-transfer-backend backend``;
     prefill listens for bootstrap on ``bootstrap_port``). ``env``: extra environment (e.g. ``DLMIX_SGLANG_CONFIG``).
+    ``kv_events``: ``tcp://host:port`` to publish KV events on (``SGLangServer.kv_events``).
     Raises RuntimeError when no SGLang venv is found.
     """
     py = python or sglang_python()
     if py is None:
         raise RuntimeError("no SGLang venv: run scripts/setup_sglang.sh (or set DLMIX_SGLANG_VENV)")
-    args = [py, "-m", "sglang.launch_server", "--model-path", str(model), "--port", str(port), "--dtype", dtype,
-            "--max-total-tokens", str(max_total_tokens), "--mem-fraction-static", str(mem_fraction), *CPU_FLAGS]
-    if page_size is not None:
-        args += ["--page-size", str(page_size)]
-    if mode is not None:
-        args += [*PD_FLAGS, "--disaggregation-mode", mode, "--disaggregation-transfer-backend", backend]
-        if mode == "prefill":
-            args += ["--disaggregation-bootstrap-port", str(bootstrap_port or free_port())]
-        else:
-            args += ["--disaggregation-decode-retraction-backup", "cpu_tensor"]
-    args += list(extra or [])
-    e = dict(os.environ)
-    e.update({"SGLANG_USE_CPU_ENGINE": "1", "SGLANG_HOST_IP": "127.0.0.1", "MC_FORCE_TCP": "1",
-              "MOONCAKE_PROTOCOL": "tcp", "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"})
-    e.pop("PYTHONPATH", None)  # the SGLang venv has its own dlmix (editable) and stand-ins
-    e.update(env or {})
+    bp = (bootstrap_port or free_port()) if mode == "prefill" else None
+    spec = SGLangServerSpec(model=str(model), port=port, python=py, dtype=dtype, page_size=page_size,
+                            max_total_tokens=max_total_tokens, mem_fraction_static=mem_fraction,
+                            disaggregation_mode=mode, transfer_backend=backend, bootstrap_port=bp,
+                            kv_events=kv_events, extra_args=list(extra or []),
+                            env={"MC_FORCE_TCP": "1", "MOONCAKE_PROTOCOL": "tcp", "OMP_NUM_THREADS": "1",
+                                 **(env or {})})
+    args = spec.argv()
     log_path = Path(log_path)
     fh = open(log_path, "wb")
-    proc = subprocess.Popen(args, stdout=fh, stderr=subprocess.STDOUT, env=e, start_new_session=True)
+    proc = subprocess.Popen(args, stdout=fh, stderr=subprocess.STDOUT, env=spec.child_env(), start_new_session=True)
     fh.close()
-    bp = None
-    if mode == "prefill":
-        bp = int(args[args.index("--disaggregation-bootstrap-port") + 1])
-    return SGLangServer(proc=proc, url=f"http://127.0.0.1:{port}", log_path=log_path, bootstrap_port=bp, args=args)
+    return SGLangServer(proc=proc, url=f"http://127.0.0.1:{port}", log_path=log_path, bootstrap_port=bp, args=args,
+                        kv_events=kv_events)
 
 
 def start_sglang_router(prefill: SGLangServer, decode: SGLangServer, port: int, log_path: str | Path,

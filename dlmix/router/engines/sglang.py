@@ -22,7 +22,9 @@ import random
 import msgspec
 
 NAME = "sglang"
-HEALTH_PATH = b"/health"
+#: a flag check; SGLang's ``/health`` runs a one-token generation and answers after at least 1 s
+#: (``sglang/srt/entrypoints/http_server.py``), longer than the router's health timeout
+HEALTH_PATH = b"/ready"
 MODELS_PATH = b"/v1/models"
 #: both legs at once, joined by bootstrap fields (vLLM's is ``"sequential"``: prefill first, then decode)
 PD_FLOW = "concurrent"
