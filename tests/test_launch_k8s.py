@@ -183,3 +183,13 @@ def test_cli_emit_k8s(tmp_path):
     r = subprocess.run([sys.executable, "-m", "dlmix.cli", "launch", str(ROOT / "examples/mixed-chips.yaml"),
                         "--emit", "helm", str(out)], capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "unknown --emit format 'helm'" in r.stdout
+
+
+def test_sglang_instances_are_refused_with_the_reason(tmp_path):
+    from dlmix.launch.config import ConfigError
+
+    dep = Deployment.from_file(ROOT / "examples/sglang-cpu-pd.yaml")
+    with pytest.raises(ConfigError) as ei:
+        emit_k8s(dep, tmp_path / "k8s", secret="s3cret")
+    assert "instances[0].engine: --emit k8s does not support SGLang" in str(ei.value)
+    assert not (tmp_path / "k8s").exists()

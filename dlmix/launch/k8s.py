@@ -17,8 +17,8 @@ The same file that ``dlmix launch`` runs on one host becomes, per object, one YA
 Engines run the command line ``dlmix launch`` builds, with ``--host $(POD_IP)`` (the pod's IP from the downward API;
 Kubernetes expands ``$(VAR)`` in ``args``), so self-registering engines (DLMix connector) announce their pod IP;
 others are listed in the router config by their Service. Probes: engines ``startupProbe`` (allows
-``ready_timeout_s``), ``readinessProbe`` and ``livenessProbe`` on ``GET /health``; the router ``readinessProbe`` on
-``GET /health`` (200 once an instance is healthy) and a TCP ``livenessProbe``. Restarts are Kubernetes' own
+``ready_timeout_s``), ``readinessProbe`` and ``livenessProbe`` on ``GET /health`` (SGLang: ``/ready``); the router
+``readinessProbe`` on ``GET /health`` (200 once an instance is healthy) and a TCP ``livenessProbe``. Restarts are Kubernetes' own
 (``restartPolicy: Always`` with its back-off), not the local supervisor.
 
 Local-only features are left out with a note in :attr:`Manifests.notes`: KV events over IPC sockets, CPU pinning with
@@ -97,13 +97,17 @@ def build_manifests(dep: Deployment, secret: Optional[str] = None) -> Manifests:
 
     Raises:
         ConfigError: an instance on an accelerator whose vendor publishes no device resource and that sets no
-            ``k8s.resource``; a name that cannot become a Kubernetes name.
+            ``k8s.resource``; a name that cannot become a Kubernetes name; an SGLang instance (not supported yet).
     """
     from dlmix.hw.profiles import load_catalog
     from dlmix.launch.runner import plan
 
     k = dep.k8s
     out = Manifests()
+    sg = [f"instances[{i}]" for i, inst in enumerate(dep.instances) if inst.engine == "sglang"]
+    if sg:  # the bootstrap and KV ports would need Services and pod-IP advertising that are not generated yet
+        raise ConfigError([f"{x}.engine: --emit k8s does not support SGLang instances yet (run them with "
+                           "dlmix launch, or write their manifests by hand)" for x in sg])
     try:
         base = dns_name(dep.name)
     except ValueError as e:
@@ -236,9 +240,10 @@ def build_manifests(dep: Deployment, secret: Optional[str] = None) -> Manifests:
         container = {
             "name": "engine", "image": kinst.image or k.image, "imagePullPolicy": k.image_pull_policy,
             "command": argv[:1], "args": argv[1:], "env": env_list(pl.env), "ports": ports,
-            "startupProbe": _http_probe("/health", inst.port, 10, max(1, math.ceil(inst.ready_timeout_s / 10))),
-            "readinessProbe": _http_probe("/health", inst.port, 5, 2),
-            "livenessProbe": _http_probe("/health", inst.port, 10, 3)}
+            "startupProbe": _http_probe(pl.health_path, inst.port, 10,
+                                        max(1, math.ceil(inst.ready_timeout_s / 10))),
+            "readinessProbe": _http_probe(pl.health_path, inst.port, 5, 2),
+            "livenessProbe": _http_probe(pl.health_path, inst.port, 10, 3)}
         if limits or requests:
             container["resources"] = {k_: v for k_, v in (("limits", limits), ("requests", requests)) if v}
         pod: dict = {"containers": [container]}

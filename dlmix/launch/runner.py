@@ -39,7 +39,8 @@ from typing import Callable, Dict, Iterator, List, Optional
 
 import httpx
 
-from dlmix.engine_process import EngineProcess, SGLangServerSpec, VLLMServerSpec, free_port_block, port_free as _port_free
+from dlmix.engine_process import (EngineProcess, SGLangServerSpec, VLLMServerSpec, free_port_block,
+                                  port_free as _port_free)
 from dlmix.launch.config import DEVICE_VISIBILITY_ENV, Deployment, Instance
 from dlmix.launch.supervisor import Supervised, Supervisor, SupervisorEvent, console_printer
 from dlmix.pd.registration import registration_body
@@ -102,6 +103,8 @@ class ProcessPlan:
     index: int = -1
     self_registers: bool = False
     ready_timeout_s: float = 600.0
+    #: readiness path (SGLang: ``/ready``; its ``/health`` generates a token first)
+    health_path: str = "/health"
 
     @property
     def url(self) -> str:
@@ -278,7 +281,8 @@ def plan(dep: Deployment, secret: str, log_dir: Path, models: Optional[Dict[int,
             bootstrap = sspec.bootstrap_port
             argv, env = sspec.argv(), sspec.env_additions()
             plans.append(ProcessPlan(name=name, kind="engine", argv=argv, env=env, host=inst.host,
-                                     port=inst.port, index=i, ready_timeout_s=inst.ready_timeout_s))
+                                     port=inst.port, index=i, ready_timeout_s=inst.ready_timeout_s,
+                                     health_path="/ready"))
             if router_url:
                 static.append(registration_body(
                     url=inst.url, instance_id=name, role=inst.role, engine="sglang", model=dep.served_name_of(i),
@@ -660,7 +664,7 @@ def _wait_health(items, client: httpx.Client, prog: _Progress, poll_s: float,
                     f"{pl.kind} {name!r} ({pl.url}) exited with code {p.proc.returncode} during start-up. "
                     f"Last log lines ({p.log_path}):\n{p.log_tail(30)}")
             try:
-                code = client.get(pl.url + "/health").status_code
+                code = client.get(pl.url + pl.health_path).status_code
                 # the router answers 503 until an instance is healthy: listening is enough here, registration
                 # is waited for separately
                 ok = code == 200 or (pl.kind == "router" and code == 503)
