@@ -212,7 +212,9 @@ class ChipCost:
     def prefill_time(self, n_tokens: int, n_cached: int = 0) -> float:
         """``t0 +`` :meth:`prefill_compute` of ``n_tokens`` prompt tokens, ``n_cached`` of them cached (clamped to
         [0, n_tokens]); 0 uncached tokens still cost ``t0``."""
-        h = min(max(n_cached, 0), n_tokens)
+        h = n_cached if n_cached > 0 else 0  # conditionals, not min/max: this runs per instance per request
+        if h > n_tokens:
+            h = n_tokens
         return self.t0 + self.tok_s * (n_tokens - h) + self.attn_s * (n_tokens * n_tokens - h * h)
 
     def decode_step_time(self, batch: int, sum_ctx: int) -> float:

@@ -18,8 +18,8 @@ Engines run the command line ``dlmix launch`` builds, with ``--host $(POD_IP)`` 
 Kubernetes expands ``$(VAR)`` in ``args``), so self-registering engines (DLMix connector) announce their pod IP;
 others are listed in the router config by their Service. Probes: engines ``startupProbe`` (allows
 ``ready_timeout_s``), ``readinessProbe`` and ``livenessProbe`` on ``GET /health`` (SGLang: ``/ready``); the router
-``readinessProbe`` on ``GET /health`` (200 once an instance is healthy) and a TCP ``livenessProbe``. Restarts are Kubernetes' own
-(``restartPolicy: Always`` with its back-off), not the local supervisor.
+``readinessProbe`` on ``GET /health`` (200 once an instance is healthy) and a TCP ``livenessProbe``. Restarts are
+Kubernetes' own (``restartPolicy: Always`` with its back-off), not the local supervisor.
 
 Local-only features are left out with a note in :attr:`Manifests.notes`: KV events over IPC sockets, CPU pinning with
 ``taskset``, device ids (the device plugin assigns devices).

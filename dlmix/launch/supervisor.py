@@ -183,7 +183,8 @@ class Supervisor:
 
     def _healthy(self, s: Supervised) -> bool:
         try:
-            code = self._client.get(s.plan.url + getattr(s.plan, "health_path", "/health")).status_code  # type: ignore[attr-defined]
+            path = getattr(s.plan, "health_path", "/health")
+            code = self._client.get(s.plan.url + path).status_code  # type: ignore[attr-defined]
         except httpx.HTTPError:
             return False
         return code == 200 or (s.plan.kind == "router" and code == 503)  # type: ignore[attr-defined]

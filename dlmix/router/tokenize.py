@@ -29,6 +29,8 @@ from __future__ import annotations
 
 from typing import Any, Callable, List, Mapping, Optional, Sequence, Tuple
 
+from dlmix.routing.hashing import char_chunk_keys
+
 
 def _content_text(c: Any) -> str:
     if isinstance(c, str):
@@ -197,8 +199,6 @@ def prefix_keys(extractor: "PromptExtractor", hasher, chat: bool, body: dict,
     (:meth:`dlmix.routing.hashing.BlockHasher.block_keys`) with the request's ``cache_salt`` and ``lora``. Without:
     character-chunk keys (:func:`dlmix.routing.hashing.char_chunk_keys`) in the namespace ``(lora name, salt)``;
     the length is then estimated as characters / 4. A tokenizer that cannot be loaded counts as none."""
-    from dlmix.routing.hashing import char_chunk_keys
-
     try:
         tokens, text = extractor.extract(chat, body)
     except RuntimeError:
@@ -213,7 +213,7 @@ def prefix_keys(extractor: "PromptExtractor", hasher, chat: bool, body: dict,
                 r = _c[bs] = hasher.block_keys(_t, bs, _s, _l)
             return r
         return len(tokens), bh
-    ns = (lora[0] if lora else None, salt)
+    ns = (lora[0] if lora else None, salt) if (lora or salt) else None
 
     def bh(bs: int, _t=text, _c=cache, _ns=ns):
         r = _c.get(bs)

@@ -149,19 +149,24 @@ class CostPolicy(Policy):
             hp = view.hit_tokens(req, p)
             if hp > n:
                 hp = n
-            pre = on(p.chip, p.num_chips).prefill_time(n, hp) * p.ttft_ratio
-            tp = self.queue_time(cost, p) + pre
+            pc = on(p.chip, p.num_chips)
+            pre = pc.prefill_time(n, hp) * p.ttft_ratio
             lp = p.load
+            q = lp.inflight_prefill_tokens
+            tp = (pc.prefill_compute(q, lp.inflight_prefill_sq) * p.ttft_ratio if q > 0 else 0.0) + pre
             harm = pre * (lp.inflight_decode * w_dec + max(lp.inflight - lp.inflight_decode, 0) * w_q)
             pplans.append((tp, harm, p, hp))
         best = None
-        steps = [self.step_time(cost, d, n) for d in dcands]
+        # the same formulas as step_time / queue_time, one ChipCost lookup per instance (the router's hot path)
+        ccs = [on(d.chip, d.num_chips) for d in dcands]
+        steps = [cc.decode_step_time(d.load.inflight_decode + 1, d.load.decode_ctx_tokens + n) * d.itl_ratio
+                 for cc, d in zip(ccs, dcands)]
         full = [d.load.kv_usage >= self.kv_usage_limit or
                 d.load.decode_ctx_tokens + n + out > cost.kv_capacity_tokens(d.chip, d.num_chips) for d in dcands]
         # guards only while some D keeps the target / has room (module docstring)
         guard = min(steps) <= self.itl_target
         mem_guard = not all(full)
-        for d, step, d_full in zip(dcands, steps, full):
+        for d, cc, step, d_full in zip(dcands, ccs, steps, full):
             hd = view.hit_tokens(req, d)
             if hd > n:
                 hd = n
@@ -180,8 +185,9 @@ class CostPolicy(Policy):
                     if cand is None or obj < cand[0]:
                         cand = (obj, t, d, p, hp, "cost:pd")
             else:
-                t_pre = on(d.chip, d.num_chips).prefill_time(n, hd) * d.ttft_ratio
-                t_local = self.queue_time(cost, d) + t_pre
+                t_pre = cc.prefill_time(n, hd) * d.ttft_ratio
+                q = ld.inflight_prefill_tokens
+                t_local = (cc.prefill_compute(q, ld.inflight_prefill_sq) * d.ttft_ratio if q > 0 else 0.0) + t_pre
                 harm = t_pre * (ld.inflight_decode * w_dec + max(ld.inflight - ld.inflight_decode, 0) * w_q)
                 cand = (base + t_local * inv_t + harm, t_local, d, None, hd,
                         "cost:local:short" if pplans else "cost:local")
