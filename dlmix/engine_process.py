@@ -82,6 +82,12 @@ def free_port_block(n: int = 1, host: str = "127.0.0.1", taken=()) -> int:
     raise RuntimeError(f"no block of {n} free ports below {hi + n} on {host}")
 
 
+def _hub_offline_env() -> dict[str, str]:
+    """``HF_HUB_OFFLINE``/``TRANSFORMERS_OFFLINE`` = 1 unless our environment sets them (local model folders)."""
+    return {"HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "1"),
+            "TRANSFORMERS_OFFLINE": os.environ.get("TRANSFORMERS_OFFLINE", "1")}
+
+
 @dataclass
 class VLLMServerSpec:
     """What a vLLM OpenAI server needs: model folder, port, KV cache size (bytes), and extra CLI flags. The one
@@ -173,8 +179,7 @@ class VLLMServerSpec:
         ``hub_offline``; our own values win), CPU pinning, then ``self.env``."""
         add = {"VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
         if self.hub_offline:
-            add.update(HF_HUB_OFFLINE=os.environ.get("HF_HUB_OFFLINE", "1"),
-                       TRANSFORMERS_OFFLINE=os.environ.get("TRANSFORMERS_OFFLINE", "1"))
+            add.update(_hub_offline_env())
         if self.cpu_bind is not None:
             add["VLLM_CPU_OMP_THREADS_BIND"] = self.cpu_bind
         add.update(self.env)
@@ -299,8 +304,7 @@ class SGLangServerSpec:
         if self.device == "cpu":
             add["SGLANG_USE_CPU_ENGINE"] = "1"
         if self.hub_offline:
-            add.update(HF_HUB_OFFLINE=os.environ.get("HF_HUB_OFFLINE", "1"),
-                       TRANSFORMERS_OFFLINE=os.environ.get("TRANSFORMERS_OFFLINE", "1"))
+            add.update(_hub_offline_env())
         if self.backend_config is not None:
             add["DLMIX_SGLANG_CONFIG"] = json.dumps(self.backend_config, separators=(",", ":"))
         add.update(self.env)

@@ -147,6 +147,17 @@ def _resolve_model(ref: Optional[str]) -> str:
     return str(p) if p.exists() else ref
 
 
+def _engine_env(dep: Deployment, inst: Instance) -> Dict[str, str]:
+    """An engine's environment additions: its accelerator visibility variable, then the deployment's and its own
+    ``env``."""
+    env: Dict[str, str] = {}
+    if inst.device != "cpu" and inst.devices:
+        env[DEVICE_VISIBILITY_ENV[inst.device]] = inst.devices
+    env.update(dep.env)
+    env.update(inst.env)
+    return env
+
+
 def _vllm_spec(dep: Deployment, i: int, model: str, kv_transfer: Optional[dict], kv_events: Optional[str]
                ) -> VLLMServerSpec:
     """The :class:`VLLMServerSpec` of instance ``i``: its command line and environment additions."""
@@ -163,11 +174,7 @@ def _vllm_spec(dep: Deployment, i: int, model: str, kv_transfer: Optional[dict],
         extra += ["--kv-events-config", json.dumps({"enable_kv_cache_events": True, "publisher": "zmq",
                                                     "endpoint": kv_events})]
     cpu = inst.device == "cpu"
-    env: Dict[str, str] = {}
-    if not cpu and inst.devices:
-        env[DEVICE_VISIBILITY_ENV[inst.device]] = inst.devices
-    env.update(dep.env)
-    env.update(inst.env)
+    env = _engine_env(dep, inst)
     return VLLMServerSpec(
         model=model, port=inst.port, host=inst.host, python=inst.python,
         served_model_name=dep.served_name_of(i), max_model_len=inst.max_model_len, seed=0,
@@ -199,11 +206,7 @@ def _sglang_spec(dep: Deployment, i: int, model: str, secret: str, kv_events: Op
             del args[k:k + 2]
         else:
             bp = _free_block(1, taken)
-    env: Dict[str, str] = {}
-    if not cpu and inst.devices:
-        env[DEVICE_VISIBILITY_ENV[inst.device]] = inst.devices
-    env.update(dep.env)
-    env.update(inst.env)
+    env = _engine_env(dep, inst)
     return SGLangServerSpec(
         model=model, port=inst.port, host=inst.host, python=inst.python, served_model_name=dep.served_name_of(i),
         dtype=kv.dtype, page_size=kv.block_size, kv_cache_dtype=kv.cache_dtype,

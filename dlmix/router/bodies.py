@@ -12,7 +12,7 @@ from typing import Any, Dict, List, Optional, Union
 
 import msgspec
 
-__all__ = ["BadRequest", "check", "decode"]
+__all__ = ["BadRequest", "check", "decode", "add_keys"]
 
 
 class BadRequest(ValueError):
@@ -82,3 +82,25 @@ def decode(body: bytes) -> Any:
         raise BadRequest(f"request body is not valid JSON: {ex}") from None
     except RecursionError:
         raise BadRequest("request body is not valid JSON: nested too deeply") from None
+
+
+_enc_keys = msgspec.json.Encoder()
+
+
+def add_keys(raw: bytes, extra: Dict[str, Any], parsed: Optional[dict] = None) -> bytes:
+    """The JSON object ``raw`` with the top-level keys of ``extra`` added after its own (engine hand-offs such as
+    ``kv_transfer_params`` or SGLang's bootstrap fields). The bytes are spliced, not re-encoded, unless ``raw``
+    already names one of the keys: then ``parsed`` (or a fresh decode of ``raw``) is re-encoded with them replaced.
+    Raises ValueError if ``raw`` is not a JSON object."""
+    if any(b'"%s"' % k.encode() in raw for k in extra):
+        d = dict(parsed) if parsed is not None else msgspec.json.decode(raw)
+        if not isinstance(d, dict):
+            raise ValueError("request body is not a JSON object")
+        d.update(extra)
+        return _enc_keys.encode(d)
+    s = raw.rstrip()
+    if not s.endswith(b"}"):
+        raise ValueError("request body is not a JSON object")
+    head = s[:-1].rstrip()
+    sep = b"" if head.endswith(b"{") else b","
+    return head + sep + _enc_keys.encode(extra)[1:]

@@ -20,8 +20,8 @@ from typing import Any
 
 from dlmix.engine_process import SGLANG_CPU_FLAGS, SGLANG_CPU_PD_FLAGS, SGLangServerSpec, free_port
 
-__all__ = ["sglang_python", "SGLangServer", "start_server", "start_sglang_router", "free_port", "generate", "post_json", "CPU_FLAGS",
-           "PD_FLAGS"]
+__all__ = ["sglang_python", "SGLangServer", "start_server", "start_sglang_router", "free_port", "generate",
+           "post_json", "CPU_FLAGS", "PD_FLAGS"]
 
 #: the CPU flags (one definition: :class:`dlmix.engine_process.SGLangServerSpec`)
 CPU_FLAGS = SGLANG_CPU_FLAGS

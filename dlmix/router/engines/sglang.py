@@ -21,6 +21,8 @@ import random
 
 import msgspec
 
+from dlmix.router.bodies import add_keys
+
 NAME = "sglang"
 #: a flag check; SGLang's ``/health`` runs a one-token generation and answers after at least 1 s
 #: (``sglang/srt/entrypoints/http_server.py``), longer than the router's health timeout
@@ -31,7 +33,6 @@ PD_FLOW = "concurrent"
 #: a decode-role instance needs a prefill instance for every request
 DECODE_NEEDS_PREFILL = True
 
-_KEYS = (b'"bootstrap_host"', b'"bootstrap_port"', b'"bootstrap_room"')
 _enc = msgspec.json.Encoder()
 _rng = random.SystemRandom()
 
@@ -59,18 +60,7 @@ def decode_body(raw: bytes, kvp: dict, parsed: dict | None = None) -> bytes:
     """The client's original bytes with the hand-off's keys added at the top level (spliced, not re-encoded, unless
     the client already sent one of them: then ``parsed`` or a fresh decode is re-encoded with them replaced).
     Raises ValueError if ``raw`` is not a JSON object."""
-    if any(k in raw for k in _KEYS):
-        d = dict(parsed) if parsed is not None else msgspec.json.decode(raw)
-        if not isinstance(d, dict):
-            raise ValueError("request body is not a JSON object")
-        d.update(kvp)
-        return _enc.encode(d)
-    s = raw.rstrip()
-    if not s.endswith(b"}"):
-        raise ValueError("request body is not a JSON object")
-    head = s[:-1].rstrip()
-    sep = b"" if head.endswith(b"{") else b","
-    return head + sep + _enc.encode(kvp)[1:]
+    return add_keys(raw, kvp, parsed)
 
 
 def kv_transfer_params(resp_body: bytes) -> dict:

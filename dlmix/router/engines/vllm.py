@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import msgspec
 
+from dlmix.router.bodies import add_keys
+
 NAME = "vllm"
 HEALTH_PATH = b"/health"
 MODELS_PATH = b"/v1/models"
@@ -63,16 +65,7 @@ def decode_body(raw: bytes, kvp: dict, parsed: dict | None = None) -> bytes:
     The bytes are spliced (no re-encoding) unless the client already sent ``kv_transfer_params`` (then ``parsed`` or
     a fresh decode is re-encoded with the key replaced). Raises ValueError if ``raw`` is not a JSON object.
     """
-    if b'"kv_transfer_params"' in raw:
-        d = dict(parsed) if parsed is not None else msgspec.json.decode(raw)
-        d["kv_transfer_params"] = kvp
-        return _enc.encode(d)
-    s = raw.rstrip()
-    if not s.endswith(b"}"):
-        raise ValueError("request body is not a JSON object")
-    head = s[:-1].rstrip()
-    sep = b"" if head.endswith(b"{") else b","
-    return head + sep + b'"kv_transfer_params":' + _enc.encode(kvp) + b"}"
+    return add_keys(raw, {"kv_transfer_params": kvp}, parsed)
 
 
 def kv_transfer_params(resp_body: bytes) -> dict:
