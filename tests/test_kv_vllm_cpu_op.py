@@ -22,8 +22,12 @@ pytestmark = pytest.mark.slow
 def _vllm_write(kv: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor, dtype: torch.dtype,
                 k_scale: float = 1.0, v_scale: float = 1.0, kv_cache_dtype: str = "auto") -> None:
     from vllm._custom_ops import cpu_attn_reshape_and_cache
-    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+    from vllm.v1.attention.backends import cpu_attn
 
+    from dlmix_vllm.layout import pin_cpu_attn_isa
+
+    pin_cpu_attn_isa()  # as DLMixConnector does: "vec", never "amx" (test_amx_isa_is_pinned_to_vec)
+    _get_attn_isa = cpu_attn._get_attn_isa
     B, H, N, C = kv.shape
     D = C // 2
     key_cache, value_cache = kv.view(B, H, 2 * N, D).chunk(2, dim=2)  # as CPUAttentionBackendImpl.forward
@@ -98,3 +102,17 @@ def test_vllm_cpu_kernel_fp8_scales() -> None:
         assert torch.all((vm - value[t].float()).abs() <= (v - value[t].float()).abs() + 1e-7)
         nearest += int(torch.equal(km, k)) + int(torch.equal(vm, v))
     assert nearest < 2 * n  # the two roundings do differ on random data
+
+
+def test_amx_isa_is_pinned_to_vec(monkeypatch) -> None:
+    """On an AMX host vLLM would store bf16 KV in its AMX tile layout, which ``vllm_cpu`` does not describe:
+    DLMixConnector pins the ISA choice to "vec" (any host: the AMX answer is simulated here)."""
+    from vllm.v1.attention.backends import cpu_attn
+
+    from dlmix_vllm.layout import pin_cpu_attn_isa
+
+    monkeypatch.setattr(cpu_attn, "_get_attn_isa", lambda *a, **k: "amx" if a[0] == torch.bfloat16 else "vec")
+    assert pin_cpu_attn_isa() is True and pin_cpu_attn_isa() is True  # idempotent
+    assert cpu_attn._get_attn_isa(torch.bfloat16, 32, 64) == "vec"
+    assert cpu_attn._get_attn_isa(torch.float32, 32, 64) == "vec"
+    assert cpu_attn._get_attn_isa.__wrapped__(torch.bfloat16, 32, 64) == "amx"

@@ -83,6 +83,9 @@ class DLMixConnector(KVConnectorBase_V1):
         self.engine_id = str(ktc.engine_id)
         if kv_cache_config is not None and len(getattr(kv_cache_config, "kv_cache_groups", []) or []) > 1:
             raise DLMixConfigError("DLMixConnector supports one KV cache group (plain attention models) only")
+        from .layout import pin_cpu_attn_isa
+
+        pin_cpu_attn_isa()  # before vLLM builds its attention backends: the cache stays in the described layout
         self.connector_scheduler: "DLMixConnectorScheduler | None" = None
         self.connector_worker: "DLMixConnectorWorker | None" = None
         if role == KVConnectorRole.SCHEDULER:

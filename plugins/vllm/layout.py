@@ -23,6 +23,7 @@ from dlmix.pd.pair import check_pair, layout_of
 
 __all__ = [
     "ARRANGEMENT",
+    "pin_cpu_attn_isa",
     "describe_engine",
     "weights_fingerprint",
     "check_pair",
@@ -70,6 +71,38 @@ def describe_engine(vllm_config: Any, kv_cache_config: Any = None, *, tp_rank: i
     return KVLayout(model=ident, block_size=int(block_size), dtype=dtype, arrangement=ARRANGEMENT,
                     tp_size=int(pc.tensor_parallel_size), tp_rank=int(tp_rank),
                     engine=f"vllm-cpu {vllm.__version__} {mc.model}")
+
+
+def pin_cpu_attn_isa() -> bool:
+    """Keep vLLM CPU's KV cache in the arrangement dlmix describes (``vllm_cpu``) on hosts with AMX.
+
+    vLLM CPU picks a kernel ISA per attention group (``_get_attn_isa`` in ``vllm/v1/attention/backends/cpu_attn.py``):
+    on a host with AMX tiles a bf16 cache (and an fp8 cache of a bf16 model) with a block size multiple of 32 gets
+    ``"amx"``, whose pages hold K in 16-token groups of head-size pairs and V in token pairs (measured against the
+    kernel by ``tests/test_kv_vllm_cpu_op.py``), not the transposed-K/row-major-V pages of ``"vec"``. dlmix does not
+    describe the AMX tile layout yet, so an instance with DLMixConnector uses ``"vec"`` (the kernel hosts without AMX
+    use for the same dtypes): the KV bytes it sends and receives are then the ones its descriptor names. Called by
+    the connector before vLLM builds its attention backends (``ensure_kv_transfer_initialized`` runs before
+    ``initialize_kv_cache``). Returns True when the ISA choice is pinned (idempotent), False without vLLM CPU's
+    attention backend.
+    """
+    try:
+        from vllm.v1.attention.backends import cpu_attn
+    except Exception:  # noqa: BLE001 - no CPU attention backend in this vLLM build
+        return False
+    orig = getattr(cpu_attn, "_get_attn_isa", None)
+    if orig is None:
+        return False
+    if getattr(orig, "_dlmix_pinned", False):
+        return True
+
+    def isa(*args: Any, **kwargs: Any) -> str:
+        r = orig(*args, **kwargs)
+        return "vec" if r == "amx" else r
+    isa._dlmix_pinned = True  # type: ignore[attr-defined]
+    isa.__wrapped__ = orig  # type: ignore[attr-defined]
+    cpu_attn._get_attn_isa = isa
+    return True
 
 
 _LAYER_RE = re.compile(r"(\d+)")
