@@ -180,9 +180,7 @@ class PDOrchestrator:
                             t.exception()  # retrieved: no "never retrieved" warning
             alt = self.replace(rr, dec, tried) if len(tried) <= self.cfg.retries else None
             if alt is None:
-                ex = BackendError(f"no prefill instance could serve the request (last: {last})")
-                ex.prefill_failed = True
-                raise ex
+                raise BackendError(f"no prefill instance could serve the request (last: {last})", prefill_failed=True)
             self.move(dec, rr, alt.prefill, alt.hit_tokens, alt.predicted_ttft)
             if m:
                 m.retry("prefill")

@@ -425,12 +425,14 @@ class ServerProtocol(asyncio.Protocol):
 class BackendError(Exception):
     """Backend connection failed, closed early, answered something that is not HTTP, or timed out
     (``sent_to_client``: bytes were already forwarded; ``timeout``: it timed out, the router answers 504 rather than
-    502)."""
+    502; ``prefill_failed``: no prefill instance could serve a concurrent-flow PD request, the decode instance is not
+    to blame)."""
 
-    def __init__(self, msg: str, sent_to_client: bool = False, timeout: bool = False):
+    def __init__(self, msg: str, sent_to_client: bool = False, timeout: bool = False, prefill_failed: bool = False):
         super().__init__(msg)
         self.sent_to_client = sent_to_client
         self.timeout = timeout
+        self.prefill_failed = prefill_failed
 
     @property
     def status(self) -> int:

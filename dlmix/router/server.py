@@ -437,7 +437,7 @@ class Router:
                 b, c = r
             except BackendError as ex:
                 err = ex
-                b = None if getattr(ex, "prefill_failed", False) else self.rt.get(dec.decode.id)
+                b = None if ex.prefill_failed else self.rt.get(dec.decode.id)
             finally:
                 end(dec, rr, state[0])
             if not self._settle(conn, req, b, dec, rr, c, err, attempts):
