@@ -14,11 +14,20 @@ by route and ``dlmix_router_responses_total`` by instance; the engines' ``vllm:p
 decode instance's ``vllm:dlmix_kv_bytes_received_total`` and ``vllm:dlmix_kv_transfer_seconds_sum``, published by
 DLMixConnector), plus client-side timing of the stream (TTFT, TPOT = (E2E − TTFT) / (output tokens − 1)).
 
-Exit code 0 only if every request succeeded and the decode instance really received KV.
+Then each answer is checked against a single instance: the same request is sent straight to the decode instance
+(greedy, with a fresh ``cache_salt`` so none of the KV it received from the prefill instance is reused; vLLM keys its
+prefix cache by the salt) and the two answers are compared. A difference is a near-tie when the single instance's
+top-1 and top-2 logprobs at the first differing token are closer than ``NEAR_TIE_NATS`` (the bf16 prefill's KV is
+rounded where the fp32 decode's own prefill is not, so a token that wins by less than that may flip); any other
+difference means the decode read KV it should not have, and fails the demo.
+
+Exit code 0 only if every request succeeded, the decode instance really received KV, and every answer equals the
+single instance's or differs at a near-tie.
 """
 from __future__ import annotations
 
 import json
+import secrets
 import sys
 import time
 from collections import defaultdict
@@ -28,7 +37,11 @@ from typing import Dict, List, Optional
 
 import httpx
 
-__all__ = ["run_demo", "DEFAULT_DEPLOYMENT", "DemoRow", "scrape"]
+__all__ = ["run_demo", "DEFAULT_DEPLOYMENT", "DemoRow", "scrape", "first_divergence", "NEAR_TIE_NATS"]
+
+#: A first differing token whose top-1/top-2 logprob gap on the single instance is below this (nats) is a near-tie,
+#: not a wrong answer: the threshold the bf16 prefill -> fp32 decode end-to-end test uses (tests/test_vllm_pd.py).
+NEAR_TIE_NATS = 0.5
 
 DEFAULT_DEPLOYMENT = Path(__file__).resolve().parents[1] / "examples" / "cpu-pd.yaml"
 
@@ -78,6 +91,9 @@ class DemoRow:
     ttft_s: Optional[float] = None
     tpot_s: Optional[float] = None
     e2e_s: Optional[float] = None
+    #: against a single instance: "same", "near-tie@K" (first difference at output token K, a near-tie),
+    #: "DIFFERS@K" (a wrong answer), or "-" (not checked) / "error: ..." (the reference request failed)
+    single: str = "-"
     extra: Dict[str, float] = field(default_factory=dict)
 
 
@@ -207,19 +223,84 @@ def _measure(row: DemoRow, roles: Dict[str, str], before: dict, after: dict) -> 
         row.transfer_s = _sum(_delta(after[d], before[d], "vllm:dlmix_kv_transfer_seconds_sum"))
 
 
+def first_divergence(text: str, tokens: List[str]) -> Optional[int]:
+    """Index of the first of ``tokens`` (the single instance's output, one string per token) at which ``text`` (the
+    answer under test) stops agreeing with them, or None when ``text`` equals their concatenation."""
+    if text == "".join(tokens):
+        return None
+    acc = ""
+    for k, tok in enumerate(tokens):
+        acc += tok
+        if not text.startswith(acc):
+            return k
+    return len(tokens)  # text goes on past the single instance's answer: it differs right after it
+
+
+def _reference_tokens(data: dict) -> tuple[List[str], List[float]]:
+    """Output tokens (strings) and per-token top-1/top-2 logprob gaps (nats; inf when unknown) of an OpenAI response
+    with logprobs: chat (``logprobs.content``) or completion (``logprobs.tokens``/``top_logprobs``) format."""
+    lp = data["choices"][0].get("logprobs") or {}
+    toks: List[str] = []
+    gaps: List[float] = []
+    if "content" in lp:
+        for c in lp["content"] or []:
+            toks.append(c["token"])
+            v = sorted((t["logprob"] for t in c.get("top_logprobs") or []), reverse=True)
+            gaps.append(v[0] - v[1] if len(v) > 1 else float("inf"))
+    else:
+        toks = list(lp.get("tokens") or [])
+        for top in lp.get("top_logprobs") or []:
+            v = sorted((top or {}).values(), reverse=True)
+            gaps.append(v[0] - v[1] if len(v) > 1 else float("inf"))
+    return toks, gaps
+
+
+def _check_single(client: httpx.Client, url: str, req: DemoRequest, row: DemoRow) -> None:
+    """Send ``req`` straight to the instance at ``url`` (not streamed, a fresh ``cache_salt``, top-2 logprobs) and set
+    ``row.single`` by comparing its answer with ``row.text`` (see the module docstring)."""
+    body = dict(req.body, stream=False, cache_salt=f"dlmix-demo-{secrets.token_hex(8)}")
+    body.pop("stream_options", None)
+    if req.path.endswith("/chat/completions"):
+        body.update(logprobs=True, top_logprobs=2)
+    else:
+        body["logprobs"] = 2
+    try:
+        r = client.post(url + req.path, json=body)
+    except httpx.HTTPError as e:
+        row.single = f"error: {type(e).__name__}: {e}"
+        return
+    if r.status_code != 200:
+        row.single = f"error: HTTP {r.status_code}: {r.text[:200]}"
+        return
+    data = r.json()
+    ch = data["choices"][0]
+    ref_text = ch["text"] if "text" in ch else (ch.get("message") or {}).get("content")
+    if row.text == ref_text:  # the answer text, special tokens (e.g. the end-of-turn token) left out, as streamed
+        row.single = "same"
+        return
+    toks, gaps = _reference_tokens(data)
+    k = first_divergence(row.text, toks)
+    if k is None:
+        row.single = "same"
+        return
+    gap = gaps[k] if k < len(gaps) else float("inf")
+    row.single = f"{'near-tie' if gap < NEAR_TIE_NATS else 'DIFFERS'}@{k}"
+    row.extra["single_gap_nats"] = round(gap, 4)
+
+
 def _table(rows: List[DemoRow]):
     from rich.table import Table
 
     t = Table(title="dlmix demo: one row per request (measured)")
     for col in ("request", "prefill", "decode", "path", "prompt tok", "prefix hit P/D", "KV bytes moved",
-                "transfer ms", "TTFT ms", "TPOT ms", "ok"):
+                "transfer ms", "TTFT ms", "TPOT ms", "single instance", "ok"):
         t.add_column(col, justify="left" if col in ("request", "prefill", "decode", "path") else "right")
     ms = lambda s: "-" if s is None else f"{s * 1000:.0f}"  # noqa: E731
     for r in rows:
         t.add_row(r.label, r.prefill, r.decode, r.path, str(r.prompt_tokens if r.prompt_tokens is not None else "-"),
                   f"{r.hit_tokens if r.hit_tokens is not None else '-'}/{r.extra.get('decode_hit_tokens', '-')}",
                   f"{r.kv_bytes:,}",
-                  f"{r.transfer_s * 1000:.1f}", ms(r.ttft_s), ms(r.tpot_s), "yes" if r.ok else "NO")
+                  f"{r.transfer_s * 1000:.1f}", ms(r.ttft_s), ms(r.tpot_s), r.single, "yes" if r.ok else "NO")
     return t
 
 
@@ -234,7 +315,8 @@ def run_demo(deployment: str | Path | None = None, max_tokens: int = 48, free_po
         json_out: also write the rows as JSON to this file.
 
     Returns:
-        0 when every request succeeded and the decode side received KV bytes (measured), else 1; 2 for a bad file.
+        0 when every request succeeded, the decode side received KV bytes (measured) and every answer equals a
+        single instance's up to near-ties, else 1; 2 for a bad file.
     """
     from rich.console import Console
 
@@ -299,18 +381,28 @@ def run_demo(deployment: str | Path | None = None, max_tokens: int = 48, free_po
                     if row.error:
                         console.print(f"[red]{row.error}")
                     rows.append(row)
+                # after all rows are measured (a reference request must not show in a row's counter differences)
+                console.print("\n[bold]Checking every answer against a single instance[/] (the decode instance "
+                              "alone, greedy, own prefill: a fresh cache_salt)")
+                for req, row in zip(reqs, rows):
+                    if row.ok and row.decode in urls:
+                        _check_single(client, urls[row.decode], req, row)
     except (LaunchError, ModelError) as e:
         console.print(f"[red]demo: deployment failed: {e}")
         return 1
     console.print(_table(rows))
     total_kv = sum(r.kv_bytes for r in rows)
-    ok = all(r.ok for r in rows) and total_kv > 0
+    wrong = [r.label for r in rows if r.single.startswith(("DIFFERS", "error"))]
+    ties = [r.label for r in rows if r.single.startswith("near-tie")]
+    ok = all(r.ok for r in rows) and total_kv > 0 and not wrong
     if json_out:
         Path(json_out).write_text(json.dumps([r.__dict__ for r in rows], indent=1, default=str))
     if ok:
         console.print(f"[green]demo ok: {len(rows)} requests succeeded; the decode instance received "
-                      f"{total_kv:,} bytes of KV from the prefill instance")
+                      f"{total_kv:,} bytes of KV from the prefill instance; answers equal to a single instance: "
+                      f"{len(rows) - len(ties)}, near-ties (top-2 gap < {NEAR_TIE_NATS} nats): {len(ties)}")
         return 0
     failed = [r.label for r in rows if not r.ok]
-    console.print(f"[red]demo failed: unsuccessful requests {failed}; KV bytes received by decode: {total_kv}")
+    console.print(f"[red]demo failed: unsuccessful requests {failed}; answers that differ from a single instance "
+                  f"(not a near-tie) or could not be checked: {wrong}; KV bytes received by decode: {total_kv}")
     return 1

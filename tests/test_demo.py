@@ -23,6 +23,10 @@ def test_demo_runs_and_decode_receives_kv(tmp_path, smollm2_dir):
     assert {r["path"] for r in rows.values()} == {"disaggregated"}
     assert all(r["prefill"] == "prefill" and r["decode"] == "decode" for r in rows.values())
     assert all(r["kv_bytes"] > 0 for r in rows.values())
+    # every answer was checked against the decode instance alone (own prefill): equal, or a near-tie
+    assert all(r["single"] == "same" or r["single"].startswith("near-tie@") for r in rows.values()), \
+        {k: r["single"] for k, r in rows.items()}
+    assert "answers equal to a single instance" in p.stdout
     # the second turn shares the first turn's prompt: decode already holds most of it, so far fewer bytes move
     t1, t2 = rows["chat turn 1"], rows["chat turn 2"]
     assert t2["prompt_tokens"] > t1["prompt_tokens"]
