@@ -307,6 +307,7 @@ class CostModel:
         if c is None:
             c = self._cap[key] = self.on(chip, num_chips).kv_capacity_tokens(mem_util)
         return c
+
     def kv_bytes(self, n_tokens: int) -> int:
         """KV bytes of ``n_tokens`` tokens (``n · kv_bytes_per_token``)."""
         return max(n_tokens, 0) * self.kv_bpt
