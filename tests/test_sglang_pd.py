@@ -55,25 +55,35 @@ def prompts(smollm2_dir):
 
 @pytest.fixture(scope="module")
 def servers(smollm2_dir, tmp_path_factory):
+    from dlmix.router.config import RouterConfig
+    from dlmix.testing import RouterThread
+
     d = tmp_path_factory.mktemp("sglang-pd")
     m = str(smollm2_dir)
     started = {}
+    # a dlmix router with no instances, started first: the PD servers register themselves with it
+    # (test_servers_register_themselves_with_the_dlmix_router)
+    rt = RouterThread(RouterConfig(host="127.0.0.1", port=0, policy="cost", model_spec=m,
+                                   policy_params={"local_max_uncached": 0}))
+    reg = {"DLMIX_SGLANG_CONFIG": json.dumps({"router_url": rt.url, "heartbeat_s": 1, "chip_profile": "cpu-x86"})}
     try:
         # S publishes its KV events (test_kv_events_reach_the_dlmix_router)
         started["S"] = T.start_server(m, T.free_port(), d / "S.log", page_size=64,
                                       kv_events=f"tcp://127.0.0.1:{T.free_port()}")
-        started["P1"] = T.start_server(m, T.free_port(), d / "P1.log", mode="prefill", page_size=64)
+        started["P1"] = T.start_server(m, T.free_port(), d / "P1.log", mode="prefill", page_size=64, env=reg)
         started["P2"] = T.start_server(m, T.free_port(), d / "P2.log", mode="prefill", page_size=16,
-                                       dtype="bfloat16")
-        started["D"] = T.start_server(m, T.free_port(), d / "D.log", mode="decode", page_size=64)
+                                       dtype="bfloat16", env=reg)
+        started["D"] = T.start_server(m, T.free_port(), d / "D.log", mode="decode", page_size=64, env=reg)
         for s in started.values():
             s.wait_ready()
         started["_dir"] = d
+        started["_router"] = rt
         yield started
     finally:
         for k, s in started.items():
-            if k != "_dir":
+            if not k.startswith("_"):
                 s.stop()
+        rt.close()
 
 
 def _pd(p: T.SGLangServer, d: T.SGLangServer, ids: list[int], room: int | None = None):
@@ -186,6 +196,41 @@ def test_behind_the_dlmix_router(servers, prompts, smollm2_dir):
         assert ok == 6  # every request went through the prefill instance
     finally:
         rt.close()
+
+
+def test_servers_register_themselves_with_the_dlmix_router(servers, prompts):
+    """With ``router_url`` in ``DLMIX_SGLANG_CONFIG``, each PD server's scheduler registers with the dlmix router
+    (SGLang's ``HookRegistry``, ``dlmix_sglang.router_hook``) and heartbeats its load and KV usage; the router then
+    serves requests over the pairs it learned, with no instance list of its own."""
+    import httpx
+
+    from dlmix.testing import wait_until
+
+    rt = servers["_router"]
+    want = {servers[n].url: n for n in ("P1", "P2", "D")}
+
+    def listed():
+        got = {i["url"]: i for i in httpx.get(rt.url + "/admin/instances", timeout=5).json()["instances"]}
+        return got if set(got) == set(want) and all(i["load"]["kv_usage"] is not None and i["healthy"]
+                                                    for i in got.values()) else None
+
+    got = wait_until(listed, 120, "P1, P2 and D registered, heartbeating and healthy")
+    roles = {want[u]: (i["engine"], i["role"], i["block_size"], i["chip"]) for u, i in got.items()}
+    assert roles == {"P1": ("sglang", "prefill", 64, "cpu-x86"), "P2": ("sglang", "prefill", 16, "cpu-x86"),
+                     "D": ("sglang", "decode", 64, "cpu-x86")}
+    boot = rt.call(lambda: {i.url: i.extra.get("bootstrap_port") for i in rt.router.instances})
+    assert boot == {servers["P1"].url: servers["P1"].bootstrap_port, servers["P2"].url: servers["P2"].bootstrap_port,
+                    servers["D"].url: None}
+    assert all(0.0 <= i["load"]["kv_usage"] <= 1.0 for i in got.values())
+    with httpx.Client(timeout=300) as h:
+        for ids in prompts[:3]:
+            r = h.post(rt.url + "/v1/completions", json={"prompt": ids, "max_tokens": MAX_TOKENS, "temperature": 0})
+            assert r.status_code == 200, f"{r.text}\n{servers['D'].log_tail()}"
+            assert r.json()["usage"]["completion_tokens"] == MAX_TOKENS
+    served = rt.call(lambda: sum(rt.router.metrics.registry.get_sample_value(
+        "dlmix_router_prefill_responses_total", {"instance": got[servers[n].url]["id"], "status": "2xx"}) or 0
+        for n in ("P1", "P2")))
+    assert served == 3  # every request was disaggregated over a registered prefill instance
 
 
 def test_kv_events_reach_the_dlmix_router(servers, prompts, smollm2_dir):

@@ -10,7 +10,8 @@ the KV transfer backend ``dlmix``. Then::
 runs SGLang's own prefill/decode disaggregation (bootstrap server, rooms, queues, polling) with the transfer done by
 the engine-neutral PD core (:mod:`dlmix.pd`): decode pulls the prefill's pages and converts page size, KV dtype and
 arrangement on the way (:mod:`dlmix_sglang.conn`). Settings: :mod:`dlmix_sglang.config`. Nothing changes when another
-backend is selected. This module imports nothing heavy; SGLang imports the backend classes when it first asks for
+backend is selected. With ``router_url`` in the settings, the scheduler also registers the instance with the dlmix
+router and heartbeats its load (:mod:`dlmix_sglang.router_hook`, a ``HookRegistry`` hook installed only then). This module imports nothing heavy; SGLang imports the backend classes when it first asks for
 them.
 """
 from __future__ import annotations
@@ -69,6 +70,14 @@ def _get_kv_class(original, transfer_backend, class_type):
 _registered = False
 
 
+def _router_url_set() -> bool:
+    """Whether ``DLMIX_SGLANG_CONFIG`` names a dlmix router (the scheduler hook is installed only then). Raises
+    :class:`dlmix_sglang.config.DLMixSGLangConfigError` for an invalid configuration."""
+    from .config import load_settings
+
+    return bool(os.environ.get("DLMIX_SGLANG_CONFIG")) and load_settings().router_url is not None
+
+
 def register() -> bool:
     """SGLang plugin entry point (group ``sglang.srt.plugins``): accept ``--disaggregation-transfer-backend dlmix``
     and serve its classes. Idempotent per process; returns True when this call registered. Raises ImportError only
@@ -89,6 +98,10 @@ def register() -> bool:
         add_disagg_transfer_backend_choices([BACKEND_NAME])
     _add_enum_member()
     HookRegistry.register("sglang.srt.disaggregation.utils.get_kv_class", _get_kv_class, HookType.AROUND)
+    if _router_url_set():
+        from . import router_hook
+
+        HookRegistry.register(router_hook.TARGET, router_hook.after_scheduler_init, HookType.AFTER)
     if os.environ.get("DLMIX_SGLANG_CPU_AIDS") == "1":
         _cpu_aids()
     _registered = True

@@ -38,6 +38,14 @@ class SGLangSettings(BaseModel):
         decode that has not read them; registration_wait_s: how long a read request waits for its hold to appear.
       staging_bytes: decode staging region (bytes); larger transfers run in several rounds.
       verify_weights: refuse a peer whose weights fingerprint differs (only a negative-control test turns it off).
+      router_url: dlmix router base URL (``http://host:port``); when set, each instance's scheduler (TP rank 0)
+        registers with the router and heartbeats its load and KV usage (:mod:`dlmix_sglang.router_hook`), whatever
+        the transfer backend.
+      router_admin_key: bearer key of the router's admin API (optional; without one the router accepts loopback).
+      public_url: this instance's OpenAI HTTP URL announced to the router; default ``http://{--host}:{--port}``.
+      heartbeat_s: seconds between heartbeats.
+      chip_profile: dlmix chip profile name announced to the router (e.g. ``cpu-avx512``); num_chips: chips the
+        instance spans (default: its TP size).
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -51,6 +59,19 @@ class SGLangSettings(BaseModel):
     registration_wait_s: float = Field(default=10.0, ge=0)
     staging_bytes: int = Field(default=64 * 1024 * 1024, ge=64 * 1024)
     verify_weights: bool = True
+    router_url: str | None = None
+    router_admin_key: str | None = None
+    public_url: str | None = None
+    heartbeat_s: float = Field(default=2.0, gt=0)
+    chip_profile: str | None = None
+    num_chips: int | None = Field(default=None, ge=1)
+
+    @field_validator("router_url", "public_url")
+    @classmethod
+    def _http(cls, url: str | None) -> str | None:
+        if url is not None and not url.startswith(("http://", "https://")):
+            raise ValueError(f"must start with http:// or https://, got {url!r}")
+        return url
 
     @field_validator("transport")
     @classmethod
