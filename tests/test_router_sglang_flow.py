@@ -33,18 +33,21 @@ def lt():
 
 
 class Cluster:
-    """Mock SGLang prefill/decode engines behind a router (plus a plain reference engine, not registered)."""
+    """Mock SGLang prefill/decode engines behind a router (plus a plain reference engine, not registered); ``both``:
+    engines registered with role ``both`` (an SGLang server without a disaggregation mode)."""
 
-    def __init__(self, lt, prefills, decodes, **cfg):
+    def __init__(self, lt, prefills, decodes, both=(), **cfg):
         self.lt = lt
         self.ref = MockEngine(name="ref")
-        self.engines = [*prefills, *decodes, self.ref]
+        self.engines = [*prefills, *decodes, *both, self.ref]
         for e in self.engines:
             lt.run(e.start())
         insts = [{"url": e.url, "model": "mock", "role": "prefill", "id": e.name, "chip": "H100", "engine": "sglang",
                   "bootstrap_port": e.bootstrap_port} for e in prefills]
         insts += [{"url": e.url, "model": "mock", "role": "decode", "id": e.name, "chip": "H20", "engine": "sglang"}
                   for e in decodes]
+        insts += [{"url": e.url, "model": "mock", "role": "both", "id": e.name, "chip": "H20", "engine": "sglang"}
+                  for e in both]
         cfg.setdefault("health_interval_s", 0.2)
         self.cfg = RouterConfig(port=0, instances=insts, **cfg)
         self.router = Router(self.cfg)
@@ -207,6 +210,26 @@ def test_prefill_4xx_reaches_the_client_and_cancels_the_decode_leg(lt):
         # the decode leg was cancelled (or never reached D: P's 422 can come first)
         assert poll(lambda: d.cancelled == d.requests and d.inflight == 0 and not d.prefill_legs, 10)
         assert d.requests <= 1
+    finally:
+        c.close()
+
+
+def test_an_sglang_server_without_disaggregation_serves_whole_requests(lt):
+    """A ``both``-role SGLang instance (no ``--disaggregation-mode``) is never a decode leg: the cost policy pairs it
+    with the prefill instance (every request disaggregated, ``local_max_uncached`` 0), the router serves the request
+    on it alone, and the prefill instance gets no leg that would wait for a decode."""
+    p, s = _prefill(), MockEngine(name="s", engine="sglang")
+    c = Cluster(lt, [p], [], both=[s], **PD)
+    try:
+        with httpx.Client(timeout=30) as h:
+            for stream in (False, True):
+                body = dict(BODY, stream=stream)
+                via = h.post(c.base + "/v1/completions", json=body)
+                direct = h.post(c.ref.url + "/v1/completions", json=body)
+                assert via.status_code == 200, via.text
+                assert (_sse(via.text) == _sse(direct.text)) if stream else (via.json() == direct.json())
+        assert (p.requests, s.requests, s.rooms) == (0, 2, [])
+        assert json.loads(s.received[-1]) == dict(BODY, stream=True)  # no bootstrap fields added
     finally:
         c.close()
 

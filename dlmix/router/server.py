@@ -453,6 +453,10 @@ class Router:
         ``(decode backend, BackendConn)``, or :data:`SENT` when the answer was already sent (a prefill instance's
         4xx; 503 when a decode-only instance has no prefill instance). Raises BackendError."""
         m = self.metrics
+        if dec.prefill is not None and dec.decode.role == "both":
+            db = self.rt.get(dec.decode.id)
+            if db is not None and not db.engine.BOTH_TAKES_PD:
+                dec.prefill = None  # an instance that serves whole requests only: it prefills this one itself
         pb = self.rt.get(dec.prefill.id) if dec.prefill is not None else None
         if pb is not None and pb.engine.PD_FLOW == "concurrent":
             return await self.pd.concurrent(conn, req, d, rr, dec, chat, fwd, first)

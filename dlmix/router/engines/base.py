@@ -10,6 +10,10 @@ The router only calls these names on an instance's adapter (``get_engine(state.e
   and a decode instance only when their flows are equal (registration answers 409 otherwise).
 * ``DECODE_NEEDS_PREFILL``: True when a decode-role instance cannot serve a request alone (then, without a prefill
   instance, the router answers 503 rather than sending it there).
+* ``BOTH_TAKES_PD``: True when a ``both``-role instance can be the decode side of a PD pair (vLLM with ``kv_both``);
+  False when it serves only whole requests (an SGLang server without ``--disaggregation-mode``, which ignores the
+  bootstrap fields and would leave the prefill leg waiting for a decode that never comes): the router then serves
+  the request on it alone, even when the policy paired it with a prefill instance.
 * ``prefill_body(body, chat, kvp=None) -> bytes``: the prefill-leg request built from the client's parsed JSON
   ``body`` (not modified); ``chat`` is True for ``/v1/chat/completions``; ``kvp``: the hand-off (concurrent flow).
 * ``kv_transfer_params(resp_body) -> dict``: the transfer parameters out of the prefill response (sequential flow;
@@ -38,6 +42,7 @@ class EngineAdapter(Protocol):
     MODELS_PATH: bytes
     PD_FLOW: str
     DECODE_NEEDS_PREFILL: bool
+    BOTH_TAKES_PD: bool
 
     def prefill_body(self, body: dict, chat: bool, kvp: Any = None) -> bytes: ...
 

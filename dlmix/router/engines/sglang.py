@@ -13,7 +13,8 @@ care which.
 * Prefill leg: the client's request plus the hand-off, ``stream=false`` (its answer is only waited for, not
   forwarded); decode leg: the client's original bytes plus the hand-off (:func:`decode_body`).
 * A decode-mode SGLang server cannot serve a request alone (``DECODE_NEEDS_PREFILL``): without a prefill instance
-  the router answers 503 instead of sending it there.
+  the router answers 503 instead of sending it there. A server without a disaggregation mode (role ``both``) serves
+  whole requests only (``BOTH_TAKES_PD`` False).
 """
 from __future__ import annotations
 
@@ -32,6 +33,9 @@ MODELS_PATH = b"/v1/models"
 PD_FLOW = "concurrent"
 #: a decode-role instance needs a prefill instance for every request
 DECODE_NEEDS_PREFILL = True
+#: a server without ``--disaggregation-mode`` (registered as ``both``) ignores the bootstrap fields: it cannot be a
+#: decode leg, and a prefill leg paired with it would wait for a decode that never comes
+BOTH_TAKES_PD = False
 
 _enc = msgspec.json.Encoder()
 _rng = random.SystemRandom()

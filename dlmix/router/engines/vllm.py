@@ -26,6 +26,8 @@ MODELS_PATH = b"/v1/models"
 PD_FLOW = "sequential"
 #: a decode-role (kv_consumer / kv_both) vLLM instance recomputes the prompt itself when no prefill is available
 DECODE_NEEDS_PREFILL = False
+#: a kv_both instance consumes KV from a prefill instance like a kv_consumer
+BOTH_TAKES_PD = True
 
 PREFILL_KV_PARAMS = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
                      "remote_block_ids": None, "remote_host": None, "remote_port": None}
