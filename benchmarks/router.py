@@ -14,7 +14,11 @@ added p50/p99 latency (router minus direct, same client). Prefix index memory is
 
 ``--baseline-src DIR``: also run the router of another dlmix source tree (e.g. the previous commit, ``mkdir DIR &&
 git archive main | tar -x -C DIR``) as ``base_round_robin``/``base_cost`` in the same rounds, and report
-``rps_vs_baseline_*``, ``cpu_rps_vs_baseline_*`` and ``streams_vs_baseline_*`` (this tree over the baseline).
+``rps_vs_baseline_*``, ``cpu_rps_vs_baseline_*`` and ``streams_vs_baseline_*`` (this tree over the baseline, from
+the medians over rounds) and ``paired_vs_baseline_*``: the ratio of each round (this tree and the baseline measured
+one after the other, so a drift of a shared machine cancels) and their median. ``--rounds N`` sets the number of
+interleaved rounds (default 3, 1 with ``--quick``); on a noisy 2-core machine one measurement varies by +-30 %, so
+compare with 7 or more.
 
 Prints one JSON object on the last line: ``rps`` per router/policy, ``rps_vs_rust_sglang_rr``,
 ``rps_vs_rust_vllm_rr``, ``rps_vs_rust_sglang_cache_aware``, ``p99_added_ms_at_500rps``, ``index_mib_per_million_blocks``.
@@ -264,12 +268,13 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--rvenv", default="/tmp/rvenv")
+    ap.add_argument("--rounds", type=int, default=None, help="interleaved rounds (default 3; --quick: 1)")
     ap.add_argument("--baseline-src", default=None,
                     help="a dlmix source tree (e.g. `git archive main`) whose router runs side by side as base_*")
     a = ap.parse_args()
     secs = 4 if a.quick else 10
     paced_secs = 5 if a.quick else 12
-    runs = 1 if a.quick else 3
+    runs = a.rounds or (1 if a.quick else 3)
     notes = []
     if not shutil.which("wrk"):
         sys.exit("wrk not found: apt-get install -y wrk")
@@ -381,6 +386,15 @@ def main() -> None:
     def ratio(x, y):
         return round(rps[x] / rps[y], 3) if x in rps and y in rps and rps[y] else None
 
+    def paired(rps_l, cpu_l, x, y):  # per-round ratios of x over y (measured back to back), and their medians
+        if not (rps_l.get(x) and rps_l.get(y)):
+            return None
+        rr = [round(a / b, 3) for a, b in zip(rps_l[x], rps_l[y]) if b]
+        cr = [round(b / a, 3) for a, b in zip(cpu_l.get(x, []), cpu_l.get(y, [])) if a]
+        return {"rps_per_round": rr, "cpu_rps_per_round": cr,
+                "rps_median": round(statistics.median(rr), 3) if rr else None,
+                "cpu_rps_median": round(statistics.median(cr), 3) if cr else None}
+
     def cpu_ratio(x, y):  # requests per CPU-second, x over y
         return round(cpu[y] / cpu[x], 3) if x in cpu and y in cpu and cpu[x] else None
 
@@ -406,6 +420,8 @@ def main() -> None:
             ("streams", round(res["streams_per_s"][f"dlmix_{pol}"] / res["streams_per_s"][f"base_{pol}"], 3)
              if res["streams_per_s"].get(f"base_{pol}") and f"dlmix_{pol}" in res["streams_per_s"] else None))}
            if a.baseline_src else {}),
+        **({f"paired_vs_baseline_{pol}": paired(rps_l, cpu_l, f"dlmix_{pol}", f"base_{pol}")
+            for pol in ("round_robin", "cost")} if a.baseline_src else {}),
         **tokenize_costs(),
         "index_mib_per_million_blocks": round(index_mib_per_million(), 1),
         "notes": notes + ["router pinned to core 0, mocks + load generators on core 1; on a shared machine "
