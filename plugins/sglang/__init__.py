@@ -11,8 +11,8 @@ runs SGLang's own prefill/decode disaggregation (bootstrap server, rooms, queues
 the engine-neutral PD core (:mod:`dlmix.pd`): decode pulls the prefill's pages and converts page size, KV dtype and
 arrangement on the way (:mod:`dlmix_sglang.conn`). Settings: :mod:`dlmix_sglang.config`. Nothing changes when another
 backend is selected. With ``router_url`` in the settings, the scheduler also registers the instance with the dlmix
-router and heartbeats its load (:mod:`dlmix_sglang.router_hook`, a ``HookRegistry`` hook installed only then). This module imports nothing heavy; SGLang imports the backend classes when it first asks for
-them.
+router and heartbeats its load (:mod:`dlmix_sglang.router_hook`, a ``HookRegistry`` hook installed only then). This
+module imports nothing heavy; SGLang imports the backend classes when it first asks for them.
 """
 from __future__ import annotations
 
