@@ -230,6 +230,9 @@ def test_an_sglang_server_without_disaggregation_serves_whole_requests(lt):
                 assert (_sse(via.text) == _sse(direct.text)) if stream else (via.json() == direct.json())
         assert (p.requests, s.requests, s.rooms) == (0, 2, [])
         assert json.loads(s.received[-1]) == dict(BODY, stream=True)  # no bootstrap fields added
+        # the prefill instance's share of the placement was taken back: no load left on any instance
+        assert poll(lambda: all(i.load.inflight == 0 and i.load.inflight_prefill_tokens == 0
+                                for i in c.router.instances), 10)
     finally:
         c.close()
 

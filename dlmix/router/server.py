@@ -456,7 +456,7 @@ class Router:
         if dec.prefill is not None and dec.decode.role == "both":
             db = self.rt.get(dec.decode.id)
             if db is not None and not db.engine.BOTH_TAKES_PD:
-                dec.prefill = None  # an instance that serves whole requests only: it prefills this one itself
+                self.pd.move(dec, rr, None)  # serves whole requests only: it prefills this one itself
         pb = self.rt.get(dec.prefill.id) if dec.prefill is not None else None
         if pb is not None and pb.engine.PD_FLOW == "concurrent":
             return await self.pd.concurrent(conn, req, d, rr, dec, chat, fwd, first)
