@@ -37,6 +37,8 @@ from typing import Dict, List, Optional
 
 import httpx
 
+from dlmix.testing import output_logprobs
+
 __all__ = ["run_demo", "DEFAULT_DEPLOYMENT", "DemoRow", "scrape", "first_divergence", "NEAR_TIE_NATS"]
 
 #: A first differing token whose top-1/top-2 logprob gap on the single instance is below this (nats) is a near-tie,
@@ -236,25 +238,6 @@ def first_divergence(text: str, tokens: List[str]) -> Optional[int]:
     return len(tokens)  # text goes on past the single instance's answer: it differs right after it
 
 
-def _reference_tokens(data: dict) -> tuple[List[str], List[float]]:
-    """Output tokens (strings) and per-token top-1/top-2 logprob gaps (nats; inf when unknown) of an OpenAI response
-    with logprobs: chat (``logprobs.content``) or completion (``logprobs.tokens``/``top_logprobs``) format."""
-    lp = data["choices"][0].get("logprobs") or {}
-    toks: List[str] = []
-    gaps: List[float] = []
-    if "content" in lp:
-        for c in lp["content"] or []:
-            toks.append(c["token"])
-            v = sorted((t["logprob"] for t in c.get("top_logprobs") or []), reverse=True)
-            gaps.append(v[0] - v[1] if len(v) > 1 else float("inf"))
-    else:
-        toks = list(lp.get("tokens") or [])
-        for top in lp.get("top_logprobs") or []:
-            v = sorted((top or {}).values(), reverse=True)
-            gaps.append(v[0] - v[1] if len(v) > 1 else float("inf"))
-    return toks, gaps
-
-
 def _check_single(client: httpx.Client, url: str, req: DemoRequest, row: DemoRow) -> None:
     """Send ``req`` straight to the instance at ``url`` (not streamed, a fresh ``cache_salt``, top-2 logprobs) and set
     ``row.single`` by comparing its answer with ``row.text`` (see the module docstring)."""
@@ -278,7 +261,7 @@ def _check_single(client: httpx.Client, url: str, req: DemoRequest, row: DemoRow
     if row.text == ref_text:  # the answer text, special tokens (e.g. the end-of-turn token) left out, as streamed
         row.single = "same"
         return
-    toks, gaps = _reference_tokens(data)
+    toks, gaps = output_logprobs(ch)
     k = first_divergence(row.text, toks)
     if k is None:
         row.single = "same"

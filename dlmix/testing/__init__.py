@@ -6,7 +6,7 @@
   asyncio servers;
 * :class:`RouterThread`: the dlmix router started in-process on its own :class:`LoopThread`;
 * :func:`compare_greedy`: greedy token ids against a reference, near-ties (small top-2 gaps) counted, any other
-  divergence fails;
+  divergence fails; :func:`output_logprobs`: the output tokens and top-2 gaps of an OpenAI response;
 * :func:`wait_http`: poll a URL until it answers 200; :func:`poll` / :func:`wait_until`: poll any condition with a
   (generous) deadline;
 * :class:`~dlmix.testing.mock_engine.MockEngine`: the one mock OpenAI engine (vLLM's API, PD legs, KV events,
@@ -21,7 +21,7 @@ import time
 from dlmix.engine_process import free_port, free_port_block, port_free
 
 __all__ = ["free_port", "free_port_block", "port_free", "LoopThread", "RouterThread", "wait_http", "poll", "wait_until",
-           "MockEngine", "compare_greedy"]
+           "MockEngine", "compare_greedy", "output_logprobs"]
 
 
 class LoopThread:
@@ -134,6 +134,26 @@ def __getattr__(name):  # MockEngine imports the router's HTTP layer: load it on
 
         return MockEngine
     raise AttributeError(f"module 'dlmix.testing' has no attribute {name!r}")
+
+
+def output_logprobs(choice: dict) -> tuple[list[str], list[float]]:
+    """Output tokens (strings) and, per token, the gap between the top-1 and top-2 logprob (nats; inf when fewer than
+    two are given) of one OpenAI response choice with logprobs, chat (``logprobs.content``) or completion
+    (``logprobs.tokens`` / ``top_logprobs``) format. Empty lists when the choice has no logprobs."""
+    lp = choice.get("logprobs") or {}
+    toks: list[str] = []
+    gaps: list[float] = []
+    if "content" in lp:
+        for c in lp["content"] or []:
+            toks.append(c["token"])
+            v = sorted((t["logprob"] for t in c.get("top_logprobs") or []), reverse=True)
+            gaps.append(v[0] - v[1] if len(v) > 1 else float("inf"))
+    else:
+        toks = list(lp.get("tokens") or [])
+        for top in lp.get("top_logprobs") or []:
+            v = sorted((top or {}).values(), reverse=True)
+            gaps.append(v[0] - v[1] if len(v) > 1 else float("inf"))
+    return toks, gaps
 
 
 def compare_greedy(case: str, got: dict, refs: dict, threshold: float, max_tokens: int) -> tuple[int, int]:

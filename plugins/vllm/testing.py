@@ -18,7 +18,7 @@ from typing import Any
 import httpx
 
 from dlmix.engine_process import free_port, pd_test_spec  # the one port helper and vLLM builder
-from dlmix.testing import compare_greedy  # engine-neutral; re-exported here for the vLLM tests
+from dlmix.testing import compare_greedy, output_logprobs  # engine-neutral; compare_greedy re-exported here
 
 __all__ = ["free_port", "VllmServer", "launch", "wait_ready", "two_step", "single", "kv_usage", "metric_sum",
            "parse_sse", "prose", "prompt_set", "PROSE_WORDS", "compare_greedy"]
@@ -207,21 +207,12 @@ def result_tokens(resp: dict) -> tuple[list[int], list[float]]:
     if "choices" in resp:
         ch = resp["choices"][0]
         ids = list(ch.get("token_ids") or [])
-        lp = ch.get("logprobs") or {}
-        chunks = [lp]
+        chunks = [ch.get("logprobs") or {}]
     else:
         ids = list(resp.get("token_ids") or [])
         chunks = resp.get("logprobs_chunks") or []
     for lp in chunks:
-        if "top_logprobs" in lp and isinstance(lp["top_logprobs"], list) and lp["top_logprobs"] and \
-                isinstance(lp["top_logprobs"][0], dict):  # completion format
-            for top in lp["top_logprobs"]:
-                v = sorted(top.values(), reverse=True)
-                gaps.append(v[0] - v[1] if len(v) > 1 else float("inf"))
-        elif "content" in lp:  # chat format
-            for c in lp["content"] or []:
-                v = sorted((t["logprob"] for t in c.get("top_logprobs") or []), reverse=True)
-                gaps.append(v[0] - v[1] if len(v) > 1 else float("inf"))
+        gaps += output_logprobs({"logprobs": lp})[1]
     return ids, gaps
 
 
