@@ -26,7 +26,7 @@ from dlmix.kv.layout import KVLayout
 
 from .contract import CONTRACT_VERSION, ContractError
 
-__all__ = ["Registration", "registration_body", "decode_registration", "ROLES"]
+__all__ = ["Registration", "registration_body", "decode_registration", "advertised_endpoint", "ROLES"]
 
 ROLES = ("prefill", "decode", "both")
 
@@ -102,6 +102,12 @@ def registration_body(*, url: str, role: str = "both", engine: str = "vllm", ins
     if "engine" not in out:
         out["engine"] = reg.engine
     return out
+
+
+def advertised_endpoint(endpoint: str, host: str) -> str:
+    """A bind endpoint (e.g. the engine's KV-event publisher ``tcp://*:5557``) as others reach it: a wildcard host
+    (``*``, ``0.0.0.0``) replaced by ``host``. Pure function."""
+    return endpoint.replace("*", host).replace("0.0.0.0", host)
 
 
 def decode_registration(obj: Any) -> Registration:

@@ -22,7 +22,7 @@ import json
 import logging
 from typing import Any
 
-from dlmix.pd.registration import registration_body
+from dlmix.pd.registration import advertised_endpoint, registration_body
 from dlmix.pd.router_client import RouterClient
 
 from .config import SGLangSettings
@@ -53,7 +53,7 @@ def _kv_events_endpoint(server_args: Any, host: str) -> str | None:
     ep = cfg.get("endpoint")
     if cfg.get("publisher", "zmq") != "zmq" or not isinstance(ep, str) or not ep.startswith("tcp://"):
         return None
-    return ep.replace("*", host).replace("0.0.0.0", host)
+    return advertised_endpoint(ep, host)
 
 
 def _dlmix_layout(scheduler: Any) -> dict[str, Any] | None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+from dlmix.pd.registration import advertised_endpoint
 from dlmix.pd.registration import registration_body as build_registration
 from dlmix.pd.router_client import RouterClient as _CoreRouterClient
 
@@ -22,8 +23,7 @@ def _kv_events_endpoint(vllm_config: Any, host: str) -> str | None:
     cfg = getattr(vllm_config, "kv_events_config", None)
     if cfg is None or not getattr(cfg, "enable_kv_cache_events", False) or getattr(cfg, "publisher", "") != "zmq":
         return None
-    ep = str(cfg.endpoint)
-    return ep.replace("*", host).replace("0.0.0.0", host)
+    return advertised_endpoint(str(cfg.endpoint), host)
 
 
 def registration_body(settings: Any, vllm_config: Any, layout: dict[str, Any],
