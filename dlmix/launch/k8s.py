@@ -10,6 +10,10 @@ The same file that ``dlmix launch`` runs on one host becomes, per object, one YA
 * ``Deployment`` ``NAME-router`` (``router.replicas``), a client ``Service`` ``NAME-router`` (``k8s.service_type``)
   and a headless ``Service`` ``NAME-router-admin`` that also lists not-ready routers, through which engines register
   (a router is ready only once it has a healthy instance);
+* with ``router.replicas`` > 1: an etcd member (``Deployment``/``Service`` ``NAME-etcd``, ``k8s.etcd_image``, data in
+  an ``emptyDir``: engines register again on their next heartbeat after it restarts) through which the replicas share
+  the fleet's state (:mod:`dlmix.router.shared`), and a ``NetworkPolicy`` ``NAME-etcd`` that admits only the router
+  pods to it;
 * per instance (an instance group): a ``Deployment`` ``NAME-INSTANCE`` (``k8s.replicas`` pods) with the vendor's
   device resource (``k8s_resource`` of the chip's vendor in the chip catalog, ``dlmix/data/chips.yaml``) and a node
   selector (vendor ``k8s_node_label`` = chip name), and a ``Service`` ``NAME-INSTANCE``.
@@ -179,10 +183,37 @@ def build_manifests(dep: Deployment, secret: Optional[str] = None) -> Manifests:
             if isinstance(v, str) and os.path.isabs(v):
                 out.notes.append(f"router {key} {v!r} is a local path: mount it into the router pods or set "
                                  f"router.{key} to a preset / hub id")
+        sel = {"app.kubernetes.io/instance": base, "app.kubernetes.io/component": "router"}
+        if r.replicas > 1:  # type: ignore[union-attr]
+            etcd_name = f"{base}-etcd"
+            rcfg["etcd_endpoints"] = [f"http://{etcd_name}:2379"]
+            rcfg["etcd_prefix"] = f"/dlmix/{base}"
+            rcfg["etcd_allow_open"] = True  # only the router pods reach it (the NetworkPolicy below)
+            esel = {"app.kubernetes.io/instance": base, "app.kubernetes.io/component": "etcd"}
+            url = f"http://{etcd_name}:2379"
+            out.add({"apiVersion": "apps/v1", "kind": "Deployment", "metadata": meta(etcd_name, "etcd"),
+                     "spec": {"replicas": 1, "selector": {"matchLabels": esel},
+                              "template": {"metadata": {"labels": {**common, **esel}}, "spec": {
+                                  "containers": [{
+                                      "name": "etcd", "image": k.etcd_image, "imagePullPolicy": k.image_pull_policy,
+                                      "command": ["etcd", "--name", "etcd", "--data-dir", "/var/lib/etcd",
+                                                  "--listen-client-urls", "http://0.0.0.0:2379",
+                                                  "--advertise-client-urls", url,
+                                                  "--listen-peer-urls", "http://127.0.0.1:2380"],
+                                      "ports": [{"name": "client", "containerPort": 2379}],
+                                      "readinessProbe": _http_probe("/health", 2379, 5, 3),
+                                      "livenessProbe": _http_probe("/health", 2379, 10, 3),
+                                      "volumeMounts": [{"name": "data", "mountPath": "/var/lib/etcd"}]}],
+                                  "volumes": [{"name": "data", "emptyDir": {}}]}}}})
+            out.add({"apiVersion": "v1", "kind": "Service", "metadata": meta(etcd_name, "etcd"),
+                     "spec": {"selector": esel, "ports": [{"name": "client", "port": 2379, "targetPort": 2379}]}})
+            out.add({"apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy", "metadata": meta(etcd_name, "etcd"),
+                     "spec": {"podSelector": {"matchLabels": esel}, "policyTypes": ["Ingress"],
+                              "ingress": [{"from": [{"podSelector": {"matchLabels": sel}}],
+                                           "ports": [{"protocol": "TCP", "port": 2379}]}]}})
         data["router.yaml"] = yaml.safe_dump(rcfg, sort_keys=False)
         cm_name = f"{base}-router-config"
         out.add({"apiVersion": "v1", "kind": "ConfigMap", "metadata": meta(cm_name, "router"), "data": data})
-        sel = {"app.kubernetes.io/instance": base, "app.kubernetes.io/component": "router"}
         port = r.port  # type: ignore[union-attr]
         container = {
             "name": "router", "image": k.router_image or k.image, "imagePullPolicy": k.image_pull_policy,

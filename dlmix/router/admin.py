@@ -3,10 +3,15 @@
 Every call needs ``Authorization: Bearer ADMIN_KEY``; without ``admin_key`` only loopback peers may call it. JSON in
 and out; errors are ``{"error": msg}`` (plus ``"reasons"`` for a refused registration). Instance ids may contain
 ``/`` (the default id is the instance URL) and are percent-decoded.
+
+With a shared store (router replicas, :mod:`dlmix.router.shared`) registration, drain, undrain and removal go through
+etcd, so every replica sees them, and are refused with ``503`` while etcd is unavailable; heartbeats count at once on
+the replica that received them and are shared in the background.
 """
 from __future__ import annotations
 
 import ipaddress
+import inspect
 from typing import Optional
 
 import msgspec
@@ -24,10 +29,12 @@ class AdminAPI:
 
     Args:
         registry: the instances. admin_key: bearer token, or None (loopback peers only).
+        shared: the replica's :class:`~dlmix.router.shared.SharedState`, or None (one router, memory only).
     """
 
-    def __init__(self, registry: Registry, admin_key: Optional[str]):
+    def __init__(self, registry: Registry, admin_key: Optional[str], shared=None):
         self.registry = registry
+        self.shared = shared
         self._auth = b"Bearer " + admin_key.encode() if admin_key else None
         self.table = RouteTable([
             Route("GET", "/admin/instances", self.list),
@@ -53,8 +60,9 @@ class AdminAPI:
         except ValueError:
             return False
 
-    def handle(self, conn, req) -> None:
-        """Answer one ``/admin/...`` request on ``conn``."""
+    def handle(self, conn, req):
+        """Answer one ``/admin/...`` request on ``conn``. Returns None when answered, or a coroutine to await (a
+        handler that writes to the shared store)."""
         if not self.allowed(conn, req):
             return conn.send(401, b'{"error":"admin key required"}')
         route, params, status = self.table.match(req.method, req.path)
@@ -71,16 +79,29 @@ class AdminAPI:
             if b is None:
                 return conn.send(404, _json.encode({"error": f"unknown instance {params['id']!r}"}))
             params = {"backend": b}
-        status, out = route.handler(body, **params)
+        r = route.handler(body, **params)
+        if inspect.iscoroutine(r):
+            return self._answer_later(conn, r)
+        status, out = r
         conn.send(status, out if isinstance(out, bytes) else _json.encode(out))
+
+    async def _answer_later(self, conn, coro) -> None:
+        status, out = await coro
+        if not conn.closed:
+            conn.send(status, out if isinstance(out, bytes) else _json.encode(out))
 
     # ------------------------------------------------------------------ handlers: (body, ...) -> (status, json)
     def list(self, body):
-        return 200, {"instances": [self.registry.describe(i) for i in self.registry.instances]}
+        out = {"instances": [self.registry.describe(i) for i in self.registry.instances]}
+        if self.shared is not None:
+            out["shared"] = self.shared.describe()
+        return 200, out
 
     def register(self, body):
         if not isinstance(body, dict):
             return 400, {"error": "body must be a JSON object"}
+        if self.shared is not None:
+            return self.shared.register(body)
         try:
             st = self.registry.register(body)
         except RegistrationError as ex:
@@ -91,20 +112,29 @@ class AdminAPI:
         return 200, self.registry.describe(backend.state)
 
     def delete(self, body, backend):
+        if self.shared is not None:
+            return self.shared.delete(backend)
         self.registry.remove(backend.state.id)
         return 200, b'{"removed":true}'
 
     def heartbeat(self, body, backend):
         try:
-            backend.heartbeat(body)
+            if self.shared is not None:
+                self.shared.heartbeat(backend, body)
+            else:
+                backend.heartbeat(body)
         except ValueError as ex:
             return 400, {"error": f"bad heartbeat: {ex}"}
         return 200, b'{"ok":true}'
 
     def drain(self, body, backend):
+        if self.shared is not None:
+            return self.shared.drain(backend, True)
         backend.state.draining = True
         return 200, {"draining": True}
 
     def undrain(self, body, backend):
+        if self.shared is not None:
+            return self.shared.drain(backend, False)
         backend.state.draining = False
         return 200, {"draining": False}

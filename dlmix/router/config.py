@@ -16,13 +16,21 @@ Example::
     admin_key: null                  # admin/registration key (null = admin API from loopback only)
     allow_open: false                # serve a non-loopback host without api_keys (refused otherwise)
     metrics_instance_series: 32      # instances (by slot) with their own /metrics series; the rest: instance="_other"
+    etcd_endpoints: []               # router replicas: the fleet's shared state in etcd (dlmix.router.shared);
+                                     # empty = this router's memory only. Flag: --etcd http://127.0.0.1:2379
+    etcd_prefix: /dlmix/default      # key prefix of this fleet in etcd
+    etcd_user: null                  # etcd authentication (required for a non-loopback endpoint)
+    etcd_password: null
+    etcd_ca: null                    # CA bundle for https etcd endpoints
+    etcd_allow_open: false           # accept a non-loopback etcd without authentication (e.g. behind a Kubernetes
+                                     # NetworkPolicy that admits only the routers); refused otherwise
     instances:
       - {url: "http://10.0.0.1:8000", role: prefill, chip: H100, model: llama, cluster: a,
          transport: {link: rdma-100g}, kv_events: "tcp://10.0.0.1:5557", kv_layout: {...}}
       - {url: "http://10.0.0.2:8000", role: decode, chip: H20, model: llama, cluster: b}
 
 Flags for list keys repeat: ``--instance "url=http://h:8000,role=decode,chip=H20"`` (``instances``),
-``--chips FILE``, ``--api-keys KEY``; ``--policy-param key=value``.
+``--chips FILE``, ``--api-keys KEY``, ``--etcd URL`` (``etcd_endpoints``); ``--policy-param key=value``.
 """
 from __future__ import annotations
 
@@ -82,6 +90,14 @@ class RouterConfig:
     linger_timeout_s: float = 5.0
     max_connections: int = 4096
     backend_read_timeout_s: float = 600.0
+    # router replicas (dlmix.router.shared)
+    etcd_endpoints: List[str] = field(default_factory=list)
+    etcd_prefix: str = "/dlmix/default"
+    etcd_user: Optional[str] = None
+    etcd_password: Optional[str] = None
+    etcd_ca: Optional[str] = None
+    etcd_timeout_s: float = 2.0
+    etcd_allow_open: bool = False
 
     @classmethod
     def from_yaml(cls, path: str | Path) -> "RouterConfig":
@@ -109,7 +125,8 @@ class RouterConfig:
     def apply_flags(self, args: List[str]) -> "RouterConfig":
         """Apply ``--key value`` / ``--key=value`` flags. Raises ConfigError for unknown flags or missing values."""
         names = {f.name: f for f in dataclasses.fields(self)}
-        alias = {"instance": "instances", "policy_param": "policy_params", "chip": "chips", "api_key": "api_keys"}
+        alias = {"instance": "instances", "policy_param": "policy_params", "chip": "chips", "api_key": "api_keys",
+                 "etcd": "etcd_endpoints"}
         i = 0
         while i < len(args):
             a = args[i]
@@ -134,7 +151,7 @@ class RouterConfig:
                 self.instances.append(parse_kv_list(v))
             elif k == "policy_params":
                 self.policy_params.update(parse_kv_list(v))
-            elif k in ("chips", "api_keys"):
+            elif k in ("chips", "api_keys", "etcd_endpoints"):
                 getattr(self, k).append(v)
             else:
                 setattr(self, k, _coerce(f, yaml.safe_load(v) if v else v))

@@ -9,7 +9,9 @@ Health (what takes an instance out of rotation, :meth:`Backend.refresh`):
   in a row (or one refused connection on a request) take the instance out, one success brings it back;
 * heartbeat: an instance registered with ``heartbeat_ttl_s`` > 0 leaves rotation when no heartbeat arrived for that
   long and returns with the next one;
-* breaker: ``breaker_failures`` consecutive request failures open it for ``breaker_cooldown_s`` seconds.
+* breaker: ``breaker_failures`` consecutive request failures open it for ``breaker_cooldown_s`` seconds;
+* shared store (router replicas, :mod:`dlmix.router.shared`): the heartbeat TTL is an etcd lease instead, and the
+  instance is out of rotation on every replica while its lease has expired.
 """
 from __future__ import annotations
 
@@ -81,7 +83,7 @@ class Backend:
     """
 
     __slots__ = ("state", "pool", "hostport", "auth", "engine", "hb_ttl", "last_hb", "hc_ok", "hc_fails", "fails",
-                 "open_until", "ev_task", "m", "loop", "bootstrap")
+                 "open_until", "ev_task", "m", "loop", "bootstrap", "lease_ok")
 
     def __init__(self, state: InstanceState, connect_timeout: float, ttl: float, via: bytes = b""):
         self.state = state
@@ -103,11 +105,14 @@ class Backend:
         self.m = None
         #: why the instance is a routing loop (its health answer is a dlmix router's), or None
         self.loop: Optional[str] = None
+        #: False while the instance's heartbeat lease in the shared store (etcd) has expired
+        #: (:mod:`dlmix.router.shared`); always True without a shared store
+        self.lease_ok = True
 
     def refresh(self, now: float) -> None:
         """Recompute ``state.healthy`` from health check, heartbeat and breaker (``now``: ``time.monotonic()``)."""
         hb_ok = self.hb_ttl <= 0 or now - self.last_hb <= self.hb_ttl
-        self.state.healthy = self.hc_ok and hb_ok and now >= self.open_until
+        self.state.healthy = self.hc_ok and hb_ok and self.lease_ok and now >= self.open_until
 
     def heartbeat(self, body) -> None:
         """Apply a heartbeat body (:class:`Heartbeat`: ``{"waiting": int, "running": int, "kv_usage": float}``, all
@@ -204,19 +209,7 @@ class Registry:
         id that another url already holds; 409 when its KV layout cannot pair with a registered prefill/decode
         counterpart of the same model.
         """
-        st, ttl, lkey = self._parse(d, ttl_default)
-        old = self.backends.get(st.id)
-        by_url = self._by_url.get(st.url)
-        if old is not None and old.state.url != st.url and by_url is not None and by_url is not old:
-            raise RegistrationError(400, f"id {st.id!r} is registered with url {old.state.url} and url {st.url} "
-                                    f"with id {by_url.state.id!r}; remove one first")
-        old = old or by_url
-        reasons = self._flow_conflicts(st, old)
-        if reasons:
-            raise RegistrationError(409, f"PD flow of {st.id} cannot pair with registered instances", reasons)
-        reasons = self._layout_conflicts(st, lkey, old)
-        if reasons:
-            raise RegistrationError(409, f"KV layout of {st.id} is incompatible with registered instances", reasons)
+        st, ttl, lkey, old = self.validate(d, ttl_default)
         # ---- commit (nothing below raises on a validated body)
         if old is not None:
             st.slot = old.state.slot
@@ -241,6 +234,26 @@ class Registry:
             self._subscribe(b)
         self._changed()
         return st
+
+    def validate(self, d, ttl_default: Optional[float] = None) -> Tuple[InstanceState, float, Optional[str],
+                                                                         Optional[Backend]]:
+        """Run every check of :meth:`register` on registration mapping ``d`` without changing anything. Returns
+        (state, heartbeat TTL in seconds, canonical KV-layout key, the backend it would replace or None).
+        Raises RegistrationError as :meth:`register` does."""
+        st, ttl, lkey = self._parse(d, ttl_default)
+        old = self.backends.get(st.id)
+        by_url = self._by_url.get(st.url)
+        if old is not None and old.state.url != st.url and by_url is not None and by_url is not old:
+            raise RegistrationError(400, f"id {st.id!r} is registered with url {old.state.url} and url {st.url} "
+                                    f"with id {by_url.state.id!r}; remove one first")
+        old = old or by_url
+        reasons = self._flow_conflicts(st, old)
+        if reasons:
+            raise RegistrationError(409, f"PD flow of {st.id} cannot pair with registered instances", reasons)
+        reasons = self._layout_conflicts(st, lkey, old)
+        if reasons:
+            raise RegistrationError(409, f"KV layout of {st.id} is incompatible with registered instances", reasons)
+        return st, ttl, lkey, old
 
     def _parse(self, d, ttl_default: Optional[float]) -> Tuple[InstanceState, float, Optional[str]]:
         """Validate a registration body (schema, then the router's own checks); returns (state, heartbeat TTL,

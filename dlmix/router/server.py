@@ -110,7 +110,16 @@ class Router:
         self.registry.metrics = self.metrics
         self.registry.on_change = self._update_flags
         self.pd = PDOrchestrator(self.registry, self.policy, cfg, self.metrics, self._view)
-        self.admin = AdminAPI(self.registry, cfg.admin_key)
+        #: router replicas: the fleet's shared state in etcd (None: this router's memory only)
+        self.shared = None
+        if cfg.etcd_endpoints:
+            from dlmix.router.shared import EtcdClient, SharedState
+
+            self.shared = SharedState(self.registry, EtcdClient(
+                cfg.etcd_endpoints, cfg.etcd_timeout_s, cfg.etcd_user, cfg.etcd_password, cfg.etcd_ca,
+                cfg.etcd_allow_open),
+                cfg.etcd_prefix)
+        self.admin = AdminAPI(self.registry, cfg.admin_key, self.shared)
         #: this router's id: in its /health answer and in the x-dlmix-via header of every request it forwards, so a
         #: router registered as an instance (of itself or of a router that leads back here) is detected
         self.router_id = uuid.uuid4().hex[:16]
@@ -210,9 +219,13 @@ class Router:
         if self.cfg.port == 0:
             self.cfg.port = self._server.sockets[0].getsockname()[1]
         self.registry.start()
+        if self.shared is not None:
+            await self.shared.start()
 
     async def stop(self) -> None:
         """Stop listening and cancel background tasks."""
+        if self.shared is not None:
+            await self.shared.stop()
         self.registry.stop()
         if self.hub is not None:
             self.hub.close()
@@ -224,7 +237,10 @@ class Router:
     async def handle(self, conn: proxy.ServerProtocol, req: proxy.Request) -> None:
         """Dispatch one client request through the route tables (``/admin/...`` to the admin API)."""
         if req.path.startswith(b"/admin/"):
-            return self.admin.handle(conn, req)
+            r = self.admin.handle(conn, req)
+            if r is not None:
+                await r
+            return
         route, params, status = self.routes.match(req.method, req.path)
         if route is None:
             if status == 405:

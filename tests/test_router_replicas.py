@@ -1,0 +1,267 @@
+"""Router replicas over a real etcd (dlmix.router.shared): three ``dlmix router`` processes serve one fleet of mock
+engines; registration, heartbeat leases, drain and removal reach every replica; a killed replica loses only its own
+requests; with etcd stopped the replicas keep serving and refuse registration with the reason, and recover when it is
+back. etcd is the Debian ``etcd-server`` binary that ``scripts/setup.sh`` installs; each test starts its own."""
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import pytest
+
+from dlmix.errors import ConfigError
+from dlmix.router.config import RouterConfig
+from dlmix.router.shared import EtcdClient
+from dlmix.testing import free_port, poll, wait_http, wait_until
+
+ETCD = shutil.which("etcd")
+needs_etcd = pytest.mark.skipif(ETCD is None, reason="etcd not installed (scripts/setup.sh installs etcd-server)")
+
+
+class Etcd:
+    """One etcd member on loopback ports with its data in ``data``; ``start()``/``stop()`` by process id."""
+
+    def __init__(self, data: str):
+        self.data = data
+        self.port, self.peer = free_port(), free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.proc = None
+
+    def start(self) -> None:
+        self.proc = subprocess.Popen(
+            [ETCD, "--name", "t", "--data-dir", self.data, "--listen-client-urls", self.url,
+             "--advertise-client-urls", self.url, "--listen-peer-urls", f"http://127.0.0.1:{self.peer}",
+             "--initial-advertise-peer-urls", f"http://127.0.0.1:{self.peer}",
+             "--initial-cluster", f"t=http://127.0.0.1:{self.peer}"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        assert wait_http(self.url + "/health", timeout=60), "etcd did not start"
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGTERM)
+            self.proc.wait(30)
+
+
+class Replica:
+    """A ``dlmix router`` process in replica mode (stopped by process id)."""
+
+    def __init__(self, etcd_url: str, prefix: str):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "dlmix.cli", "router", "--port", str(self.port), "--policy", "round_robin",
+             "--etcd", etcd_url, "--etcd-prefix", prefix, "--health-interval-s", "0.5", "--heartbeat-ttl-s", "2"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+
+    def ready(self) -> None:
+        assert wait_http(self.url + "/admin/instances", timeout=60), "router replica did not start"
+
+    def instances(self) -> dict:
+        return {i["id"]: i for i in httpx.get(self.url + "/admin/instances", timeout=10).json()["instances"]}
+
+    def shared(self) -> dict:
+        return httpx.get(self.url + "/admin/instances", timeout=10).json()["shared"]
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(30)
+
+
+@pytest.fixture()
+def fleet(tmp_path):
+    """etcd, two mock engines (one process) and three router replicas."""
+    etcd = Etcd(str(tmp_path / "etcd"))
+    etcd.start()
+    ports = [free_port(), free_port()]
+    eng = subprocess.Popen([sys.executable, "-m", "dlmix.testing.mock_engine", "--ports", ",".join(map(str, ports)),
+                            "--ttft-ms", "5", "--itl-ms", "1"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    prefix = f"/dlmix/test-{os.getpid()}-{time.time_ns()}"
+    reps = [Replica(etcd.url, prefix) for _ in range(3)]
+    try:
+        for p in ports:
+            assert wait_http(f"http://127.0.0.1:{p}/health", timeout=60)
+        for r in reps:
+            r.ready()
+        yield etcd, [f"http://127.0.0.1:{p}" for p in ports], reps
+    finally:
+        for r in reps:
+            r.kill()
+        os.kill(eng.pid, signal.SIGKILL)
+        eng.wait(30)
+        etcd.stop()
+
+
+def _register(rep: Replica, url: str, **kw) -> httpx.Response:
+    return httpx.post(rep.url + "/admin/instances", json={"url": url, "role": "both", "model": "mock", **kw},
+                      timeout=30)
+
+
+def _complete(url: str) -> httpx.Response:
+    return httpx.post(url + "/v1/completions", json={"model": "mock", "prompt": "hello", "max_tokens": 4}, timeout=30)
+
+
+@needs_etcd
+def test_registration_drain_and_removal_reach_every_replica(fleet):
+    etcd, engines, reps = fleet
+    t0 = time.monotonic()
+    r = _register(reps[0], engines[0], heartbeat_ttl_s=0)
+    assert r.status_code == 201, r.text
+    iid = r.json()["id"]
+    assert poll(lambda: all(iid in x.instances() for x in reps), timeout_s=30, interval_s=0.01)
+    seen_s = time.monotonic() - t0
+    print(f"registration seen by 3 replicas after {seen_s * 1000:.0f} ms")
+    assert seen_s < 1.0, f"registration reached every replica only after {seen_s:.2f} s"
+    # every replica serves it
+    for x in reps:
+        out = _complete(x.url)
+        assert out.status_code == 200, out.text
+        assert out.json()["choices"][0]["text"]
+    # drain through one replica, seen by all; undrain through another
+    assert httpx.post(reps[1].url + f"/admin/instances/{iid}/drain", timeout=10).json() == {"draining": True}
+    wait_until(lambda: all(x.instances()[iid]["draining"] for x in reps), 30, "drain on every replica")
+    assert httpx.post(reps[2].url + f"/admin/instances/{iid}/undrain", timeout=10).json() == {"draining": False}
+    wait_until(lambda: not any(x.instances()[iid]["draining"] for x in reps), 30, "undrain on every replica")
+    # a replica started now catches up before it answers
+    late = Replica(etcd.url, reps[0].shared()["prefix"].rstrip("/"))
+    try:
+        late.ready()
+        assert iid in late.instances()
+        assert late.shared()["connected"] is True
+        assert _complete(late.url).status_code == 200
+    finally:
+        late.kill()
+    # removal through one replica leaves every replica
+    assert httpx.delete(reps[2].url + f"/admin/instances/{iid}", timeout=10).status_code == 200
+    wait_until(lambda: not any(iid in x.instances() for x in reps), 30, "removal on every replica")
+    assert _complete(reps[0].url).status_code == 503
+
+
+@needs_etcd
+def test_expired_heartbeat_lease_takes_the_instance_out_on_every_replica(fleet):
+    etcd, engines, reps = fleet
+    a = _register(reps[0], engines[0], heartbeat_ttl_s=2).json()["id"]
+    b = _register(reps[1], engines[1], heartbeat_ttl_s=0).json()["id"]
+    wait_until(lambda: all({a, b} <= set(x.instances()) for x in reps), 30, "both instances on every replica")
+    # a heartbeat through one replica carries its load to every replica
+    hb = httpx.post(reps[2].url + f"/admin/instances/{a}/heartbeat", json={"waiting": 7, "running": 2}, timeout=10)
+    assert hb.status_code == 200, hb.text
+    wait_until(lambda: all(x.instances()[a]["load"]["waiting"] == 7 and x.instances()[a]["load"]["running"] == 2
+                           for x in reps), 30, "the heartbeat's load on every replica")
+    # no more heartbeats: etcd expires the lease (2 s), every replica takes the instance out of rotation
+    wait_until(lambda: not any(x.instances()[a]["healthy"] for x in reps), 30, "lease expiry on every replica")
+    assert all(x.instances()[b]["healthy"] for x in reps)
+    served = {}
+    for x in reps:
+        for _ in range(4):
+            out = _complete(x.url)
+            assert out.status_code == 200, out.text
+    for x in reps:  # only the healthy instance served the requests (the mock answers with its port)
+        served[x.url] = x.instances()[a]["load"]["processed"]
+    assert all(n == 0 for n in served.values()), served
+    # the next heartbeat, to any replica, brings it back everywhere
+    assert httpx.post(reps[0].url + f"/admin/instances/{a}/heartbeat", json={}, timeout=10).status_code == 200
+    wait_until(lambda: all(x.instances()[a]["healthy"] for x in reps), 30, "instance back on every replica")
+
+
+@needs_etcd
+def test_a_killed_replica_loses_only_its_own_requests(fleet):
+    etcd, engines, reps = fleet
+    for e in engines:
+        assert _register(reps[0], e, heartbeat_ttl_s=0).status_code == 201
+    wait_until(lambda: all(len(x.instances()) == 2 for x in reps), 30, "both instances on every replica")
+    results = {"ok": 0, "retried": 0, "failed_after_kill": [], "wrong": 0}
+    killed = threading.Event()
+    stop = threading.Event()
+
+    def client(k: int) -> None:  # round robin over the replicas, retry through the next one on a failure
+        i = k
+        with httpx.Client(timeout=30) as c:
+            while not stop.is_set():
+                for attempt in range(3):
+                    rep = reps[(i + attempt) % 3]
+                    try:
+                        out = c.post(rep.url + "/v1/completions",
+                                     json={"model": "mock", "prompt": "hello", "max_tokens": 4})
+                    except httpx.HTTPError as ex:
+                        if killed.is_set() and rep is not reps[0]:
+                            results["failed_after_kill"].append(f"{rep.url}: {ex!r}")
+                        results["retried"] += 1
+                        continue
+                    if out.status_code != 200:
+                        if killed.is_set() and rep is not reps[0]:
+                            results["failed_after_kill"].append(f"{rep.url}: {out.status_code} {out.text[:100]}")
+                        results["retried"] += 1
+                        continue
+                    if not out.json()["choices"][0]["text"]:
+                        results["wrong"] += 1
+                    results["ok"] += 1
+                    break
+                i += 1
+
+    threads = [threading.Thread(target=client, args=(k,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    time.sleep(1.5)
+    before = results["ok"]
+    reps[0].kill()  # SIGKILL mid-load
+    killed.set()
+    time.sleep(2.0)
+    stop.set()
+    for t in threads:
+        t.join(60)
+    assert before > 0 and results["ok"] > before, results
+    assert results["wrong"] == 0
+    assert results["failed_after_kill"] == [], results["failed_after_kill"][:5]
+    # the survivors still hold the whole fleet
+    for x in reps[1:]:
+        assert len(x.instances()) == 2
+        assert _complete(x.url).status_code == 200
+
+
+@needs_etcd
+def test_replicas_keep_serving_without_etcd_and_recover(fleet):
+    etcd, engines, reps = fleet
+    a = _register(reps[0], engines[0], heartbeat_ttl_s=30).json()["id"]
+    wait_until(lambda: all(a in x.instances() for x in reps), 30, "registration on every replica")
+    etcd.stop()
+    wait_until(lambda: not any(x.shared()["connected"] for x in reps), 30, "replicas notice etcd is gone")
+    for x in reps:  # serving continues from the last view
+        for _ in range(3):
+            out = _complete(x.url)
+            assert out.status_code == 200, out.text
+    r = _register(reps[1], engines[1], heartbeat_ttl_s=0)
+    assert r.status_code == 503
+    assert "etcd" in r.json()["error"] and "unavailable" in r.json()["error"]
+    assert engines[1] not in reps[1].instances()
+    # a heartbeat still counts on the replica that got it
+    assert httpx.post(reps[2].url + f"/admin/instances/{a}/heartbeat", json={"waiting": 1},
+                      timeout=10).status_code == 200
+    # etcd back (same data): replicas reconnect, registration works and reaches every replica
+    etcd.start()
+    wait_until(lambda: all(x.shared()["connected"] for x in reps), 60, "replicas reconnect to etcd")
+    r = _register(reps[1], engines[1], heartbeat_ttl_s=0)
+    assert r.status_code == 201, r.text
+    wait_until(lambda: all(len(x.instances()) == 2 for x in reps), 30, "the new registration on every replica")
+    assert all(x.instances()[a]["healthy"] for x in reps)
+
+
+def test_a_remote_etcd_needs_authentication():
+    with pytest.raises(ConfigError, match="etcd_user"):
+        EtcdClient(["http://10.1.2.3:2379"])
+    with pytest.raises(ConfigError, match="http"):
+        EtcdClient(["10.1.2.3:2379"])
+    EtcdClient(["https://10.1.2.3:2379"], user="root", password="x")  # authenticated: accepted
+
+
+def test_etcd_flags_parse():
+    cfg = RouterConfig().apply_flags(["--etcd", "http://127.0.0.1:2379", "--etcd", "http://127.0.0.1:2380",
+                                      "--etcd-prefix", "/dlmix/prod"])
+    assert cfg.etcd_endpoints == ["http://127.0.0.1:2379", "http://127.0.0.1:2380"]
+    assert cfg.etcd_prefix == "/dlmix/prod"
