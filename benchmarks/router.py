@@ -20,6 +20,12 @@ one after the other, so a drift of a shared machine cancels) and their median. `
 interleaved rounds (default 3, 1 with ``--quick``); on a noisy 2-core machine one measurement varies by +-30 %, so
 compare with 7 or more.
 
+Router replicas (:mod:`dlmix.router.shared`, when ``etcd`` is installed): one dlmix router on etcd (the mocks registered
+through it) measured in the same rounds as the memory-only one (``rps_etcd_vs_memory_round_robin``), and, right after
+it in each round, three replicas on etcd sharing core 0, loaded by three wrk processes at once (the 64 connections
+split evenly: a connection-level round-robin front, as a Kubernetes Service balances); ``rps_3_replicas_vs_1`` is the
+per-round ratio's median.
+
 Prints one JSON object on the last line: ``rps`` per router/policy, ``rps_vs_rust_sglang_rr``,
 ``rps_vs_rust_vllm_rr``, ``rps_vs_rust_sglang_cache_aware``, ``p99_added_ms_at_500rps``, ``index_mib_per_million_blocks``.
 """
@@ -118,6 +124,66 @@ def wrk(port: int, stream: bool, conns: int, secs: int, pid: int = 0):
     rps = float(m.group(1)) if m else 0.0
     us = (c1 - c0) / int(n.group(1)) * 1e6 if (pid and n and int(n.group(1))) else None
     return rps, us
+
+
+def wrk_many(ports, stream: bool, conns: int, secs: int) -> float:
+    """One wrk per port at once (the connections split evenly: a connection-level round-robin front, as a Kubernetes
+    Service's kube-proxy balances), all pinned to core 1. Returns the summed req/s."""
+    with tempfile.NamedTemporaryFile("w", suffix=".lua", delete=False) as f:
+        f.write('wrk.method = "POST"\nwrk.headers["Content-Type"] = "application/json"\nwrk.body = %s\n'
+                % json.dumps(body(stream).decode()))
+        lua = f.name
+    per = [conns // len(ports) + (1 if i < conns % len(ports) else 0) for i in range(len(ports))]
+    ps = [subprocess.Popen(["taskset", "-c", "1", "wrk", "-t1", f"-c{c}", f"-d{secs}s", "-s", lua,
+                            f"http://127.0.0.1:{port}/v1/completions"], stdout=subprocess.PIPE, text=True)
+          for port, c in zip(ports, per)]
+    total = 0.0
+    for p in ps:
+        out = p.communicate()[0]
+        m = re.search(r"Requests/sec:\s+([\d.]+)", out)
+        bad = re.search(r"Non-2xx or 3xx responses: (\d+)", out)
+        if bad:
+            print(f"  warning: {bad.group(1)} non-2xx responses", file=sys.stderr)
+        total += float(m.group(1)) if m else 0.0
+    os.unlink(lua)
+    return total
+
+
+def start_etcd(logdir: str):
+    """An etcd member on free loopback ports (pinned to core 1), or (None, reason)."""
+    exe = shutil.which("etcd")
+    if not exe:
+        return None, "etcd not installed (scripts/setup.sh installs etcd-server): replica figures skipped"
+    cport, pport = free_port(), free_port()
+    url = f"http://127.0.0.1:{cport}"
+    p = start([exe, "--name", "b", "--data-dir", os.path.join(logdir, "etcd"), "--listen-client-urls", url,
+               "--advertise-client-urls", url, "--listen-peer-urls", f"http://127.0.0.1:{pport}",
+               "--initial-advertise-peer-urls", f"http://127.0.0.1:{pport}",
+               "--initial-cluster", f"b=http://127.0.0.1:{pport}"], "1", os.path.join(logdir, "etcd.log"))
+    if not wait_http(cport, "/health", timeout=60):
+        stop(p)
+        return None, "etcd did not start: replica figures skipped"
+    return (p, url), None
+
+
+def register_all(port: int, urls, n_replicas_ports=()) -> bool:
+    """Register the mock backends through the router replica on ``port`` (they go to etcd) and wait until every
+    replica in ``n_replicas_ports`` lists them all."""
+    import httpx
+
+    for u in urls:
+        r = httpx.post(f"http://127.0.0.1:{port}/admin/instances", json={"url": u, "model": "mock", "chip": "H100",
+                                                                         "heartbeat_ttl_s": 0}, timeout=10)
+        if r.status_code != 201:
+            print(f"  registration through :{port} failed: {r.status_code} {r.text[:200]}", file=sys.stderr)
+            return False
+    deadline = time.time() + 30
+    for q in (port, *n_replicas_ports):
+        while len(httpx.get(f"http://127.0.0.1:{q}/admin/instances", timeout=10).json()["instances"]) < len(urls):
+            if time.time() > deadline:
+                return False
+            time.sleep(0.05)
+    return True
 
 
 PACED = r'''
@@ -336,8 +402,38 @@ def main() -> None:
                 stop(p)
                 continue
             targets[name] = (port, p.pid)
+        # router replicas (dlmix.router.shared): one replica on etcd (its figures next to the memory-only router)
+        # and three replicas sharing core 0 behind a connection-level round-robin front
+        replica_ports = []
+        et, why = start_etcd(logdir)
+        if et is None:
+            notes.append(why)
+        else:
+            procs.append(et[0])
+            envr = envs.get("dlmix_round_robin")
+            rr = dl + ["--policy", "round_robin", "--model-spec", "llama-3.1-8b", "--etcd", et[1]]
+            port = free_port()
+            p = start(rr + ["--etcd-prefix", "/bench/one", "--port", str(port)], "0",
+                      log=os.path.join(logdir, "etcd_one.log"), env=envr)
+            procs.append(p)
+            if wait_http(port, "/admin/instances", timeout=60) and register_all(port, urls):
+                targets["dlmix_round_robin_etcd"] = (port, p.pid)
+            else:
+                notes.append("router on etcd did not come up")
+            for k in range(3):
+                port = free_port()
+                p = start(rr + ["--etcd-prefix", "/bench/three", "--port", str(port)], "0",
+                          log=os.path.join(logdir, f"etcd_three_{k}.log"), env=envr)
+                procs.append(p)
+                if wait_http(port, "/admin/instances", timeout=60):
+                    replica_ports.append(port)
+            if len(replica_ports) != 3 or not register_all(replica_ports[0], urls, replica_ports[1:]):
+                notes.append("three router replicas did not come up")
+                replica_ports = []
         rps_l = {n: [] for n in targets}
         cpu_l = {n: [] for n in targets}
+        rep3_l: list = []
+        rep1_l: list = []
         st_l = {n: [] for n in targets}
         stcpu_l = {n: [] for n in targets}
         for name, (port, pid) in targets.items():
@@ -348,6 +444,9 @@ def main() -> None:
                 rps_l[name].append(r)
                 if c:
                     cpu_l[name].append(c)
+                if name == "dlmix_round_robin_etcd" and replica_ports:  # 3 replicas right after 1, same round
+                    rep1_l.append(r)
+                    rep3_l.append(wrk_many(replica_ports, False, 64, secs))
                 r, c = wrk(port, True, 32, secs, pid)
                 st_l[name].append(r)
                 if c:
@@ -382,6 +481,9 @@ def main() -> None:
 
     rps = res["rps"]
     cpu = res["cpu_us_per_req"]
+    rep_ratio = [round(x / y, 3) for x, y in zip(rep3_l, rep1_l) if y]
+    if rep3_l:
+        rps["dlmix_3_replicas_round_robin"] = round(statistics.median(rep3_l))
 
     def ratio(x, y):
         return round(rps[x] / rps[y], 3) if x in rps and y in rps and rps[y] else None
@@ -414,6 +516,12 @@ def main() -> None:
         "p99_added_ms_at_500rps": res["added_ms_at_500rps"].get("dlmix_cost", {}).get("p99"),
         "p99_added_ms_at_500rps_round_robin": res["added_ms_at_500rps"].get("dlmix_round_robin", {}).get("p99"),
         "shared_prefix_4kb_over_4": res["shared_prefix_4kb"],
+        # router replicas on etcd: 3 replicas (sharing core 0, behind a connection-level round-robin front) over 1,
+        # per round and median; and one replica on etcd over the memory-only router (the hot path reads no etcd)
+        "rps_3_replicas_vs_1": round(statistics.median(rep_ratio), 3) if rep_ratio else None,
+        "rps_3_replicas_vs_1_per_round": rep_ratio,
+        "rps_etcd_vs_memory_round_robin": ratio("dlmix_round_robin_etcd", "dlmix_round_robin"),
+        "cpu_rps_etcd_vs_memory_round_robin": cpu_ratio("dlmix_round_robin_etcd", "dlmix_round_robin"),
         **({f"{k}_vs_baseline_{pol}": v for pol in ("round_robin", "cost") for k, v in (
             ("rps", ratio(f"dlmix_{pol}", f"base_{pol}")),
             ("cpu_rps", cpu_ratio(f"dlmix_{pol}", f"base_{pol}")),
@@ -425,7 +533,9 @@ def main() -> None:
         **tokenize_costs(),
         "index_mib_per_million_blocks": round(index_mib_per_million(), 1),
         "notes": notes + ["router pinned to core 0, mocks + load generators on core 1; on a shared machine "
-                          "req/s depends on other load, CPU us/req (from /proc) does not"],
+                          "req/s depends on other load, CPU us/req (from /proc) does not",
+                          "the 3 router replicas share core 0 (the single router's CPU budget): on this machine "
+                          "the ratio measures what replication costs, not what more cores would add"],
         "quick": a.quick, "duration_s": secs, "runs": runs,
     }
     print(json.dumps(out))

@@ -252,6 +252,51 @@ def test_replicas_keep_serving_without_etcd_and_recover(fleet):
     assert all(x.instances()[a]["healthy"] for x in reps)
 
 
+@needs_etcd
+def test_calibration_is_shared_and_a_late_replica_starts_with_it(tmp_path):
+    from dlmix.testing import RouterThread
+
+    etcd = Etcd(str(tmp_path / "etcd"))
+    etcd.start()
+    routers = []
+    try:
+        def replica():
+            r = RouterThread(RouterConfig(port=0, policy="round_robin", etcd_endpoints=[etcd.url],
+                                          etcd_prefix="/dlmix/calib", health_interval_s=3600))
+            r.router.shared.calib_interval_s = 0.1
+            routers.append(r)
+            return r
+
+        a, b = replica(), replica()
+        url = f"http://127.0.0.1:{free_port()}"  # nobody listens: calibration does not need a live engine
+        r = httpx.post(a.url + "/admin/instances", json={"url": url, "model": "mock", "heartbeat_ttl_s": 0},
+                       timeout=10)
+        assert r.status_code == 201, r.text
+        iid = r.json()["id"]
+        wait_until(lambda: b.call(lambda: iid in b.router.registry.backends), 30, "registration on b")
+
+        def ratios(x):
+            return x.call(lambda: (x.router.registry.backends[iid].state.ttft_ratio,
+                                   x.router.registry.backends[iid].state.itl_ratio))
+
+        def set_ratios(x, t, i):
+            def f():
+                st = x.router.registry.backends[iid].state
+                st.ttft_ratio, st.itl_ratio = t, i
+            x.call(f)
+
+        set_ratios(a, 2.5, 0.8)  # replica a refined the calibration with its requests
+        wait_until(lambda: ratios(b) == (2.5, 0.8), 30, "a's calibration on b")
+        set_ratios(b, 3.0, 0.9)  # b goes on from there; a follows
+        wait_until(lambda: ratios(a) == (3.0, 0.9), 30, "b's calibration on a")
+        c = replica()  # a replica started now begins with the fleet's calibration
+        assert ratios(c) == (3.0, 0.9)
+    finally:
+        for r in routers:
+            r.close()
+        etcd.stop()
+
+
 def test_a_remote_etcd_needs_authentication():
     with pytest.raises(ConfigError, match="etcd_user"):
         EtcdClient(["http://10.1.2.3:2379"])

@@ -14,6 +14,10 @@ Keys under ``etcd_prefix`` (default ``/dlmix/default``); values are JSON:
   every replica takes the instance out of rotation (it stays registered and comes back with the next heartbeat,
   as on a single router).
 * ``drain/<id>``: present while the instance is draining.
+* ``calib/<id>``: the instance's online calibration (``{"ttft_ratio", "itl_ratio"}``: measured over predicted TTFT and
+  ITL, :class:`~dlmix.routing.state.InstanceState`). Each replica refines it with the requests it serves and writes
+  it back every ``calib_interval_s`` when it moved by more than 2 %; a replica applies what another wrote and goes
+  on from there (the last writer wins), so a replica that starts late begins with the fleet's calibration.
 
 Each replica applies what it reads (its own :class:`~dlmix.router.registry.Registry`: validation, health checks,
 breakers and KV-event subscribers stay per replica) and follows changes with an etcd watch. When etcd cannot be
@@ -234,10 +238,11 @@ class SharedState:
         client: an :class:`EtcdClient`. prefix: key prefix of this fleet (str, no trailing slash needed).
         ttl_default: heartbeat TTL in seconds for a registration that names none (the router's
             ``heartbeat_ttl_s``). retry_s: seconds between attempts to reach etcd again.
+        calib_interval_s: seconds between two writes of the calibrations this replica refined.
     """
 
     def __init__(self, registry: Registry, client: EtcdClient, prefix: str = "/dlmix/default",
-                 ttl_default: Optional[float] = None, retry_s: float = 0.5):
+                 ttl_default: Optional[float] = None, retry_s: float = 0.5, calib_interval_s: float = 2.0):
         self.registry = registry
         self.client = client
         self.prefix = prefix.rstrip("/") + "/"
@@ -253,6 +258,8 @@ class SharedState:
         self._alive: Dict[str, int] = {}       # id -> lease id of its alive key
         self._draining: set = set()
         self._keyrev: Dict[str, int] = {}      # key -> store revision of the last change applied (put or delete)
+        self._calib: Dict[str, Tuple[float, float]] = {}  # id -> (ttft_ratio, itl_ratio) last written or applied
+        self.calib_interval_s = calib_interval_s
         self._task: Optional[asyncio.Task] = None
         self._bg: set = set()
         self._synced = asyncio.Event()
@@ -271,6 +278,7 @@ class SharedState:
         """Start following etcd; waits up to ``wait_s`` seconds for the first full read (a replica that cannot reach
         etcd yet starts anyway, with the instances of its own configuration, and catches up when etcd answers)."""
         self._task = asyncio.get_event_loop().create_task(self._follow())
+        self._spawn(self._calibrations())
         try:
             await asyncio.wait_for(self._synced.wait(), wait_s)
         except asyncio.TimeoutError:
@@ -315,7 +323,30 @@ class SharedState:
 
     def _order(self, e: Event) -> tuple:
         kind, _ = self._split(e.key)
-        return (e.revision, {"instances": 0, "alive": 1, "drain": 2}.get(kind, 3))
+        return (e.revision, {"instances": 0, "alive": 1, "drain": 2, "calib": 3}.get(kind, 4))
+
+    async def _calibrations(self) -> None:
+        """Every ``calib_interval_s``: write the calibrations of shared instances that moved by more than 2 %."""
+        while True:
+            await asyncio.sleep(self.calib_interval_s)
+            if not self.connected:
+                continue
+            for iid in list(self._applied):
+                b = self.registry.backends.get(iid)
+                if b is None:
+                    continue
+                now = (b.state.ttft_ratio, b.state.itl_ratio)
+                last = self._calib.get(iid, (1.0, 1.0))
+                if all(abs(x - y) <= 0.02 * max(y, 1e-6) for x, y in zip(now, last)):
+                    continue
+                value = _json.encode({"ttft_ratio": now[0], "itl_ratio": now[1]})
+                try:
+                    rev = await self.client.put(self._key("calib", iid), value)
+                except EtcdError as ex:
+                    log.info("router replica: calibration of %s not shared: %s", iid, ex)
+                    break
+                self._calib[iid] = now
+                self._keyrev[self._key("calib", iid)] = rev
 
     def _resync(self, kvs: List[Event], rev: int) -> None:
         """Make this replica's view equal to a full read of the prefix at store revision ``rev`` (instances gone from
@@ -364,6 +395,8 @@ class SharedState:
             b.hb_ttl = 0.0  # the lease in etcd times the heartbeats of a shared instance, on every replica
             b.lease_ok = self._ttl[st.id] <= 0 or st.id in self._alive
             b.state.draining = st.id in self._draining
+            if st.id in self._calib:
+                b.state.ttft_ratio, b.state.itl_ratio = self._calib[st.id]
             b.refresh(_now())
             self._applied[st.id] = e.value
             return
@@ -383,6 +416,21 @@ class SharedState:
                 except (ValueError, msgspec.DecodeError) as ex:
                     log.warning("router replica: bad shared heartbeat of %s: %s", iid, ex)
                     b.refresh(_now())
+        elif kind == "calib":
+            if e.kind == "delete":
+                self._calib.pop(iid, None)
+                return
+            try:
+                c = msgspec.json.decode(e.value, type=Dict[str, float])
+                ratios = (float(c["ttft_ratio"]), float(c["itl_ratio"]))
+                if not all(0.0 < r < 1e6 for r in ratios):
+                    raise ValueError(f"ratios out of range: {ratios}")
+            except (msgspec.DecodeError, msgspec.ValidationError, KeyError, ValueError) as ex:
+                log.warning("router replica: bad shared calibration of %s: %s", iid, ex)
+                return
+            self._calib[iid] = ratios
+            if b is not None:
+                b.state.ttft_ratio, b.state.itl_ratio = ratios
         elif kind == "drain":
             if e.kind == "delete":
                 self._draining.discard(iid)
@@ -468,7 +516,7 @@ class SharedState:
         if not self.connected:
             return self._refuse("removal")
         try:
-            for kind in ("alive", "drain", "instances"):
+            for kind in ("alive", "drain", "calib", "instances"):
                 rev = await self.client.delete(self._key(kind, iid))
                 self._apply(Event("delete", self._key(kind, iid), b"", 0, rev))
         except EtcdError as ex:
