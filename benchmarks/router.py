@@ -417,7 +417,12 @@ def main() -> None:
                       log=os.path.join(logdir, "etcd_one.log"), env=envr)
             procs.append(p)
             if wait_http(port, "/admin/instances", timeout=60) and register_all(port, urls):
+                # measured right after the memory-only round_robin router, so both follow the same contender
+                order = list(targets)
+                order.insert(order.index("dlmix_round_robin") + 1 if "dlmix_round_robin" in order else len(order),
+                             "dlmix_round_robin_etcd")
                 targets["dlmix_round_robin_etcd"] = (port, p.pid)
+                targets = {k: targets[k] for k in order}
             else:
                 notes.append("router on etcd did not come up")
             for k in range(3):
@@ -522,6 +527,7 @@ def main() -> None:
         "rps_3_replicas_vs_1_per_round": rep_ratio,
         "rps_etcd_vs_memory_round_robin": ratio("dlmix_round_robin_etcd", "dlmix_round_robin"),
         "cpu_rps_etcd_vs_memory_round_robin": cpu_ratio("dlmix_round_robin_etcd", "dlmix_round_robin"),
+        "paired_etcd_vs_memory_round_robin": paired(rps_l, cpu_l, "dlmix_round_robin_etcd", "dlmix_round_robin"),
         **({f"{k}_vs_baseline_{pol}": v for pol in ("round_robin", "cost") for k, v in (
             ("rps", ratio(f"dlmix_{pol}", f"base_{pol}")),
             ("cpu_rps", cpu_ratio(f"dlmix_{pol}", f"base_{pol}")),

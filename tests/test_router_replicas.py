@@ -253,6 +253,25 @@ def test_replicas_keep_serving_without_etcd_and_recover(fleet):
 
 
 @needs_etcd
+def test_a_frozen_etcd_is_noticed_and_serving_goes_on(fleet):
+    """etcd stopped with SIGSTOP keeps its sockets open (a dead link, no FIN): the replicas' status probes notice."""
+    etcd, engines, reps = fleet
+    a = _register(reps[0], engines[0], heartbeat_ttl_s=0).json()["id"]
+    wait_until(lambda: all(a in x.instances() for x in reps), 30, "registration on every replica")
+    os.kill(etcd.proc.pid, signal.SIGSTOP)
+    try:
+        wait_until(lambda: not any(x.shared()["connected"] for x in reps), 60, "replicas notice the frozen etcd")
+        for x in reps:
+            assert _complete(x.url).status_code == 200
+        r = _register(reps[2], engines[1], heartbeat_ttl_s=0)
+        assert r.status_code == 503 and "etcd" in r.json()["error"]
+    finally:
+        os.kill(etcd.proc.pid, signal.SIGCONT)
+    wait_until(lambda: all(x.shared()["connected"] for x in reps), 60, "replicas reconnect")
+    assert _register(reps[2], engines[1], heartbeat_ttl_s=0).status_code == 201
+
+
+@needs_etcd
 def test_calibration_is_shared_and_a_late_replica_starts_with_it(tmp_path):
     from dlmix.testing import RouterThread
 

@@ -239,10 +239,12 @@ class SharedState:
         ttl_default: heartbeat TTL in seconds for a registration that names none (the router's
             ``heartbeat_ttl_s``). retry_s: seconds between attempts to reach etcd again.
         calib_interval_s: seconds between two writes of the calibrations this replica refined.
+        probe_s: seconds between two status probes of etcd while the watch is quiet.
     """
 
     def __init__(self, registry: Registry, client: EtcdClient, prefix: str = "/dlmix/default",
-                 ttl_default: Optional[float] = None, retry_s: float = 0.5, calib_interval_s: float = 2.0):
+                 ttl_default: Optional[float] = None, retry_s: float = 0.5, calib_interval_s: float = 2.0,
+                 probe_s: float = 2.0):
         self.registry = registry
         self.client = client
         self.prefix = prefix.rstrip("/") + "/"
@@ -260,6 +262,7 @@ class SharedState:
         self._keyrev: Dict[str, int] = {}      # key -> store revision of the last change applied (put or delete)
         self._calib: Dict[str, Tuple[float, float]] = {}  # id -> (ttft_ratio, itl_ratio) last written or applied
         self.calib_interval_s = calib_interval_s
+        self.probe_s = probe_s
         self._task: Optional[asyncio.Task] = None
         self._bg: set = set()
         self._synced = asyncio.Event()
@@ -306,10 +309,7 @@ class SharedState:
                 self.revision = rev
                 self.connected, self.error = True, ""
                 self._synced.set()
-                async for evs in self.client.watch(self.prefix, rev + 1):
-                    for e in sorted(evs, key=lambda e: self._order(e)):
-                        self._apply(e)
-                        self.revision = max(self.revision, e.revision)
+                await self._watch(rev + 1)
             except asyncio.CancelledError:
                 raise
             except EtcdError as ex:
@@ -320,6 +320,28 @@ class SharedState:
                 log.exception("router replica: shared-state follower failed")
                 self.connected, self.error = False, f"internal error: {ex!r}"
             await asyncio.sleep(self.retry_s)
+
+    async def _watch(self, start: int) -> None:
+        """Apply the watch's changes from revision ``start`` on. Meanwhile etcd is asked for its status every
+        ``probe_s`` seconds: a watch stream over a dead link would wait for ever, so a failed probe ends the watch
+        (EtcdError) and this replica counts as disconnected."""
+
+        async def consume():
+            async for evs in self.client.watch(self.prefix, start):
+                for e in sorted(evs, key=self._order):
+                    self._apply(e)
+                    self.revision = max(self.revision, e.revision)
+
+        w = asyncio.ensure_future(consume())
+        try:
+            while True:
+                done, _ = await asyncio.wait({w}, timeout=self.probe_s)
+                if done:
+                    w.result()  # raises what ended the watch
+                    return
+                await self.client.call("/v3/maintenance/status", {})
+        finally:
+            w.cancel()
 
     def _order(self, e: Event) -> tuple:
         kind, _ = self._split(e.key)
