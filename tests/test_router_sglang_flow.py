@@ -117,6 +117,34 @@ def test_both_legs_at_once_with_one_room_and_identical_answers(lt):
         c.close()
 
 
+def test_pd_metrics_count_the_concurrent_flow(lt):
+    """The KV-bytes estimate and the decode-side prefix hits are counted for SGLang's flow as for vLLM's."""
+    p, d = _prefill(), _decode()
+    c = Cluster(lt, [p], [d], **PD)
+    try:
+        reg = c.router.metrics.registry
+
+        def est():
+            return reg.get_sample_value("dlmix_router_kv_bytes_estimated_total") or 0.0
+
+        def hits():
+            return reg.get_sample_value("dlmix_router_decode_prefix_hit_tokens_total", {"instance": "d"}) or 0.0
+
+        per_token = c.router.cost.kv_bytes(1)
+        with httpx.Client(timeout=30) as h:
+            assert h.post(c.base + "/v1/completions", json=BODY).status_code == 200
+            first = est()  # nothing cached anywhere: the whole prompt moves
+            assert first > 0 and hits() == 0
+            n = first / per_token
+            # the same prompt again: the decode instance holds its prefix, only the rest is estimated to move
+            assert h.post(c.base + "/v1/completions", json=BODY).status_code == 200
+        assert p.prefill_legs == 2
+        assert 0 < hits() <= n
+        assert est() - first == c.router.cost.kv_bytes(n - hits())
+    finally:
+        c.close()
+
+
 def test_legs_run_concurrently(lt):
     """The decode leg is sent while the prefill leg is still running (SGLang's decode pre-allocates and waits)."""
     p, d = _prefill(ttft=3.0), _decode()

@@ -475,6 +475,8 @@ class Router:
                 self.pd.move(dec, rr, None)  # serves whole requests only: it prefills this one itself
         pb = self.rt.get(dec.prefill.id) if dec.prefill is not None else None
         if pb is not None and pb.engine.PD_FLOW == "concurrent":
+            if m:
+                self._pd_metrics(view, rr, dec)
             return await self.pd.concurrent(conn, req, d, rr, dec, chat, fwd, first)
         data = req.body
         if dec.prefill is not None:
@@ -484,10 +486,7 @@ class Router:
             if kvp is not None:  # else: fell back to prefill on D (dec.prefill is None now)
                 data = self.rt[dec.decode.id].engine.decode_body(req.body, kvp, d)
                 if m:
-                    hd = min(view.hit_tokens(rr, dec.decode), rr.prompt_len)
-                    m.decode_hit(self.rt.get(dec.decode.id), hd)
-                    if self.cost is not None:
-                        m.kv_estimate(self.cost.kv_bytes(rr.prompt_len - hd))
+                    self._pd_metrics(view, rr, dec)
                 first()
         b = self.rt.get(dec.decode.id)
         if b is None:
@@ -498,6 +497,15 @@ class Router:
             return SENT
         raw = build_request(req.method, req.url, b.hostport, b.auth + fwd, data)
         return b, await request(b.pool, raw, conn.transport, conn, None, first)
+
+    def _pd_metrics(self, view: ClusterView, rr: RouteRequest, dec) -> None:
+        """A PD hand-off (either flow): the prompt tokens the decode instance already holds, and the cost model's
+        estimate of the KV bytes the rest needs, ``(N - h_D) * kv_bytes_per_token``."""
+        m = self.metrics
+        hd = min(view.hit_tokens(rr, dec.decode), rr.prompt_len)
+        m.decode_hit(self.rt.get(dec.decode.id), hd)
+        if self.cost is not None:
+            m.kv_estimate(self.cost.kv_bytes(rr.prompt_len - hd))
 
     def _dispatch(self, rr: RouteRequest, dec, view: ClusterView) -> None:
         """A placement goes out: count it in the load, tell the policy, remember the prefix (approximate index)."""

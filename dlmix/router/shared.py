@@ -9,8 +9,8 @@ Keys under ``etcd_prefix`` (default ``/dlmix/default``); values are JSON:
 * ``instances/<id>``: the registration body as accepted (:class:`dlmix.pd.registration.Registration`: url, role,
   chip, model, KV layout, ...). Written by ``POST /admin/instances``, removed by ``DELETE /admin/instances/<id>``.
 * ``alive/<id>``: the instance's last heartbeat load (``{"waiting", "running", "kv_usage"}``), attached to an etcd
-  lease whose TTL is the instance's heartbeat TTL. Each heartbeat, on whichever replica it lands, renews the lease and
-  writes the load, so every replica sees it. When heartbeats stop, etcd lets the lease expire and deletes the key:
+  lease whose TTL is the instance's heartbeat TTL. Each heartbeat, on whichever replica it lands, renews the lease and,
+  when the load changed, writes it, so every replica sees it. When heartbeats stop, etcd lets the lease expire and deletes the key:
   every replica takes the instance out of rotation (it stays registered and comes back with the next heartbeat,
   as on a single router).
 * ``drain/<id>``: present while the instance is draining.
@@ -258,6 +258,7 @@ class SharedState:
         self._applied: Dict[str, bytes] = {}   # id -> registration body applied from etcd
         self._ttl: Dict[str, float] = {}       # id -> heartbeat TTL of its registration (s; 0: no lease)
         self._alive: Dict[str, int] = {}       # id -> lease id of its alive key
+        self._alive_val: Dict[str, bytes] = {}  # id -> value of its alive key (the last heartbeat's load)
         self._draining: set = set()
         self._keyrev: Dict[str, int] = {}      # key -> store revision of the last change applied (put or delete)
         self._calib: Dict[str, Tuple[float, float]] = {}  # id -> (ttft_ratio, itl_ratio) last written or applied
@@ -403,6 +404,7 @@ class SharedState:
                 self._applied.pop(iid, None)
                 self._ttl.pop(iid, None)
                 self._alive.pop(iid, None)
+                self._alive_val.pop(iid, None)
                 reg.remove(iid)
                 return
             if self._applied.get(iid) == e.value and iid in reg.backends:
@@ -426,11 +428,13 @@ class SharedState:
         if kind == "alive":
             if e.kind == "delete":
                 self._alive.pop(iid, None)
+                self._alive_val.pop(iid, None)
                 if b is not None and self._ttl.get(iid, 0) > 0:
                     b.lease_ok = False
                     b.refresh(_now())
                 return
             self._alive[iid] = e.lease
+            self._alive_val[iid] = e.value
             if b is not None:
                 b.lease_ok = True
                 try:
@@ -502,10 +506,13 @@ class SharedState:
 
     async def _publish_alive(self, iid: str, body: dict) -> None:
         try:
-            lease = self._alive.get(iid, 0)
-            if not lease or await self.client.keepalive(lease) <= 0:
-                lease = await self.client.grant(self._ttl.get(iid) or MIN_LEASE_TTL_S)
             value = _json.encode(body)
+            lease = self._alive.get(iid, 0)
+            if lease and await self.client.keepalive(lease) > 0:
+                if self._alive_val.get(iid) == value:
+                    return  # lease renewed, load unchanged: one etcd call for this heartbeat
+            else:
+                lease = await self.client.grant(self._ttl.get(iid) or MIN_LEASE_TTL_S)
             rev = await self.client.put(self._key("alive", iid), value, lease)
             self._apply(Event("put", self._key("alive", iid), value, lease, rev))
         except EtcdError as ex:
