@@ -16,7 +16,8 @@ added p50/p99 latency (router minus direct, same client). Prefix index memory is
 git archive main | tar -x -C DIR``) as ``base_round_robin``/``base_cost`` in the same rounds, and report
 ``rps_vs_baseline_*``, ``cpu_rps_vs_baseline_*`` and ``streams_vs_baseline_*`` (this tree over the baseline, from
 the medians over rounds) and ``paired_vs_baseline_*``: the ratio of each round (this tree and the baseline measured
-one after the other, so a drift of a shared machine cancels) and their median. ``--rounds N`` sets the number of
+one after the other, so a drift of a shared machine cancels; every other round runs the contenders in reverse order,
+so none always follows the same one) and their median. ``--rounds N`` sets the number of
 interleaved rounds (default 3, 1 with ``--quick``); on a noisy 2-core machine one measurement varies by +-30 %, so
 compare with 7 or more.
 
@@ -443,8 +444,9 @@ def main() -> None:
         stcpu_l = {n: [] for n in targets}
         for name, (port, pid) in targets.items():
             wrk(port, False, 64, 2)  # warm-up (connection pools, JIT-free but caches)
-        for _ in range(runs):  # interleaved rounds: slow drifts of a shared machine hit every router alike
-            for name, (port, pid) in targets.items():
+        for rnd in range(runs):  # interleaved rounds: slow drifts of a shared machine hit every router alike
+            # every other round in reverse order, so no contender always runs right after the same other one
+            for name, (port, pid) in (list(targets.items())[::-1] if rnd % 2 else list(targets.items())):
                 r, c = wrk(port, False, 64, secs, pid)
                 rps_l[name].append(r)
                 if c:

@@ -144,6 +144,35 @@ def test_registration_drain_and_removal_reach_every_replica(fleet):
 
 
 @needs_etcd
+def test_an_engine_registering_itself_through_one_replica_is_served_by_all(fleet):
+    """The engines' own client (:class:`dlmix.pd.router_client.RouterClient`, used by the vLLM connector and the
+    SGLang hook) registers through one replica and heartbeats its load; every replica serves and sees it."""
+    from dlmix.pd.router_client import RouterClient
+
+    etcd, engines, reps = fleet
+    load = {"waiting": 0, "running": 0, "kv_usage": 0.0}
+    rc = RouterClient(reps[1].url, lambda: {"url": engines[0], "role": "both", "model": "mock",
+                                            "heartbeat_ttl_s": 2.0}, lambda: dict(load), heartbeat_s=0.3,
+                      first_wait_s=0)
+    rc.start()
+    try:
+        assert rc.registered.wait(30), rc.last_error
+        wait_until(lambda: all(rc.instance_id in x.instances() for x in reps), 30, "the engine on every replica")
+        load.update(waiting=5, running=3, kv_usage=0.25)
+        wait_until(lambda: all(x.instances()[rc.instance_id]["load"]["waiting"] == 5
+                               and x.instances()[rc.instance_id]["load"]["kv_usage"] == 0.25 for x in reps), 30,
+                   "the engine's heartbeat load on every replica")
+        time.sleep(3)  # longer than the 2 s lease: heartbeats keep it alive everywhere
+        assert all(x.instances()[rc.instance_id]["healthy"] for x in reps)
+        for x in reps:
+            assert _complete(x.url).status_code == 200
+    finally:
+        rc.stop()
+    wait_until(lambda: not any(x.instances()[rc.instance_id]["healthy"] for x in reps), 30,
+               "the stopped engine's lease expiring on every replica")
+
+
+@needs_etcd
 def test_expired_heartbeat_lease_takes_the_instance_out_on_every_replica(fleet):
     etcd, engines, reps = fleet
     a = _register(reps[0], engines[0], heartbeat_ttl_s=2).json()["id"]
