@@ -164,15 +164,22 @@ def orphans():
 
 class CliLaunch:
     """``python -m dlmix.cli launch FILE --log-dir LOGS`` in its own session, its combined output read without
-    blocking (``out``, bytes). :meth:`wait_for` polls the output; :meth:`interrupt` is Ctrl-C and returns the text."""
+    blocking (``out``, bytes). :meth:`wait_for` polls the output; :meth:`interrupt` is Ctrl-C and returns the text.
+
+    The CLI starts with SIGINT ignored, as a background job of a non-interactive shell does (then Python raises no
+    KeyboardInterrupt by itself): Ctrl-C must still stop it, whatever started the test run."""
 
     def __init__(self, dep_file, logs, columns: int = 200):
         import subprocess
         import sys
 
-        self.proc = subprocess.Popen([sys.executable, "-m", "dlmix.cli", "launch", str(dep_file), "--log-dir",
-                                      str(logs)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                     start_new_session=True, env={**os.environ, "COLUMNS": str(columns)})
+        old = signal.signal(signal.SIGINT, signal.SIG_IGN)  # inherited through exec: the CLI starts with it ignored
+        try:
+            self.proc = subprocess.Popen([sys.executable, "-m", "dlmix.cli", "launch", str(dep_file), "--log-dir",
+                                          str(logs)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                         start_new_session=True, env={**os.environ, "COLUMNS": str(columns)})
+        finally:
+            signal.signal(signal.SIGINT, old)
         self.out = b""
         os.set_blocking(self.proc.stdout.fileno(), False)
 

@@ -11,7 +11,7 @@ import typer
 __all__ = ["launch_cmd"]
 
 
-def _raise_interrupt(signum, frame):  # SIGTERM/SIGHUP -> same clean stop as Ctrl-C
+def _raise_interrupt(signum, frame):  # SIGINT/SIGTERM/SIGHUP -> the same clean stop as Ctrl-C
     raise KeyboardInterrupt
 
 
@@ -71,7 +71,9 @@ def launch_cmd(
             console.print(f"[bold]{pl.name}[/] ({pl.url}):\n  {env + ' ' if env else ''}"
                           f"{' '.join(shlex.quote(a) for a in pl.argv)}", highlight=False, soft_wrap=True)
         return
-    old = {s: signal.signal(s, _raise_interrupt) for s in (signal.SIGTERM, signal.SIGHUP)}
+    # SIGINT too: a process started with SIGINT ignored (a background job of a non-interactive shell) gets no
+    # KeyboardInterrupt from Python, and its children would inherit the ignored SIGINT; an explicit handler fixes both
+    old = {s: signal.signal(s, _raise_interrupt) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
     running = None
     try:
         running = start(dep, log_dir=log_dir, console=console, follow_logs=follow_logs, grace_s=grace)
