@@ -50,7 +50,7 @@ else
   "$venv/bin/python" -c "import vllm, dlmix, transformers; print('[setup] vllm', vllm.__version__, 'transformers', transformers.__version__)"
   echo "$want" > "$stamp"
 fi
-# etcd for router replicas (docs/router.md "Router replicas"); the tests start their own member on loopback ports.
+# etcd for router replicas (dlmix/router/README.md "Router replicas"); the tests start their own member on loopback ports.
 if ! command -v etcd >/dev/null; then
   { command -v apt-get >/dev/null && [ "$(id -u)" = 0 ] && apt-get update -qq >/dev/null \
     && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq etcd-server >/dev/null; } \

@@ -191,7 +191,7 @@ def test_expired_heartbeat_lease_takes_the_instance_out_on_every_replica(fleet):
         for _ in range(4):
             out = _complete(x.url)
             assert out.status_code == 200, out.text
-    for x in reps:  # only the healthy instance served the requests (the mock answers with its port)
+    for x in reps:  # only the healthy instance served them: the expired one processed none, on every replica
         served[x.url] = x.instances()[a]["load"]["processed"]
     assert all(n == 0 for n in served.values()), served
     # the next heartbeat, to any replica, brings it back everywhere

@@ -186,11 +186,11 @@ def build_manifests(dep: Deployment, secret: Optional[str] = None) -> Manifests:
         sel = {"app.kubernetes.io/instance": base, "app.kubernetes.io/component": "router"}
         if r.replicas > 1:  # type: ignore[union-attr]
             etcd_name = f"{base}-etcd"
-            rcfg["etcd_endpoints"] = [f"http://{etcd_name}:2379"]
+            url = f"http://{etcd_name}:2379"
+            rcfg["etcd_endpoints"] = [url]
             rcfg["etcd_prefix"] = f"/dlmix/{base}"
             rcfg["etcd_allow_open"] = True  # only the router pods reach it (the NetworkPolicy below)
             esel = {"app.kubernetes.io/instance": base, "app.kubernetes.io/component": "etcd"}
-            url = f"http://{etcd_name}:2379"
             out.add({"apiVersion": "apps/v1", "kind": "Deployment", "metadata": meta(etcd_name, "etcd"),
                      "spec": {"replicas": 1, "selector": {"matchLabels": esel},
                               "template": {"metadata": {"labels": {**common, **esel}}, "spec": {

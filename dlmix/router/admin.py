@@ -19,9 +19,39 @@ import msgspec
 from dlmix.router.registry import RegistrationError, Registry
 from dlmix.router.routes import Route, RouteTable
 
-__all__ = ["AdminAPI"]
+__all__ = ["AdminAPI", "LocalState"]
 
 _json = msgspec.json.Encoder()
+
+
+class LocalState:
+    """The admin API's writes on one router's own memory (the default). :class:`~dlmix.router.shared.SharedState`
+    has the same methods and writes through etcd for router replicas. Each returns ``(status, JSON body)``, or a
+    coroutine of it; ``heartbeat`` raises ValueError for a bad body."""
+
+    def __init__(self, registry: Registry):
+        self.registry = registry
+
+    def register(self, body: dict):
+        try:
+            st = self.registry.register(body)
+        except RegistrationError as ex:
+            return ex.status, {"error": str(ex), "reasons": ex.reasons}
+        return 201, {"id": st.id, "slot": st.slot}
+
+    def heartbeat(self, backend, body) -> None:
+        backend.heartbeat(body)
+
+    def drain(self, backend, on: bool):
+        backend.state.draining = on
+        return 200, {"draining": on}
+
+    def delete(self, backend):
+        self.registry.remove(backend.state.id)
+        return 200, {"removed": True}
+
+    def describe(self) -> Optional[dict]:
+        return None
 
 
 class AdminAPI:
@@ -34,7 +64,8 @@ class AdminAPI:
 
     def __init__(self, registry: Registry, admin_key: Optional[str], shared=None):
         self.registry = registry
-        self.shared = shared
+        #: where registration, heartbeats, drain and removal are written
+        self.state = shared if shared is not None else LocalState(registry)
         self._auth = b"Bearer " + admin_key.encode() if admin_key else None
         self.table = RouteTable([
             Route("GET", "/admin/instances", self.list),
@@ -82,59 +113,45 @@ class AdminAPI:
         r = route.handler(body, **params)
         if inspect.iscoroutine(r):
             return self._answer_later(conn, r)
-        status, out = r
+        self._answer(conn, *r)
+
+    @staticmethod
+    def _answer(conn, status: int, out) -> None:
         conn.send(status, out if isinstance(out, bytes) else _json.encode(out))
 
     async def _answer_later(self, conn, coro) -> None:
         status, out = await coro
         if not conn.closed:
-            conn.send(status, out if isinstance(out, bytes) else _json.encode(out))
+            self._answer(conn, status, out)
 
     # ------------------------------------------------------------------ handlers: (body, ...) -> (status, json)
     def list(self, body):
         out = {"instances": [self.registry.describe(i) for i in self.registry.instances]}
-        if self.shared is not None:
-            out["shared"] = self.shared.describe()
+        shared = self.state.describe()
+        if shared is not None:
+            out["shared"] = shared
         return 200, out
 
     def register(self, body):
         if not isinstance(body, dict):
             return 400, {"error": "body must be a JSON object"}
-        if self.shared is not None:
-            return self.shared.register(body)
-        try:
-            st = self.registry.register(body)
-        except RegistrationError as ex:
-            return ex.status, {"error": str(ex), "reasons": ex.reasons}
-        return 201, {"id": st.id, "slot": st.slot}
+        return self.state.register(body)
 
     def get(self, body, backend):
         return 200, self.registry.describe(backend.state)
 
     def delete(self, body, backend):
-        if self.shared is not None:
-            return self.shared.delete(backend)
-        self.registry.remove(backend.state.id)
-        return 200, b'{"removed":true}'
+        return self.state.delete(backend)
 
     def heartbeat(self, body, backend):
         try:
-            if self.shared is not None:
-                self.shared.heartbeat(backend, body)
-            else:
-                backend.heartbeat(body)
+            self.state.heartbeat(backend, body)
         except ValueError as ex:
             return 400, {"error": f"bad heartbeat: {ex}"}
         return 200, b'{"ok":true}'
 
     def drain(self, body, backend):
-        if self.shared is not None:
-            return self.shared.drain(backend, True)
-        backend.state.draining = True
-        return 200, {"draining": True}
+        return self.state.drain(backend, True)
 
     def undrain(self, body, backend):
-        if self.shared is not None:
-            return self.shared.drain(backend, False)
-        backend.state.draining = False
-        return 200, {"draining": False}
+        return self.state.drain(backend, False)

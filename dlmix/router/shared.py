@@ -37,6 +37,7 @@ import asyncio
 import base64
 import logging
 import math
+import time
 from typing import AsyncIterator, Dict, List, Optional, Tuple
 from urllib.parse import urlparse
 
@@ -45,6 +46,7 @@ import msgspec
 
 from dlmix.errors import ConfigError, DlmixError
 from dlmix.net import is_loopback
+from dlmix.router.admin import LocalState
 from dlmix.router.registry import Backend, RegistrationError, Registry
 
 __all__ = ["EtcdClient", "EtcdError", "SharedState", "Event"]
@@ -198,7 +200,6 @@ class EtcdClient:
         when the stream breaks or etcd cancels the watch (e.g. the revision was compacted)."""
         body = {"create_request": {"key": _b64(prefix), "range_end": _prefix_end(prefix),
                                    "start_revision": str(start_revision)}}
-        base = self.endpoints[0]
         last = ""
         for base in self.endpoints:
             try:
@@ -246,6 +247,7 @@ class SharedState:
                  ttl_default: Optional[float] = None, retry_s: float = 0.5, calib_interval_s: float = 2.0,
                  probe_s: float = 2.0):
         self.registry = registry
+        self._local = LocalState(registry)  # instances of this replica's own configuration stay local
         self.client = client
         self.prefix = prefix.rstrip("/") + "/"
         self.ttl_default = ttl_default
@@ -257,8 +259,7 @@ class SharedState:
         self.revision = 0
         self._applied: Dict[str, bytes] = {}   # id -> registration body applied from etcd
         self._ttl: Dict[str, float] = {}       # id -> heartbeat TTL of its registration (s; 0: no lease)
-        self._alive: Dict[str, int] = {}       # id -> lease id of its alive key
-        self._alive_val: Dict[str, bytes] = {}  # id -> value of its alive key (the last heartbeat's load)
+        self._alive: Dict[str, Tuple[int, bytes]] = {}  # id -> (lease id, value) of its alive key
         self._draining: set = set()
         self._keyrev: Dict[str, int] = {}      # key -> store revision of the last change applied (put or delete)
         self._calib: Dict[str, Tuple[float, float]] = {}  # id -> (ttft_ratio, itl_ratio) last written or applied
@@ -404,7 +405,6 @@ class SharedState:
                 self._applied.pop(iid, None)
                 self._ttl.pop(iid, None)
                 self._alive.pop(iid, None)
-                self._alive_val.pop(iid, None)
                 reg.remove(iid)
                 return
             if self._applied.get(iid) == e.value and iid in reg.backends:
@@ -421,27 +421,25 @@ class SharedState:
             b.state.draining = st.id in self._draining
             if st.id in self._calib:
                 b.state.ttft_ratio, b.state.itl_ratio = self._calib[st.id]
-            b.refresh(_now())
+            b.refresh(time.monotonic())
             self._applied[st.id] = e.value
             return
         b = reg.backends.get(iid)
         if kind == "alive":
             if e.kind == "delete":
                 self._alive.pop(iid, None)
-                self._alive_val.pop(iid, None)
                 if b is not None and self._ttl.get(iid, 0) > 0:
                     b.lease_ok = False
-                    b.refresh(_now())
+                    b.refresh(time.monotonic())
                 return
-            self._alive[iid] = e.lease
-            self._alive_val[iid] = e.value
+            self._alive[iid] = (e.lease, e.value)
             if b is not None:
                 b.lease_ok = True
                 try:
                     b.heartbeat(msgspec.json.decode(e.value) or None)
                 except (ValueError, msgspec.DecodeError) as ex:
                     log.warning("router replica: bad shared heartbeat of %s: %s", iid, ex)
-                    b.refresh(_now())
+                    b.refresh(time.monotonic())
         elif kind == "calib":
             if e.kind == "delete":
                 self._calib.pop(iid, None)
@@ -507,9 +505,9 @@ class SharedState:
     async def _publish_alive(self, iid: str, body: dict) -> None:
         try:
             value = _json.encode(body)
-            lease = self._alive.get(iid, 0)
+            lease, last = self._alive.get(iid, (0, b""))
             if lease and await self.client.keepalive(lease) > 0:
-                if self._alive_val.get(iid) == value:
+                if last == value:
                     return  # lease renewed, load unchanged: one etcd call for this heartbeat
             else:
                 lease = await self.client.grant(self._ttl.get(iid) or MIN_LEASE_TTL_S)
@@ -522,8 +520,7 @@ class SharedState:
         """``POST .../drain`` and ``.../undrain`` for every replica. 503 while etcd is unavailable."""
         iid = b.state.id
         if iid not in self._applied:  # an instance of this replica's own configuration: local only
-            b.state.draining = on
-            return 200, {"draining": on}
+            return self._local.drain(b, on)
         if not self.connected:
             return self._refuse("drain" if on else "undrain")
         try:
@@ -540,8 +537,7 @@ class SharedState:
         """``DELETE /admin/instances/<id>`` on every replica. 503 while etcd is unavailable."""
         iid = b.state.id
         if iid not in self._applied:
-            self.registry.remove(iid)
-            return 200, {"removed": True}
+            return self._local.delete(b)
         if not self.connected:
             return self._refuse("removal")
         try:
@@ -553,12 +549,7 @@ class SharedState:
         return 200, {"removed": True}
 
     def describe(self) -> dict:
-        """JSON-able state of the link (for ``/health`` and the admin list)."""
+        """JSON-able state of the link (``"shared"`` in the admin list)."""
         return {"etcd": self.client.endpoints, "prefix": self.prefix, "connected": self.connected,
                 "revision": self.revision, **({"error": self.error} if self.error else {})}
 
-
-def _now() -> float:
-    import time
-
-    return time.monotonic()
