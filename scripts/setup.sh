@@ -13,7 +13,8 @@
 #   6. installs the optional transport libraries (libibverbs1 from Debian, DLSlime, Mooncake, NIXL) so their adapter
 #      tests run; DLMIX_SKIP_TRANSPORTS=1 skips this step;
 #   7. installs etcd (Debian's etcd-server) for the router-replica tests (tests/test_router_replicas.py start their own
-#      etcd on free loopback ports; without the package they skip with the reason).
+#      etcd on free loopback ports; without the package they skip with the reason);
+#   8. builds the LMDeploy venv (.venv-lmdeploy, scripts/setup_lmdeploy.sh) for the LMDeploy adapter's tests.
 # A second run only re-installs when pyproject.toml or this script changed.
 set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -58,6 +59,12 @@ if ! command -v etcd >/dev/null; then
 fi
 # Build the real model folder once per machine (cached by the GGUF's sha256).
 "$venv/bin/dlmix" models prepare smollm2
+# The separate LMDeploy venv the LMDeploy adapter's tests use (docs/engines/lmdeploy.md, about 3 minutes the first
+# time); DLMIX_WITH_LMDEPLOY=0 skips it, and its tests then skip with the reason.
+if [ "${DLMIX_WITH_LMDEPLOY:-1}" = 1 ]; then
+  DLMIX_LMDEPLOY_VENV="${DLMIX_LMDEPLOY_VENV:-$here/.venv-lmdeploy}" bash "$here/scripts/setup_lmdeploy.sh" \
+    || echo "[setup] the LMDeploy venv was not built: the LMDeploy tests will skip"
+fi
 # Optional: the separate SGLang venv the SGLang adapter's tests use (docs/engines/sglang.md); its tests skip without it.
 if [ "${DLMIX_WITH_SGLANG:-0}" = 1 ]; then
   DLMIX_SGLANG_VENV="${DLMIX_SGLANG_VENV:-$here/.venv-sglang}" bash "$here/scripts/setup_sglang.sh"

@@ -112,7 +112,7 @@ def scenario(draw: st.DrawFn, mla: bool = False):
             tps = [1, 2]
         else:
             tps = [t for t in (1, 2, 4) if model.num_kv_heads % t == 0 or t % model.num_kv_heads == 0]
-            if arr == "lmdeploy":
+            if arr.startswith("lmdeploy"):  # LMDeploy does not replicate KV heads
                 tps = [t for t in tps if t <= model.num_kv_heads]
         tp = draw(st.sampled_from(tps))
         return KVLayout(model, bs, dt, arr, tp, 0, ks, vs)
@@ -226,7 +226,7 @@ def same_block_scenario(draw: st.DrawFn):
     ks = draw(st.sampled_from([1.0, 0.5])) if dt.startswith("fp8") else 1.0
 
     def lay(arr: str) -> KVLayout:
-        tps = [t for t in (1, 2, 4) if t <= model.num_kv_heads or arr != "lmdeploy"]
+        tps = [t for t in (1, 2, 4) if t <= model.num_kv_heads or not arr.startswith("lmdeploy")]
         return KVLayout(model, bs, dt, arr, draw(st.sampled_from(tps)), 0, ks, 1.0)
 
     src, dst = lay(sa), lay(da)

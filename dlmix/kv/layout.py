@@ -16,7 +16,7 @@ Arrangements: each engine's memory arrangement of one layer's cache is one file 
 (its shape, its per-plane views, its constraints and the engine source it was read from), registered in
 :mod:`dlmix.kv.registry` by decorator or through the ``dlmix.kv_arrangements`` entry-point group. Built in:
 ``vllm_flash_nhd``/``vllm_flash_hnd``, ``vllm_flashinfer_nhd``/``vllm_flashinfer_hnd``, ``vllm_lbnhc``/``vllm_lbhnc``,
-``vllm_cpu``, ``sglang_nhd``/``sglang_hnd``, ``lmdeploy`` and ``mla``.
+``vllm_cpu``, ``sglang_nhd``/``sglang_hnd``, ``lmdeploy``/``lmdeploy_packed`` and ``mla``.
 
 fp8 scale convention (``scale_convention="per_tensor"``): the cache stores ``q = fp8(x / k_scale)`` for K and
 ``fp8(x / v_scale)`` for V and a reader computes ``x = float(q) * scale`` (vLLM ``reshape_and_cache_flash`` with

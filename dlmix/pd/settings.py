@@ -1,0 +1,87 @@
+"""Settings of one engine rank's PD endpoint, shared by every engine adapter, and their loading from a JSON
+environment variable (engines' command lines have no free-form field for a transfer backend).
+
+An adapter subclasses :class:`EndpointSettings` for fields of its own and reads them with :func:`load_json_settings`.
+Every key is optional; unknown keys are rejected, so a typo never falls back to a default silently.
+"""
+from __future__ import annotations
+
+import json
+import os
+from typing import Any, TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from dlmix.net import is_loopback
+
+__all__ = ["EndpointSettings", "load_json_settings"]
+
+S = TypeVar("S", bound=BaseModel)
+
+
+class EndpointSettings(BaseModel):
+    """Validated endpoint settings (units in the names: ``_s`` seconds, ``_bytes`` bytes).
+
+    Fields:
+      transport: ``dlmix_kv_connectors`` transport kind of each rank's endpoint (``tcp`` default; ``shm``,
+        ``mooncake``, ``nixl``, ``dlslime`` when installed; or ``package.module:Class``).
+      host: address each rank's endpoint binds to and advertises (default 127.0.0.1).
+      port: endpoint port of TP rank 0 (rank r uses ``port + r``); None = any free port (peers learn it from the
+        transfer parameters or the connection handshake).
+      shared_secret: HMAC secret of the transport (required when ``host`` is not loopback; equal on both sides).
+      io_timeout_s: per-transfer timeout; hold_timeout_s: how long a prefill keeps a finished request's blocks for a
+        decode that has not read them; registration_wait_s: how long a read request waits for its hold to appear.
+      staging_bytes: decode staging region (bytes); larger transfers run in several rounds.
+      verify_weights: refuse a peer whose weights fingerprint differs (only a negative-control test turns it off).
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    transport: str = "tcp"
+    host: str = "127.0.0.1"
+    port: int | None = Field(default=None, ge=1, le=65535)
+    shared_secret: str | None = None
+    io_timeout_s: float = Field(default=60.0, gt=0)
+    hold_timeout_s: float = Field(default=120.0, gt=0)
+    registration_wait_s: float = Field(default=10.0, ge=0)
+    staging_bytes: int = Field(default=64 * 1024 * 1024, ge=64 * 1024)
+    verify_weights: bool = True
+
+    @field_validator("transport")
+    @classmethod
+    def _known(cls, kind: str) -> str:
+        from dlmix_kv_connectors import transport_kinds
+
+        known = transport_kinds()
+        if kind in known or (":" in kind and all(kind.partition(":")[::2])):
+            return kind
+        raise ValueError(f"unknown transport {kind!r}; known: {', '.join(known)} (or 'package.module:Class')")
+
+    @model_validator(mode="after")
+    def _secret(self):
+        if not is_loopback(self.host) and not self.shared_secret:
+            raise ValueError(f"host={self.host!r} is not a loopback address: set shared_secret so the KV channel is "
+                             "authenticated")
+        return self
+
+
+def load_json_settings(model: type[S], env_var: str, raw: str | dict[str, Any] | None, error: type[Exception]) -> S:
+    """``model`` validated from ``raw`` (JSON text or dict), else from ``$env_var``, else defaults.
+
+    Raises ``error`` for bad JSON, a non-object, or invalid/unknown fields (one line each, plus the accepted keys).
+    """
+    if raw is None:
+        raw = os.environ.get(env_var) or "{}"
+    if isinstance(raw, str):
+        try:
+            raw = json.loads(raw)
+        except ValueError as e:
+            raise error(f"{env_var} is not valid JSON: {e}") from None
+    if not isinstance(raw, dict):
+        raise error(f"{env_var} must be a JSON object, got {type(raw).__name__}")
+    try:
+        return model.model_validate(raw)
+    except ValidationError as e:
+        lines = [f"  {'.'.join(str(x) for x in err['loc']) or '(settings)'}: {err['msg']}" for err in e.errors()]
+        raise error(f"invalid {env_var}:\n" + "\n".join(lines) + "\naccepted keys: "
+                    + ", ".join(model.model_fields)) from None

@@ -1,0 +1,267 @@
+"""The LMDeploy migration backend ``DLMix``: LMDeploy's DistServe flow on the engine-neutral PD core
+(:mod:`dlmix.pd`).
+
+LMDeploy's DistServe: the proxy sends the prompt to a Prefill engine (``max_tokens=1``, ``preserve_cache``), which
+answers its session id and cache block ids and keeps the blocks; the proxy connects the pair once
+(``/distserve/p2p_initialize`` on both, then ``p2p_connect`` with each other's endpoint info), then sends the request
+to the Decode engine with a ``migration_request``; the decode allocates blocks, migrates the KV into them, tells the
+prefill to free the session (ZMQ), and decodes. Its in-tree backends copy byte ranges pairwise, so both sides must
+have the same block size, dtype and pool shape.
+
+With ``--migration-backend DLMix`` (this module plus the patches of :mod:`dlmix_lmdeploy.patches`):
+
+* at start-up each rank describes its cache (:func:`dlmix_lmdeploy.layout.describe_cache`) and opens a
+  :class:`dlmix.pd.endpoint.KVEndpoint` (staging only on a Decode rank); an unsupported cache stops the start with
+  the reason;
+* the endpoint info exchanged at connection time is the rank's transport descriptor and layout; ``p2p_connect`` runs
+  :func:`dlmix.pd.pair.check_pair` (prefill layout as producer, decode layout as consumer) and refuses an incompatible
+  pair with the reasons, instead of LMDeploy's equal-shape check (block size, dtype and arrangement may differ);
+* a Prefill rank turns every finished prefill that keeps its cache into a core *hold* (its blocks, prompt length and
+  prompt digest), under :func:`hold_key` of its block ids, and ends the engine session itself when the core releases
+  the hold (consumed, aborted, expired);
+* a Decode rank pulls each migrating request with :meth:`KVEndpoint.pull` (one-sided reads of exactly the held
+  blocks, converted into its own block size, dtype and arrangement) and releases the hold; the prompt digest is
+  checked, so a decode whose prompt tokens differ refuses instead of decoding from someone else's KV;
+* the decode does not send LMDeploy's ZMQ free after a DLMix migration (its ``remote_session_id`` names the wrong
+  session, see :func:`hold_key`); the core's ``blocks_consumed`` ends the hold instead. A free or abort that does
+  reach the prefill (the proxy's ``free_cache``) ends the hold; the session ends once no read can touch its blocks.
+
+Limits (refused with a reason): TP size 1 per side with LMDeploy's single-process executor (the endpoint lives in the
+process of the engine loop), quantized KV (``--quant-policy`` 4/8), MLA.
+"""
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import logging
+import os
+import threading
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from lmdeploy.pytorch.disagg.backend.base import MigrationBackendImpl
+
+from dlmix.kv.layout import KVLayout
+from dlmix.pd.contract import prompt_digest
+from dlmix.pd.endpoint import DEFAULT_LOOPBACK_SECRET, KVEndpoint, PullResult
+from dlmix.pd.pair import check_pair, layout_of
+
+from .config import load_settings
+from .layout import describe_cache
+
+log = logging.getLogger("dlmix_lmdeploy")
+
+__all__ = ["NAME", "DLMixMigrationBackend", "Rank", "current", "start_rank"]
+
+#: The name users select: ``--migration-backend DLMix`` / ``PytorchEngineConfig(migration_backend=...)``.
+NAME = "DLMix"
+#: Version of the endpoint-info object this backend exchanges at connection time.
+INFO_VERSION = 1
+#: Seconds between two looks at the holds the core released (prefill side).
+POLL_S = 0.05
+
+
+def hold_key(block_ids: list[int]) -> str:
+    """The transfer id of a held prefill: a digest of its cache block ids (token order).
+
+    Not the session id: LMDeploy 0.18's api_server answers the *user's* ``session_id`` (or ``-1`` for every request
+    that has none) while the engine keys sessions by an internal counter (``serve/managers/session_manager.py``), so
+    the ``remote_session_id`` a decode receives names no engine session. The block ids do, and both sides have them
+    (the proxy forwards ``cache_block_ids`` as ``remote_block_ids``); blocks held for one request are not reused
+    while held."""
+    h = hashlib.blake2b(",".join(str(int(b)) for b in block_ids).encode(), digest_size=12)
+    return f"lmd-{len(block_ids)}-{h.hexdigest()}"
+
+
+@dataclass
+class Peer:
+    """A connected remote engine: its transport descriptor and layout (from its endpoint info)."""
+
+    transport: dict[str, Any]
+    layout: KVLayout
+
+
+@dataclass
+class Rank:
+    """This process's DLMix state: the engine role, the rank's layout, its endpoint and the connected peers."""
+
+    role: str  # "Prefill" or "Decode"
+    layout: KVLayout
+    endpoint: KVEndpoint
+    endpoint_settings: Any = None
+    peers: dict[str, Peer] = field(default_factory=dict)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    key_of: dict[int, str] = field(default_factory=dict)  # prefill: engine session id -> hold key
+    session_of: dict[str, int] = field(default_factory=dict)  # prefill: hold key -> engine session id
+    scheduler: Any = None
+    _loop: Any = None
+
+    # ------------------------------------------------------------------ connection
+    def endpoint_info(self) -> dict[str, Any]:
+        return {"dlmix": INFO_VERSION, "role": self.role, "transport": self.endpoint.descriptor(),
+                "layout": self.layout.to_dict()}
+
+    def connect(self, remote_engine_id: str, endpoint_info: str) -> None:
+        """Check and remember a remote engine from its endpoint info (JSON text). Raises ValueError with the
+        reasons when the info is not a DLMix endpoint or the pair is incompatible."""
+        try:
+            info = json.loads(endpoint_info)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"DLMix: endpoint info of {remote_engine_id} is not JSON: {e}") from None
+        if not isinstance(info, dict) or info.get("dlmix") != INFO_VERSION:
+            raise ValueError(f"DLMix: {remote_engine_id} is not a DLMix endpoint of version {INFO_VERSION} (did it "
+                             "start with --migration-backend DLMix?)")
+        try:
+            remote = layout_of(info.get("layout"))
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"DLMix: layout of {remote_engine_id} is malformed: {e}") from None
+        if not isinstance(info.get("transport"), dict):
+            raise ValueError(f"DLMix: endpoint info of {remote_engine_id} has no transport descriptor")
+        settings = self.endpoint_settings
+        src, dst = (self.layout, remote) if self.role == "Prefill" else (remote, self.layout)
+        reasons = check_pair(src, dst, verify_weights=settings.verify_weights)
+        if reasons:
+            raise ValueError(f"DLMix: prefill {('this engine' if self.role == 'Prefill' else remote_engine_id)} "
+                             f"cannot feed decode {(remote_engine_id if self.role == 'Prefill' else 'this engine')}: "
+                             + "; ".join(reasons))
+        with self.lock:
+            self.peers[remote_engine_id] = Peer(info["transport"], remote)
+        log.info("DLMix: connected %s (%s, block %d, %s, %s)", remote_engine_id, info.get("role"),
+                 remote.block_size, remote.dtype, remote.arrangement)
+
+    # ------------------------------------------------------------------ prefill side
+    def hold(self, scheduler: Any, session_id: int, block_ids: list[int], token_ids: list[int]) -> None:
+        """Keep a finished prefill's blocks for its decode under :func:`hold_key` of its block ids (idempotent per
+        session). The engine's session is ended by :meth:`poll` once the core releases the hold. Must run on the
+        engine's event loop (it starts the poller there)."""
+        key = hold_key(block_ids)
+        with self.lock:
+            if session_id in self.key_of:
+                return
+            self.key_of[session_id] = key
+            self.session_of[key] = session_id
+        self.endpoint.add_hold(key, [int(b) for b in block_ids], len(token_ids), prompt_digest(token_ids))
+        if self.scheduler is None:
+            self.scheduler = scheduler
+            self._loop = asyncio.get_running_loop()
+            self._loop.call_later(POLL_S, self.poll)
+
+    def poll(self) -> None:
+        """End the engine sessions whose holds the core released (consumed, aborted, expired), on the engine's
+        event loop; re-arms itself every :data:`POLL_S` seconds."""
+        try:
+            for key in self.endpoint.take_finished():
+                with self.lock:
+                    sid = self.session_of.pop(key, None)
+                    if sid is not None:
+                        self.key_of.pop(sid, None)
+                if sid is not None and self.scheduler.get_session(sid) is not None:
+                    self.scheduler.end_session(sid)
+        except Exception as e:  # never let the poller die
+            log.error("DLMix: freeing released prefill sessions failed: %s", e)
+        self._loop.call_later(POLL_S, self.poll)
+
+    def drop(self, session_id: int) -> bool:
+        """The engine was asked to end a held session (LMDeploy's free after migration, ``free_cache``, abort): let
+        the core end the hold (at once, or when a read in progress finishes); :meth:`poll` then ends the session.
+        Returns False when the session is not held here."""
+        with self.lock:
+            key = self.key_of.get(session_id)
+        if key is None:
+            return False
+        self.endpoint.engine_abort(key)
+        return True
+
+    # ------------------------------------------------------------------ decode side
+    def pull(self, remote_engine_id: str, remote_session_id: int, remote_block_ids: list[int],
+             local_block_ids: list[int], token_ids: list[int]) -> PullResult:
+        """Load a migrating request's KV (all ``len(token_ids)`` prompt tokens) into ``local_block_ids`` and release
+        the prefill's hold. Blocking; never raises (errors are in the result)."""
+        with self.lock:
+            peer = self.peers.get(remote_engine_id)
+        if peer is None:
+            return PullResult(loaded_upto=0, error=f"DLMix: {remote_engine_id} is not connected to this decode engine",
+                              failed_block_ids=list(local_block_ids))
+        rid = hold_key(remote_block_ids)
+        res = self.endpoint.pull(peer.transport, rid, list(remote_block_ids), 0, len(token_ids),
+                                 list(local_block_ids), src_layout=peer.layout, digest=prompt_digest(token_ids))
+        self.endpoint.release(peer.transport, rid, consumed=res.error is None)
+        return res
+
+
+_rank: Rank | None = None
+
+
+def current() -> Rank | None:
+    """This process's DLMix rank, or None when DLMix is not in use here."""
+    return _rank
+
+
+def start_rank(agent: Any) -> Rank:
+    """Describe the cache of LMDeploy's model agent and open this rank's endpoint (called once the cache engine
+    exists). Raises ValueError (unsupported cache or TP size) or the config error with the reason."""
+    global _rank
+    if _rank is not None:
+        return _rank
+    cc = agent.cache_config
+    role = cc.role.name
+    dist = getattr(agent, "dist_config", None)
+    tp = int(getattr(dist, "attn_tp", 1) or 1) if dist is not None else 1
+    if tp != 1:
+        raise ValueError(f"the DLMix migration backend runs TP size 1 per engine for now, this engine has attention "
+                         f"TP {tp}")
+    settings = load_settings()
+    import lmdeploy
+
+    layout, layers = describe_cache(agent.cache_engine, agent.model_config, str(agent.model_path), tp_rank=0,
+                                    tp_size=tp, engine=f"lmdeploy {lmdeploy.__version__}")
+    secret = settings.shared_secret or DEFAULT_LOOPBACK_SECRET
+    name = f"lmdeploy-{role.lower()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    ep = KVEndpoint(settings.transport, name, secret, settings.host, settings.port or 0, layout, layers,
+                    settings.staging_bytes if role == "Decode" else 0, hold_timeout_s=settings.hold_timeout_s,
+                    registration_wait_s=settings.registration_wait_s, io_timeout_s=settings.io_timeout_s,
+                    verify_weights=settings.verify_weights)
+    _rank = Rank(role=role, layout=layout, endpoint=ep, endpoint_settings=settings)
+    log.info("DLMix: %s endpoint %s, layout block %d %s %s", role, ep.descriptor(), layout.block_size,
+             layout.dtype, layout.arrangement)
+    return _rank
+
+
+class DLMixMigrationBackend(MigrationBackendImpl):
+    """LMDeploy's ``MigrationBackendImpl`` for ``DLMix``. The KV itself moves through the rank's
+    :class:`~dlmix.pd.endpoint.KVEndpoint` (pulled per request by the patched engine loop); this class answers the
+    connection handshake. ``links[remote_engine_id].remote_engine_config`` is kept because LMDeploy reads it."""
+
+    def __init__(self) -> None:
+        self.links: dict[str, Any] = {}
+
+    @staticmethod
+    def _rank() -> Rank:
+        r = current()
+        if r is None:
+            raise RuntimeError("DLMix: this engine has no DLMix endpoint (it runs with --role Hybrid?)")
+        return r
+
+    def p2p_initialize(self, init_request: Any) -> None:
+        self._rank()
+        self.links[init_request.remote_engine_id] = init_request
+
+    def register_memory_region(self, register_mr_request: Any) -> None:
+        """Nothing to do: the endpoint registered the cache's layers when it started."""
+
+    def endpoint_info(self, remote_engine_id: str, protocol: Any) -> dict[str, Any]:
+        return self._rank().endpoint_info()
+
+    def p2p_connect(self, remote_engine_id: str, conn_req: Any) -> None:
+        self._rank().connect(remote_engine_id, conn_req.endpoint_info)
+
+    async def p2p_migrate(self, assignment: Any, async_op: bool = False) -> None:
+        raise RuntimeError("DLMix migrations run per request from the engine loop, not from byte assignments")
+
+    def store(self, assignment: Any, async_op: bool = False) -> None:
+        raise NotImplementedError("DLMix does not store to a remote pool")
+
+    def load(self, assignment: Any, async_op: bool = False) -> None:
+        raise NotImplementedError("DLMix does not load from a remote pool")

@@ -1,0 +1,103 @@
+"""Pure-torch op backend for LMDeploy's PyTorch engine on the host (the CPU test aid, :mod:`dlmix_lmdeploy.cpu`).
+
+Everything but paged attention and the step context comes from LMDeploy's own ``DefaultOpsBackend``
+(``pytorch/backends/default``); those two exist upstream only as triton or dlinfer kernels. The KV cache keeps
+LMDeploy's default (CUDA) block layout, so the DLMix backend moves the same arrangement on the host as on a GPU.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from lmdeploy.pytorch.backends.attention import AttentionImpl, AttentionMetadata, PagedAttentionBuildSpec
+from lmdeploy.pytorch.backends.default import DefaultOpsBackend
+
+__all__ = ["CpuPagedAttention", "CpuOpsBackend"]
+
+
+class CpuPagedAttention(AttentionImpl[AttentionMetadata]):
+    """Reference paged attention: write this step's K/V into the sequence's blocks, gather the sequence, causal SDPA
+    in fp32, one sequence at a time.
+
+    Shapes: ``query`` ``[tokens, heads, head_dim]``; ``key``/``value`` ``[tokens, kv_heads, head_dim]``;
+    ``k_cache``/``v_cache`` ``[num_blocks, block_size, kv_heads, head_dim]`` (views, may be strided).
+    """
+
+    def forward(self, query, key, value, k_cache, v_cache, attn_metadata, k_scales_zeros=None,
+                v_scales_zeros=None, learnable_sink=None, nsa_indices=None, inplace=False, **kwargs):
+        if learnable_sink is not None or nsa_indices is not None or self.alibi or self.logit_softcapping:
+            raise NotImplementedError("the CPU aid implements plain causal/non-causal attention only")
+        block_size = k_cache.size(1)
+        q_lens = attn_metadata.q_seqlens.tolist()
+        kv_lens = attn_metadata.kv_seqlens.tolist()
+        out = query.new_zeros(query.shape[:-1] + (self.v_head_size,))
+        groups = self.num_heads // self.num_kv_heads
+        start = 0
+        for b, (q_len, kv_len) in enumerate(zip(q_lens, kv_lens)):
+            if q_len and kv_len:
+                table = attn_metadata.block_offsets[b]
+                history = kv_len - q_len
+                if key is not None:
+                    pos = torch.arange(history, kv_len)
+                    blk, off = table[pos // block_size].long(), pos % block_size
+                    k_cache[blk, off] = key[start:start + q_len].to(k_cache.dtype)
+                    v_cache[blk, off] = value[start:start + q_len].to(v_cache.dtype)
+                pos = torch.arange(kv_len)
+                blk, off = table[pos // block_size].long(), pos % block_size
+                k = k_cache[blk, off].float()
+                v = v_cache[blk, off].float()
+                if groups > 1:
+                    k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+                q = query[start:start + q_len].float()
+                mask = None
+                if self.causal:
+                    mask = torch.arange(kv_len)[None, :] <= (history + torch.arange(q_len))[:, None]
+                o = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+                                                   attn_mask=mask, scale=self.scale)
+                out[start:start + q_len] = o.transpose(0, 1).to(out.dtype)
+            start += q_len
+        return out
+
+
+class CpuOpsBackend(DefaultOpsBackend):
+    """LMDeploy's default op backend plus :class:`CpuPagedAttention`; collective backend gloo, one device."""
+
+    @staticmethod
+    def get_name() -> str:
+        return "cpu"
+
+    @classmethod
+    def build_op(cls, spec, *, enable_deterministic: bool = False):
+        if isinstance(spec, PagedAttentionBuildSpec):
+            if spec.sliding_window not in (None, -1, (-1, -1)):
+                raise NotImplementedError("the CPU aid has no sliding-window attention")
+            return CpuPagedAttention(num_heads=spec.num_heads, head_size=spec.head_dim, scale=spec.scale,
+                                     num_kv_heads=spec.num_kv_heads, v_head_size=spec.v_head_dim,
+                                     alibi=spec.alibi, sliding_window=spec.sliding_window,
+                                     logit_softcapping=spec.logit_softcapping, causal=spec.causal)
+        return super().build_op(spec, enable_deterministic=enable_deterministic)
+
+    @staticmethod
+    def get_attention_metadata_cls():
+        return AttentionMetadata
+
+    @classmethod
+    def update_step_context(cls, step_context):
+        q_lens = step_context.q_seqlens
+        step_context.attn_metadata = AttentionMetadata(
+            is_decoding=step_context.is_decoding,
+            block_offsets=step_context.block_offsets,
+            q_start_loc=step_context.q_start_loc,
+            q_seqlens=q_lens,
+            kv_seqlens=step_context.kv_seqlens,
+            cu_seqlens_q=F.pad(torch.cumsum(q_lens, dim=0, dtype=torch.int32), (1, 0)),
+            quant_policy=step_context.kv_quant_policy,
+        )
+        return step_context
+
+    @staticmethod
+    def ccl_backend() -> str:
+        return "gloo"
+
+    @staticmethod
+    def device_count():
+        return 1

@@ -1,0 +1,242 @@
+"""The patches the import hook (:mod:`dlmix_lmdeploy.autoload`) applies to LMDeploy 0.18 modules right after they are
+imported. Each one is a no-op for engines that do not select ``--migration-backend DLMix``, except that the name
+``DLMix`` becomes a member of LMDeploy's closed ``MigrationBackend`` enum and a choice of its CLI.
+
+Where each patch goes, and why (LMDeploy 0.18 sources):
+
+* ``pytorch/disagg/config.py``: ``MigrationBackend`` gains ``DLMix`` (selection is ``MIGRATION_BACKENDS.module_dict[
+  backend.name]`` and ``MigrationBackend[args.migration_backend]`` in ``cli/serve.py``);
+* ``pytorch/disagg/backend/backend.py``: :class:`dlmix_lmdeploy.backend.DLMixMigrationBackend` registered as ``DLMix``;
+* ``cli/utils.py``: ``--migration-backend`` accepts every member of the enum;
+* ``pytorch/engine/model_agent/agent.py``: after ``build_cache_engine``, a Prefill/Decode engine with DLMix describes
+  its cache and opens its endpoint (an unsupported cache stops the start with the reason);
+* ``pytorch/engine/cache_engine/engine.py``: ``p2p_connect`` runs dlmix's pair check instead of
+  ``validate_cache_pool_layouts`` (equal pool shapes), which DLMix relaxes;
+* ``pytorch/engine/engine_loop.py``: a prefill that keeps its cache becomes a core hold (``_make_infer_outputs``); the
+  decode's migration (``_migration_loop_migrate``, which asserts equal block counts) pulls per request through the
+  core, and a request whose pull failed is answered with an error instead of decoding from incomplete KV;
+* ``pytorch/engine/engine.py``: ``end_session`` of a held prefill session ends the core's hold; the session itself
+  ends once no read can touch its blocks;
+* ``pytorch/backends/selector.py``: the CPU test aid's op backend, only with ``DLMIX_LMDEPLOY_CPU=1``.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from typing import Any, Callable
+
+log = logging.getLogger("dlmix_lmdeploy")
+
+__all__ = ["apply", "extend_enum", "is_dlmix", "current", "PATCHES"]
+
+NAME = "DLMix"
+
+
+def extend_enum(cls: Any, name: str) -> Any:
+    """Add member ``name`` to the enum class ``cls`` (value: one above the largest) and return it; idempotent.
+    Lookup by name, by value (what unpickling in a spawned process does), iteration and ``__members__`` see it."""
+    if name in cls.__members__:
+        return cls[name]
+    value = max((m.value for m in cls), default=0) + 1
+    member = object.__new__(cls)
+    member._name_, member._value_ = name, value
+    member.__objclass__ = cls
+    type.__setattr__(cls, name, member)
+    cls._member_map_[name] = member
+    cls._value2member_map_[value] = member
+    cls._member_names_.append(name)
+    return member
+
+
+def _config(m: Any) -> None:
+    extend_enum(m.MigrationBackend, NAME)
+
+
+def _backend_registry(m: Any) -> None:
+    from .backend import DLMixMigrationBackend
+
+    m.MIGRATION_BACKENDS.register_module(NAME, module=DLMixMigrationBackend, force=True)
+
+
+def _cli(m: Any) -> None:
+    def migration_backend(parser):
+        from lmdeploy.pytorch.disagg.config import MigrationBackend
+
+        return parser.add_argument("--migration-backend", type=str, default="DLSlime",
+                                   choices=[b.name for b in MigrationBackend],
+                                   help="kvcache migration management backend when PD disaggregation "
+                                        "(DLMix: dlmix's backend, converting block size, dtype and layout)")
+
+    m.ArgumentHelper.migration_backend = staticmethod(migration_backend)
+
+
+def _wrap(cls: Any, name: str, make: Callable[[Callable], Callable]) -> None:
+    original = getattr(cls, name)
+    if getattr(original, "__dlmix__", False):
+        return
+    new = make(original)
+    new.__dlmix__ = True
+    new.__wrapped__ = original
+    setattr(cls, name, new)
+
+
+def is_dlmix(cache_config: Any) -> bool:
+    """True when this engine's cache config selects the DLMix migration backend."""
+    return getattr(getattr(cache_config, "migration_backend", None), "name", None) == NAME
+
+
+def current() -> Any:
+    """This process's :class:`dlmix_lmdeploy.backend.Rank`, or None (imported late: ``backend`` imports LMDeploy)."""
+    from .backend import current as rank
+
+    return rank()
+
+
+def _agent(m: Any) -> None:
+    def make(original):
+        def build_cache_engine(self):
+            original(self)
+            cc = self.cache_config
+            if is_dlmix(cc) and cc.role.name != "Hybrid":
+                from .backend import start_rank
+
+                start_rank(self)
+        return build_cache_engine
+
+    _wrap(m.BaseModelAgent, "build_cache_engine", make)
+
+
+def _cache_engine(m: Any) -> None:
+    def make(original):
+        def p2p_connect(self, remote_engine_id, migration_conn_request):
+            if not is_dlmix(self.cache_config):
+                return original(self, remote_engine_id, migration_conn_request)
+            self.migration_backend_impl.p2p_connect(remote_engine_id, migration_conn_request[self.tp_rank])
+        return p2p_connect
+
+    _wrap(m.CacheEngine, "p2p_connect", make)
+
+
+def _prompt_ids(msg: Any, n: int) -> list[int]:
+    return [int(t) for t in msg.all_ids[:n]]
+
+
+def _engine_loop(m: Any) -> None:
+    def make_outputs(original):
+        def _make_infer_outputs(self, batched_outputs, running, model_inputs, delta):
+            outputs = original(self, batched_outputs, running, model_inputs, delta)
+            rank = current()
+            if rank is None or rank.role != "Prefill":
+                return outputs
+            for msg in running:
+                out = outputs.get(msg.session_id)
+                if out is None or not out.finish or out.cache_block_ids is None:
+                    continue
+                n = int(msg.num_valid_ids) - int(msg.num_new_tokens)  # the prompt: KV computed, not the new token
+                try:
+                    rank.hold(self.scheduler, msg.session_id, out.cache_block_ids, _prompt_ids(msg, n))
+                except ValueError as e:
+                    log.error("DLMix: session %s not held: %s", msg.session_id, e)
+            return outputs
+        return _make_infer_outputs
+
+    def make_process_ready(original):
+        async def _migration_loop_process_ready(self, migration_ready):
+            if not is_dlmix(self.executor.cache_config) or current() is None:
+                return await original(self, migration_ready)
+            failed = await _dlmix_migrate(self, migration_ready)
+            ok = [msg for msg in migration_ready if msg.session_id not in failed]
+            with self.scheduler.seqs_migration_activation(ok):
+                await self._migration_loop_get_outputs(ok)
+            for msg in migration_ready:
+                if msg.session_id in failed:
+                    _fail(self, msg, failed[msg.session_id])
+            self.has_runable_event.set()
+        return _migration_loop_process_ready
+
+    _wrap(m.EngineLoop, "_make_infer_outputs", make_outputs)
+    _wrap(m.EngineLoop, "_migration_loop_process_ready", make_process_ready)
+
+
+async def _dlmix_migrate(loop: Any, migration_ready: Any) -> dict[int, str]:
+    """Pull every ready request's KV through the core (which also releases the prefill's hold). Returns
+    ``{session_id: reason}`` for the requests whose KV did not arrive."""
+    rank = current()
+    failed: dict[int, str] = {}
+    for msg in migration_ready:
+        mr = msg.migration_request
+        if mr.is_dummy_prefill:
+            continue
+        local = [int(b) for b in loop.scheduler.get_block_tables([msg])[0]]
+        ids = _prompt_ids(msg, int(msg.num_all_ids))
+        res = await asyncio.to_thread(rank.pull, mr.remote_engine_id, mr.remote_session_id,
+                                      list(mr.remote_block_ids), local, ids)
+        if res.error is not None:
+            failed[msg.session_id] = res.error
+            log.error("DLMix: session %s (prefill %s session %s) not migrated: %s", msg.session_id,
+                      mr.remote_engine_id, mr.remote_session_id, res.error)
+        else:
+            log.info("DLMix: session %s migrated %d tokens, %d B in %.3f s", msg.session_id, len(ids),
+                     res.bytes_received, res.seconds)
+    return failed
+
+
+def _fail(loop: Any, msg: Any, reason: str) -> None:
+    """Answer a request whose KV did not arrive with an engine error, and end its session (frees its blocks)."""
+    import numpy as np
+    from lmdeploy.messages import ResponseType
+    from lmdeploy.pytorch.engine.engine import InferOutput
+
+    msg.resp.type = ResponseType.INTERNAL_ENGINE_ERROR
+    loop.resp_queue.put_nowait({msg.session_id: InferOutput(session_id=msg.session_id, resp=msg.resp, finish=True,
+                                                             token_ids=np.array([], dtype=np.int64))})
+    try:
+        loop.scheduler.end_session(msg.session_id)
+    except Exception as e:  # the session may be gone already
+        log.warning("DLMix: ending failed session %s: %s", msg.session_id, e)
+
+
+def _engine(m: Any) -> None:
+    def make(original):
+        def end_session(self, session_id):
+            rank = current()
+            if rank is not None and rank.role == "Prefill" and rank.drop(session_id):
+                return True  # ended by the rank's poller once no read can touch the blocks
+            return original(self, session_id)
+        return end_session
+
+    _wrap(m.Engine, "end_session", make)
+
+
+def _selector(m: Any) -> None:
+    if os.environ.get("DLMIX_LMDEPLOY_CPU") == "1":
+        from .cpu import patch_selector
+
+        patch_selector(m)
+
+
+PATCHES: dict[str, Callable[[Any], None]] = {
+    "lmdeploy.pytorch.disagg.config": _config,
+    "lmdeploy.pytorch.disagg.backend.backend": _backend_registry,
+    "lmdeploy.cli.utils": _cli,
+    "lmdeploy.pytorch.engine.model_agent.agent": _agent,
+    "lmdeploy.pytorch.engine.cache_engine.engine": _cache_engine,
+    "lmdeploy.pytorch.engine.engine_loop": _engine_loop,
+    "lmdeploy.pytorch.engine.engine": _engine,
+    "lmdeploy.pytorch.backends.selector": _selector,
+}
+
+
+def apply(name: str, module: Any) -> None:
+    """Run the patch of module ``name`` (see module doc). A patch that fails is logged and leaves LMDeploy as it is,
+    except for DLMix itself, whose engines then stop at start-up with the error."""
+    patch = PATCHES.get(name)
+    if patch is None:
+        return
+    try:
+        patch(module)
+    except Exception as e:
+        log.error("dlmix_lmdeploy: patching %s failed: %s", name, e)
+        if os.environ.get("DLMIX_LMDEPLOY_STRICT") == "1":
+            raise

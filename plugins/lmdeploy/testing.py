@@ -1,0 +1,145 @@
+"""Start real LMDeploy servers (its proxy and ``api_server``) on a CPU machine for tests, benchmarks and development.
+Nothing here imports LMDeploy: the servers run with the LMDeploy venv's python (``scripts/setup_lmdeploy.sh``), with
+the CPU aid on (``DLMIX_LMDEPLOY_CPU=1``, :mod:`dlmix_lmdeploy.cpu`) and one OpenMP thread per server.
+Servers are stopped by process id (their process group), with timeouts.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from dlmix.engine_process import free_port
+
+__all__ = ["lmdeploy_python", "LMDeployServer", "start_proxy", "start_api_server", "post_json", "free_port"]
+
+
+def lmdeploy_python() -> str | None:
+    """The LMDeploy venv's python (``$DLMIX_LMDEPLOY_VENV``, else ``.venv-lmdeploy`` beside this checkout) when
+    LMDeploy is installed there; None otherwise."""
+    root = Path(__file__).resolve().parents[2]
+    for c in (os.environ.get("DLMIX_LMDEPLOY_VENV"), str(root / ".venv-lmdeploy")):
+        if c and (Path(c) / "bin" / "python").exists() and list(Path(c).glob("lib/python3*/site-packages/lmdeploy")):
+            return str(Path(c) / "bin" / "python")
+    return None
+
+
+@dataclass
+class LMDeployServer:
+    """One running LMDeploy process (pid, URL, log file)."""
+
+    proc: subprocess.Popen
+    url: str
+    log_path: Path
+
+    def log_tail(self, n: int = 40) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+        except OSError:
+            return ""
+
+    def wait_ready(self, path: str = "/v1/models", timeout_s: float = 600.0) -> None:
+        """Wait until ``GET path`` answers 200. Raises RuntimeError (with the log tail) if the process exits or the
+        time runs out."""
+        end = time.monotonic() + timeout_s
+        while time.monotonic() < end:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"LMDeploy server {self.url} exited ({self.proc.returncode}):\n{self.log_tail()}")
+            try:
+                with urllib.request.urlopen(self.url + path, timeout=5) as r:
+                    if r.status == 200:
+                        return
+            except (urllib.error.URLError, OSError):
+                pass
+            time.sleep(0.5)
+        raise RuntimeError(f"LMDeploy server {self.url} not ready after {timeout_s} s:\n{self.log_tail()}")
+
+    def stop(self, timeout_s: float = 20.0) -> None:
+        """SIGTERM to the process group, then SIGKILL after ``timeout_s``."""
+        if self.proc.poll() is not None:
+            return
+        for sig, wait in ((signal.SIGTERM, timeout_s), (signal.SIGKILL, 10.0)):
+            try:
+                os.killpg(self.proc.pid, sig)
+            except ProcessLookupError:
+                return
+            try:
+                self.proc.wait(wait)
+                return
+            except subprocess.TimeoutExpired:
+                continue
+
+
+def _env(extra: dict[str, str] | None) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update({"DLMIX_LMDEPLOY_CPU": "1", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"})
+    env.update(extra or {})
+    return env
+
+
+def _spawn(args: list[str], log_path: Path, url: str, env: dict[str, str] | None) -> LMDeployServer:
+    py = lmdeploy_python()
+    if py is None:
+        raise RuntimeError("no LMDeploy venv: run scripts/setup_lmdeploy.sh (or set DLMIX_LMDEPLOY_VENV)")
+    log = open(log_path, "wb")
+    # the console script, not ``python -m lmdeploy``: LMDeploy's __main__ runs its CLI unguarded, so the engine
+    # process it spawns would run it again
+    proc = subprocess.Popen([str(Path(py).parent / "lmdeploy"), *args], stdout=log, stderr=subprocess.STDOUT,
+                            env=_env(env), start_new_session=True)
+    log.close()
+    return LMDeployServer(proc, url, log_path)
+
+
+def start_proxy(log_dir: Path, port: int | None = None, strategy: str = "DistServe") -> LMDeployServer:
+    """``lmdeploy serve proxy`` on 127.0.0.1 (``--serving-strategy DistServe`` by default), with
+    ``--disable-cache-status``: LMDeploy's proxy otherwise saves its node list to ``serve/proxy/proxy_config.json`` in
+    its package and loads it at import, so nodes of earlier runs come back (a saved list is removed first)."""
+    py = lmdeploy_python()
+    if py is not None:
+        for saved in Path(py).parents[1].glob("lib/python3*/site-packages/lmdeploy/serve/proxy/proxy_config.json"):
+            saved.unlink(missing_ok=True)
+    port = port or free_port()
+    return _spawn(["serve", "proxy", "--server-name", "127.0.0.1", "--server-port", str(port),
+                   "--serving-strategy", strategy, "--routing-strategy", "min_expected_latency",
+                   "--disable-cache-status"],
+                  Path(log_dir) / f"proxy-{port}.log", f"http://127.0.0.1:{port}", None)
+
+
+def start_api_server(model: str, log_dir: Path, *, role: str = "Hybrid", dtype: str = "float16",
+                     block_size: int = 16, num_blocks: int = 256, proxy_url: str | None = None,
+                     migration_backend: str = "DLMix", port: int | None = None, session_len: int = 2048,
+                     env: dict[str, str] | None = None, extra: list[str] | None = None) -> LMDeployServer:
+    """``lmdeploy serve api_server MODEL --backend pytorch`` on 127.0.0.1 with a fixed block count
+    (``--num-gpu-blocks``: otherwise it follows free memory), eager mode, the given role and migration backend."""
+    port = port or free_port()
+    args = ["serve", "api_server", str(model), "--backend", "pytorch", "--server-name", "127.0.0.1",
+            "--server-port", str(port), "--eager-mode", "--dtype", dtype, "--cache-block-seq-len", str(block_size),
+            "--num-gpu-blocks", str(num_blocks), "--session-len", str(session_len), "--max-batch-size", "8",
+            "--role", role]
+    if role != "Hybrid":
+        args += ["--migration-backend", migration_backend]
+    if proxy_url:
+        args += ["--proxy-url", proxy_url]
+    return _spawn(args + list(extra or []), Path(log_dir) / f"{role.lower()}-{port}.log",
+                  f"http://127.0.0.1:{port}", env)
+
+
+def post_json(url: str, body: dict[str, Any], timeout: float = 300.0) -> tuple[int, dict[str, Any]]:
+    """POST JSON; returns (status, decoded body); an HTTP error's body is decoded too (or ``{"raw": text}``)."""
+    req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status, json.loads(r.read() or b"{}")
+    except urllib.error.HTTPError as e:
+        raw = e.read().decode(errors="replace")
+        try:
+            return e.code, json.loads(raw)
+        except ValueError:
+            return e.code, {"raw": raw}
