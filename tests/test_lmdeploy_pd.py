@@ -3,9 +3,13 @@ SmolLM2 (marked slow; skipped with the reason when the LMDeploy venv of ``script
 
 Servers (started once for this module with LMDeploy's own CLI, the CPU aid on; :mod:`dlmix_lmdeploy.testing`):
   proxy  ``lmdeploy serve proxy --serving-strategy DistServe`` (LMDeploy's own)
-  P      ``--role Prefill``, bf16, block 16, 48 blocks (768 tokens: a leak shows within a few requests)
-  D      ``--role Decode``, fp16, block 32: another block size and dtype, converted on the way
-  R      a single Hybrid server, fp16, block 32 (the decode's configuration): the reference
+  P      ``--role Prefill --proxy-url proxy``, bf16, block 16, 48 blocks (768 tokens: a leak shows within a few
+         requests)
+  D      ``--role Decode --proxy-url proxy``, fp16, block 64: another block size and dtype, converted on the way
+  router the dlmix router (in this process), cost policy, no instances configured
+  P2     ``--role Prefill --proxy-url router``, bf16, block 16 (registers itself with the dlmix router)
+  D2     ``--role Decode --proxy-url router``, fp16, block 64
+  R      a single Hybrid server, fp16, block 64 (the decodes' configuration): the reference
 """
 from __future__ import annotations
 
@@ -31,8 +35,11 @@ _WORDS = ("river mountain quiet engine market yellow window garden silver theory
 
 @pytest.fixture(scope="module")
 def servers(smollm2_dir, tmp_path_factory):
+    from dlmix.router.config import RouterConfig
+    from dlmix.testing import RouterThread
+
     logs = tmp_path_factory.mktemp("lmdeploy")
-    started = []
+    started, routers = [], []
     try:
         proxy = T.start_proxy(logs)
         started.append(proxy)
@@ -40,9 +47,13 @@ def servers(smollm2_dir, tmp_path_factory):
         # one at a time, each retried once: LMDeploy 0.18's api_server shuts its multiprocessing manager down while
         # the engine process may still be releasing the manager's condition (zmq_engine.py ``_start_mp_proc``), a
         # start-up race that a loaded machine hits now and then (EOFError, "engine process is not alive")
+        rt = RouterThread(RouterConfig(host="127.0.0.1", port=0, policy="cost", model_spec=str(smollm2_dir)))
+        routers.append(rt)
         specs = {"P": dict(role="Prefill", dtype="bfloat16", block_size=16, num_blocks=48, proxy_url=proxy.url),
-                 "D": dict(role="Decode", dtype="float16", block_size=32, num_blocks=64, proxy_url=proxy.url),
-                 "R": dict(role="Hybrid", dtype="float16", block_size=32, num_blocks=64,
+                 "D": dict(role="Decode", dtype="float16", block_size=64, num_blocks=32, proxy_url=proxy.url),
+                 "P2": dict(role="Prefill", dtype="bfloat16", block_size=16, num_blocks=256, proxy_url=rt.url),
+                 "D2": dict(role="Decode", dtype="float16", block_size=64, num_blocks=64, proxy_url=rt.url),
+                 "R": dict(role="Hybrid", dtype="float16", block_size=64, num_blocks=64,
                            extra=["--logprobs-mode", "raw_logprobs"])}
         servers = {}
         for name, kw in specs.items():
@@ -58,11 +69,12 @@ def servers(smollm2_dir, tmp_path_factory):
                     if attempt == 2 or "not alive" not in s.log_tail(200):
                         raise
             servers[name] = s
-        p, d, r = servers["P"], servers["D"], servers["R"]
-        yield {"proxy": proxy, "P": p, "D": d, "R": r, "model": str(smollm2_dir)}
+        yield {**servers, "proxy": proxy, "router": rt, "model": str(smollm2_dir)}
     finally:
         for s in reversed(started):
             s.stop()
+        for rt in routers:
+            rt.close()
 
 
 def _prompts(n: int, seed: int, lo: int = 5, hi: int = 500) -> list[str]:
@@ -84,35 +96,9 @@ def _complete(url: str, model: str, prompt: str, session_id: int) -> str:
     return out["choices"][0]["text"]
 
 
-def _reference(url: str, prompt: str, tokenizer) -> tuple[str, list[str], list[float]]:
-    """The single instance's greedy text for the raw prompt (LMDeploy's ``/generate``), its tokens as text and, per
-    token, the gap (nats) between the top-1 and top-2 logprobs."""
-    status, out = T.post_json(url + "/generate", {"prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0,
-                                                  "ignore_eos": True, "return_logprob": True,
-                                                  "top_logprobs_num": 2})
-    assert status == 200, (status, out)
-    ids = out["output_ids"]
-    assert len(ids) == MAX_TOKENS, out
-    gaps = []
-    for top in out["meta_info"]["output_top_logprobs"]:
-        v = sorted((lp for lp, _ in top), reverse=True)
-        gaps.append(v[0] - v[1] if len(v) > 1 else float("inf"))
-    return out["text"], [tokenizer.decode([t]) for t in ids], gaps
-
-
-def _first_divergence(text: str, ref_tokens: list[str]) -> int | None:
-    """Index of the first reference token that ``text`` does not continue with (None: same text)."""
-    pos = 0
-    for k, tok in enumerate(ref_tokens):
-        if not text.startswith(tok, pos):
-            return k
-        pos += len(tok)
-    return None if pos == len(text) else len(ref_tokens)
-
-
 def test_pd_across_block_size_and_dtype_equals_single_instance(servers):
-    """Prefill bf16/block 16 -> decode fp16/block 32 through LMDeploy's own proxy: greedy text equals the single
-    fp16/block-32 instance (prompts of 5..~500 tokens, up to 32 prefill blocks); a first divergence is allowed only
+    """Prefill bf16/block 16 -> decode fp16/block 64 through LMDeploy's own proxy: greedy text equals the single
+    fp16/block-64 instance (prompts of 5..~500 tokens, up to 32 prefill blocks); a first divergence is allowed only
     where the reference's top-1/top-2 logprob gap is below NEAR_TIE (bf16 rounding of the prefill's KV), counted
     and printed."""
     from transformers import AutoTokenizer
@@ -120,20 +106,14 @@ def test_pd_across_block_size_and_dtype_equals_single_instance(servers):
     m = servers["model"]
     tokenizer = AutoTokenizer.from_pretrained(m)
     prompts = _prompts(8, seed=13)
-    same = ties = 0
+    ties = 0
     for i, prompt in enumerate(prompts):
         got = _complete(servers["proxy"].url, m, prompt, 1000 + i)
-        ref, tokens, gaps = _reference(servers["R"].url, prompt, tokenizer)
-        assert "".join(tokens) == ref and len(gaps) == MAX_TOKENS, (ref, tokens, gaps)
-        k = _first_divergence(got, tokens)
-        if k is None:
-            same += 1
-            continue
-        gap = gaps[k] if k < len(gaps) else float("inf")
-        assert gap < NEAR_TIE, f"prompt {i} differs at token {k} (top-2 gap {gap:.4f}): {got!r} vs {ref!r}"
-        ties += 1
-        print(f"prompt {i}: near-tie at token {k} (top-2 gap {gap:.4f})")
-    print(f"PD bf16/16 -> fp16/32 vs single fp16/32: identical {same}/{len(prompts)}, near-ties {ties} "
+        ref = T.reference(servers["R"].url, prompt, tokenizer, MAX_TOKENS)
+        assert "".join(ref[1]) == ref[0], ref
+        ties += T.near_tie(f"prompt {i}", got, ref, NEAR_TIE)
+    same = len(prompts) - ties
+    print(f"LMDeploy proxy, PD bf16/16 -> fp16/64 vs single fp16/64: identical {same}/{len(prompts)}, near-ties {ties} "
           f"(threshold {NEAR_TIE} nats)")
     assert same >= len(prompts) // 2
     log = servers["D"].log_path.read_text(errors="replace")
@@ -141,8 +121,8 @@ def test_pd_across_block_size_and_dtype_equals_single_instance(servers):
 
 
 def test_prefill_blocks_are_freed(servers):
-    """Three times the prefill's whole pool (48 blocks of 16 tokens) goes through PD: a hold or session that was
-    not freed would leave later requests without blocks."""
+    """Three times the prefill's whole pool (48 blocks of 16 tokens) and five times the decode's (32 blocks of 64)
+    go through PD: a hold or session that was not freed would leave later requests without blocks."""
     m = servers["model"]
     prompts = _prompts(12, seed=5, lo=200, hi=250)  # ~13-16 blocks each on the prefill
     for i, prompt in enumerate(prompts):
@@ -161,7 +141,7 @@ def test_incompatible_pair_refused_at_connection_with_reason(servers):
     assert status == 200, body
     info = json.loads(body["kvtransfer_endpoint_info"][0]["endpoint_info"])
     assert info["dlmix"] == 1 and info["role"] == "Decode"
-    assert info["layout"]["block_size"] == 32 and info["layout"]["dtype"] == "fp16"
+    assert info["layout"]["block_size"] == 64 and info["layout"]["dtype"] == "fp16"
     assert info["layout"]["arrangement"] == "lmdeploy_packed"
     bad = dict(info["layout"], model=dict(info["layout"]["model"], num_kv_heads=5, weights_fingerprint="other"))
     ep = {"dlmix": 1, "role": "Prefill", "transport": info["transport"], "layout": bad}
@@ -174,3 +154,88 @@ def test_incompatible_pair_refused_at_connection_with_reason(servers):
     assert "weights fingerprint" in log
     # the decode keeps serving
     assert _complete(servers["proxy"].url, servers["model"], "The capital of France is", 4000)
+
+
+# ---------------------------------------------------------------------------------------------- the dlmix router
+def _router_request(url: str, model: str, kind: str, prompt: str) -> str:
+    """One greedy request of ``kind`` (completion / chat, ``-stream`` for SSE) through the router; the text."""
+    chat = kind.startswith("chat")
+    body: dict = {"model": model, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True}
+    if chat:
+        body["messages"] = [{"role": "user", "content": prompt}]
+    else:
+        body["prompt"] = prompt
+    path = "/v1/chat/completions" if chat else "/v1/completions"
+    if not kind.endswith("-stream"):
+        status, out = T.post_json(url + path, body)
+        assert status == 200, (kind, status, out)
+        c = out["choices"][0]
+        return c["message"]["content"] if chat else c["text"]
+    import urllib.request
+
+    body["stream"] = True
+    req = urllib.request.Request(url + path, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    text = []
+    with urllib.request.urlopen(req, timeout=300) as r:
+        assert r.status == 200
+        for line in r:
+            line = line.strip()
+            if not line.startswith(b"data:") or line == b"data: [DONE]":
+                continue
+            c = json.loads(line[5:])["choices"]
+            if c:
+                text.append((c[0].get("delta") or {}).get("content") or "" if chat else c[0].get("text") or "")
+    return "".join(text)
+
+
+def test_servers_register_themselves_with_the_dlmix_router(servers):
+    """``lmdeploy serve api_server --proxy-url ROUTER`` registers through LMDeploy's ``/nodes/add``."""
+    rt = servers["router"]
+    got = rt.call(lambda: {b.state.url: (b.state.role, b.state.engine) for b in rt.router.registry.backends.values()})
+    assert got == {servers["P2"].url: ("prefill", "lmdeploy"), servers["D2"].url: ("decode", "lmdeploy")}
+
+
+def test_router_pd_chat_and_completion_streaming_or_not_equal_single_instance(servers):
+    """20 prompts of 10..1000 tokens through the dlmix router (LMDeploy's DistServe flow: prefill leg, pair
+    connection, decode leg with ``migration_request``), completion and chat, streaming and not, no ``session_id``;
+    prefill bf16/block 16, decode fp16/block 64. Greedy text equals the single fp16/block-64 instance except
+    near-ties (reference top-1/top-2 gap below NEAR_TIE), counted and printed."""
+    from transformers import AutoTokenizer
+
+    m = servers["model"]
+    tokenizer = AutoTokenizer.from_pretrained(m)
+    rng = random.Random(21)
+    lengths = [10, 1000] + [rng.randint(10, 1000) for _ in range(18)]
+    kinds = ["completion", "chat", "chat-stream", "completion-stream"]
+    ties = 0
+    for i, n in enumerate(lengths):
+        prompt = tokenizer.decode(tokenizer.encode(" ".join(rng.choice(_WORDS) for _ in range(n)))[:n])
+        kind = kinds[i % 4]
+        got = _router_request(servers["router"].url, m, kind, prompt)
+        if kind.startswith("chat"):
+            ref = T.reference_chat(servers["R"].url, m, prompt, tokenizer, MAX_TOKENS)
+        else:
+            ref = T.reference(servers["R"].url, prompt, tokenizer, MAX_TOKENS)
+        ties += T.near_tie(f"{kind} {n} tokens", got, ref, NEAR_TIE)
+    print(f"dlmix router, PD bf16/16 -> fp16/64 vs single fp16/64: identical {len(lengths) - ties}/{len(lengths)}, "
+          f"near-ties {ties} (threshold {NEAR_TIE} nats)")
+    assert ties <= len(lengths) // 2
+    log = servers["D2"].log_path.read_text(errors="replace")
+    assert "not migrated" not in log, log[-3000:]
+
+
+def test_router_concurrent_requests_without_session_id(servers):
+    """8 concurrent completions without ``session_id`` (LMDeploy's own proxy fails these with ``KeyError: '-1'``):
+    every one answers, equal to the single instance except near-ties."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from transformers import AutoTokenizer
+
+    m = servers["model"]
+    tokenizer = AutoTokenizer.from_pretrained(m)
+    prompts = [f"Count from {i} to {i + 20}: " + " ".join(_WORDS[i:i + 12]) for i in range(8)]
+    with ThreadPoolExecutor(8) as ex:
+        got = list(ex.map(lambda p: _router_request(servers["router"].url, m, "completion", p), prompts))
+    ties = sum(T.near_tie(f"concurrent {i}", g, T.reference(servers["R"].url, p, tokenizer, MAX_TOKENS), NEAR_TIE)
+               for i, (g, p) in enumerate(zip(got, prompts)))
+    print(f"8 concurrent through the dlmix router: identical {8 - ties}/8, near-ties {ties}")

@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import ipaddress
 import inspect
-from typing import Optional
+from typing import Any, Optional
 
 import msgspec
 
+from dlmix.router.engines import lmdeploy as lmdeploy_engine
 from dlmix.router.registry import RegistrationError, Registry
 from dlmix.router.routes import Route, RouteTable
 
@@ -54,6 +55,28 @@ class LocalState:
         return None
 
 
+#: LMDeploy's ``EngineRole`` values (``pytorch/disagg/config.py``) -> dlmix roles
+LMDEPLOY_ROLES = {1: "both", 2: "prefill", 3: "decode"}
+
+
+def lmdeploy_registration(body: Any) -> dict | str:
+    """A registration body from LMDeploy's ``/nodes/add`` body, or the reason it is malformed."""
+    if not isinstance(body, dict) or not isinstance(body.get("url"), str):
+        return "LMDeploy node body must be {\"url\": \"http://host:port\", \"status\": {...}}"
+    status = body.get("status") or {}
+    if not isinstance(status, dict):
+        return "status must be an object"
+    role = LMDEPLOY_ROLES.get(status.get("role", 1))
+    if role is None:
+        return f"unknown LMDeploy role {status.get('role')!r} (1 Hybrid, 2 Prefill, 3 Decode)"
+    # LMDeploy sends no heartbeats: the router's health checks alone keep it in rotation
+    reg: dict = {"url": body["url"], "engine": "lmdeploy", "role": role, "heartbeat_ttl_s": 0}
+    models = status.get("models")
+    if isinstance(models, list) and models and all(isinstance(x, str) for x in models):
+        reg["model"] = models
+    return reg
+
+
 class AdminAPI:
     """Handlers of ``/admin/...`` over a :class:`~dlmix.router.registry.Registry`.
 
@@ -75,6 +98,9 @@ class AdminAPI:
             Route("POST", "/admin/instances/{id:path}/undrain", self.undrain),
             Route("GET", "/admin/instances/{id:path}", self.get),
             Route("DELETE", "/admin/instances/{id:path}", self.delete),
+            # LMDeploy's registration (``lmdeploy serve api_server --proxy-url ROUTER``), as its proxy serves it
+            Route("POST", "/nodes/add", self.lmdeploy_add),
+            Route("POST", "/nodes/remove", self.lmdeploy_remove),
         ])
 
     def key_ok(self, req) -> bool:
@@ -136,6 +162,26 @@ class AdminAPI:
         if not isinstance(body, dict):
             return 400, {"error": "body must be a JSON object"}
         return self.state.register(body)
+
+    def lmdeploy_add(self, body):
+        """LMDeploy's ``/nodes/add`` (``serve/openai/api_server.py``: ``{"url", "status": {"models", "role"}}``, role
+        = ``EngineRole`` value 1 Hybrid, 2 Prefill, 3 Decode) as a registration of an ``lmdeploy`` instance."""
+        reg = lmdeploy_registration(body)
+        if isinstance(reg, str):
+            return 400, {"error": reg}
+        lmdeploy_engine.forget(reg["url"])  # a restarted engine needs its DistServe connections made again
+        return self.state.register(reg)
+
+    def lmdeploy_remove(self, body):
+        """LMDeploy's ``/nodes/remove`` (``{"url"}``): removes the instances registered with that URL."""
+        url = body.get("url") if isinstance(body, dict) else None
+        if not isinstance(url, str):
+            return 400, {"error": "body must be {\"url\": \"http://host:port\"}"}
+        b = next((b for b in self.registry.backends.values() if b.state.url.rstrip("/") == url.rstrip("/")), None)
+        if b is None:
+            return 404, {"error": f"no instance with url {url!r}"}
+        lmdeploy_engine.forget(b.state.url)
+        return self.state.delete(b)
 
     def get(self, body, backend):
         return 200, self.registry.describe(backend.state)

@@ -19,6 +19,8 @@ from __future__ import annotations
 import asyncio
 from typing import Callable, Optional
 
+import msgspec
+
 from dlmix.router.proxy import BackendError, build_request, request
 from dlmix.routing.policies import prefill_work
 from dlmix.routing.state import Decision, InstanceState, NoInstanceError, RouteRequest
@@ -71,7 +73,7 @@ class PDOrchestrator:
                         b.fails = 0
                         if m:
                             m.prefill_leg(b, status, kvp)
-                        return kvp
+                        return await self._pair_ready(conn, b, dec, kvp)
                     if m:
                         m.prefill_leg(b, status)
                     if 400 <= status < 500:
@@ -102,6 +104,22 @@ class PDOrchestrator:
             tried.add(p.id)
             if m:
                 m.retry("prefill")
+
+    async def _pair_ready(self, conn, b, dec: Decision, kvp: dict):
+        """The engine adapter's optional ``pair_ready`` (e.g. LMDeploy's connection handshake) before the decode leg.
+        Returns ``kvp`` (completed), or :data:`SENT` after answering 502 with the reason when the pair cannot work."""
+        ready = getattr(b.engine, "pair_ready", None)
+        db = self.registry.backends.get(dec.decode.id)
+        if ready is None or db is None:
+            return kvp
+        try:
+            return await ready(b.state.url, db.state.url, kvp)
+        except ValueError as ex:
+            if self.metrics:
+                self.metrics.answer(502)
+            conn.send(502, msgspec.json.encode({"error": f"prefill {b.state.id} cannot feed decode "
+                                                         f"{db.state.id}: {ex}"}))
+            return SENT
 
     async def concurrent(self, conn, req, d: dict, rr: RouteRequest, dec: Decision, chat: bool, fwd: bytes,
                          first: Callable[[], None]):

@@ -376,6 +376,7 @@ class Registry:
         eng = get_engine(st.engine)
         if st.role == "decode" and eng.DECODE_NEEDS_PREFILL:
             self.decode_needs_prefill += 1
+            st.extra["needs_prefill"] = True  # policies never plan a local prefill on it
         flow = eng.PD_FLOW
         for m in (st.model or ("",)):
             f = self._flows.setdefault((m, st.role), {})

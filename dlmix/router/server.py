@@ -236,7 +236,7 @@ class Router:
     # ------------------------------------------------------------------ HTTP entry
     async def handle(self, conn: proxy.ServerProtocol, req: proxy.Request) -> None:
         """Dispatch one client request through the route tables (``/admin/...`` to the admin API)."""
-        if req.path.startswith(b"/admin/"):
+        if req.path.startswith(b"/admin/") or req.path.startswith(b"/nodes/"):
             r = self.admin.handle(conn, req)
             if r is not None:
                 await r

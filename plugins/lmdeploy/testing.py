@@ -18,7 +18,8 @@ from typing import Any
 
 from dlmix.engine_process import free_port
 
-__all__ = ["lmdeploy_python", "LMDeployServer", "start_proxy", "start_api_server", "post_json", "free_port"]
+__all__ = ["lmdeploy_python", "LMDeployServer", "start_proxy", "start_api_server", "post_json", "free_port",
+           "reference", "reference_chat", "first_divergence", "near_tie"]
 
 
 def lmdeploy_python() -> str | None:
@@ -143,3 +144,67 @@ def post_json(url: str, body: dict[str, Any], timeout: float = 300.0) -> tuple[i
             return e.code, json.loads(raw)
         except ValueError:
             return e.code, {"raw": raw}
+
+
+def reference(url: str, prompt: str, tokenizer: Any, max_tokens: int) -> tuple[str, list[str], list[float]]:
+    """A single instance's greedy completion of the raw ``prompt`` through LMDeploy's ``/generate`` (no chat
+    template, as ``/v1/completions``): ``(text, its tokens as text, per-token top-1/top-2 logprob gap in nats)``.
+    The instance needs ``--logprobs-mode raw_logprobs``."""
+    status, out = post_json(url + "/generate", {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+                                                "ignore_eos": True, "return_logprob": True, "top_logprobs_num": 5})
+    if status != 200 or len(out.get("output_ids") or []) != max_tokens:
+        raise AssertionError(f"reference /generate answered {status}: {out}")
+    special = set(tokenizer.all_special_ids)  # banned by ignore_eos, but raw logprobs still list them
+    gaps = []
+    for tok, top in zip(out["output_ids"], out["meta_info"]["output_top_logprobs"]):
+        mine = next((lp for lp, t in top if t == tok), None)
+        others = [lp for lp, t in top if t != tok and t not in special]
+        gaps.append(mine - max(others) if mine is not None and others else float("inf"))
+    return out["text"], [tokenizer.decode([t]) for t in out["output_ids"]], gaps
+
+
+def reference_chat(url: str, model: str, content: str, tokenizer: Any, max_tokens: int
+                   ) -> tuple[str, list[str], list[float]]:
+    """A single instance's greedy chat completion of one user message: ``(text, its tokens as text, per-token gap
+    between the chosen token's logprob and the best other candidate's, special tokens left out)``. Needs
+    ``--logprobs-mode raw_logprobs``."""
+    status, out = post_json(url + "/v1/chat/completions", {
+        "model": model, "messages": [{"role": "user", "content": content}], "max_tokens": max_tokens,
+        "temperature": 0, "ignore_eos": True, "logprobs": True, "top_logprobs": 5})
+    if status != 200:
+        raise AssertionError(f"reference chat answered {status}: {out}")
+    choice = out["choices"][0]
+    special = set(tokenizer.all_special_tokens)  # banned by ignore_eos, but raw logprobs still list them
+    texts, gaps = [], []
+    for c in choice["logprobs"]["content"]:
+        texts.append(tokenizer.convert_tokens_to_string([c["token"]]))
+        others = [t["logprob"] for t in c.get("top_logprobs") or []
+                  if t["token"] != c["token"] and t["token"] not in special]
+        gaps.append(c["logprob"] - max(others) if others else float("inf"))
+    return choice["message"]["content"], texts, gaps
+
+
+def first_divergence(text: str, ref_tokens: list[str]) -> int | None:
+    """Index of the first reference token that ``text`` does not continue with; None when ``text`` is exactly the
+    reference."""
+    pos = 0
+    for k, tok in enumerate(ref_tokens):
+        if not text.startswith(tok, pos):
+            return k
+        pos += len(tok)
+    return None if pos == len(text) else len(ref_tokens)
+
+
+def near_tie(case: str, got: str, ref: tuple[str, list[str], list[float]], threshold: float) -> bool:
+    """False when ``got`` equals the reference text; True when it first differs at a token whose reference gap is
+    below ``threshold`` nats (printed); AssertionError naming the token and gap otherwise."""
+    text, tokens, gaps = ref
+    k = first_divergence(got, tokens)
+    if k is None:
+        return False
+    gap = gaps[k] if k < len(gaps) else float("inf")
+    if not 0 <= gap < threshold:
+        raise AssertionError(f"{case}: differs at token {k} (top-2 gap {gap:.4f}, near-tie below {threshold}): {got!r} vs "
+                             f"{text!r}")
+    print(f"[{case}] near-tie at token {k} (top-2 gap {gap:.4f})")
+    return True

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 from typing import Dict
 
-from dlmix.router.engines import sglang, vllm
+from dlmix.router.engines import lmdeploy, sglang, vllm
 from dlmix.router.engines.base import EngineAdapter
 
-ENGINES: Dict[str, EngineAdapter] = {vllm.NAME: vllm, sglang.NAME: sglang}  # type: ignore[dict-item]
+ENGINES: Dict[str, EngineAdapter] = {vllm.NAME: vllm, sglang.NAME: sglang, lmdeploy.NAME: lmdeploy}  # type: ignore[dict-item]
 
 
 def get_engine(name: str) -> EngineAdapter:

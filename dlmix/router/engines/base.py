@@ -21,6 +21,9 @@ The router only calls these names on an instance's adapter (``get_engine(state.e
   when absent or malformed.
 * ``decode_body(raw, kvp, parsed=None) -> bytes``: the decode-leg request: the client's original bytes plus ``kvp``
   (the transfer parameters, or the hand-off). Raises ValueError when ``raw`` is not a JSON object.
+* optional ``async pair_ready(prefill_url, decode_url, kvp) -> dict`` (sequential flow): called after the prefill
+  leg, before the decode leg; completes ``kvp`` and prepares the pair (LMDeploy: the DistServe connection handshake,
+  once per pair). Raises ValueError with the reason when the pair cannot work; the router then answers 502.
 
 A new engine is one file implementing these (copy :mod:`dlmix.router.engines.vllm`), added to
 :data:`dlmix.router.engines.ENGINES`; ``tests/test_pd_contract.py`` checks every registered adapter against

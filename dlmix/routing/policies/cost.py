@@ -34,7 +34,9 @@ would only spread requests away from their cached prefixes and add prefill work 
 
 Conditional disaggregation (as Dynamo's ``isl_bounding``): when prefill-role instances are available, a request whose
 uncached part on D (``N − h_D``) exceeds ``local_max_uncached`` tokens is always disaggregated (the score picks the
-(P, D) pair), and a shorter one, short or mostly cached on D, is prefilled on D (the score picks D). Letting the
+(P, D) pair), and a shorter one, short or mostly cached on D, is prefilled on D (the score picks D), unless D cannot
+prefill alone (``extra["needs_prefill"]``, set by the router for decode-role engines that need a prefill instance:
+SGLang and LMDeploy decode servers), where every request is disaggregated. Letting the
 score also send long prompts to a decode instance when the prefill queues look long was measured worse on the full
 Mooncake trace (2× H100 + 2× H20: goodput 0.885 vs 0.967 req/s at speedup 0.5): the prefill stalls a
 bandwidth-rich, compute-poor decode chip far beyond the prediction. With only ``both`` instances (aggregated or
@@ -176,7 +178,9 @@ class CostPolicy(Policy):
                 base += self.penalty_s * (step / self.itl_target - 1.0)
             if mem_guard and d_full:
                 base += self.mem_penalty
-            if pplans and n - hd > self.local_max_uncached:  # long: disaggregated, on the best P for this D
+            # long, or D cannot prefill (extra["needs_prefill"]: an SGLang/LMDeploy decode-role engine):
+            # disaggregated, on the best P for this D
+            if pplans and (n - hd > self.local_max_uncached or d.extra.get("needs_prefill")):
                 cand = None
                 xfer_bytes = (n - hd) * cost.kv_bpt  # KV that D lacks, moved over each P -> D link
                 for tp, hp_harm, p, hp in pplans:
