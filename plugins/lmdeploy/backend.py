@@ -205,6 +205,13 @@ def start_rank(agent: Any) -> Rank:
     global _rank
     if _rank is not None:
         return _rank
+    level = os.environ.get("DLMIX_LMDEPLOY_LOG")
+    if level:  # e.g. INFO: one line per migration (tokens, bytes, seconds), read by benchmarks/pd_lmdeploy.py
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
+        for name in ("dlmix_lmdeploy", "dlmix.pd"):
+            logging.getLogger(name).addHandler(handler)
+            logging.getLogger(name).setLevel(level.upper())
     cc = agent.cache_config
     role = cc.role.name
     dist = getattr(agent, "dist_config", None)

@@ -1,0 +1,150 @@
+"""TTFT of LMDeploy aggregated vs LMDeploy PD with the DLMix migration backend behind the dlmix router (real LMDeploy
+0.18 CPU servers with the CPU aid, SmolLM2), plus the KV bytes moved and the transfer time.
+
+Three phases one after the other (a phase's servers are stopped before the next, so they do not share the cores):
+
+* ``aggregated``: one Hybrid server, bf16, block 64; requests go to it directly;
+* ``pd_same``: prefill bf16/block 64 -> decode bf16/block 64 behind the dlmix router (LMDeploy's DistServe flow);
+* ``pd_mixed``: prefill bf16/block 16 -> decode fp16/block 64 behind the dlmix router (converted on the way).
+
+Every prefill computes in bf16 (on a CPU without native fp16 arithmetic an fp16 prefill is several times slower,
+which would swamp what PD adds); in DistServe the first token is the prefill's, so the decode's dtype does not enter
+the TTFT.
+
+Each request is a fresh prompt of about N tokens (words of random text) sent to ``/v1/completions`` with
+``stream=true``, ``max_tokens=2``; TTFT = time until the first streamed text. The decode logs each migration (tokens,
+bytes, seconds; ``DLMIX_LMDEPLOY_LOG=INFO``), from which the transfer time of each request is read. Medians per
+prompt length N in 128, 512, 1000. Figures: ``ttft_ms_<phase>_<N>``, ``kv_bytes_<N>``, ``transfer_ms_<phase>_<N>`` and
+``pd_ttft_overhead_ms_<N>`` = PD TTFT (same shapes) - aggregated TTFT - transfer time and
+``pd_mixed_ttft_overhead_ms_<N>`` (mixed shapes, conversion included in the transfer time), measured in the same run
+(the cost of the prefill leg's HTTP round trip, the router hop and the decode's migration scheduling; target: at most
+10 ms); ``ttft_agg_vs_pd_<phase>_<N>`` = aggregated TTFT / PD TTFT (higher is better for PD).
+
+Usage: ``python benchmarks/pd_lmdeploy.py [--quick]`` (LMDeploy runs with the venv of ``scripts/setup_lmdeploy.sh``);
+prints one JSON object on the last line.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import re
+import statistics
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+from dlmix_lmdeploy import testing as T
+
+LENGTHS = (128, 512, 1000)
+_MIGRATED = re.compile(r"DLMix: session \S+ migrated (\d+) tokens, (\d+) B in ([0-9.]+) s")
+_WORDS = ("river mountain quiet engine market yellow window garden silver theory station winter bridge signal "
+          "harvest lantern ocean pocket rhythm castle meadow copper thunder village orbit canvas planet ribbon").split()
+
+
+def _prompt(tokenizer, n: int, rng: random.Random) -> str:
+    ids = tokenizer.encode(" ".join(rng.choice(_WORDS) for _ in range(n)), add_special_tokens=False)[:n]
+    return tokenizer.decode(ids)
+
+
+def _ttft(url: str, model: str, prompt: str) -> float:
+    body = {"model": model, "prompt": prompt, "max_tokens": 2, "temperature": 0, "ignore_eos": True, "stream": True}
+    req = urllib.request.Request(url + "/v1/completions", json.dumps(body).encode(),
+                                 {"Content-Type": "application/json"})
+    t0 = time.perf_counter()
+    with urllib.request.urlopen(req, timeout=300) as r:
+        for line in r:
+            line = line.strip()
+            if line.startswith(b"data:") and line != b"data: [DONE]":
+                c = json.loads(line[5:]).get("choices") or []
+                if c and c[0].get("text"):
+                    dt = time.perf_counter() - t0
+                    for _ in r:  # drain
+                        pass
+                    return dt
+    raise RuntimeError(f"no text streamed from {url}")
+
+
+def _phase(name: str, model: str, work: Path, reps: int, tokenizer, seed: int) -> dict:
+    from dlmix.router.config import RouterConfig
+    from dlmix.testing import RouterThread
+
+    started, rt = [], None
+    rng = random.Random(seed)
+    try:
+        if name == "aggregated":
+            s = T.start_api_server(model, work, role="Hybrid", dtype="bfloat16", block_size=64, num_blocks=64)
+            started.append(s)
+            s.wait_ready()
+            url, decode = s.url, None
+        else:
+            rt = RouterThread(RouterConfig(host="127.0.0.1", port=0, policy="cost", model_spec=model))
+            env = {"DLMIX_LMDEPLOY_LOG": "INFO"}
+            same = name == "pd_same"
+            for kw in (dict(role="Prefill", dtype="bfloat16", block_size=64 if same else 16,
+                            num_blocks=64 if same else 256),
+                       dict(role="Decode", dtype="bfloat16" if same else "float16", block_size=64, num_blocks=64)):
+                s = T.start_api_server(model, work, proxy_url=rt.url, env=env, **kw)
+                started.append(s)
+                s.wait_ready()
+            url, decode = rt.url, started[1]
+            deadline = time.monotonic() + 60
+            while len(rt.call(lambda: list(rt.router.registry.backends))) < 2 and time.monotonic() < deadline:
+                time.sleep(0.2)
+        _ttft(url, model, _prompt(tokenizer, 32, rng))  # warm-up (and the pair handshake)
+        out: dict = {"ttft_s": {}, "transfer_s": {}, "kv_bytes": {}}
+        for n in LENGTHS:
+            seen = len(_MIGRATED.findall(decode.log_path.read_text(errors="replace"))) if decode else 0
+            out["ttft_s"][n] = statistics.median(_ttft(url, model, _prompt(tokenizer, n, rng)) for _ in range(reps))
+            if decode:
+                time.sleep(0.2)
+                moves = _MIGRATED.findall(decode.log_path.read_text(errors="replace"))[seen:]
+                if len(moves) != reps:
+                    raise RuntimeError(f"{name}: {len(moves)} migrations logged for {reps} requests of {n} tokens")
+                out["transfer_s"][n] = statistics.median(float(m[2]) for m in moves)
+                out["kv_bytes"][n] = statistics.median(int(m[1]) for m in moves)
+        return out
+    finally:
+        for s in reversed(started):
+            s.stop()
+        if rt is not None:
+            rt.close()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="3 requests per length (default 7)")
+    args = ap.parse_args()
+    if T.lmdeploy_python() is None:
+        sys.exit("no LMDeploy venv: run scripts/setup_lmdeploy.sh")
+    from transformers import AutoTokenizer
+
+    from dlmix.models import prepare
+
+    model = str(prepare("smollm2"))
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    reps = 3 if args.quick else 7
+    res = {}
+    with tempfile.TemporaryDirectory(prefix="pd_lmdeploy_") as work:
+        for i, name in enumerate(("aggregated", "pd_same", "pd_mixed")):
+            res[name] = _phase(name, model, Path(work), reps, tokenizer, seed=i)
+            print(name, json.dumps(res[name]), flush=True)
+    fig: dict = {"reps": reps}
+    for n in LENGTHS:
+        agg = res["aggregated"]["ttft_s"][n]
+        for name in res:
+            fig[f"ttft_ms_{name}_{n}"] = round(res[name]["ttft_s"][n] * 1e3, 1)
+            if name != "aggregated":
+                fig[f"transfer_ms_{name}_{n}"] = round(res[name]["transfer_s"][n] * 1e3, 2)
+        fig[f"kv_bytes_{n}"] = res["pd_same"]["kv_bytes"][n]
+        for name, key in (("pd_same", "pd_ttft_overhead_ms"), ("pd_mixed", "pd_mixed_ttft_overhead_ms")):
+            r = res[name]
+            fig[f"{key}_{n}"] = round((r["ttft_s"][n] - agg - r["transfer_s"][n]) * 1e3, 1)
+            fig[f"ttft_agg_vs_{name}_{n}"] = round(agg / r["ttft_s"][n], 3)
+    print(json.dumps(fig))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,87 @@
+"""The router's LMDeploy DistServe adapter and LMDeploy's registration route, without LMDeploy (the same flow on real
+LMDeploy servers is in ``tests/test_lmdeploy_pd.py``)."""
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+
+from dlmix.hw.cost import CostModel
+from dlmix.router.admin import lmdeploy_registration
+from dlmix.router.config import RouterConfig
+from dlmix.router.engines import lmdeploy as lmd
+from dlmix.routing.policies import ClusterView, make_policy
+from dlmix.routing.state import InstanceState, RouteRequest
+from dlmix.testing import RouterThread
+
+
+def test_prefill_leg_keeps_the_cache_and_answers_one_token():
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 50, "stream": True,
+            "stream_options": {"include_usage": True}}
+    out = json.loads(lmd.prefill_body(body, chat=True))
+    assert out == {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1,
+                   "max_completion_tokens": 1, "stream": False, "with_cache": True, "preserve_cache": True}
+    assert body["max_tokens"] == 50 and body["stream"] is True  # the client's body is not modified
+
+
+def test_migration_request_from_the_prefill_answer():
+    resp = {"id": "7", "choices": [{"text": " Paris"}], "cache_block_ids": [4, 9, 2], "remote_token_ids": [3, 12]}
+    kvp = lmd.kv_transfer_params(json.dumps(resp).encode())
+    assert kvp == {"protocol": 1, "remote_engine_id": None, "remote_session_id": 7, "remote_token_id": 12,
+                   "remote_block_ids": [4, 9, 2], "is_dummy_prefill": False}
+    chat = dict(resp, id="chatcmpl-abc")  # a chat answer's id is no session id
+    assert lmd.kv_transfer_params(json.dumps(chat).encode())["remote_session_id"] == 0
+    for bad in (b"{}", b'{"cache_block_ids": [1]}', b"not json", json.dumps(dict(resp, cache_block_ids=[])).encode()):
+        with pytest.raises(ValueError):
+            lmd.kv_transfer_params(bad)
+
+
+def test_decode_leg_is_the_client_bytes_plus_the_migration_request():
+    raw = b'{"model": "m", "prompt": "x", "max_tokens": 5}'
+    kvp = {"remote_engine_id": "http://p:1", "remote_block_ids": [1]}
+    out = lmd.decode_body(raw, kvp)
+    assert out.startswith(b'{"model": "m", "prompt": "x", "max_tokens": 5')
+    assert json.loads(out) == {"model": "m", "prompt": "x", "max_tokens": 5, "migration_request": kvp}
+
+
+def test_lmdeploy_node_body_becomes_a_registration():
+    assert lmdeploy_registration({"url": "http://h:1", "status": {"models": ["m"], "role": 2}}) == {
+        "url": "http://h:1", "engine": "lmdeploy", "role": "prefill", "heartbeat_ttl_s": 0, "model": ["m"]}
+    assert lmdeploy_registration({"url": "http://h:1", "status": {"role": 3}})["role"] == "decode"
+    assert lmdeploy_registration({"url": "http://h:1"})["role"] == "both"
+    assert "unknown LMDeploy role" in lmdeploy_registration({"url": "http://h:1", "status": {"role": 9}})
+    assert "url" in lmdeploy_registration({"status": {}})
+
+
+def test_nodes_add_and_remove_on_the_router():
+    rt = RouterThread(RouterConfig(host="127.0.0.1", port=0))
+    try:
+        with httpx.Client(base_url=rt.url, timeout=10) as c:
+            r = c.post("/nodes/add", json={"url": "http://127.0.0.1:9", "status": {"models": ["m"], "role": 3}})
+            assert r.status_code in (200, 201), r.text
+            got = c.get("/admin/instances").json()["instances"]
+            assert [(i["url"], i["engine"], i["role"], i["model"]) for i in got] == [
+                ("http://127.0.0.1:9", "lmdeploy", "decode", ["m"])]
+            assert c.post("/nodes/add", json={"url": "http://127.0.0.1:9", "status": {"role": 7}}).status_code == 400
+            assert c.post("/nodes/remove", json={"url": "http://127.0.0.1:9"}).status_code == 200
+            assert c.get("/admin/instances").json()["instances"] == []
+            assert c.post("/nodes/remove", json={"url": "http://127.0.0.1:9"}).status_code == 404
+    finally:
+        rt.close()
+
+
+def test_cost_policy_disaggregates_short_prompts_for_a_decode_that_cannot_prefill():
+    """A short prompt goes to a decode instance alone only when it can prefill; an LMDeploy/SGLang decode-role
+    engine (``extra["needs_prefill"]``, set by the router) always gets a prefill instance."""
+    def inst(i, role, **extra):
+        return InstanceState(id=f"i{i}", url=f"http://h:{i}", role=role, chip="H100", slot=i, model=("m",),
+                             transport={"link": "rdma-100g"}, extra=extra)
+
+    req = RouteRequest(model="m", prompt_len=20, block_hashes=lambda bs: [])
+    pol = make_policy("cost")
+    cost = CostModel("llama-3.1-8b")
+    free = pol.choose(req, ClusterView([inst(0, "prefill"), inst(1, "decode")], cost=cost))
+    assert free.prefill is None and free.decode.id == "i1"
+    needy = pol.choose(req, ClusterView([inst(0, "prefill"), inst(1, "decode", needs_prefill=True)], cost=cost))
+    assert needy.prefill is not None and needy.prefill.id == "i0" and needy.reason == "cost:pd"
