@@ -22,11 +22,12 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
+from typing import ClassVar
 from pathlib import Path
 
 import httpx
 
-__all__ = ["EngineProcess", "VLLMServerSpec", "SGLangServerSpec", "SGLANG_CPU_FLAGS", "SGLANG_CPU_PD_FLAGS",
+__all__ = ["EngineProcess", "ServerChild", "VLLMServerSpec", "SGLangServerSpec", "SGLANG_CPU_FLAGS", "SGLANG_CPU_PD_FLAGS",
            "pd_test_spec", "free_port", "EngineStartError"]
 
 
@@ -355,6 +356,62 @@ def pd_test_spec(name: str, model: str, workdir, *, role: str | None, cpu: str, 
     return VLLMServerSpec(model=str(model), port=port, kv_cache_bytes=kv_bytes, block_size=block_size, dtype=dtype,
                           max_model_len=2048, cpu_bind=cpu, served_model_name=served_name, seed=0,
                           max_num_seqs=8, kv_transfer_config=ktc, extra_args=list(extra_args or []), env=child_env)
+
+
+@dataclass
+class ServerChild:
+    """A started engine server child (its own process group, output in ``log_path``): readiness, log tail and stop
+    by process id. Engine-specific test helpers subclass it (``dlmix_sglang.testing.SGLangServer``,
+    ``dlmix_lmdeploy.testing.LMDeployServer``) and set :attr:`READY_PATH` / :attr:`NAME`."""
+
+    proc: subprocess.Popen
+    url: str
+    log_path: Path
+
+    READY_PATH: ClassVar[str] = "/health"
+    NAME: ClassVar[str] = "engine"
+
+    def log_tail(self, n: int = 40) -> str:
+        """The last ``n`` lines of the server's log ("" when unreadable)."""
+        try:
+            return "\n".join(Path(self.log_path).read_text(errors="replace").splitlines()[-n:])
+        except OSError:
+            return ""
+
+    def wait_ready(self, timeout_s: float = 600.0, path: str | None = None, interval_s: float = 0.5) -> None:
+        """Wait until ``GET path`` (default :attr:`READY_PATH`) answers 200. Raises RuntimeError (with the log tail)
+        if the server exits or ``timeout_s`` seconds pass."""
+        import urllib.error
+        import urllib.request
+
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.NAME} server {self.url} exited with {self.proc.returncode}:\n"
+                                   f"{self.log_tail()}")
+            try:
+                with urllib.request.urlopen(self.url + (path or self.READY_PATH), timeout=5) as r:
+                    if r.status == 200:
+                        return
+            except (urllib.error.URLError, OSError):
+                pass
+            time.sleep(interval_s)
+        raise RuntimeError(f"{self.NAME} server {self.url} not ready after {timeout_s:.0f} s:\n{self.log_tail()}")
+
+    def stop(self, timeout_s: float = 20.0) -> None:
+        """SIGTERM the server's process group, SIGKILL it after ``timeout_s``."""
+        if self.proc.poll() is not None:
+            return
+        for sig, wait in ((signal.SIGTERM, timeout_s), (signal.SIGKILL, 10.0)):
+            try:
+                os.killpg(self.proc.pid, sig)
+            except ProcessLookupError:
+                return
+            try:
+                self.proc.wait(wait)
+                return
+            except subprocess.TimeoutExpired:
+                continue
 
 
 class EngineProcess:

@@ -43,7 +43,7 @@ def servers(smollm2_dir, tmp_path_factory):
     try:
         proxy = T.start_proxy(logs)
         started.append(proxy)
-        proxy.wait_ready("/nodes/status", timeout_s=120)
+        proxy.wait_ready(timeout_s=120, path="/nodes/status")
         # one at a time, each retried once: LMDeploy 0.18's api_server shuts its multiprocessing manager down while
         # the engine process may still be releasing the manager's condition (zmq_engine.py ``_start_mp_proc``), a
         # start-up race that a loaded machine hits now and then (EOFError, "engine process is not alive")

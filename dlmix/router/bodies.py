@@ -12,7 +12,7 @@ from typing import Any, Dict, List, Optional, Union
 
 import msgspec
 
-__all__ = ["BadRequest", "check", "decode", "add_keys"]
+__all__ = ["BadRequest", "check", "decode", "add_keys", "one_token_leg"]
 
 
 class BadRequest(ValueError):
@@ -104,3 +104,16 @@ def add_keys(raw: bytes, extra: Dict[str, Any], parsed: Optional[dict] = None) -
     head = s[:-1].rstrip()
     sep = b"" if head.endswith(b"{") else b","
     return head + sep + _enc_keys.encode(extra)[1:]
+
+
+def one_token_leg(body: dict, chat: bool) -> dict:
+    """A copy of the client's parsed ``body`` as a sequential PD flow's prefill leg: one output token
+    (``max_tokens=1``, and ``max_completion_tokens=1`` for chat), not streamed, no ``stream_options``. The engine
+    adapter adds its own fields. ``body`` is not modified."""
+    b = dict(body)
+    b["max_tokens"] = 1
+    if chat:
+        b["max_completion_tokens"] = 1
+    b["stream"] = False
+    b.pop("stream_options", None)
+    return b

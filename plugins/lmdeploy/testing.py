@@ -7,16 +7,13 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
-import time
 import urllib.error
 import urllib.request
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from dlmix.engine_process import free_port
+from dlmix.engine_process import ServerChild, free_port
 
 __all__ = ["lmdeploy_python", "LMDeployServer", "start_proxy", "start_api_server", "post_json", "free_port",
            "reference", "reference_chat", "first_divergence", "near_tie"]
@@ -32,50 +29,12 @@ def lmdeploy_python() -> str | None:
     return None
 
 
-@dataclass
-class LMDeployServer:
-    """One running LMDeploy process (pid, URL, log file)."""
+class LMDeployServer(ServerChild):
+    """One running LMDeploy process (pid, URL, log file); an ``api_server`` is ready when ``GET /v1/models``
+    answers 200 (the proxy: ``wait_ready(path="/nodes/status")``)."""
 
-    proc: subprocess.Popen
-    url: str
-    log_path: Path
-
-    def log_tail(self, n: int = 40) -> str:
-        try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
-        except OSError:
-            return ""
-
-    def wait_ready(self, path: str = "/v1/models", timeout_s: float = 600.0) -> None:
-        """Wait until ``GET path`` answers 200. Raises RuntimeError (with the log tail) if the process exits or the
-        time runs out."""
-        end = time.monotonic() + timeout_s
-        while time.monotonic() < end:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"LMDeploy server {self.url} exited ({self.proc.returncode}):\n{self.log_tail()}")
-            try:
-                with urllib.request.urlopen(self.url + path, timeout=5) as r:
-                    if r.status == 200:
-                        return
-            except (urllib.error.URLError, OSError):
-                pass
-            time.sleep(0.5)
-        raise RuntimeError(f"LMDeploy server {self.url} not ready after {timeout_s} s:\n{self.log_tail()}")
-
-    def stop(self, timeout_s: float = 20.0) -> None:
-        """SIGTERM to the process group, then SIGKILL after ``timeout_s``."""
-        if self.proc.poll() is not None:
-            return
-        for sig, wait in ((signal.SIGTERM, timeout_s), (signal.SIGKILL, 10.0)):
-            try:
-                os.killpg(self.proc.pid, sig)
-            except ProcessLookupError:
-                return
-            try:
-                self.proc.wait(wait)
-                return
-            except subprocess.TimeoutExpired:
-                continue
+    READY_PATH = "/v1/models"
+    NAME = "LMDeploy"
 
 
 def _env(extra: dict[str, str] | None) -> dict[str, str]:

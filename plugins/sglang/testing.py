@@ -9,16 +9,14 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
-import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dlmix.engine_process import SGLANG_CPU_FLAGS, SGLANG_CPU_PD_FLAGS, SGLangServerSpec, free_port
+from dlmix.engine_process import SGLANG_CPU_FLAGS, SGLANG_CPU_PD_FLAGS, ServerChild, SGLangServerSpec, free_port
 
 __all__ = ["sglang_python", "SGLangServer", "start_server", "start_sglang_router", "free_port", "generate",
            "post_json", "CPU_FLAGS", "PD_FLAGS"]
@@ -40,52 +38,18 @@ def sglang_python() -> str | None:
 
 
 @dataclass
-class SGLangServer:
-    """One running ``sglang.launch_server`` (pid, URL, log file)."""
+class SGLangServer(ServerChild):
+    """One running ``sglang.launch_server`` (pid, URL, log file); ready when ``GET /health`` answers 200."""
 
-    proc: subprocess.Popen
-    url: str
-    log_path: Path
     bootstrap_port: int | None = None
     args: list[str] = field(default_factory=list)
     #: ZMQ endpoint of its KV events (``--kv-events-config``), or None
     kv_events: str | None = None
 
-    def log_tail(self, n: int = 40) -> str:
-        try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
-        except OSError:
-            return ""
+    NAME = "SGLang"
 
-    def wait_ready(self, timeout_s: float = 600.0) -> None:
-        """Wait for ``GET /health`` = 200. Raises RuntimeError (with the log tail) if the server dies or times out."""
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"SGLang server exited with {self.proc.returncode}:\n{self.log_tail()}")
-            try:
-                with urllib.request.urlopen(self.url + "/health", timeout=5) as r:
-                    if r.status == 200:
-                        return
-            except (urllib.error.URLError, OSError):
-                pass
-            time.sleep(2)
-        raise RuntimeError(f"SGLang server not ready after {timeout_s:.0f} s:\n{self.log_tail()}")
-
-    def stop(self, timeout_s: float = 20.0) -> None:
-        """SIGTERM the server's process group, SIGKILL it after ``timeout_s``."""
-        if self.proc.poll() is not None:
-            return
-        for sig, wait in ((signal.SIGTERM, timeout_s), (signal.SIGKILL, 10.0)):
-            try:
-                os.killpg(self.proc.pid, sig)
-            except ProcessLookupError:
-                return
-            try:
-                self.proc.wait(wait)
-                return
-            except subprocess.TimeoutExpired:
-                continue
+    def wait_ready(self, timeout_s: float = 600.0, path: str | None = None, interval_s: float = 2.0) -> None:
+        super().wait_ready(timeout_s, path, interval_s)
 
 
 def start_server(model: str, port: int, log_path: str | Path, *, mode: str | None = None,

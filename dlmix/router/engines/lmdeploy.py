@@ -26,7 +26,7 @@ from typing import Any
 
 import msgspec
 
-from dlmix.router.bodies import add_keys
+from dlmix.router.bodies import add_keys, one_token_leg
 
 NAME = "lmdeploy"
 HEALTH_PATH = b"/health"
@@ -56,12 +56,7 @@ _dec_prefill = msgspec.json.Decoder(_PrefillResp)
 
 def prefill_body(body: dict, chat: bool, kvp: Any = None) -> bytes:
     """JSON bytes of the prefill leg built from the client's parsed ``body`` (not modified)."""
-    b = dict(body)
-    b["max_tokens"] = 1
-    if chat:
-        b["max_completion_tokens"] = 1
-    b["stream"] = False
-    b.pop("stream_options", None)
+    b = one_token_leg(body, chat)
     b["with_cache"] = True
     b["preserve_cache"] = True
     return _enc.encode(b)

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import msgspec
 
-from dlmix.router.bodies import add_keys
+from dlmix.router.bodies import add_keys, one_token_leg
 
 NAME = "vllm"
 HEALTH_PATH = b"/health"
@@ -45,12 +45,7 @@ _dec_prefill = msgspec.json.Decoder(_PrefillResp)
 def prefill_body(body: dict, chat: bool, kvp: dict | None = None) -> bytes:
     """JSON bytes of the prefill-leg request built from the client's parsed ``body`` (not modified); ``kvp`` is
     unused (the sequential flow has no hand-off before the prefill)."""
-    b = dict(body)
-    b["max_tokens"] = 1
-    if chat:
-        b["max_completion_tokens"] = 1
-    b["stream"] = False
-    b.pop("stream_options", None)
+    b = one_token_leg(body, chat)
     b.pop("min_tokens", None)
     n = b.get("n")
     if isinstance(n, int) and not isinstance(n, bool) and n > 1:
