@@ -51,7 +51,9 @@ def servers(smollm2_dir, tmp_path_factory):
         routers.append(rt)
         specs = {"P": dict(role="Prefill", dtype="bfloat16", block_size=16, num_blocks=48, proxy_url=proxy.url),
                  "D": dict(role="Decode", dtype="float16", block_size=64, num_blocks=32, proxy_url=proxy.url),
-                 "P2": dict(role="Prefill", dtype="bfloat16", block_size=16, num_blocks=256, proxy_url=rt.url),
+                 # a want for blocks it does not hold waits 2 s for the hold (test_decode_answers_an_error...)
+                 "P2": dict(role="Prefill", dtype="bfloat16", block_size=16, num_blocks=256, proxy_url=rt.url,
+                            env={"DLMIX_LMDEPLOY_CONFIG": json.dumps({"registration_wait_s": 2})}),
                  "D2": dict(role="Decode", dtype="float16", block_size=64, num_blocks=64, proxy_url=rt.url),
                  "R": dict(role="Hybrid", dtype="float16", block_size=64, num_blocks=64,
                            extra=["--logprobs-mode", "raw_logprobs"])}
@@ -239,3 +241,29 @@ def test_router_concurrent_requests_without_session_id(servers):
     ties = sum(T.near_tie(f"concurrent {i}", g, T.reference(servers["R"].url, p, tokenizer, MAX_TOKENS), NEAR_TIE)
                for i, (g, p) in enumerate(zip(got, prompts)))
     print(f"8 concurrent through the dlmix router: identical {8 - ties}/8, near-ties {ties}")
+
+
+def test_decode_answers_an_error_when_the_kv_does_not_arrive(servers):
+    """A migration whose blocks the prefill does not hold (a stale or forged ``migration_request``) is refused by the
+    prefill; the decode answers an error (non-streaming: HTTP 500; streaming: an error event), never text decoded
+    from KV that did not arrive, frees the request's blocks and keeps serving."""
+    import urllib.request
+
+    m, d = servers["model"], servers["D2"]
+    bogus = {"protocol": 1, "remote_engine_id": servers["P2"].url, "remote_session_id": 0, "remote_token_id": 5,
+             "remote_block_ids": [250, 251], "is_dummy_prefill": False}
+    status, out = T.post_json(d.url + "/v1/completions", {"model": m, "prompt": "The capital of France is",
+                                                          "max_tokens": 5, "migration_request": bogus})
+    assert status == 500 and out.get("type") == "server_error", (status, out)
+    body = {"model": m, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5, "stream": True,
+            "migration_request": bogus}
+    req = urllib.request.Request(d.url + "/v1/chat/completions", json.dumps(body).encode(),
+                                 {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=120) as r:
+        events = [json.loads(line[5:]) for line in r if line.startswith(b"data: {")]
+    assert events and "error" in events[-1] and not any((e.get("choices") or [{}])[0].get("delta", {}).get("content")
+                                                         for e in events), events
+    log = d.log_path.read_text(errors="replace")
+    assert log.count("not migrated") == 2 and "is not held here" in log
+    # the decode keeps serving, through the router
+    assert _router_request(servers["router"].url, m, "completion", "The capital of France is")

@@ -183,14 +183,13 @@ async def _dlmix_migrate(loop: Any, migration_ready: Any) -> dict[int, str]:
 
 
 def _fail(loop: Any, msg: Any, reason: str) -> None:
-    """Answer a request whose KV did not arrive with an engine error, and end its session (frees its blocks)."""
-    import numpy as np
+    """Answer a request whose KV did not arrive with LMDeploy's engine error (its api_server turns it into an error
+    answer, not text), and end its session (frees its blocks: no read can touch them any more)."""
     from lmdeploy.messages import ResponseType
-    from lmdeploy.pytorch.engine.engine import InferOutput
+    from lmdeploy.pytorch.engine.engine import response_reqs
 
-    msg.resp.type = ResponseType.INTERNAL_ENGINE_ERROR
-    loop.resp_queue.put_nowait({msg.session_id: InferOutput(session_id=msg.session_id, resp=msg.resp, finish=True,
-                                                             token_ids=np.array([], dtype=np.int64))})
+    response_reqs(loop.req_manager, msg.resp, ResponseType.INTERNAL_ENGINE_ERROR,
+                  err_msg=f"DLMix: the prefill's KV did not arrive: {reason}")
     try:
         loop.scheduler.end_session(msg.session_id)
     except Exception as e:  # the session may be gone already
