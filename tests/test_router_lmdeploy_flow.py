@@ -85,3 +85,20 @@ def test_cost_policy_disaggregates_short_prompts_for_a_decode_that_cannot_prefil
     assert free.prefill is None and free.decode.id == "i1"
     needy = pol.choose(req, ClusterView([inst(0, "prefill"), inst(1, "decode", needs_prefill=True)], cost=cost))
     assert needy.prefill is not None and needy.prefill.id == "i0" and needy.reason == "cost:pd"
+
+
+def test_vllm_and_lmdeploy_instances_never_pair():
+    """Both run a sequential flow, but the decode leg carries different things (``kv_transfer_params`` vs
+    ``migration_request``): registering an LMDeploy decode next to a vLLM prefill of the same model is refused (409)
+    with the reason."""
+    rt = RouterThread(RouterConfig(host="127.0.0.1", port=0))
+    try:
+        with httpx.Client(base_url=rt.url, timeout=10) as c:
+            r = c.post("/admin/instances", json={"url": "http://127.0.0.1:9", "role": "prefill", "engine": "vllm",
+                                                 "model": "m", "heartbeat_ttl_s": 0})
+            assert r.status_code in (200, 201), r.text
+            r = c.post("/nodes/add", json={"url": "http://127.0.0.1:10", "status": {"models": ["m"], "role": 3}})
+            assert r.status_code == 409, r.text
+            assert "sequential/migration_request" in r.text and "sequential/kv_transfer_params" in r.text
+    finally:
+        rt.close()

@@ -28,7 +28,7 @@ from dlmix.errors import DlmixError
 from dlmix.pd.contract import ContractError
 from dlmix.pd.registration import decode_registration
 from dlmix.router import kv_events
-from dlmix.router.engines import get_engine
+from dlmix.router.engines import get_engine, pd_key
 from dlmix.router.proxy import BackendError, Pool, build_request, request
 from dlmix.routing.hashing import BlockHasher
 from dlmix.routing.state import ROLES, InstanceState
@@ -377,7 +377,7 @@ class Registry:
         if st.role == "decode" and eng.DECODE_NEEDS_PREFILL:
             self.decode_needs_prefill += 1
             st.extra["needs_prefill"] = True  # policies never plan a local prefill on it
-        flow = eng.PD_FLOW
+        flow = pd_key(eng)
         for m in (st.model or ("",)):
             f = self._flows.setdefault((m, st.role), {})
             f[flow] = f.get(flow, 0) + 1
@@ -408,7 +408,7 @@ class Registry:
                 del self.model_names[m]
         if st.role == "decode" and b.engine.DECODE_NEEDS_PREFILL:
             self.decode_needs_prefill -= 1
-        flow = b.engine.PD_FLOW
+        flow = pd_key(b.engine)
         for m in (st.model or ("",)):
             f = self._flows.get((m, st.role))
             if f is not None and f.get(flow):
@@ -439,15 +439,15 @@ class Registry:
 
     def _flow_conflicts(self, st: InstanceState, old: Optional[Backend]) -> List[str]:
         """Why ``st`` cannot take part in PD with the registered prefill/decode counterparts of a shared model: their
-        engines' PD flows differ (e.g. vLLM's sequential ``kv_transfer_params`` and SGLang's concurrent bootstrap
-        hand-off; :mod:`dlmix.router.engines.base`). Cost: a few dict lookups per model of ``st``."""
+        engines' PD flows or protocols differ (e.g. vLLM's sequential ``kv_transfer_params``, SGLang's concurrent
+        bootstrap hand-off, LMDeploy's sequential ``migration_request``; :func:`dlmix.router.engines.pd_key`). Cost: a few dict lookups per model of ``st``."""
         if st.role == "both":
             others = ("prefill",)
         elif st.role == "prefill":
             others = ("decode", "both")
         else:
             others = ("prefill",)
-        flow = get_engine(st.engine).PD_FLOW
+        flow = pd_key(get_engine(st.engine))
         keys = [(m, r) for m in (tuple(st.model) + ("",) if st.model else ("",)) for r in others]
         if not st.model:
             keys += [k for k in self._flows if k[1] in others and k[0]]
@@ -455,14 +455,14 @@ class Registry:
         for m, r in keys:
             f = dict(self._flows.get((m, r)) or {})
             if old is not None and old.state.role == r and (m in old.state.model or (not m and not old.state.model)):
-                of = old.engine.PD_FLOW
+                of = pd_key(old.engine)
                 if f.get(of):
                     f[of] -= 1
             bad = sorted(k for k, n in f.items() if n > 0 and k != flow)
             if bad:
                 what = f"model {m!r}" if m else "any model"
                 reasons.append(f"{st.id} ({st.engine}, PD flow {flow}) vs registered {r} instances of {what} "
-                               f"(PD flow {', '.join(bad)}): a prefill and a decode must use the same PD flow")
+                               f"(PD flow {', '.join(bad)}): a prefill and a decode must use the same PD flow and protocol")
         return reasons
 
     def _layout_conflicts(self, st: InstanceState, lkey: Optional[str], old: Optional[Backend]) -> List[str]:

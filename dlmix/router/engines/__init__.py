@@ -20,3 +20,9 @@ def get_engine(name: str) -> EngineAdapter:
         return ENGINES[name]
     except KeyError:
         raise ValueError(f"unknown engine {name!r}; supported: {', '.join(ENGINES)}") from None
+
+
+def pd_key(adapter: EngineAdapter) -> str:
+    """What must be equal for a prefill and a decode instance to pair: ``"FLOW/PROTOCOL"`` (e.g.
+    ``sequential/kv_transfer_params`` for vLLM, ``sequential/migration_request`` for LMDeploy)."""
+    return f"{adapter.PD_FLOW}/{adapter.PD_PROTOCOL}"

@@ -6,8 +6,10 @@ The router only calls these names on an instance's adapter (``get_engine(state.e
 * ``HEALTH_PATH`` / ``MODELS_PATH``: bytes paths of the health check and the model list.
 * ``PD_FLOW``: how a disaggregated request runs. ``"sequential"`` (vLLM): the prefill leg first, its answer's
   ``kv_transfer_params`` go into the decode leg. ``"concurrent"`` (SGLang): both legs at once, joined by a hand-off
-  the router makes before either starts (``handoff(host, bootstrap_port) -> dict``). The router pairs a prefill
-  and a decode instance only when their flows are equal (registration answers 409 otherwise).
+  the router makes before either starts (``handoff(host, bootstrap_port) -> dict``).
+* ``PD_PROTOCOL``: what carries the hand-off (``kv_transfer_params`` for vLLM, ``bootstrap`` for SGLang,
+  ``migration_request`` for LMDeploy). The router pairs a prefill and a decode instance only when both their flows
+  and protocols are equal (:func:`dlmix.router.engines.pd_key`; registration answers 409 otherwise).
 * ``DECODE_NEEDS_PREFILL``: True when a decode-role instance cannot serve a request alone (then, without a prefill
   instance, the router answers 503 rather than sending it there).
 * ``BOTH_TAKES_PD``: True when a ``both``-role instance can be the decode side of a PD pair (vLLM with ``kv_both``);
@@ -44,6 +46,7 @@ class EngineAdapter(Protocol):
     HEALTH_PATH: bytes
     MODELS_PATH: bytes
     PD_FLOW: str
+    PD_PROTOCOL: str
     DECODE_NEEDS_PREFILL: bool
     BOTH_TAKES_PD: bool
 

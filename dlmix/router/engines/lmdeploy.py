@@ -33,6 +33,8 @@ HEALTH_PATH = b"/health"
 MODELS_PATH = b"/v1/models"
 #: the prefill leg first; its answer (block ids, first token) goes into the decode leg's ``migration_request``
 PD_FLOW = "sequential"
+#: what the decode leg carries (LMDeploy's ``migration_request`` in the decode leg's body); only instances with the same flow and protocol pair
+PD_PROTOCOL = "migration_request"
 #: a Decode-role engine is fed by a prefill engine
 DECODE_NEEDS_PREFILL = True
 #: a Hybrid engine has no DistServe connection: it serves whole requests only

@@ -31,6 +31,8 @@ HEALTH_PATH = b"/ready"
 MODELS_PATH = b"/v1/models"
 #: both legs at once, joined by bootstrap fields (vLLM's is ``"sequential"``: prefill first, then decode)
 PD_FLOW = "concurrent"
+#: what the decode leg carries (SGLang's bootstrap fields in both legs); only instances with the same flow and protocol pair
+PD_PROTOCOL = "bootstrap"
 #: a decode-role instance needs a prefill instance for every request
 DECODE_NEEDS_PREFILL = True
 #: a server without ``--disaggregation-mode`` (registered as ``both``) ignores the bootstrap fields: it cannot be a

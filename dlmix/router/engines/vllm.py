@@ -24,6 +24,8 @@ HEALTH_PATH = b"/health"
 MODELS_PATH = b"/v1/models"
 #: the prefill leg first; its ``kv_transfer_params`` go into the decode leg
 PD_FLOW = "sequential"
+#: what the decode leg carries (vLLM's ``kv_transfer_params`` in the decode leg's body); only instances with the same flow and protocol pair
+PD_PROTOCOL = "kv_transfer_params"
 #: a decode-role (kv_consumer / kv_both) vLLM instance recomputes the prompt itself when no prefill is available
 DECODE_NEEDS_PREFILL = False
 #: a kv_both instance consumes KV from a prefill instance like a kv_consumer
