@@ -27,7 +27,7 @@ from pathlib import Path
 
 import httpx
 
-__all__ = ["EngineProcess", "ServerChild", "VLLMServerSpec", "SGLangServerSpec", "SGLANG_CPU_FLAGS", "SGLANG_CPU_PD_FLAGS",
+__all__ = ["EngineProcess", "ServerChild", "VLLMServerSpec", "SGLangServerSpec", "LMDeployServerSpec", "SGLANG_CPU_FLAGS", "SGLANG_CPU_PD_FLAGS",
            "pd_test_spec", "free_port", "EngineStartError"]
 
 
@@ -314,6 +314,108 @@ class SGLangServerSpec:
     def child_env(self) -> dict[str, str]:
         """The child's environment: ours without ``PYTHONPATH`` (the SGLang venv has its own dlmix and stand-ins),
         with ``PYTHONUNBUFFERED`` defaulted, plus :meth:`env_additions`."""
+        env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+        env.setdefault("PYTHONUNBUFFERED", "1")
+        env.update(self.env_additions())
+        return env
+
+    @property
+    def url(self) -> str:
+        """Base URL of the OpenAI API."""
+        return f"http://{self.host}:{self.port}"
+
+
+#: LMDeploy ``--role`` per dlmix role
+LMDEPLOY_ROLES = {"prefill": "Prefill", "decode": "Decode", "both": "Hybrid"}
+
+
+@dataclass
+class LMDeployServerSpec:
+    """What an LMDeploy PyTorch-engine server (``lmdeploy serve api_server``, LMDeploy 0.18) needs: the one builder of
+    LMDeploy command lines and environments in dlmix (``dlmix launch`` and the LMDeploy adapter's test helpers).
+
+    Attributes:
+        model: Hugging Face model folder; port / host: the OpenAI API's address (``--server-port``/``--server-name``).
+        python: interpreter of the LMDeploy environment; the server runs as that venv's ``lmdeploy`` console script
+            (not ``python -m lmdeploy``: LMDeploy's ``__main__`` runs its CLI unguarded, so the engine process it
+            spawns would run it again). Default: this interpreter's venv.
+        served_model_name: ``--model-name``. dtype: ``--dtype`` (``bfloat16``, ``float16``, ``auto``).
+        block_size: ``--cache-block-seq-len`` (tokens). num_blocks: ``--num-gpu-blocks`` (fixes the pool size; on
+            the CPU aid the pool would otherwise follow free memory). session_len: ``--session-len`` tokens.
+        tensor_parallel_size: ``--tp``. role: dlmix role, passed as ``--role`` (:data:`LMDEPLOY_ROLES`).
+        migration_backend: ``--migration-backend`` of prefill/decode roles (default ``DLMix``).
+        backend_config: the DLMix backend's settings (JSON in ``DLMIX_LMDEPLOY_CONFIG``, see the LMDeploy adapter's
+            ``config`` module), e.g. ``{"shared_secret": ..., "host": ...}``.
+        proxy_url: ``--proxy-url`` (LMDeploy then registers itself there through ``/nodes/add``).
+        device: ``cpu`` turns on the CPU test aid (``DLMIX_LMDEPLOY_CPU=1``, ``--eager-mode``, one OpenMP thread);
+            other values are passed as LMDeploy's ``--device`` (``cuda``, ``ascend``, ``maca``, ``camb``).
+        taskset_cpus: run under ``taskset -c CPUS`` when ``taskset`` is installed.
+        hub_offline: ``HF_HUB_OFFLINE``/``TRANSFORMERS_OFFLINE`` = 1 unless our environment sets them.
+        extra_args: further flags, last. env: extra environment variables (applied last).
+    Raises ValueError (from :meth:`argv`) for an unknown role.
+    """
+
+    model: str
+    port: int
+    host: str = "127.0.0.1"
+    python: str | None = None
+    served_model_name: str | None = None
+    dtype: str | None = None
+    block_size: int | None = None
+    num_blocks: int | None = None
+    session_len: int | None = None
+    tensor_parallel_size: int = 1
+    role: str = "both"
+    migration_backend: str = "DLMix"
+    backend_config: dict | None = None
+    proxy_url: str | None = None
+    device: str = "cpu"
+    taskset_cpus: str | None = None
+    hub_offline: bool = True
+    extra_args: list[str] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)
+
+    def argv(self) -> list[str]:
+        """The full command line."""
+        if self.role not in LMDEPLOY_ROLES:
+            raise ValueError(f"role must be one of {', '.join(LMDEPLOY_ROLES)}, got {self.role!r}")
+        exe = str(Path(self.python or sys.executable).parent / "lmdeploy")
+        cmd = [exe, "serve", "api_server", str(self.model), "--backend", "pytorch", "--server-name", self.host,
+               "--server-port", str(self.port), "--role", LMDEPLOY_ROLES[self.role]]
+        for flag, v in (("--model-name", self.served_model_name), ("--dtype", self.dtype),
+                        ("--cache-block-seq-len", self.block_size), ("--num-gpu-blocks", self.num_blocks),
+                        ("--session-len", self.session_len), ("--proxy-url", self.proxy_url)):
+            if v is not None:
+                cmd += [flag, str(v)]
+        if self.tensor_parallel_size > 1:
+            cmd += ["--tp", str(self.tensor_parallel_size)]
+        if self.role != "both":
+            cmd += ["--migration-backend", self.migration_backend]
+        if self.device == "cpu":
+            cmd += ["--eager-mode"]
+        else:
+            cmd += ["--device", self.device]
+        cmd += list(self.extra_args)
+        if self.taskset_cpus and shutil.which("taskset"):
+            cmd = ["taskset", "-c", self.taskset_cpus] + cmd
+        return cmd
+
+    def env_additions(self) -> dict[str, str]:
+        """Variables on top of our environment: the CPU aid and one OpenMP thread on ``cpu``, hub offline (when
+        ``hub_offline``), single-threaded tokenizers, ``DLMIX_LMDEPLOY_CONFIG``, then ``env``."""
+        add = {"TOKENIZERS_PARALLELISM": "false"}
+        if self.device == "cpu":
+            add.update(DLMIX_LMDEPLOY_CPU="1", OMP_NUM_THREADS="1")
+        if self.hub_offline:
+            add.update(_hub_offline_env())
+        if self.backend_config is not None:
+            add["DLMIX_LMDEPLOY_CONFIG"] = json.dumps(self.backend_config, separators=(",", ":"))
+        add.update(self.env)
+        return add
+
+    def child_env(self) -> dict[str, str]:
+        """The child's environment: ours without ``PYTHONPATH`` (the LMDeploy venv has its own dlmix), with
+        ``PYTHONUNBUFFERED`` defaulted, plus :meth:`env_additions`."""
         env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
         env.setdefault("PYTHONUNBUFFERED", "1")
         env.update(self.env_additions())

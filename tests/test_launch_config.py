@@ -181,3 +181,56 @@ def test_sglang_config_errors():
     assert "needs an SGLang prefill" in _err("model: m\nrouter: {port: 18000}\ninstances:\n"
                                              "  - {engine: sglang, role: decode, port: 18200}\n"
                                              "  - {engine: sglang, role: both, port: 18300}\n")
+
+
+def test_lmdeploy_pd_plan_builds_lmdeploys_own_command_and_registers_the_instances(tmp_path):
+    import yaml
+
+    dep = Deployment.from_file(next(p for p in EXAMPLES if p.name == "lmdeploy-cpu-pd.yaml"))
+    plans = {p.name: p for p in plan(dep, "s3cret", tmp_path, models={0: "/m", 1: "/m"})}
+    for name, role, block, dtype, core in (("prefill", "Prefill", "16", "bfloat16", "0"),
+                                           ("decode", "Decode", "64", "float16", "1")):
+        argv = plans[name].argv
+        if argv[0] == "taskset":
+            assert argv[1:3] == ["-c", core]
+            argv = argv[3:]
+        assert argv[:4] == [".venv-lmdeploy/bin/lmdeploy", "serve", "api_server", "/m"]
+        assert argv[argv.index("--role") + 1] == role and argv[argv.index("--migration-backend") + 1] == "DLMix"
+        assert argv[argv.index("--cache-block-seq-len") + 1] == block and argv[argv.index("--dtype") + 1] == dtype
+        assert argv[argv.index("--num-gpu-blocks") + 1] == "256" and "--eager-mode" in argv
+        assert "--proxy-url" not in argv  # registered from the router's config (the router has an admin key)
+        env = plans[name].env
+        assert json.loads(env["DLMIX_LMDEPLOY_CONFIG"]) == {"shared_secret": "s3cret", "host": "127.0.0.1"}
+        assert env["DLMIX_LMDEPLOY_CPU"] == "1" and env["OMP_NUM_THREADS"] == "1"
+        assert plans[name].health_path == "/health"
+    cfg = yaml.safe_load((tmp_path / "router.yaml").read_text())
+    regs = {i["id"]: i for i in cfg["instances"]}
+    assert {k: (r["engine"], r["role"], r["block_size"], r["heartbeat_ttl_s"]) for k, r in regs.items()} == {
+        "prefill": ("lmdeploy", "prefill", 16, 0), "decode": ("lmdeploy", "decode", 64, 0)}
+    from dlmix.router.config import RouterConfig
+    from dlmix.router.server import Router
+
+    r = Router(RouterConfig(**{k: v for k, v in cfg.items() if k in ("instances", "policy")}, port=0))
+    assert [i.engine for i in r.instances] == ["lmdeploy", "lmdeploy"]
+
+
+def test_lmdeploy_instance_settings_merge_with_the_launch_secret(tmp_path):
+    dep = Deployment.from_file(next(p for p in EXAMPLES if p.name == "lmdeploy-metax-prefill-ppu-decode.yaml"))
+    plans = {p.name: p for p in plan(dep, "s3cret", tmp_path, models={0: "/m", 1: "/m"})}
+    assert json.loads(plans["prefill-metax"].env["DLMIX_LMDEPLOY_CONFIG"]) == {
+        "shared_secret": "s3cret", "host": "10.0.0.11", "transport": "dlslime"}
+    argv = plans["decode-ppu"].argv
+    assert argv[argv.index("--device") + 1] == "cuda" and "--eager-mode" not in argv
+    assert plans["prefill-metax"].argv[plans["prefill-metax"].argv.index("--device") + 1] == "maca"
+
+
+def test_lmdeploy_config_errors():
+    two = ("model: m\nrouter: {port: 18000}\ninstances:\n"
+           "  - {name: p, engine: lmdeploy, role: prefill, port: 18100}\n"
+           "  - {name: d, engine: %s, role: decode, port: 18200%s}\n")
+    assert "PD flows differ" in _err(two % ("vllm", ""))
+    assert "LMDeploy's KV dtype follows --dtype" in _err(two % ("lmdeploy", ", kv: {cache_dtype: fp8}"))
+    assert "DLMix migration backend" in _err(two % ("lmdeploy", ", connector: {name: X}"))
+    assert "needs an LMDeploy prefill" in _err("model: m\nrouter: {port: 18000}\ninstances:\n"
+                                               "  - {engine: lmdeploy, role: decode, port: 18200}\n"
+                                               "  - {engine: lmdeploy, role: both, port: 18300}\n")

@@ -207,3 +207,12 @@ def test_sglang_instances_are_refused_with_the_reason(tmp_path):
         emit_k8s(dep, tmp_path / "k8s", secret="s3cret")
     assert "instances[0].engine: --emit k8s does not support SGLang" in str(ei.value)
     assert not (tmp_path / "k8s").exists()
+
+
+def test_lmdeploy_instances_are_refused_with_the_reason(tmp_path):
+    from dlmix.launch.config import ConfigError
+
+    dep = Deployment.from_file(ROOT / "examples/lmdeploy-cpu-pd.yaml")
+    with pytest.raises(ConfigError) as ei:
+        emit_k8s(dep, tmp_path / "k8s", secret="s3cret")
+    assert "instances[0].engine: --emit k8s does not support LMDeploy" in str(ei.value)

@@ -182,7 +182,8 @@ class Instance(_Strict):
     Attributes:
         name: unique name (default ``ROLE-INDEX``); prefixes its log lines.
         engine: ``vllm``, ``sglang`` (its prefill/decode instances use the ``dlmix`` transfer backend; SGLang
-            usually lives in its own venv: set ``python``), or ``mock`` (dlmix's test engine
+            usually lives in its own venv: set ``python``), ``lmdeploy`` (its prefill/decode instances use the
+            ``DLMix`` migration backend; its own venv too; on ``device: cpu`` the CPU test aid), or ``mock`` (dlmix's test engine
             :mod:`dlmix.testing.mock_engine`).
         model: dlmix model name (``smollm2``, ``tiny-llama``; built by :func:`dlmix.models.prepare`), a local folder,
             or a hub id; default: the deployment's ``model``.
@@ -207,7 +208,7 @@ class Instance(_Strict):
     """
 
     name: Optional[str] = None
-    engine: Literal["vllm", "sglang", "mock"] = "vllm"
+    engine: Literal["vllm", "sglang", "lmdeploy", "mock"] = "vllm"
     model: Optional[str] = None
     served_model_name: Optional[str] = None
     role: Literal["prefill", "decode", "both"] = "both"
@@ -490,6 +491,13 @@ def _cross_checks(dep: Deployment, marks: Dict[Path_, Tuple[int, int]], origin: 
         ports[key] = f"instances[{i}].port"
         if inst.engine != "mock" and not dep.model_of(i):
             bad(("instances", i, "model"), "no model: set it here or as the top-level 'model'")
+        if inst.engine == "lmdeploy":
+            if inst.connector is not None:
+                bad(("instances", i, "connector"), "connector is vLLM's --kv-transfer-config; LMDeploy's PD uses "
+                    "the DLMix migration backend (settings: env DLMIX_LMDEPLOY_CONFIG)")
+            if inst.kv.cache_dtype is not None:
+                bad(("instances", i, "kv", "cache_dtype"), "LMDeploy's KV dtype follows --dtype (quantized KV, "
+                    "--quant-policy, is not moved by the DLMix backend yet)")
         if inst.engine == "sglang":
             if inst.kv.cache_bytes is not None:
                 bad(("instances", i, "kv", "cache_bytes"), "SGLang sizes its KV pool in tokens: pass "
@@ -534,7 +542,7 @@ def _cross_checks(dep: Deployment, marks: Dict[Path_, Tuple[int, int]], origin: 
         needy = [e for e in pd_engines if adapters[e].DECODE_NEEDS_PREFILL]
         if "decode" in roles and "prefill" not in roles and any(
                 i.role == "decode" and i.engine in needy for i in dep.instances):
-            name = {"sglang": "SGLang"}.get(needy[0], needy[0])
+            name = {"sglang": "SGLang", "lmdeploy": "LMDeploy"}.get(needy[0], needy[0])
             bad(("instances",), f"an {name} decode instance needs an {name} prefill instance")
         if "prefill" in roles and "decode" not in roles:
             bad(("instances",), "a prefill instance needs at least one decode instance")

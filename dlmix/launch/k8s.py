@@ -101,17 +101,20 @@ def build_manifests(dep: Deployment, secret: Optional[str] = None) -> Manifests:
 
     Raises:
         ConfigError: an instance on an accelerator whose vendor publishes no device resource and that sets no
-            ``k8s.resource``; a name that cannot become a Kubernetes name; an SGLang instance (not supported yet).
+            ``k8s.resource``; a name that cannot become a Kubernetes name; an SGLang or LMDeploy instance (not supported
+            yet).
     """
     from dlmix.hw.profiles import load_catalog
     from dlmix.launch.runner import plan
 
     k = dep.k8s
     out = Manifests()
-    sg = [f"instances[{i}]" for i, inst in enumerate(dep.instances) if inst.engine == "sglang"]
-    if sg:  # the bootstrap and KV ports would need Services and pod-IP advertising that are not generated yet
-        raise ConfigError([f"{x}.engine: --emit k8s does not support SGLang instances yet (run them with "
-                           "dlmix launch, or write their manifests by hand)" for x in sg])
+    sg = [(f"instances[{i}]", inst.engine) for i, inst in enumerate(dep.instances)
+          if inst.engine in ("sglang", "lmdeploy")]
+    if sg:  # the bootstrap / KV ports would need Services and pod-IP advertising that are not generated yet
+        raise ConfigError([f"{x}.engine: --emit k8s does not support {'SGLang' if e == 'sglang' else 'LMDeploy'} "
+                           "instances yet (run them with dlmix launch, or write their manifests by hand)"
+                           for x, e in sg])
     try:
         base = dns_name(dep.name)
     except ValueError as e:

@@ -39,8 +39,8 @@ from typing import Callable, Dict, Iterator, List, Optional
 
 import httpx
 
-from dlmix.engine_process import (EngineProcess, SGLangServerSpec, VLLMServerSpec, free_port_block,
-                                  port_free as _port_free)
+from dlmix.engine_process import (EngineProcess, LMDeployServerSpec, SGLangServerSpec, VLLMServerSpec,
+                                  free_port_block, port_free as _port_free)
 from dlmix.launch.config import DEVICE_VISIBILITY_ENV, Deployment, Instance
 from dlmix.launch.supervisor import Supervised, Supervisor, SupervisorEvent, console_printer
 from dlmix.pd.registration import registration_body
@@ -220,6 +220,36 @@ def _sglang_spec(dep: Deployment, i: int, model: str, secret: str, kv_events: Op
         hub_offline=bool(model) and Path(model).is_dir())
 
 
+def _lmdeploy_spec(dep: Deployment, i: int, model: str, secret: str) -> LMDeployServerSpec:
+    """The :class:`LMDeployServerSpec` of instance ``i``: prefill/decode roles use the ``DLMix`` migration backend
+    (authenticated with the launch's secret, plus the keys of the instance's own ``DLMIX_LMDEPLOY_CONFIG`` in
+    ``env``, e.g. ``transport``); on CPU a pool of 256 blocks (``--num-gpu-blocks``) unless
+    ``extra_args`` set one. The router learns the instance from its config (static registration), not from
+    LMDeploy's ``--proxy-url`` (the launched router has an admin key, which LMDeploy cannot send)."""
+    inst = dep.instances[i]
+    kv = inst.kv
+    cpu = inst.device == "cpu"
+    args = list(inst.extra_args)
+    env = _engine_env(dep, inst)
+    backend = None
+    if inst.role != "both":  # the launch's secret and bind host, then the instance's own DLMIX_LMDEPLOY_CONFIG keys
+        backend = {"shared_secret": secret, "host": inst.host}
+        own = env.pop("DLMIX_LMDEPLOY_CONFIG", None)
+        if own:
+            try:
+                backend.update(json.loads(own))
+            except (ValueError, TypeError):
+                env["DLMIX_LMDEPLOY_CONFIG"] = own  # not JSON: the engine refuses it with the reason at start
+                backend = None
+    return LMDeployServerSpec(
+        model=model, port=inst.port, host=inst.host, python=inst.python, served_model_name=dep.served_name_of(i),
+        dtype=kv.dtype, block_size=kv.block_size,
+        num_blocks=256 if cpu and "--num-gpu-blocks" not in args else None, session_len=inst.max_model_len,
+        tensor_parallel_size=inst.tensor_parallel_size, role=inst.role,
+        backend_config=backend, device=inst.device, taskset_cpus=inst.cpus, extra_args=args, env=env,
+        hub_offline=bool(model) and Path(model).is_dir())
+
+
 def _router_argv(config_path: Path) -> List[str]:
     """``python -m dlmix.cli router --config FILE``: the router runs as the CLI sub-command in a child process (the
     launcher never imports the CLI, which imports the launcher)."""
@@ -291,6 +321,16 @@ def plan(dep: Deployment, secret: str, log_dir: Path, models: Optional[Dict[int,
                     url=inst.url, instance_id=name, role=inst.role, engine="sglang", model=dep.served_name_of(i),
                     chip=inst.chip, heartbeat_ttl_s=0, block_size=inst.kv.block_size or 16, kv_events=ev,
                     bootstrap_port=bootstrap))
+            continue
+        if inst.engine == "lmdeploy":
+            lspec = _lmdeploy_spec(dep, i, models[i], secret)
+            plans.append(ProcessPlan(name=name, kind="engine", argv=lspec.argv(), env=lspec.env_additions(),
+                                     host=inst.host, port=inst.port, index=i, ready_timeout_s=inst.ready_timeout_s,
+                                     health_path="/health"))
+            if router_url:
+                static.append(registration_body(
+                    url=inst.url, instance_id=name, role=inst.role, engine="lmdeploy", model=dep.served_name_of(i),
+                    chip=inst.chip, heartbeat_ttl_s=0, block_size=inst.kv.block_size or 64))
             continue
         vspec = _vllm_spec(dep, i, models[i], kv_transfer, ev)
         env = vspec.env_additions()  # mock engines get the same environment

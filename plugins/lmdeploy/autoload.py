@@ -30,6 +30,7 @@ WATCHED = frozenset({
     "lmdeploy.pytorch.engine.engine_loop",
     "lmdeploy.pytorch.engine.engine",
     "lmdeploy.pytorch.backends.selector",
+    "lmdeploy.pytorch.engine.mp_engine.zmq_engine",
 })
 
 _installed = False

@@ -17,6 +17,8 @@ Where each patch goes, and why (LMDeploy 0.18 sources):
   core, and a request whose pull failed is answered with an error instead of decoding from incomplete KV;
 * ``pytorch/engine/engine.py``: ``end_session`` of a held prefill session ends the core's hold; the session itself
   ends once no read can touch its blocks;
+* ``pytorch/engine/mp_engine/zmq_engine.py``: a start-up race of LMDeploy's engine process fixed for DLMix engines
+  (:func:`_mp_engine`);
 * ``pytorch/backends/selector.py``: the CPU test aid's op backend, only with ``DLMIX_LMDEPLOY_CPU=1``.
 """
 from __future__ import annotations
@@ -208,6 +210,38 @@ def _engine(m: Any) -> None:
     _wrap(m.Engine, "end_session", make)
 
 
+def _mp_engine(m: Any) -> None:
+    """LMDeploy 0.18's ``ZMQMPEngine._start_mp_proc`` leaves its ``with mp.Manager()`` block as soon as the engine
+    process has published its RPC port, which shuts the manager down while that process may still be releasing the
+    manager's condition: the engine process then dies with ``EOFError`` ("engine process is not alive"), often on a
+    busy or single-core host. For engines that select DLMix (or run on the CPU aid) the manager is kept for the
+    engine's lifetime instead; everything else is as LMDeploy does it."""
+    def make(original):
+        def _start_mp_proc(self, model_path, engine_config=None, speculative_config=None, **kwargs):
+            mb = getattr(getattr(engine_config, "migration_backend", None), "name", None)
+            if mb != NAME and os.environ.get("DLMIX_LMDEPLOY_CPU") != "1":
+                return original(self, model_path, engine_config, speculative_config, **kwargs)
+            manager = m.mp.Manager()
+            self._dlmix_manager = manager  # lives as long as the engine (its process ends with ours)
+            shared, cond = manager.dict(), manager.Condition()
+            self.shared_dict = shared
+            self.mp_ctx = m.mp.get_context("spawn")
+            kw = dict(model_path=model_path, engine_config=engine_config, log_level=m.logger.level,
+                      speculative_config=speculative_config, **kwargs)
+            self.proc = self.mp_ctx.Process(target=self._mp_proc, args=(shared, cond), kwargs=kw,
+                                            name="mp_engine_proc")
+            self.proc.start()
+            with cond:
+                while "rpc_server_port" not in shared:
+                    if not self.proc.is_alive():
+                        raise RuntimeError("PyTorch ZMQ engine process exited before publishing RPC server port.")
+                    cond.wait(timeout=1)
+            self.port = shared["rpc_server_port"]
+        return _start_mp_proc
+
+    _wrap(m.ZMQMPEngine, "_start_mp_proc", make)
+
+
 def _selector(m: Any) -> None:
     if os.environ.get("DLMIX_LMDEPLOY_CPU") == "1":
         from .cpu import patch_selector
@@ -224,6 +258,7 @@ PATCHES: dict[str, Callable[[Any], None]] = {
     "lmdeploy.pytorch.engine.engine_loop": _engine_loop,
     "lmdeploy.pytorch.engine.engine": _engine,
     "lmdeploy.pytorch.backends.selector": _selector,
+    "lmdeploy.pytorch.engine.mp_engine.zmq_engine": _mp_engine,
 }
 
 

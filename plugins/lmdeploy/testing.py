@@ -13,7 +13,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from dlmix.engine_process import ServerChild, free_port
+from dlmix.engine_process import LMDEPLOY_ROLES, LMDeployServerSpec, ServerChild, free_port
 
 __all__ = ["lmdeploy_python", "LMDeployServer", "start_proxy", "start_api_server", "post_json", "free_port",
            "reference", "reference_chat", "first_divergence", "near_tie"]
@@ -37,39 +37,33 @@ class LMDeployServer(ServerChild):
     NAME = "LMDeploy"
 
 
-def _env(extra: dict[str, str] | None) -> dict[str, str]:
-    env = dict(os.environ)
-    env.update({"DLMIX_LMDEPLOY_CPU": "1", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"})
-    env.update(extra or {})
-    return env
+def _spawn(argv: list[str], env: dict[str, str], log_path: Path, url: str) -> LMDeployServer:
+    log = open(log_path, "wb")
+    proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    log.close()
+    return LMDeployServer(proc, url, log_path)
 
 
-def _spawn(args: list[str], log_path: Path, url: str, env: dict[str, str] | None) -> LMDeployServer:
+def _python() -> str:
     py = lmdeploy_python()
     if py is None:
         raise RuntimeError("no LMDeploy venv: run scripts/setup_lmdeploy.sh (or set DLMIX_LMDEPLOY_VENV)")
-    log = open(log_path, "wb")
-    # the console script, not ``python -m lmdeploy``: LMDeploy's __main__ runs its CLI unguarded, so the engine
-    # process it spawns would run it again
-    proc = subprocess.Popen([str(Path(py).parent / "lmdeploy"), *args], stdout=log, stderr=subprocess.STDOUT,
-                            env=_env(env), start_new_session=True)
-    log.close()
-    return LMDeployServer(proc, url, log_path)
+    return py
 
 
 def start_proxy(log_dir: Path, port: int | None = None, strategy: str = "DistServe") -> LMDeployServer:
     """``lmdeploy serve proxy`` on 127.0.0.1 (``--serving-strategy DistServe`` by default), with
     ``--disable-cache-status``: LMDeploy's proxy otherwise saves its node list to ``serve/proxy/proxy_config.json`` in
     its package and loads it at import, so nodes of earlier runs come back (a saved list is removed first)."""
-    py = lmdeploy_python()
-    if py is not None:
-        for saved in Path(py).parents[1].glob("lib/python3*/site-packages/lmdeploy/serve/proxy/proxy_config.json"):
-            saved.unlink(missing_ok=True)
+    venv = Path(_python()).parents[1]
+    for saved in venv.glob("lib/python3*/site-packages/lmdeploy/serve/proxy/proxy_config.json"):
+        saved.unlink(missing_ok=True)
     port = port or free_port()
-    return _spawn(["serve", "proxy", "--server-name", "127.0.0.1", "--server-port", str(port),
-                   "--serving-strategy", strategy, "--routing-strategy", "min_expected_latency",
-                   "--disable-cache-status"],
-                  Path(log_dir) / f"proxy-{port}.log", f"http://127.0.0.1:{port}", None)
+    spec = LMDeployServerSpec(model="", port=port)  # for its environment (CPU aid, offline hub)
+    argv = [str(Path(_python()).parent / "lmdeploy"), "serve", "proxy", "--server-name", "127.0.0.1",
+            "--server-port", str(port), "--serving-strategy", strategy, "--routing-strategy",
+            "min_expected_latency", "--disable-cache-status"]
+    return _spawn(argv, spec.child_env(), Path(log_dir) / f"proxy-{port}.log", f"http://127.0.0.1:{port}")
 
 
 def start_api_server(model: str, log_dir: Path, *, role: str = "Hybrid", dtype: str = "float16",
@@ -79,16 +73,16 @@ def start_api_server(model: str, log_dir: Path, *, role: str = "Hybrid", dtype: 
     """``lmdeploy serve api_server MODEL --backend pytorch`` on 127.0.0.1 with a fixed block count
     (``--num-gpu-blocks``: otherwise it follows free memory), eager mode, the given role and migration backend."""
     port = port or free_port()
-    args = ["serve", "api_server", str(model), "--backend", "pytorch", "--server-name", "127.0.0.1",
-            "--server-port", str(port), "--eager-mode", "--dtype", dtype, "--cache-block-seq-len", str(block_size),
-            "--num-gpu-blocks", str(num_blocks), "--session-len", str(session_len), "--max-batch-size", "8",
-            "--role", role]
-    if role != "Hybrid":
-        args += ["--migration-backend", migration_backend]
-    if proxy_url:
-        args += ["--proxy-url", proxy_url]
-    return _spawn(args + list(extra or []), Path(log_dir) / f"{role.lower()}-{port}.log",
-                  f"http://127.0.0.1:{port}", env)
+    spec = LMDeployServerSpec(model=str(model), port=port, python=_python(), dtype=dtype, block_size=block_size,
+                              num_blocks=num_blocks, session_len=session_len, role=dlmix_role(role),
+                              migration_backend=migration_backend, proxy_url=proxy_url, extra_args=list(extra or []),
+                              env={"PYTHONUNBUFFERED": "1", **(env or {})}, hub_offline=False)
+    return _spawn(spec.argv(), spec.child_env(), Path(log_dir) / f"{role.lower()}-{port}.log", spec.url)
+
+
+def dlmix_role(role: str) -> str:
+    """dlmix role of an LMDeploy ``--role`` name (``Prefill`` -> ``prefill``, ``Hybrid`` -> ``both``)."""
+    return {v: k for k, v in LMDEPLOY_ROLES.items()}[role]
 
 
 def post_json(url: str, body: dict[str, Any], timeout: float = 300.0) -> tuple[int, dict[str, Any]]:
