@@ -212,8 +212,32 @@ SGLANG_CPU_FLAGS = ["--device", "cpu", "--attention-backend", "torch_native", "-
 SGLANG_CPU_PD_FLAGS = ["--disable-overlap-schedule", "--disable-radix-cache"]
 
 
+class _OwnVenvServer:
+    """Environment and URL of an engine server that runs in a venv of its own (SGLang, LMDeploy): our environment
+    without ``PYTHONPATH`` (that venv has its own dlmix), ``PYTHONUNBUFFERED`` defaulted, plus the spec's
+    ``env_additions()``."""
+
+    host: str
+    port: int
+
+    def env_additions(self) -> dict[str, str]:  # pragma: no cover - every spec defines it
+        raise NotImplementedError
+
+    def child_env(self) -> dict[str, str]:
+        """The child's environment (class doc)."""
+        env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+        env.setdefault("PYTHONUNBUFFERED", "1")
+        env.update(self.env_additions())
+        return env
+
+    @property
+    def url(self) -> str:
+        """Base URL of the OpenAI API."""
+        return f"http://{self.host}:{self.port}"
+
+
 @dataclass
-class SGLangServerSpec:
+class SGLangServerSpec(_OwnVenvServer):
     """What an SGLang server (``python -m sglang.launch_server``, SGLang 0.5) needs: the one builder of SGLang
     command lines and environments in dlmix (``dlmix launch`` and the SGLang adapter's test helpers use it).
 
@@ -311,18 +335,6 @@ class SGLangServerSpec:
         add.update(self.env)
         return add
 
-    def child_env(self) -> dict[str, str]:
-        """The child's environment: ours without ``PYTHONPATH`` (the SGLang venv has its own dlmix and stand-ins),
-        with ``PYTHONUNBUFFERED`` defaulted, plus :meth:`env_additions`."""
-        env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-        env.setdefault("PYTHONUNBUFFERED", "1")
-        env.update(self.env_additions())
-        return env
-
-    @property
-    def url(self) -> str:
-        """Base URL of the OpenAI API."""
-        return f"http://{self.host}:{self.port}"
 
 
 #: LMDeploy ``--role`` per dlmix role
@@ -330,7 +342,7 @@ LMDEPLOY_ROLES = {"prefill": "Prefill", "decode": "Decode", "both": "Hybrid"}
 
 
 @dataclass
-class LMDeployServerSpec:
+class LMDeployServerSpec(_OwnVenvServer):
     """What an LMDeploy PyTorch-engine server (``lmdeploy serve api_server``, LMDeploy 0.18) needs: the one builder of
     LMDeploy command lines and environments in dlmix (``dlmix launch`` and the LMDeploy adapter's test helpers).
 
@@ -413,18 +425,6 @@ class LMDeployServerSpec:
         add.update(self.env)
         return add
 
-    def child_env(self) -> dict[str, str]:
-        """The child's environment: ours without ``PYTHONPATH`` (the LMDeploy venv has its own dlmix), with
-        ``PYTHONUNBUFFERED`` defaulted, plus :meth:`env_additions`."""
-        env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-        env.setdefault("PYTHONUNBUFFERED", "1")
-        env.update(self.env_additions())
-        return env
-
-    @property
-    def url(self) -> str:
-        """Base URL of the OpenAI API."""
-        return f"http://{self.host}:{self.port}"
 
 
 def pd_test_spec(name: str, model: str, workdir, *, role: str | None, cpu: str, port: int, block_size: int = 128,

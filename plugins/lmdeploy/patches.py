@@ -88,11 +88,18 @@ def is_dlmix(cache_config: Any) -> bool:
     return getattr(getattr(cache_config, "migration_backend", None), "name", None) == NAME
 
 
-def current() -> Any:
-    """This process's :class:`dlmix_lmdeploy.backend.Rank`, or None (imported late: ``backend`` imports LMDeploy)."""
-    from .backend import current as rank
+_backend: Any = None
 
-    return rank()
+
+def current() -> Any:
+    """This process's :class:`dlmix_lmdeploy.backend.Rank`, or None (``backend`` is imported on the first call, not
+    at patch time: it imports LMDeploy; called on every engine step, so the module is kept)."""
+    global _backend
+    if _backend is None:
+        from . import backend as _b
+
+        _backend = _b
+    return _backend.current()
 
 
 def _agent(m: Any) -> None:
