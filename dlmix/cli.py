@@ -1,6 +1,8 @@
 """The ``dlmix`` command line (typer). Each sub-command lives in its own module; this file only wires them."""
 from __future__ import annotations
 
+from typing import List
+
 import typer
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, help="dlmix: heterogeneous LLM serving.")
@@ -26,16 +28,19 @@ def models_prepare(
 
 @app.command("demo")
 def demo(
-    deployment: str = typer.Option(None, "--deployment", help="Deployment file (default: examples/cpu-pd.yaml)"),
+    deployment: List[str] = typer.Option(None, "--deployment", help="Deployment file, repeatable (default: "
+                                         "examples/cpu-pd.yaml, then examples/cpu-lmdeploy-prefill-vllm-decode.yaml)"),
     max_tokens: int = typer.Option(48, "--max-tokens", help="Output tokens per request"),
     free_ports: bool = typer.Option(False, "--free-ports", help="Use free ports instead of the file's"),
     json_out: str = typer.Option(None, "--json", help="Also write the per-request rows to this JSON file"),
 ) -> None:
-    """Launch the CPU heterogeneous PD example with SmolLM2, send real requests through the router, print a table
-    per request; exit code 0 only if every request succeeded and the decode instance received KV (measured)."""
+    """Launch the CPU PD examples with SmolLM2 (across block size and dtype; across engines), send real requests
+    through the router, print a table per request; exit code 0 only if every request succeeded, the decode instance
+    received KV and every answer equals a single instance's up to near-ties (measured)."""
     from dlmix.demo import run_demo
 
-    raise typer.Exit(run_demo(deployment, max_tokens=max_tokens, free_ports=free_ports, json_out=json_out))
+    raise typer.Exit(run_demo(list(deployment or ()) or None, max_tokens=max_tokens, free_ports=free_ports,
+                              json_out=json_out))
 
 
 from dlmix.bench.cli import bench as _bench  # noqa: E402

@@ -1,7 +1,10 @@
 """``dlmix demo``: the README's main job, on the real SmolLM2 model.
 
-It launches the CPU heterogeneous PD example (``examples/cpu-pd.yaml``: prefill in bf16 with KV block size 32 on
-core 0, decode in fp32 with block size 128 on core 1, the dlmix router in front), sends a handful of real requests
+It launches two CPU PD deployments in turn, the dlmix router in front of each: ``examples/cpu-pd.yaml`` (vLLM
+prefill in bf16 with KV block size 32 on core 0, vLLM decode in fp32 with block size 128 on core 1), then
+``examples/cpu-lmdeploy-prefill-vllm-decode.yaml`` (PD across engines: an LMDeploy prefill in bf16 with block size 16
+and its packed cache pool feeds the same vLLM decode; skipped with the reason when LMDeploy's venv is absent). For
+each it sends a handful of real requests
 through the router (single questions, a multi-turn chat sharing a long system prompt, streamed and not), prints the
 answers as they stream, and ends with one table row per request:
 
@@ -10,7 +13,8 @@ answers as they stream, and ends with one table row per request:
 
 Everything in the table is measured, nothing assumed: requests go one at a time, and each row comes from the
 difference of Prometheus counters before and after the request (the router's ``dlmix_router_requests_total``
-by route and ``dlmix_router_responses_total`` by instance; the engines' ``vllm:prefix_cache_hits_total``; the
+by route, ``dlmix_router_prefill_responses_total`` and ``dlmix_router_responses_total`` by instance; the vLLM
+engines' ``vllm:prefix_cache_hits_total``; the
 decode instance's ``vllm:dlmix_kv_bytes_received_total`` and ``vllm:dlmix_kv_transfer_seconds_sum``, published by
 DLMixConnector), plus client-side timing of the stream (TTFT, TPOT = (E2E − TTFT) / (output tokens − 1)).
 
@@ -39,13 +43,16 @@ import httpx
 
 from dlmix.testing import output_logprobs
 
-__all__ = ["run_demo", "DEFAULT_DEPLOYMENT", "DemoRow", "scrape", "first_divergence", "NEAR_TIE_NATS"]
+__all__ = ["run_demo", "DEFAULT_DEPLOYMENT", "DEFAULT_DEPLOYMENTS", "DemoRow", "scrape", "first_divergence", "NEAR_TIE_NATS"]
 
 #: A first differing token whose top-1/top-2 logprob gap on the single instance is below this (nats) is a near-tie,
 #: not a wrong answer: the threshold the bf16 prefill -> fp32 decode end-to-end test uses (tests/test_vllm_pd.py).
 NEAR_TIE_NATS = 0.5
 
 DEFAULT_DEPLOYMENT = Path(__file__).resolve().parents[1] / "examples" / "cpu-pd.yaml"
+#: what ``dlmix demo`` runs: PD across block size and dtype on vLLM, then PD across engines (an LMDeploy prefill
+#: feeding a vLLM decode; skipped with the reason when the LMDeploy venv is absent)
+DEFAULT_DEPLOYMENTS = (DEFAULT_DEPLOYMENT, DEFAULT_DEPLOYMENT.parent / "cpu-lmdeploy-prefill-vllm-decode.yaml")
 
 SYSTEM_PROMPT = (
     "You are the help desk assistant of Northwind Rail, a regional railway company. Answer briefly and politely. "
@@ -79,6 +86,7 @@ class DemoRow:
     """Measured figures of one request (bytes, seconds, tokens); ``None`` where not measurable."""
 
     label: str
+    deployment: str = ""
     ok: bool = False
     error: str = ""
     text: str = ""
@@ -203,15 +211,17 @@ def _send(client: httpx.Client, base: str, req: DemoRequest, row: DemoRow, echo)
 def _measure(row: DemoRow, roles: Dict[str, str], before: dict, after: dict) -> None:
     """Fill placement, prefix hits and KV transfer figures of ``row`` from metric differences.
 
-    The instances that served the request are those whose ``vllm:request_success_total`` grew; in a disaggregated
-    request both the prefill instance (its one-token prefill leg) and the decode instance did.
+    The instances that served the request are those the router counted a successful answer from: its
+    ``dlmix_router_prefill_responses_total`` (the one-token prefill leg of a disaggregated request) and
+    ``dlmix_router_responses_total`` (the decode leg, or the whole request) by instance, whatever their engine.
+    Prefix hits and KV bytes come from the vLLM instances' own counters (absent for other engines: ``-``).
     """
-    routes = _delta(after["router"], before["router"], "dlmix_router_requests_total")
+    r0, r1 = before["router"], after["router"]
+    routes = _delta(r1, r0, "dlmix_router_requests_total")
     row.extra["route"] = ",".join(sorted(dict(k).get("route", "?") for k in routes)) or "?"  # type: ignore
-    touched = [n for n in roles if n in after
-               and _sum(_delta(after[n], before[n], "vllm:request_success_total")) > 0]
-    dec = [n for n in touched if roles[n] in ("decode", "both")]
-    pre = [n for n in touched if roles[n] == "prefill"]
+    served = lambda name: [dict(k).get("instance") for k in _delta(r1, r0, name, status="2xx")]  # noqa: E731
+    pre = [n for n in served("dlmix_router_prefill_responses_total") if n in roles]
+    dec = [n for n in served("dlmix_router_responses_total") if n in roles]
     row.decode = dec[0] if dec else "-"
     row.prefill = pre[0] if pre else row.decode
     row.path = "disaggregated" if pre else "local"
@@ -271,10 +281,10 @@ def _check_single(client: httpx.Client, url: str, req: DemoRequest, row: DemoRow
     row.extra["single_gap_nats"] = round(gap, 4)
 
 
-def _table(rows: List[DemoRow]):
+def _table(rows: List[DemoRow], name: str = ""):
     from rich.table import Table
 
-    t = Table(title="dlmix demo: one row per request (measured)")
+    t = Table(title=f"dlmix demo{' ' + name if name else ''}: one row per request (measured)")
     for col in ("request", "prefill", "decode", "path", "prompt tok", "prefix hit P/D", "KV bytes moved",
                 "transfer ms", "TTFT ms", "TPOT ms", "single instance", "ok"):
         t.add_column(col, justify="left" if col in ("request", "prefill", "decode", "path") else "right")
@@ -287,33 +297,85 @@ def _table(rows: List[DemoRow]):
     return t
 
 
-def run_demo(deployment: str | Path | None = None, max_tokens: int = 48, free_ports: bool = False,
-             json_out: Optional[str] = None) -> int:
-    """Launch ``deployment`` (default ``examples/cpu-pd.yaml``), run the demo requests, print the table.
+def run_demo(deployment: str | Path | List[str | Path] | None = None, max_tokens: int = 48,
+             free_ports: bool = False, json_out: Optional[str] = None) -> int:
+    """Launch each deployment in turn (default :data:`DEFAULT_DEPLOYMENTS`: vLLM PD across block size and dtype,
+    then an LMDeploy prefill feeding a vLLM decode), run the demo requests, print the table per deployment.
 
     Args:
-        deployment: deployment file (see ``dlmix launch``); it needs a router and a decode instance.
+        deployment: one deployment file or a list (see ``dlmix launch``); each needs a router and a decode instance.
         max_tokens: output tokens per request.
         free_ports: replace every port of the file by a free one (for tests and busy machines).
-        json_out: also write the rows as JSON to this file.
+        json_out: also write the rows as JSON to this file (each row names its ``deployment``).
 
     Returns:
-        0 when every request succeeded, the decode side received KV bytes (measured) and every answer equals a
-        single instance's up to near-ties, else 1; 2 for a bad file.
+        0 when, in every deployment, every request succeeded, the decode side received KV bytes (measured) and every
+        answer equals a single instance's up to near-ties, else 1; 2 for a bad file.
     """
     from rich.console import Console
 
+    console = Console(width=None if sys.stdout.isatty() else 150)
+    if deployment is None:
+        paths = []
+        for p in DEFAULT_DEPLOYMENTS:
+            missing = _missing_python(p)
+            if missing:
+                console.print(f"[yellow]demo: skipping {p.name}: {missing}")
+            else:
+                paths.append(p)
+    else:
+        paths = [Path(d) for d in (deployment if isinstance(deployment, (list, tuple)) else [deployment])]
+    rc, rows = 0, []
+    for path in paths:
+        r, part = _run_one(console, path, max_tokens, free_ports)
+        rows += part
+        rc = max(rc, r)
+        if r == 2:
+            break
+    if json_out:
+        Path(json_out).write_text(json.dumps([r.__dict__ for r in rows], indent=1, default=str))
+    return rc
+
+
+def _missing_python(path: Path) -> str:
+    """Why a default deployment cannot run here (an instance's ``python`` is absent), or ``""``."""
+    from dlmix.launch import ConfigError, Deployment
+
+    try:
+        dep = Deployment.from_file(path)
+    except (ConfigError, OSError) as e:
+        return str(e)
+    for inst in dep.instances:
+        if inst.python and not Path(_resolve_python(inst.python, path)).exists():
+            return (f"instance {inst.name!r} runs {inst.python}, which does not exist (scripts/setup.sh builds it "
+                    "unless DLMIX_WITH_LMDEPLOY=0)")
+    return ""
+
+
+def _resolve_python(python: str, path: Path) -> str:
+    """A relative ``python`` of a bundled example is relative to the project root (where scripts/setup.sh builds
+    the engines' venvs), not to where ``dlmix demo`` runs."""
+    p = Path(python)
+    if p.is_absolute() or p.exists() or path.resolve().parent != DEFAULT_DEPLOYMENT.parent:
+        return python
+    return str(DEFAULT_DEPLOYMENT.parents[1] / p)
+
+
+def _run_one(console, path: Path, max_tokens: int, free_ports: bool) -> tuple:
+    """Launch one deployment, run the demo requests, print its table. Returns (exit code, rows)."""
     from dlmix.engine_process import free_port_block
     from dlmix.launch import ConfigError, Deployment, LaunchError, launch
     from dlmix.models import ModelError
 
-    console = Console(width=None if sys.stdout.isatty() else 150)
-    path = Path(deployment) if deployment else DEFAULT_DEPLOYMENT
+    console.print(f"\n[bold]== {path.name} ==[/]")
     try:
         dep = Deployment.from_file(path)
     except (ConfigError, OSError) as e:
         console.print(f"[red]demo: cannot use {path}: {e}")
-        return 2
+        return 2, []
+    for inst in dep.instances:
+        if inst.python:
+            inst.python = _resolve_python(inst.python, path)
     if free_ports:  # below the ephemeral range: engines starting meanwhile cannot take them (free_port_block)
         taken: set = set()
         for obj in [dep.router, *dep.instances]:
@@ -321,7 +383,7 @@ def run_demo(deployment: str | Path | None = None, max_tokens: int = 48, free_po
             taken.add(obj.port)
     if not dep.router_enabled():
         console.print(f"[red]demo: {path} has no router")
-        return 2
+        return 2, []
     rows: List[DemoRow] = []
     try:
         with launch(dep, console=console) as running:
@@ -329,6 +391,9 @@ def run_demo(deployment: str | Path | None = None, max_tokens: int = 48, free_po
             model = running.instances[0].served_model_name
             roles = {i.name: i.role for i in running.instances}
             urls = {i.name: i.url for i in running.instances}
+            engines = {i.name: i.engine for i in running.instances}
+            # vLLM instances publish the connector's counters; other engines are seen through the router's
+            metric_urls = {n: u for n, u in urls.items() if engines[n] in ("vllm", "mock")}
             console.print(f"\n[bold]Router at {base}[/]; instances: "
                           + ", ".join(f"{i.name} ({i.role}, {i.url})" for i in running.instances))
             reqs = demo_requests(model, max_tokens)
@@ -344,8 +409,8 @@ def run_demo(deployment: str | Path | None = None, max_tokens: int = 48, free_po
                     last = req.body.get("messages", [{}])[-1].get("content") if "messages" in req.body else \
                         req.body["prompt"]
                     console.print(f"[dim]{last}[/]")
-                    before = {"router": scrape(base), **{n: scrape(u) for n, u in urls.items()}}
-                    row = DemoRow(req.label)
+                    before = {"router": scrape(base), **{n: scrape(u) for n, u in metric_urls.items()}}
+                    row = DemoRow(req.label, deployment=path.stem)
                     try:
                         _send(client, base, req, row, lambda s: (sys.stdout.write(s), sys.stdout.flush()))
                     except httpx.HTTPError as e:
@@ -356,7 +421,7 @@ def run_demo(deployment: str | Path | None = None, max_tokens: int = 48, free_po
                     # engine stats reach Prometheus on the engine's next step: poll briefly for them to settle
                     after = {}
                     for _ in range(20):
-                        after = {"router": scrape(base), **{n: scrape(u) for n, u in urls.items()}}
+                        after = {"router": scrape(base), **{n: scrape(u) for n, u in metric_urls.items()}}
                         _measure(row, roles, before, after)
                         if row.decode != "-" and (row.path != "disaggregated" or row.kv_bytes > 0):
                             break
@@ -368,24 +433,22 @@ def run_demo(deployment: str | Path | None = None, max_tokens: int = 48, free_po
                 console.print("\n[bold]Checking every answer against a single instance[/] (the decode instance "
                               "alone, greedy, own prefill: a fresh cache_salt)")
                 for req, row in zip(reqs, rows):
-                    if row.ok and row.decode in urls:
+                    if row.ok and row.decode in metric_urls:
                         _check_single(client, urls[row.decode], req, row)
     except (LaunchError, ModelError) as e:
         console.print(f"[red]demo: deployment failed: {e}")
-        return 1
-    console.print(_table(rows))
+        return 1, rows
+    console.print(_table(rows, path.stem))
     total_kv = sum(r.kv_bytes for r in rows)
     wrong = [r.label for r in rows if r.single.startswith(("DIFFERS", "error"))]
     ties = [r.label for r in rows if r.single.startswith("near-tie")]
     ok = all(r.ok for r in rows) and total_kv > 0 and not wrong
-    if json_out:
-        Path(json_out).write_text(json.dumps([r.__dict__ for r in rows], indent=1, default=str))
     if ok:
         console.print(f"[green]demo ok: {len(rows)} requests succeeded; the decode instance received "
                       f"{total_kv:,} bytes of KV from the prefill instance; answers equal to a single instance: "
                       f"{len(rows) - len(ties)}, near-ties (top-2 gap < {NEAR_TIE_NATS} nats): {len(ties)}")
-        return 0
+        return 0, rows
     failed = [r.label for r in rows if not r.ok]
     console.print(f"[red]demo failed: unsuccessful requests {failed}; answers that differ from a single instance "
                   f"(not a near-tie) or could not be checked: {wrong}; KV bytes received by decode: {total_kv}")
-    return 1
+    return 1, rows

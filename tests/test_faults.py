@@ -31,6 +31,7 @@ def _layout(bs: int = 32, dtype: str = "bf16") -> KVLayout:
 def test_prefill_body_prefills_once_and_names_the_consumers():
     one = msgspec.json.decode(vllm_adapter.prefill_body({"prompt": "hi", "n": 1}, False))
     assert one["n"] == 1 and "dlmix_consumers" not in one["kv_transfer_params"]
+    assert one["return_token_ids"] is True  # the first token's id, for a decode of another engine
     three = msgspec.json.decode(vllm_adapter.prefill_body({"prompt": "hi", "n": 3, "stream": True}, False))
     assert three["n"] == 1 and three["max_tokens"] == 1 and three["stream"] is False
     assert three["kv_transfer_params"] == {**vllm_adapter.PREFILL_KV_PARAMS, "dlmix_consumers": 3}

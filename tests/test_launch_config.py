@@ -228,7 +228,12 @@ def test_lmdeploy_config_errors():
     two = ("model: m\nrouter: {port: 18000}\ninstances:\n"
            "  - {name: p, engine: lmdeploy, role: prefill, port: 18100}\n"
            "  - {name: d, engine: %s, role: decode, port: 18200%s}\n")
-    assert "PD flows differ" in _err(two % ("vllm", ""))
+    # bridges join LMDeploy and vLLM both ways; an SGLang decode takes neither
+    assert Deployment.from_yaml(two % ("vllm", ""), "dep.yaml").instances[1].engine == "vllm"
+    vp = two.replace("engine: lmdeploy, role: prefill", "engine: vllm, role: prefill")
+    assert Deployment.from_yaml(vp % ("lmdeploy", ""), "dep.yaml").instances[1].engine == "lmdeploy"
+    err = _err(two % ("sglang", ""))
+    assert "a lmdeploy prefill cannot feed a sglang decode" in err and "PD flows differ" in err
     assert "LMDeploy's KV dtype follows --dtype" in _err(two % ("lmdeploy", ", kv: {cache_dtype: fp8}"))
     assert "DLMix migration backend" in _err(two % ("lmdeploy", ", connector: {name: X}"))
     assert "needs an LMDeploy prefill" in _err("model: m\nrouter: {port: 18000}\ninstances:\n"

@@ -44,9 +44,7 @@ def servers(smollm2_dir, tmp_path_factory):
         proxy = T.start_proxy(logs)
         started.append(proxy)
         proxy.wait_ready(timeout_s=120, path="/nodes/status")
-        # one at a time, each retried once: LMDeploy 0.18's api_server shuts its multiprocessing manager down while
-        # the engine process may still be releasing the manager's condition (zmq_engine.py ``_start_mp_proc``), a
-        # start-up race that a loaded machine hits now and then (EOFError, "engine process is not alive")
+        # one at a time, each retried once on LMDeploy 0.18's start-up race (dlmix_lmdeploy.testing.start_ready)
         rt = RouterThread(RouterConfig(host="127.0.0.1", port=0, policy="cost", model_spec=str(smollm2_dir)))
         routers.append(rt)
         specs = {"P": dict(role="Prefill", dtype="bfloat16", block_size=16, num_blocks=48, proxy_url=proxy.url),
@@ -57,20 +55,7 @@ def servers(smollm2_dir, tmp_path_factory):
                  "D2": dict(role="Decode", dtype="float16", block_size=64, num_blocks=64, proxy_url=rt.url),
                  "R": dict(role="Hybrid", dtype="float16", block_size=64, num_blocks=64,
                            extra=["--logprobs-mode", "raw_logprobs"])}
-        servers = {}
-        for name, kw in specs.items():
-            kw["port"] = T.free_port()  # a retry keeps the port: the proxy may have registered the first attempt
-            for attempt in (1, 2):
-                s = T.start_api_server(str(smollm2_dir), logs, **kw)
-                started.append(s)
-                try:
-                    s.wait_ready()
-                    break
-                except RuntimeError:
-                    s.stop()
-                    if attempt == 2 or "not alive" not in s.log_tail(200):
-                        raise
-            servers[name] = s
+        servers = {name: T.start_ready(str(smollm2_dir), logs, started, **kw) for name, kw in specs.items()}
         yield {**servers, "proxy": proxy, "router": rt, "model": str(smollm2_dir)}
     finally:
         for s in reversed(started):
@@ -160,34 +145,7 @@ def test_incompatible_pair_refused_at_connection_with_reason(servers):
 
 # ---------------------------------------------------------------------------------------------- the dlmix router
 def _router_request(url: str, model: str, kind: str, prompt: str) -> str:
-    """One greedy request of ``kind`` (completion / chat, ``-stream`` for SSE) through the router; the text."""
-    chat = kind.startswith("chat")
-    body: dict = {"model": model, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True}
-    if chat:
-        body["messages"] = [{"role": "user", "content": prompt}]
-    else:
-        body["prompt"] = prompt
-    path = "/v1/chat/completions" if chat else "/v1/completions"
-    if not kind.endswith("-stream"):
-        status, out = T.post_json(url + path, body)
-        assert status == 200, (kind, status, out)
-        c = out["choices"][0]
-        return c["message"]["content"] if chat else c["text"]
-    import urllib.request
-
-    body["stream"] = True
-    req = urllib.request.Request(url + path, json.dumps(body).encode(), {"Content-Type": "application/json"})
-    text = []
-    with urllib.request.urlopen(req, timeout=300) as r:
-        assert r.status == 200
-        for line in r:
-            line = line.strip()
-            if not line.startswith(b"data:") or line == b"data: [DONE]":
-                continue
-            c = json.loads(line[5:])["choices"]
-            if c:
-                text.append((c[0].get("delta") or {}).get("content") or "" if chat else c[0].get("text") or "")
-    return "".join(text)
+    return T.router_request(url, model, kind, prompt, MAX_TOKENS)
 
 
 def test_servers_register_themselves_with_the_dlmix_router(servers):

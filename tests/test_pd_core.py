@@ -104,6 +104,31 @@ def test_hold_granted_exactly_and_released_on_consumed():
     assert p.take_finished() == {"r"} and p.held_count() == 0
 
 
+def test_a_hold_is_also_named_by_its_block_ids():
+    """A consumer that knows the blocks but not the request id (an LMDeploy decode fed by a vLLM prefill) names the
+    hold by ``block_ids_transfer_id``: granted under that name, extended, released, and the alias goes with the
+    hold; the engine still sees its own request id."""
+    from dlmix.pd.contract import block_ids_transfer_id
+
+    p, t = _producer()
+    released = []
+    p.on_released = lambda rid, why: released.append((rid, why))
+    p.add_hold("vllm-req-1", [3, 4], 40, digest=prompt_digest(range(40)))
+    alias = block_ids_transfer_id([3, 4])
+    p.handle("d", _want(req=alias, digest=prompt_digest(range(1, 41))))  # the prompt check still applies
+    assert t.sent[-1][1]["type"] == "refused" and "differs" in t.sent[-1][1]["reasons"][0] and t.grants == {}
+    p.handle("d", _want(req=alias, digest=prompt_digest(range(40))))
+    assert t.sent[-1] == ("d", encode(__import__("dlmix.pd.contract", fromlist=["Ready"]).Ready(req=alias)))
+    assert t.grants == {alias: ("d", block_ranges(_layout(), [3, 4]))}
+    p.handle("d", _want(req="vllm-req-1"))  # the same blocks under the other name: not a second grant
+    assert t.sent[-1][1]["type"] == "refused" and "another consumer" in t.sent[-1][1]["reasons"][0]
+    p.handle("d", Consumed(req=alias))
+    assert t.grants == {} and released == [("vllm-req-1", "consumed")]
+    assert p.take_finished() == {"vllm-req-1"} and p.aliases == {}
+    p.handle("d", _want(req=alias))  # gone with the hold
+    assert t.sent[-1][1]["type"] == "refused" and "not held" in t.sent[-1][1]["reasons"][0]
+
+
 def test_want_refused_with_reasons_and_nothing_granted():
     p, t = _producer()
     p.add_hold("r", [3, 4], 40, digest=prompt_digest(range(40)))

@@ -18,7 +18,7 @@ from dlmix.testing import RouterThread
 
 def test_prefill_leg_keeps_the_cache_and_answers_one_token():
     body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 50, "stream": True,
-            "stream_options": {"include_usage": True}}
+            "stream_options": {"include_usage": True}, "logprobs": True, "top_logprobs": 2}
     out = json.loads(lmd.prefill_body(body, chat=True))
     assert out == {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1,
                    "max_completion_tokens": 1, "stream": False, "with_cache": True, "preserve_cache": True}
@@ -87,18 +87,28 @@ def test_cost_policy_disaggregates_short_prompts_for_a_decode_that_cannot_prefil
     assert needy.prefill is not None and needy.prefill.id == "i0" and needy.reason == "cost:pd"
 
 
-def test_vllm_and_lmdeploy_instances_never_pair():
-    """Both run a sequential flow, but the decode leg carries different things (``kv_transfer_params`` vs
-    ``migration_request``): registering an LMDeploy decode next to a vLLM prefill of the same model is refused (409)
-    with the reason."""
+def test_lmdeploy_pairs_with_vllm_both_ways_but_never_with_sglang():
+    """vLLM and LMDeploy both run a sequential flow, but their decode legs carry different things
+    (``kv_transfer_params`` vs ``migration_request``): bridges join them in both directions
+    (:mod:`dlmix.router.engines.bridges`). SGLang's concurrent bootstrap flow has no bridge: an SGLang decode next to
+    an LMDeploy prefill of the same model is refused (409) with the reason."""
     rt = RouterThread(RouterConfig(host="127.0.0.1", port=0))
     try:
         with httpx.Client(base_url=rt.url, timeout=10) as c:
-            r = c.post("/admin/instances", json={"url": "http://127.0.0.1:9", "role": "prefill", "engine": "vllm",
-                                                 "model": "m", "heartbeat_ttl_s": 0})
-            assert r.status_code in (200, 201), r.text
+            def add(port, role, engine, model="m"):
+                return c.post("/admin/instances", json={"url": f"http://127.0.0.1:{port}", "role": role,
+                                                        "engine": engine, "model": model, "heartbeat_ttl_s": 0})
+
+            assert add(9, "prefill", "vllm").status_code in (200, 201)
             r = c.post("/nodes/add", json={"url": "http://127.0.0.1:10", "status": {"models": ["m"], "role": 3}})
+            assert r.status_code in (200, 201), r.text
+            assert add(11, "decode", "vllm").status_code in (200, 201)
+            r = c.post("/nodes/add", json={"url": "http://127.0.0.1:12", "status": {"models": ["m"], "role": 2}})
+            assert r.status_code in (200, 201), r.text
+            assert sorted((i["engine"], i["role"]) for i in c.get("/admin/instances").json()["instances"]) == [
+                ("lmdeploy", "decode"), ("lmdeploy", "prefill"), ("vllm", "decode"), ("vllm", "prefill")]
+            r = add(13, "decode", "sglang")
             assert r.status_code == 409, r.text
-            assert "sequential/migration_request" in r.text and "sequential/kv_transfer_params" in r.text
+            assert "concurrent/bootstrap" in r.text and "lmdeploy (sequential/migration_request)" in r.text
     finally:
         rt.close()

@@ -530,15 +530,19 @@ def _cross_checks(dep: Deployment, marks: Dict[Path_, Tuple[int, int]], origin: 
         # a prefill instance pairs with decode and both instances (as the router does)
         pd_engines = sorted({i.engine for i in dep.instances
                              if i.role != "both" or "prefill" in roles})
-        from dlmix.router.engines import get_engine, pd_key  # the engine adapters own their PD flow
+        from dlmix.router.engines import can_pair, get_engine  # the engine adapters own their PD flow
 
         # the mock engine speaks vLLM's protocol
         adapters = {e: get_engine("vllm" if e == "mock" else e) for e in pd_engines}
-        flows = {e: pd_key(a) for e, a in adapters.items()}
-        if len(set(flows.values())) > 1:
-            bad(("instances",), f"prefill and decode instances of {' and '.join(pd_engines)} cannot be paired: "
-                "their PD flows differ (vLLM hands off kv_transfer_params after the prefill, SGLang a bootstrap "
-                "room before it, LMDeploy a migration_request after it)")
+        p_engines = sorted({i.engine for i in dep.instances if i.role == "prefill"})
+        d_engines = sorted({i.engine for i in dep.instances if i.role in ("decode", "both")})
+        unpaired = [(pe, de) for pe in p_engines for de in d_engines if not can_pair(adapters[pe], adapters[de])]
+        if unpaired:
+            bad(("instances",), "; ".join(
+                f"a {pe} prefill cannot feed a {de} decode" for pe, de in unpaired)
+                + ": their PD flows differ (vLLM hands off kv_transfer_params after the prefill, SGLang a bootstrap "
+                "room before it, LMDeploy a migration_request after it) and no bridge joins them (bridges join "
+                "LMDeploy and vLLM, both ways)")
         needy = [e for e in pd_engines if adapters[e].DECODE_NEEDS_PREFILL]
         if "decode" in roles and "prefill" not in roles and any(
                 i.role == "decode" and i.engine in needy for i in dep.instances):

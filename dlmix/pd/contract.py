@@ -58,6 +58,7 @@ __all__ = [
     "Abort",
     "ControlMessage",
     "prompt_digest",
+    "block_ids_transfer_id",
     "decode_params",
     "decode_message",
     "encode",
@@ -114,6 +115,25 @@ def prompt_digest(token_ids: Iterable[int]) -> str:
     if sys.byteorder != "little":  # pragma: no cover
         a.byteswap()
     return "sha256:" + hashlib.sha256(a.tobytes()).hexdigest()
+
+
+def block_ids_transfer_id(block_ids: Iterable[int]) -> str:
+    """Transfer id of a hold named by its producer block ids: ``"blk-<count>-<24 hex>"``, the count of blocks and the
+    BLAKE2b (12-byte digest) of the ids written in decimal, comma-separated, in token order.
+
+    For producers whose request id is not visible outside the engine (LMDeploy 0.18 answers the user's
+    ``session_id``, or ``-1``, not the engine's session): both the producer and whoever builds the consumer's
+    :class:`TransferParams` (the router) know the block ids, and blocks held for one request are not reused while
+    held, so the ids name the hold. Raises ContractError when an id is not a non-negative integer.
+    """
+    try:
+        ids = [int(b) for b in block_ids]
+    except (TypeError, ValueError) as e:
+        raise ContractError(f"block ids must be integers: {e}") from None
+    if any(b < 0 for b in ids):
+        raise ContractError("block ids must be non-negative")
+    h = hashlib.blake2b(",".join(str(b) for b in ids).encode(), digest_size=12)
+    return f"blk-{len(ids)}-{h.hexdigest()}"
 
 
 class TransportDescriptor(msgspec.Struct, forbid_unknown_fields=False, kw_only=True):

@@ -17,6 +17,9 @@ Rules:
   revoked and the hold released. Several consumers must be the same peer (one decode instance).
 * deadline passed (``hold_timeout_s`` after the hold began, or ``io_timeout_s`` after the last want/extend):
   revoked and released (``expired``); a later read fails and the consumer recomputes.
+* every message may name a hold by its request id or by :func:`dlmix.pd.contract.block_ids_transfer_id` of its
+  block ids (a consumer that learnt the blocks but not the request id: an LMDeploy decode fed by a vLLM prefill);
+  the grant is made under the name the consumer used.
 * :meth:`engine_abort`: revoke at once; a never-granted hold is released at once, a granted one only after
   ``io_timeout_s`` more (a read already being served may still touch the blocks; the transport lets served ops
   finish after a revoke) or when the consumer reports ``blocks_consumed``/``abort``.
@@ -31,7 +34,8 @@ from typing import Any, Callable
 
 from dlmix.kv.layout import KVLayout
 
-from .contract import Abort, Consumed, ContractError, ControlMessage, Extend, Ready, Refuse, Want, encode
+from .contract import (Abort, Consumed, ContractError, ControlMessage, Extend, Ready, Refuse, Want,
+                       block_ids_transfer_id, encode)
 from .engine import layer_planes, plane_page_bytes, region_names
 from .pair import check_pair
 
@@ -61,6 +65,14 @@ class Hold:
     free_after: float = 0.0
     grants: int = 0
     consumers: int = 1
+    alias: str = ""
+    grant_id: str = ""
+
+    def revoke(self, transport: Any) -> None:
+        """Revoke the read grant under both names it may have been made under."""
+        transport.revoke(self.req_id)
+        if self.grant_id and self.grant_id != self.req_id:
+            transport.revoke(self.grant_id)
 
 
 def block_ranges(layout: KVLayout, block_ids: list[int]) -> list[tuple[str, int, int]]:
@@ -101,6 +113,8 @@ class Producer:
         self.verify_weights = verify_weights
         self.on_released = on_released
         self.holds: dict[str, Hold] = {}
+        #: block_ids_transfer_id(block ids) -> request id, for consumers that name a hold by its blocks
+        self.aliases: dict[str, str] = {}
         self.cv = threading.Condition()
         self.stats = {"bytes_granted": 0, "grants": 0, "refused": 0, "expired": 0, "consumed": 0, "aborted": 0,
                       "engine_aborted": 0, "bad_messages": 0}
@@ -120,11 +134,22 @@ class Producer:
             raise ValueError(f"hold of {req_id}: block ids {bad[:5]} are outside 0..{self.num_blocks - 1}")
         if -(-int(num_tokens) // self.layout.block_size) > len(ids):
             raise ValueError(f"hold of {req_id}: {num_tokens} tokens need more than {len(ids)} blocks")
+        alias = block_ids_transfer_id(ids)
         with self.cv:
             if req_id not in self.holds:
                 self.holds[req_id] = Hold(req_id, ids, int(num_tokens), time.monotonic() + self.hold_timeout_s,
-                                          digest=digest, consumers=consumers)
+                                          digest=digest, consumers=consumers, alias=alias)
+                # blocks held for one request are not reused while held, so the alias names one hold; if two live
+                # holds share every block (the same cached prefix), the first keeps the alias
+                self.aliases.setdefault(alias, req_id)
             self.cv.notify_all()
+
+    def _hold(self, name: str) -> Hold | None:  # under self.cv
+        h = self.holds.get(name)
+        if h is None:
+            rid = self.aliases.get(name)
+            h = self.holds.get(rid) if rid is not None else None
+        return h
 
     def is_held(self, req_id: str) -> bool:
         with self.cv:
@@ -141,7 +166,7 @@ class Producer:
             h = self.holds.get(req_id)
             if h is None or h.done:
                 return
-            self.t.revoke(req_id)
+            h.revoke(self.t)
             self.stats["engine_aborted"] += 1
             if h.granted_to is None:
                 self._release(h, "engine_abort")
@@ -166,11 +191,13 @@ class Producer:
                 if h.done:
                     out.add(rid)
                     del self.holds[rid]
+                    if self.aliases.get(h.alias) == rid:
+                        del self.aliases[h.alias]
         return out
 
     def _release(self, h: Hold, why: str) -> None:  # under self.cv
         h.done, h.why, h.free_after = True, why, 0.0
-        self.t.revoke(h.req_id)
+        h.revoke(self.t)
         if self.on_released is not None:
             try:
                 self.on_released(h.req_id, why)
@@ -185,13 +212,14 @@ class Producer:
             self._want(peer, msg)
         elif isinstance(msg, Extend):
             with self.cv:
-                h = self.holds.get(msg.req)
-                if h is not None and not h.done and not h.free_after and h.granted_to == peer:
+                h = self._hold(msg.req)
+                if h is not None and not h.done and not h.free_after and h.granted_to == peer \
+                        and h.grant_id == msg.req:
                     h.expiry = max(h.expiry, time.monotonic() + self.io_timeout_s)
                     self.t.grant(peer, msg.req, [], mode="r", expires_s=max(1.0, h.expiry - time.monotonic()))
         elif isinstance(msg, (Consumed, Abort)):
             with self.cv:
-                h = self.holds.get(msg.req)
+                h = self._hold(msg.req)
                 if h is not None and not h.done:
                     consumed = isinstance(msg, Consumed)
                     self.stats["consumed" if consumed else "aborted"] += 1
@@ -223,9 +251,9 @@ class Producer:
                              dst_name="consumer")
         deadline = time.monotonic() + self.registration_wait_s
         with self.cv:
-            while rid not in self.holds and time.monotonic() < deadline:
+            while self._hold(rid) is None and time.monotonic() < deadline:
                 self.cv.wait(timeout=max(0.0, deadline - time.monotonic()))
-            h = self.holds.get(rid)
+            h = self._hold(rid)
             if h is None or h.done or h.free_after:
                 reasons.append(f"request {rid} is not held here (unknown, expired or already released)")
             else:
@@ -234,13 +262,13 @@ class Producer:
                 if msg.digest is not None and h.digest is not None and msg.digest != h.digest:
                     reasons.append(f"prompt of {rid} differs (consumer digest {msg.digest[:19]}..., held "
                                    f"{h.digest[:19]}...)")
-                if h.granted_to is not None and h.granted_to != peer:
+                if h.granted_to is not None and (h.granted_to != peer or h.grant_id != rid):
                     reasons.append(f"request {rid} is already granted to another consumer")
             if not reasons:
                 h.expiry = max(h.expiry, time.monotonic() + self.io_timeout_s)
                 ranges = block_ranges(self.layout, h.block_ids)
                 self.t.grant(peer, rid, ranges, mode="r", expires_s=max(1.0, h.expiry - time.monotonic()))
-                h.granted_to = peer
+                h.granted_to, h.grant_id = peer, rid
                 h.grants += 1
                 self.stats["grants"] += 1
                 self.stats["bytes_granted"] += sum(r[2] for r in ranges)

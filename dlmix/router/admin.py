@@ -16,6 +16,7 @@ from typing import Any, Optional
 
 import msgspec
 
+from dlmix.router.engines import bridges
 from dlmix.router.engines import lmdeploy as lmdeploy_engine
 from dlmix.router.registry import RegistrationError, Registry
 from dlmix.router.routes import Route, RouteTable
@@ -170,6 +171,7 @@ class AdminAPI:
         if isinstance(reg, str):
             return 400, {"error": reg}
         lmdeploy_engine.forget(reg["url"])  # a restarted engine needs its DistServe connections made again
+        bridges.forget(reg["url"])  # and its endpoint learnt again
         return self.state.register(reg)
 
     def lmdeploy_remove(self, body):
@@ -181,6 +183,7 @@ class AdminAPI:
         if b is None:
             return 404, {"error": f"no instance with url {url!r}"}
         lmdeploy_engine.forget(b.state.url)
+        bridges.forget(b.state.url)
         return self.state.delete(b)
 
     def get(self, body, backend):

@@ -21,6 +21,7 @@ from typing import Callable, Optional
 
 import msgspec
 
+from dlmix.router.engines.bridges import get_bridge
 from dlmix.router.proxy import BackendError, build_request, request
 from dlmix.routing.policies import prefill_work
 from dlmix.routing.state import Decision, InstanceState, NoInstanceError, RouteRequest
@@ -29,6 +30,10 @@ __all__ = ["PDOrchestrator", "SENT"]
 
 #: returned by :meth:`PDOrchestrator.prefill` when the prefill instance's 4xx answer was sent to the client
 SENT = object()
+
+
+async def _no_bridge(prefill_url: str, decode_url: str, kvp: dict, rbody: bytes) -> dict:
+    raise ValueError("their engines' PD flows differ and no bridge joins them")
 
 
 class PDOrchestrator:
@@ -73,7 +78,7 @@ class PDOrchestrator:
                         b.fails = 0
                         if m:
                             m.prefill_leg(b, status, kvp)
-                        return await self._pair_ready(conn, b, dec, kvp)
+                        return await self._pair_ready(conn, b, dec, kvp, rbody)
                     if m:
                         m.prefill_leg(b, status)
                     if 400 <= status < 500:
@@ -105,15 +110,26 @@ class PDOrchestrator:
             if m:
                 m.retry("prefill")
 
-    async def _pair_ready(self, conn, b, dec: Decision, kvp: dict):
-        """The engine adapter's optional ``pair_ready`` (e.g. LMDeploy's connection handshake) before the decode leg.
-        Returns ``kvp`` (completed), or :data:`SENT` after answering 502 with the reason when the pair cannot work."""
-        ready = getattr(b.engine, "pair_ready", None)
+    async def _pair_ready(self, conn, b, dec: Decision, kvp: dict, rbody: bytes):
+        """Make the prefill's hand-off fit the decode instance before the decode leg: across engines, the bridge
+        between them (:mod:`dlmix.router.engines.bridges`); otherwise the engine adapter's optional ``pair_ready``
+        (e.g. LMDeploy's connection handshake). Returns the decode leg's ``kvp``, or :data:`SENT` after answering 502
+        with the reason when the pair cannot work."""
         db = self.registry.backends.get(dec.decode.id)
-        if ready is None or db is None:
+        if db is None:
             return kvp
+        if db.engine is not b.engine:
+            ready = get_bridge(b.engine.NAME, db.engine.NAME)
+            if ready is None:  # registration refuses such pairs; a guard, not a path
+                ready = _no_bridge
+            call = ready(b.state.url, db.state.url, kvp, rbody)
+        else:
+            ready = getattr(b.engine, "pair_ready", None)
+            if ready is None:
+                return kvp
+            call = ready(b.state.url, db.state.url, kvp)
         try:
-            return await ready(b.state.url, db.state.url, kvp)
+            return await call
         except ValueError as ex:
             if self.metrics:
                 self.metrics.answer(502)

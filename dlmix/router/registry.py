@@ -28,7 +28,7 @@ from dlmix.errors import DlmixError
 from dlmix.pd.contract import ContractError
 from dlmix.pd.registration import decode_registration
 from dlmix.router import kv_events
-from dlmix.router.engines import get_engine, pd_key
+from dlmix.router.engines import can_pair, get_engine, pd_key
 from dlmix.router.proxy import BackendError, Pool, build_request, request
 from dlmix.routing.hashing import BlockHasher
 from dlmix.routing.state import ROLES, InstanceState
@@ -188,7 +188,7 @@ class Registry:
         #: decode-role instances that cannot serve a request without a prefill instance (engine adapter's
         #: ``DECODE_NEEDS_PREFILL``)
         self.decode_needs_prefill = 0
-        #: (model, role) -> {engine PD flow: instance count}
+        #: (model, role) -> {engine name: instance count} (PD flow compatibility, :meth:`_flow_conflicts`)
         self._flows: Dict[Tuple[str, str], Dict[str, int]] = {}
         self._pair_cache: Dict[Tuple[str, str], bool] = {}
         self._self_cache = None
@@ -377,10 +377,9 @@ class Registry:
         if st.role == "decode" and eng.DECODE_NEEDS_PREFILL:
             self.decode_needs_prefill += 1
             st.extra["needs_prefill"] = True  # policies never plan a local prefill on it
-        flow = pd_key(eng)
         for m in (st.model or ("",)):
             f = self._flows.setdefault((m, st.role), {})
-            f[flow] = f.get(flow, 0) + 1
+            f[eng.NAME] = f.get(eng.NAME, 0) + 1
         if lkey is not None:
             self._layouts.setdefault(lkey, st.kv_layout)
             for m in (st.model or ("",)):
@@ -408,13 +407,13 @@ class Registry:
                 del self.model_names[m]
         if st.role == "decode" and b.engine.DECODE_NEEDS_PREFILL:
             self.decode_needs_prefill -= 1
-        flow = pd_key(b.engine)
+        name = b.engine.NAME
         for m in (st.model or ("",)):
             f = self._flows.get((m, st.role))
-            if f is not None and f.get(flow):
-                f[flow] -= 1
-                if not f[flow]:
-                    del f[flow]
+            if f is not None and f.get(name):
+                f[name] -= 1
+                if not f[name]:
+                    del f[name]
         lkey = st.extra.get("_lkey")
         if lkey is not None:
             for m in (st.model or ("",)):
@@ -438,16 +437,17 @@ class Registry:
         return len(self._models)
 
     def _flow_conflicts(self, st: InstanceState, old: Optional[Backend]) -> List[str]:
-        """Why ``st`` cannot take part in PD with the registered prefill/decode counterparts of a shared model: their
-        engines' PD flows or protocols differ (e.g. vLLM's sequential ``kv_transfer_params``, SGLang's concurrent
-        bootstrap hand-off, LMDeploy's sequential ``migration_request``; :func:`dlmix.router.engines.pd_key`). Cost: a few dict lookups per model of ``st``."""
+        """Why ``st`` cannot take part in PD with the registered prefill/decode counterparts of a shared model: a
+        prefill engine cannot feed a decode engine unless their PD flows and protocols are equal or a bridge joins
+        them (:func:`dlmix.router.engines.can_pair`; e.g. an LMDeploy prefill feeds a vLLM decode, a vLLM prefill
+        feeds no LMDeploy or SGLang decode). Cost: a few dict lookups per model of ``st``."""
         if st.role == "both":
             others = ("prefill",)
         elif st.role == "prefill":
             others = ("decode", "both")
         else:
             others = ("prefill",)
-        flow = pd_key(get_engine(st.engine))
+        eng = get_engine(st.engine)
         keys = [(m, r) for m in (tuple(st.model) + ("",) if st.model else ("",)) for r in others]
         if not st.model:
             keys += [k for k in self._flows if k[1] in others and k[0]]
@@ -455,14 +455,17 @@ class Registry:
         for m, r in keys:
             f = dict(self._flows.get((m, r)) or {})
             if old is not None and old.state.role == r and (m in old.state.model or (not m and not old.state.model)):
-                of = pd_key(old.engine)
-                if f.get(of):
-                    f[of] -= 1
-            bad = sorted(k for k, n in f.items() if n > 0 and k != flow)
+                on = old.engine.NAME
+                if f.get(on):
+                    f[on] -= 1
+            bad = sorted(k for k, n in f.items() if n > 0 and not (
+                can_pair(eng, get_engine(k)) if st.role == "prefill" else can_pair(get_engine(k), eng)))
             if bad:
                 what = f"model {m!r}" if m else "any model"
-                reasons.append(f"{st.id} ({st.engine}, PD flow {flow}) vs registered {r} instances of {what} "
-                               f"(PD flow {', '.join(bad)}): a prefill and a decode must use the same PD flow and protocol")
+                theirs = ", ".join(f"{k} ({pd_key(get_engine(k))})" for k in bad)
+                reasons.append(f"{st.id} ({st.engine}, PD flow {pd_key(eng)}) vs registered {r} instances of {what} "
+                               f"on {theirs}: a prefill and a decode must use the same PD flow and protocol, or "
+                               "engines a bridge joins (dlmix.router.engines.bridges)")
         return reasons
 
     def _layout_conflicts(self, st: InstanceState, lkey: Optional[str], old: Optional[Backend]) -> List[str]:

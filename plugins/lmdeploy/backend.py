@@ -32,7 +32,6 @@ process of the engine loop), quantized KV (``--quant-policy`` 4/8), MLA.
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import json
 import logging
 import os
@@ -44,7 +43,7 @@ from typing import Any
 from lmdeploy.pytorch.disagg.backend.base import MigrationBackendImpl
 
 from dlmix.kv.layout import KVLayout
-from dlmix.pd.contract import prompt_digest
+from dlmix.pd.contract import block_ids_transfer_id, prompt_digest
 from dlmix.pd.endpoint import DEFAULT_LOOPBACK_SECRET, KVEndpoint, PullResult
 from dlmix.pd.pair import check_pair, layout_of
 
@@ -64,15 +63,14 @@ POLL_S = 0.05
 
 
 def hold_key(block_ids: list[int]) -> str:
-    """The transfer id of a held prefill: a digest of its cache block ids (token order).
+    """The transfer id of a held prefill: :func:`dlmix.pd.contract.block_ids_transfer_id` of its cache block ids.
 
     Not the session id: LMDeploy 0.18's api_server answers the *user's* ``session_id`` (or ``-1`` for every request
     that has none) while the engine keys sessions by an internal counter (``serve/managers/session_manager.py``), so
     the ``remote_session_id`` a decode receives names no engine session. The block ids do, and both sides have them
-    (the proxy forwards ``cache_block_ids`` as ``remote_block_ids``); blocks held for one request are not reused
-    while held."""
-    h = hashlib.blake2b(",".join(str(int(b)) for b in block_ids).encode(), digest_size=12)
-    return f"lmd-{len(block_ids)}-{h.hexdigest()}"
+    (the proxy forwards ``cache_block_ids`` as ``remote_block_ids``; the dlmix router builds a vLLM decode's
+    ``kv_transfer_params`` from them)."""
+    return block_ids_transfer_id(block_ids)
 
 
 @dataclass

@@ -80,6 +80,57 @@ def start_api_server(model: str, log_dir: Path, *, role: str = "Hybrid", dtype: 
     return _spawn(spec.argv(), spec.child_env(), Path(log_dir) / f"{role.lower()}-{port}.log", spec.url)
 
 
+def start_ready(model: str, log_dir: Path, started: list | None = None, **kw: Any) -> LMDeployServer:
+    """:func:`start_api_server` and wait until it is ready, retried once on the same port when the engine process
+    died at start-up: LMDeploy 0.18's api_server shuts its multiprocessing manager down while the engine process may
+    still be releasing the manager's condition (``zmq_engine.py`` ``_start_mp_proc``), a start-up race a loaded
+    machine hits now and then (``EOFError``, "engine process is not alive"). Every server started is appended to
+    ``started`` (so the caller stops it). Raises RuntimeError with the log tail otherwise."""
+    kw["port"] = kw.get("port") or free_port()  # a retry keeps the port: a proxy may have registered the first try
+    for attempt in (1, 2):
+        s = start_api_server(model, log_dir, **kw)
+        if started is not None:
+            started.append(s)
+        try:
+            s.wait_ready()
+            return s
+        except RuntimeError:
+            s.stop()
+            if attempt == 2 or "not alive" not in s.log_tail(200):
+                raise
+    raise AssertionError("unreachable")
+
+
+def router_request(url: str, model: str, kind: str, prompt: str, max_tokens: int) -> str:
+    """One greedy request (``ignore_eos``) of ``kind`` (``completion`` / ``chat``, ``-stream`` appended for SSE) to
+    ``url`` (e.g. the dlmix router); the answer's text. Asserts HTTP 200."""
+    chat = kind.startswith("chat")
+    body: dict = {"model": model, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
+    if chat:
+        body["messages"] = [{"role": "user", "content": prompt}]
+    else:
+        body["prompt"] = prompt
+    path = "/v1/chat/completions" if chat else "/v1/completions"
+    if not kind.endswith("-stream"):
+        status, out = post_json(url + path, body)
+        assert status == 200, (kind, status, out)
+        c = out["choices"][0]
+        return c["message"]["content"] if chat else c["text"]
+    body["stream"] = True
+    req = urllib.request.Request(url + path, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    text = []
+    with urllib.request.urlopen(req, timeout=300) as r:
+        assert r.status == 200
+        for line in r:
+            line = line.strip()
+            if not line.startswith(b"data:") or line == b"data: [DONE]":
+                continue
+            c = json.loads(line[5:])["choices"]
+            if c:
+                text.append((c[0].get("delta") or {}).get("content") or "" if chat else c[0].get("text") or "")
+    return "".join(text)
+
+
 def dlmix_role(role: str) -> str:
     """dlmix role of an LMDeploy ``--role`` name (``Prefill`` -> ``prefill``, ``Hybrid`` -> ``both``)."""
     return {v: k for k, v in LMDEPLOY_ROLES.items()}[role]

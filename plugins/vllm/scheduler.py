@@ -159,8 +159,12 @@ class DLMixConnectorScheduler:
             return
         start = end - num_external_tokens
         info.update(local_hit_tokens=start, loaded_tokens=num_external_tokens, prompt_tokens=request.num_prompt_tokens)
+        # the producer's gate compares this prompt's digest with its hold's, also when the parameters carry none
+        # (a router that built them from another engine's answer cannot know the producer's token ids)
+        ids = _token_ids(request, p.num_tokens)
+        mine = prompt_digest(ids) if ids is not None and len(ids) == p.num_tokens else p.digest
         job = RecvJob(rid, list(blocks.get_block_ids()[0]), start, end, list(p.transports), p.request_id,
-                      list(p.block_ids), src_layout=p.layout, digest=p.digest)
+                      list(p.block_ids), src_layout=p.layout, digest=mine)
         with self._lock:
             self._meta.recvs.append(job)
 

@@ -2,7 +2,7 @@
 
 Each adapter module implements :class:`dlmix.router.engines.base.EngineAdapter` (``NAME``, ``HEALTH_PATH``,
 ``MODELS_PATH``, ``PD_FLOW``, ``prefill_body``, ``kv_transfer_params``, ``decode_body``); see that module for the
-contract.
+contract. PD across engines goes through :mod:`dlmix.router.engines.bridges` (:func:`can_pair`).
 """
 from __future__ import annotations
 
@@ -26,3 +26,12 @@ def pd_key(adapter: EngineAdapter) -> str:
     """What must be equal for a prefill and a decode instance to pair: ``"FLOW/PROTOCOL"`` (e.g.
     ``sequential/kv_transfer_params`` for vLLM, ``sequential/migration_request`` for LMDeploy)."""
     return f"{adapter.PD_FLOW}/{adapter.PD_PROTOCOL}"
+
+
+def can_pair(prefill: EngineAdapter, decode: EngineAdapter) -> bool:
+    """True when a prefill instance of engine ``prefill`` can feed a decode instance of engine ``decode``: the same
+    PD flow and protocol (:func:`pd_key`), or a bridge between the two engines
+    (:data:`dlmix.router.engines.bridges.BRIDGES`)."""
+    from dlmix.router.engines.bridges import get_bridge
+
+    return pd_key(prefill) == pd_key(decode) or get_bridge(prefill.NAME, decode.NAME) is not None

@@ -3,8 +3,9 @@ one its own proxy runs (``lmdeploy/serve/proxy/proxy.py``, ``pytorch/disagg/conn
 placement instead of the proxy's:
 
 * Prefill leg: the client's request with ``max_tokens=1`` (``max_completion_tokens=1`` for chat), ``stream=false``,
-  ``with_cache`` and ``preserve_cache`` (the prefill engine keeps the request's blocks and answers their ids in
-  ``cache_block_ids``, and its first token in ``remote_token_ids``).
+  no ``logprobs``/``top_logprobs`` (that token is not the client's answer, and LMDeploy refuses logprobs unless
+  started with ``--logprobs-mode``), ``with_cache`` and ``preserve_cache`` (the prefill engine keeps the request's
+  blocks and answers their ids in ``cache_block_ids``, and its first token in ``remote_token_ids``).
 * Pair connection (:func:`connect_pair`, once per prefill/decode pair): ``GET /distserve/engine_info`` on both,
   ``POST /distserve/p2p_initialize`` on both, then ``POST /distserve/p2p_connect`` on each with the other's endpoint
   info. With ``--migration-backend DLMix`` the decode's ``p2p_connect`` runs dlmix's pair check and refuses an
@@ -59,6 +60,9 @@ _dec_prefill = msgspec.json.Decoder(_PrefillResp)
 def prefill_body(body: dict, chat: bool, kvp: Any = None) -> bytes:
     """JSON bytes of the prefill leg built from the client's parsed ``body`` (not modified)."""
     b = one_token_leg(body, chat)
+    # the leg's one token is not the client's answer; LMDeploy refuses logprobs unless started with --logprobs-mode
+    b.pop("logprobs", None)
+    b.pop("top_logprobs", None)
     b["with_cache"] = True
     b["preserve_cache"] = True
     return _enc.encode(b)

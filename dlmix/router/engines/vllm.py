@@ -7,7 +7,9 @@ the router unchanged; the decode side validates them).
 * Prefill leg: the client's request with ``max_tokens=1`` (and ``max_completion_tokens=1`` for chat),
   ``stream=false``, no ``stream_options``/``min_tokens`` (they would be rejected with max_tokens=1), and
   ``kv_transfer_params = {"do_remote_decode": true, "do_remote_prefill": false, "remote_engine_id": null,
-  "remote_block_ids": null, "remote_host": null, "remote_port": null}``. A request for ``n > 1`` choices is
+  "remote_block_ids": null, "remote_host": null, "remote_port": null}``, and ``return_token_ids`` (the answer names
+  its one token's id, which an LMDeploy decode continues from: :mod:`dlmix.router.engines.bridges`; vLLM before
+  0.10.2 ignores the field). A request for ``n > 1`` choices is
   prefilled once (``n=1``) and the prefill is told how many pulls to wait for (``"dlmix_consumers": n``): vLLM's
   decode fans the request out into ``n`` child requests (``vllm/v1/engine/parallel_sampling.py``), each of which
   pulls the one held prompt KV; the hold is released after the last of them.
@@ -49,6 +51,7 @@ def prefill_body(body: dict, chat: bool, kvp: dict | None = None) -> bytes:
     unused (the sequential flow has no hand-off before the prefill)."""
     b = one_token_leg(body, chat)
     b.pop("min_tokens", None)
+    b["return_token_ids"] = True
     n = b.get("n")
     if isinstance(n, int) and not isinstance(n, bool) and n > 1:
         b["n"] = 1

@@ -1,0 +1,226 @@
+"""PD across engines in the router (:mod:`dlmix.router.engines.bridges`) without engines: which engines pair, the
+block-id transfer id, and the LMDeploy -> vLLM bridge against a stand-in for LMDeploy's DistServe routes (the same
+pair on real servers is in ``tests/test_xengine_pd.py``)."""
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+from dlmix.kv import KVLayout, ModelIdentity
+from dlmix.pd.contract import ContractError, block_ids_transfer_id, decode_params
+from dlmix.router.engines import can_pair, get_engine
+from dlmix.router.engines import bridges
+
+LAYOUT = KVLayout(model=ModelIdentity("LlamaForCausalLM", 30, 3, 64, "gqa", weights_fingerprint="sha256:aa"),
+                  block_size=16, dtype="bf16", arrangement="lmdeploy_packed", tp_size=1)
+TRANSPORT = {"kind": "tcp", "proto": "dlmix-kv/1", "name": "lmdeploy-prefill-1", "host": "127.0.0.1", "port": 5555,
+             "regions": {}}
+
+
+def test_which_engines_pair():
+    vllm, sglang, lmdeploy = (get_engine(n) for n in ("vllm", "sglang", "lmdeploy"))
+    assert can_pair(vllm, vllm) and can_pair(sglang, sglang) and can_pair(lmdeploy, lmdeploy)
+    assert can_pair(lmdeploy, vllm) and can_pair(vllm, lmdeploy)  # the bridges
+    assert not can_pair(vllm, sglang) and not can_pair(sglang, vllm)
+    assert not can_pair(lmdeploy, sglang) and not can_pair(sglang, lmdeploy)
+
+
+def test_block_ids_transfer_id():
+    a = block_ids_transfer_id([4, 9, 2])
+    assert a == block_ids_transfer_id((4, 9, 2)) and a.startswith("blk-3-") and len(a) == len("blk-3-") + 24
+    assert a != block_ids_transfer_id([9, 4, 2]) and a != block_ids_transfer_id([4, 9])
+    # "1,23" and "12,3" must not collide: the ids are comma-separated
+    assert block_ids_transfer_id([1, 23]) != block_ids_transfer_id([12, 3])
+    for bad in ([-1], ["x"], [None]):
+        with pytest.raises(ContractError):
+            block_ids_transfer_id(bad)
+
+
+class _FakeLMDeploy:
+    """LMDeploy's ``/distserve/engine_info`` and ``/distserve/p2p_initialize`` as a DLMix prefill answers them."""
+
+    def __init__(self, info: dict | None = None, status: int = 200):
+        self.calls: list[tuple[str, dict | None]] = []
+        self.info = {"dlmix": 1, "role": "Prefill", "transport": TRANSPORT, "layout": LAYOUT.to_dict()} \
+            if info is None else info
+        self.status = status
+        fake = self
+
+        class H(BaseHTTPRequestHandler):
+            def log_message(self, *a):
+                pass
+
+            def _answer(self, body):
+                data = json.dumps(body).encode()
+                self.send_response(fake.status)
+                self.send_header("content-type", "application/json")
+                self.send_header("content-length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def do_GET(self):
+                fake.calls.append((self.path, None))
+                self._answer(json.dumps({"role": 2, "block_size": 16}))  # LMDeploy answers a JSON string
+
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers["content-length"])))
+                fake.calls.append((self.path, body))
+                self._answer({"engine_endpoint_info": {"zmq_address": "tcp://x"},
+                              "kvtransfer_endpoint_info": [{"protocol": 1, "endpoint_info": json.dumps(fake.info)}]})
+
+        self.srv = ThreadingHTTPServer(("127.0.0.1", 0), H)
+        self.url = f"http://127.0.0.1:{self.srv.server_address[1]}"
+        threading.Thread(target=self.srv.serve_forever, daemon=True).start()
+
+    def close(self):
+        self.srv.shutdown()
+        self.srv.server_close()
+        bridges.forget(self.url)
+
+
+ANSWER = json.dumps({"id": "-1", "choices": [{"text": "x"}], "cache_block_ids": [7, 3, 11],
+                     "remote_token_ids": [5, 42], "usage": {"prompt_tokens": 40, "completion_tokens": 1}}).encode()
+
+
+def _kvp():
+    return get_engine("lmdeploy").kv_transfer_params(ANSWER)
+
+
+def test_lmdeploy_answer_becomes_vllm_transfer_params_and_the_endpoint_is_learnt_once():
+    fake = _FakeLMDeploy()
+    try:
+        async def run():
+            return [await bridges.lmdeploy_to_vllm(fake.url, "http://d:1", _kvp(), ANSWER) for _ in range(3)]
+
+        outs = asyncio.run(run())
+        out = outs[0]
+        assert outs[1] == outs[2] == out
+        assert out["do_remote_prefill"] is True and out["do_remote_decode"] is False
+        p = decode_params(out)  # a valid TransferParams: what vLLM's DLMixConnector decodes
+        assert (p.engine, p.instance_id, p.request_id) == ("lmdeploy", fake.url, block_ids_transfer_id([7, 3, 11]))
+        assert p.block_ids == [7, 3, 11] and p.num_tokens == 40 and p.digest is None
+        assert p.transports == [TRANSPORT] and p.kv_layout == LAYOUT
+        # one engine_info and one p2p_initialize for the three requests, the prefill's config standing in for the
+        # remote's
+        assert [c[0] for c in fake.calls] == ["/distserve/engine_info", "/distserve/p2p_initialize"]
+        init = fake.calls[1][1]
+        assert init["local_engine_id"] == fake.url and init["remote_engine_id"] == "http://d:1"
+        assert init["local_engine_config"] == init["remote_engine_config"] == {"role": 2, "block_size": 16}
+    finally:
+        fake.close()
+
+
+@pytest.mark.parametrize("info,status,answer,reason", [
+    (None, 200, ANSWER.replace(b'"usage"', b'"nousage"'), "no usage.prompt_tokens"),
+    (None, 200, b"not json", "LMDeploy prefill answer"),
+    ({"role": "Prefill"}, 200, ANSWER, "not a DLMix endpoint"),
+    ({"dlmix": 1, "role": "Decode", "transport": TRANSPORT, "layout": LAYOUT.to_dict()}, 200, ANSWER,
+     "not --role Prefill"),
+    ({"dlmix": 1, "role": "Prefill", "transport": TRANSPORT, "layout": {"block_size": "x"}}, 200, ANSWER,
+     "does not make transfer parameters"),
+    (None, 500, ANSWER, "answered 500"),
+])
+def test_a_prefill_that_cannot_feed_vllm_is_a_readable_error(info, status, answer, reason):
+    fake = _FakeLMDeploy(info, status)
+    try:
+        with pytest.raises(ValueError, match=reason):
+            asyncio.run(bridges.lmdeploy_to_vllm(fake.url, "http://d:1", _kvp(), answer))
+    finally:
+        fake.close()
+
+
+def test_an_unreachable_prefill_is_a_readable_error_and_is_asked_again_next_time():
+    url = "http://127.0.0.1:9"
+    for _ in range(2):
+        with pytest.raises(ValueError, match="ConnectError|ConnectTimeout"):
+            asyncio.run(bridges.lmdeploy_to_vllm(url, "http://d:1", _kvp(), ANSWER))
+    bridges.forget(url)
+
+
+class _FakeLMDeployDecode(_FakeLMDeploy):
+    """An LMDeploy decode's DistServe routes; ``refuse`` makes ``p2p_connect`` answer 500 as a refused pair does."""
+
+    def __init__(self, refuse: str = ""):
+        super().__init__()
+        fake = self
+        orig = self.srv.RequestHandlerClass.do_POST
+
+        def do_POST(h):
+            if h.path == "/distserve/p2p_connect" and refuse:
+                body = json.loads(h.rfile.read(int(h.headers["content-length"])))
+                fake.calls.append((h.path, body))
+                fake.status = 500
+                h._answer({"error": refuse})
+                fake.status = 200
+                return
+            orig(h)
+
+        self.srv.RequestHandlerClass.do_POST = do_POST
+
+
+def _vllm_params(port: int = 5555) -> dict:
+    from dlmix.pd.contract import TransferParams
+
+    lay = KVLayout(model=LAYOUT.model, block_size=32, dtype="fp32", arrangement="vllm_cpu", tp_size=1)
+    tp = TransferParams.make(engine="vllm", instance_id="P", transports=[dict(TRANSPORT, port=port)],
+                             request_id="cmpl-1-0", block_ids=[8, 2], num_tokens=40, layout=lay,
+                             token_ids=range(40))
+    return {"do_remote_prefill": True, "do_remote_decode": False, **tp.to_dict()}
+
+
+VLLM_ANSWER = json.dumps({"choices": [{"text": " the", "token_ids": [271]}], "usage": {"prompt_tokens": 40}}).encode()
+
+
+def test_vllm_answer_becomes_a_migration_request_and_the_decode_is_connected_once_per_prefill_endpoint():
+    fake = _FakeLMDeployDecode()
+    try:
+        async def run(port):
+            return await bridges.vllm_to_lmdeploy("http://p:1", fake.url, _vllm_params(port), VLLM_ANSWER)
+
+        async def both():
+            return [await run(5555), await run(5555), await run(6666)]  # 6666: the prefill restarted elsewhere
+
+        a, b, c = asyncio.run(both())
+        assert a == b == c == {"protocol": 1, "remote_engine_id": "http://p:1", "remote_session_id": 0,
+                               "remote_token_id": 271, "remote_block_ids": [8, 2], "is_dummy_prefill": False}
+        paths = [c[0] for c in fake.calls]
+        assert paths == ["/distserve/engine_info", "/distserve/p2p_initialize", "/distserve/p2p_connect"] * 2
+        conn = fake.calls[2][1]
+        assert conn["remote_engine_id"] == "http://p:1"
+        assert conn["remote_engine_endpoint_info"] == {"zmq_address": "tcp://x"}  # the decode's own, a stand-in
+        info = json.loads(conn["remote_kvtransfer_endpoint_info"][0]["endpoint_info"])
+        params = _vllm_params()
+        assert info == {"dlmix": 1, "role": "Prefill", "transport": params["remote_transports"][0],
+                        "layout": params["remote_layout"]}
+        assert json.loads(fake.calls[5][1]["remote_kvtransfer_endpoint_info"][0]["endpoint_info"])["transport"][
+            "port"] == 6666
+    finally:
+        fake.close()
+        bridges.forget("http://p:1")
+
+
+def test_vllm_to_lmdeploy_errors_are_readable_and_a_refused_pair_is_tried_again():
+    fake = _FakeLMDeployDecode(refuse="DLMix: prefill cannot feed decode: weights fingerprint differs")
+    try:
+        for _ in range(2):
+            with pytest.raises(ValueError, match="weights fingerprint differs"):
+                asyncio.run(bridges.vllm_to_lmdeploy("http://p:1", fake.url, _vllm_params(), VLLM_ANSWER))
+        assert [c[0] for c in fake.calls].count("/distserve/p2p_connect") == 2
+        with pytest.raises(ValueError, match="no choices\\[0\\].token_ids"):
+            asyncio.run(bridges.vllm_to_lmdeploy("http://p:1", fake.url, _vllm_params(),
+                                                 b'{"choices": [{"text": "x"}]}'))
+        with pytest.raises(ValueError, match="is it DLMixConnector"):
+            asyncio.run(bridges.vllm_to_lmdeploy("http://p:1", fake.url, {"do_remote_prefill": True,
+                                                                          "remote_block_ids": [1]}, VLLM_ANSWER))
+        two = _vllm_params()
+        two["remote_transports"] = two["remote_transports"] * 2
+        two["remote_layout"] = dict(two["remote_layout"], tp_size=2)
+        with pytest.raises(ValueError, match="TP"):
+            asyncio.run(bridges.vllm_to_lmdeploy("http://p:1", fake.url, two, VLLM_ANSWER))
+    finally:
+        fake.close()
+        bridges.forget("http://p:1")

@@ -1,0 +1,191 @@
+"""PD across engines, end to end: a real LMDeploy 0.18 prefill (``--migration-backend DLMix``) feeds a real vLLM CPU
+decode (``DLMixConnector``) behind the dlmix router, with the real SmolLM2 (marked slow; skipped with the reason when
+the LMDeploy venv of ``scripts/setup_lmdeploy.sh`` is absent).
+
+Servers (started once for this module):
+  P       LMDeploy ``--role Prefill``, bf16, block 16, 48 blocks (768 tokens: a hold that is never freed shows within
+          a few requests), packed pool ``[B, 2, 16, 3, 64]`` per layer
+  D       vLLM ``kv_consumer``, fp32, block 128, vLLM CPU's cache: another engine, block size, dtype and arrangement
+  router  the dlmix router (in this process), ``prefix`` policy (always PD), P and D registered through its admin API
+  P2      vLLM ``kv_producer``, fp32, block 32
+  D2      LMDeploy ``--role Decode``, fp16, block 64, 32 blocks (2048 tokens: blocks it never frees show within
+          the test)
+  R       LMDeploy Hybrid, fp16, block 64 (D2's configuration), raw logprobs: the reference for D2's answers
+  router2 the dlmix router with P2 and D2
+
+The reference for D's answers is D itself without a prefill (the same request straight to D); for D2's, R. Greedy
+tokens must be equal, or differ first at a near-tie of the reference (the prefill's KV is rounded differently from
+the reference's own prefill: bf16 -> fp32, fp32 -> fp16).
+"""
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import pytest
+
+pytestmark = pytest.mark.slow
+
+from dlmix_lmdeploy import testing as L  # noqa: E402
+
+if L.lmdeploy_python() is None:
+    pytest.skip("no LMDeploy venv (run scripts/setup_lmdeploy.sh, or set DLMIX_LMDEPLOY_VENV)",
+                allow_module_level=True)
+
+from dlmix_vllm import testing as V  # noqa: E402
+
+from dlmix.testing import compare_greedy, poll  # noqa: E402
+
+MAX_TOKENS = 16
+#: nats; the prefill's KV is bf16, the reference's fp32 (tests/test_vllm_pd.py uses the same for bf16 -> fp32)
+NEAR_TIE = 0.5
+
+
+@pytest.fixture(scope="module")
+def servers(smollm2_dir, tmp_path_factory):
+    from dlmix.router.config import RouterConfig
+    from dlmix.testing import RouterThread
+
+    wd = tmp_path_factory.mktemp("xengine")
+    m = str(smollm2_dir)
+    started, routers = [], []
+    try:
+        d = V.launch("D", m, wd, role="kv_consumer", cpu="1", block_size=128, kv_bytes=256 << 20,
+                     extra={"io_timeout_s": 30})
+        started.append(d)
+        p = L.start_ready(m, wd, started, role="Prefill", dtype="bfloat16", block_size=16, num_blocks=48,
+                          env={"OMP_NUM_THREADS": "1"}, extra=["--model-name", "smollm2"])
+        p2 = V.launch("P2", m, wd, role="kv_producer", cpu="0", block_size=32, kv_bytes=256 << 20)
+        started.append(p2)
+        lmd = {name: L.start_ready(m, wd, started, env={"OMP_NUM_THREADS": "1"}, dtype="float16", block_size=64,
+                                   extra=extra + ["--model-name", "smollm2"], **kw)
+               for name, extra, kw in (("D2", [], dict(role="Decode", num_blocks=32)),
+                                       ("R", ["--logprobs-mode", "raw_logprobs"], dict(role="Hybrid", num_blocks=64)))}
+        V.wait_ready([d, p2], timeout_s=400)
+        for pre, dec in ((p, d), (p2, lmd["D2"])):
+            r_ = RouterThread(RouterConfig(host="127.0.0.1", port=0, policy="prefix", model_spec=m))
+            routers.append(r_)
+            with httpx.Client(base_url=r_.url, timeout=30) as c:
+                for srv, role in ((pre, "prefill"), (dec, "decode")):
+                    engine = "vllm" if isinstance(srv, V.VllmServer) else "lmdeploy"
+                    r = c.post("/admin/instances", json={"url": srv.url, "role": role, "engine": engine,
+                                                         "model": "smollm2", "heartbeat_ttl_s": 0})
+                    assert r.status_code in (200, 201), r.text
+        yield {"P": p, "D": d, "router": routers[0], "P2": p2, "router2": routers[1], **lmd, "model": m}
+    finally:
+        for s in reversed(started):
+            s.stop()
+        for r_ in routers:
+            r_.close()
+
+
+def _prompts(tok, n: int, seed: int, lo: int, hi: int) -> list[dict]:
+    return V.prompt_set(tok, [lo + (hi - lo) * i // max(1, n - 1) for i in range(n)], kinds=("completion", "chat"),
+                        seed=seed)
+
+
+@pytest.fixture(scope="module")
+def tok(smollm2_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(smollm2_dir))
+
+
+def _text(p: dict, tok) -> dict:
+    """LMDeploy's prefill leg gets the client's body: completions carry the prompt as text here."""
+    if p["kind"] == "completion" and not isinstance(p["prompt"], str):
+        p = dict(p, prompt=tok.decode(p["prompt"]))
+    return p
+
+
+def test_lmdeploy_prefill_feeds_vllm_decode_through_the_router(servers, tok):
+    """12 prompts of 10..600 tokens, completions and chats, half streamed, through the router: the decode loads the
+    whole prompt from LMDeploy's blocks (bf16, block 16, packed pool -> fp32, block 128, vLLM CPU) and its greedy
+    tokens equal D alone (near-ties counted); 12 prompts of up to 38 blocks each through a 48-block prefill pool
+    also show that every hold is freed after the decode read it."""
+    D, rt = servers["D"], servers["router"]
+    items = [_text(p, tok) for p in _prompts(tok, 12, seed=7, lo=10, hi=600)]
+    V.reset_prefix_cache(D.url)
+    got, refs = {}, {}
+    for p in items:
+        path, body = V.request_body(p["kind"], p["prompt"], MAX_TOKENS, stream=p["stream"])
+        with httpx.Client(timeout=300) as c:
+            resp = V._post(c, rt.url + path, body)  # a stream folded into one answer; raises on a non-200
+        got[p["i"]] = V.result_tokens(resp)[0]
+        if not p["stream"]:
+            info = resp["kv_transfer_params"]["dlmix"]
+            assert info["error"] is None and info["local_hit_tokens"] == 0, info
+            assert info["loaded_tokens"] == resp["usage"]["prompt_tokens"] and info["bytes_received"] > 0, info
+    V.reset_prefix_cache(D.url)
+    for p in items:
+        refs[p["i"]] = V.result_tokens(V.single(D.url, p["kind"], p["prompt"], MAX_TOKENS))
+        V.reset_prefix_cache(D.url)
+    same, ties = compare_greedy("lmdeploy bf16/16 -> vllm fp32/128", got, refs, NEAR_TIE, MAX_TOKENS)
+    assert same >= len(items) - 3, (same, ties)
+
+
+def test_a_prompt_that_differs_from_the_held_one_is_refused_by_the_prefill_and_computed_by_the_decode(servers):
+    """The hand-off of prompt A given to a decode of prompt B (what a confused or hostile client could send): the
+    LMDeploy prefill's gate compares the vLLM decode's prompt digest with the one it held and refuses, vLLM computes
+    B itself (its answer equals D alone) and the refused hold is freed (four forged hand-offs of 19 blocks each
+    through the 48-block pool, then a normal request still succeeds)."""
+    from dlmix.router.engines import lmdeploy as lmd
+    from dlmix.router.engines.bridges import lmdeploy_to_vllm
+
+    P, D = servers["P"], servers["D"]
+    for i in range(4):
+        a = {"model": "smollm2", "prompt": f"{i} alpha " + "river mountain quiet engine " * 70, "max_tokens": 8,
+             "temperature": 0}
+        b = dict(a, prompt=f"{i} beta " + "garden silver theory station " * 70)
+        with httpx.Client(timeout=300) as c:
+            r = c.post(P.url + "/v1/completions", content=lmd.prefill_body(a, False),
+                       headers={"content-type": "application/json"})
+            assert r.status_code == 200, r.text
+            kvp = lmd.kv_transfer_params(r.content)
+            assert len(kvp["remote_block_ids"]) >= 17
+            params = asyncio.run(lmdeploy_to_vllm(P.url, D.url, kvp, r.content))
+            assert params["remote_prompt_digest"] is None and params["remote_engine"] == "lmdeploy"
+            V.reset_prefix_cache(D.url)
+            out = c.post(D.url + "/v1/completions", json=dict(b, kv_transfer_params=params)).json()
+            info = out["kv_transfer_params"]["dlmix"]
+            assert info["bytes_received"] == 0 and "differs" in (info["error"] or ""), info
+            V.reset_prefix_cache(D.url)
+            ref = c.post(D.url + "/v1/completions", json=b).json()
+            assert out["choices"][0]["text"] == ref["choices"][0]["text"]
+    with httpx.Client(timeout=300) as c:
+        r = c.post(servers["router"].url + "/v1/completions",
+                   json={"model": "smollm2", "prompt": "ocean pocket rhythm " * 150, "max_tokens": 4,
+                         "temperature": 0})
+        assert r.status_code == 200, r.text
+        assert r.json()["kv_transfer_params"]["dlmix"]["loaded_tokens"] == r.json()["usage"]["prompt_tokens"]
+
+
+def test_vllm_prefill_feeds_lmdeploy_decode_through_the_router(servers, tok):
+    """8 prompts of 10..600 tokens, completions and chats, streamed or not, through the router: vLLM's prefill
+    (fp32, block 32, vLLM CPU's cache) holds the prompt, LMDeploy's decode (fp16, block 64, packed pool) pulls it
+    under the blocks' name and continues from vLLM's first token; greedy text equals R (an LMDeploy instance in D2's
+    configuration) except near-ties. A Decode-role LMDeploy engine cannot compute a prompt itself (a failed pull is
+    an HTTP 500), so every answer is decoded from vLLM's KV. Afterwards vLLM's prefill holds no blocks (its own
+    KV usage gauge) and D2's 32-block pool has served more blocks than it has."""
+    rt, m = servers["router2"], "smollm2"
+    rng = __import__("random").Random(5)
+    kinds = ["completion", "chat", "completion-stream", "chat-stream"]
+    lengths = [10, 600] + [rng.randint(10, 600) for _ in range(6)]
+    ties, blocks = 0, 0
+    for i, n in enumerate(lengths):
+        words = " ".join(rng.choice(V.PROSE_WORDS) for _ in range(n))
+        prompt = tok.decode(tok.encode(words)[:n])
+        kind = kinds[i % 4]
+        got = L.router_request(rt.url, m, kind, prompt, MAX_TOKENS)
+        if kind.startswith("chat"):
+            ref = L.reference_chat(servers["R"].url, m, prompt, tok, MAX_TOKENS)
+        else:
+            ref = L.reference(servers["R"].url, prompt, tok, MAX_TOKENS)
+        ties += L.near_tie(f"vllm fp32/32 -> lmdeploy fp16/64, {kind} {n} tokens", got, ref, NEAR_TIE)
+        blocks += -(-(n + MAX_TOKENS) // 64)
+    print(f"vLLM prefill -> LMDeploy decode: identical {len(lengths) - ties}/{len(lengths)}, near-ties {ties}")
+    assert ties <= len(lengths) // 2
+    assert blocks > 32
+    assert poll(lambda: V.kv_usage(servers["P2"].url) == 0.0, 20), V.kv_usage(servers["P2"].url)
+    log = servers["D2"].log_path.read_text(errors="replace")
+    assert "not migrated" not in log, log[-3000:]
