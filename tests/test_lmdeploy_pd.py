@@ -22,9 +22,7 @@ pytestmark = pytest.mark.slow
 
 from dlmix_lmdeploy import testing as T  # noqa: E402
 
-if T.lmdeploy_python() is None:
-    pytest.skip("no LMDeploy venv (run scripts/setup_lmdeploy.sh, or set DLMIX_LMDEPLOY_VENV)",
-                allow_module_level=True)
+T.require_venv()
 
 MAX_TOKENS = 16
 #: top-1/top-2 gap (nats) under which a first divergence counts as a near-tie: the prefill's KV carries bf16 rounding
@@ -135,7 +133,9 @@ def test_incompatible_pair_refused_at_connection_with_reason(servers):
     status, body = T.post_json(d + "/distserve/p2p_connect", dict(
         protocol=1, remote_engine_id=fake, remote_engine_endpoint_info={"zmq_address": "tcp://127.0.0.1:9"},
         remote_kvtransfer_endpoint_info=[{"protocol": 1, "endpoint_info": json.dumps(ep)}]))
-    assert status >= 400
+    # answered with the reasons (dlmix_lmdeploy.patches._async_engine; LMDeploy itself answers a bare 500)
+    assert status == 409 and "decode has 3 KV heads, prefill 5" in body["detail"], (status, body)
+    assert "weights fingerprint" in body["detail"]
     log = servers["D"].log_path.read_text(errors="replace")
     assert "cannot feed decode this engine: decode has 3 KV heads, prefill 5" in log
     assert "weights fingerprint" in log
@@ -225,3 +225,171 @@ def test_decode_answers_an_error_when_the_kv_does_not_arrive(servers):
     assert log.count("not migrated") == 2 and "is not held here" in log
     # the decode keeps serving, through the router
     assert _router_request(servers["router"].url, m, "completion", "The capital of France is")
+
+
+def test_other_weights_refused_by_default_and_change_output_when_relaxed(servers, perturbed_dir, tmp_path):
+    """Negative control of the pair check. A prefill loaded from other weights (every weight scaled by
+    ``1 + 0.2 N(0, 1)``; same shapes, tokenizer and layout otherwise):
+
+    * next to the default decode (D2), the router's pair connection is refused by the decode's pair check: HTTP 502
+      naming the weights fingerprint, and nothing is decoded;
+    * with the check relaxed on both sides (``verify_weights: false``, for this test only), the decode reads that
+      prefill's KV and the greedy output is no longer the single instance's (beyond near-ties): the check guards
+      something real."""
+    from dlmix.router.config import RouterConfig
+    from dlmix.testing import RouterThread
+    from transformers import AutoTokenizer
+
+    m = servers["model"]
+    tokenizer = AutoTokenizer.from_pretrained(m)
+    relaxed = {"DLMIX_LMDEPLOY_CONFIG": json.dumps({"verify_weights": False})}
+    started, routers = [], []
+    try:
+        px = T.start_ready(str(perturbed_dir), tmp_path, started, role="Prefill", dtype="bfloat16", block_size=16,
+                           num_blocks=64, env=relaxed, extra=["--model-name", m])
+        dx = T.start_ready(m, tmp_path, started, role="Decode", dtype="float16", block_size=64, num_blocks=32,
+                           env=relaxed)
+        for dec in (servers["D2"], dx):
+            rt = RouterThread(RouterConfig(host="127.0.0.1", port=0, policy="cost", model_spec=m))
+            routers.append(rt)
+            for url, role in ((px.url, 2), (dec.url, 3)):
+                status, out = T.post_json(rt.url + "/nodes/add", {"url": url, "status": {"models": [m], "role": role}})
+                assert status in (200, 201), out
+        status, out = T.post_json(routers[0].url + "/v1/completions", {
+            "model": m, "prompt": "The capital of France is", "max_tokens": MAX_TOKENS, "temperature": 0})
+        assert status == 502 and "weights fingerprint" in out["error"] and "409" in out["error"], (status, out)
+        # prompts whose next tokens SmolLM2 is sure of (random words give near-ties that hide a change)
+        prompts = ["The capital of France is", "Water boils at a temperature of 100 degrees",
+                   "The first president of the United States was", "Monday, Tuesday, Wednesday, Thursday,",
+                   "One, two, three, four, five,"]
+        changed = 0
+        for i, prompt in enumerate(prompts):
+            got = _router_request(routers[1].url, m, "completion", prompt)
+            ref = T.reference(servers["R"].url, prompt, tokenizer, MAX_TOKENS)
+            try:
+                T.near_tie(f"other weights {i}", got, ref, NEAR_TIE)
+            except AssertionError:
+                changed += 1
+        print(f"negative control: {changed}/{len(prompts)} outputs changed beyond a near-tie with other prefill "
+              "weights")
+        assert changed >= len(prompts) - 1
+    finally:
+        for s in reversed(started):
+            s.stop()
+        for rt in routers:
+            rt.close()
+
+
+def test_engine_registers_with_the_router_and_heartbeats_its_load(servers, tmp_path):
+    """With ``router_url`` and ``public_url`` in ``DLMIX_LMDEPLOY_CONFIG`` the engine registers itself with the
+    dlmix router (engine ``lmdeploy``, its role, block size and DLMix layout) and heartbeats LMDeploy's own load: a
+    prefill that holds a request's blocks for a decode shows KV usage; once the hold expires (``hold_timeout_s``
+    5 s, no decode came) the blocks are free and the usage it reports is 0 again."""
+    from dlmix.router.config import RouterConfig
+    from dlmix.router.engines import lmdeploy as lmd
+    from dlmix.testing import RouterThread, poll
+
+    m = servers["model"]
+    rt = RouterThread(RouterConfig(host="127.0.0.1", port=0, policy="cost", model_spec=m))
+    started = []
+    try:
+        port = T.free_port()
+        url = f"http://127.0.0.1:{port}"
+        env = {"DLMIX_LMDEPLOY_CONFIG": json.dumps({"router_url": rt.url, "public_url": url, "model_name": m,
+                                                    "heartbeat_s": 0.5, "hold_timeout_s": 5})}
+        T.start_ready(m, tmp_path, started, role="Prefill", dtype="bfloat16", block_size=16, num_blocks=64,
+                      port=port, env=env)
+
+        def state():
+            return rt.call(lambda: next((b.state for b in rt.router.registry.backends.values()
+                                         if b.state.url == url), None))
+
+        st = poll(state, 60)
+        assert st is not None, rt.call(lambda: [b.state.url for b in rt.router.registry.backends.values()])
+        assert (st.engine, st.role, list(st.model), st.kv_layout["arrangement"], st.kv_layout["block_size"]) == (
+            "lmdeploy", "prefill", [m], "lmdeploy_packed", 16)
+        assert st.load.kv_usage == 0.0
+        body = json.loads(lmd.prefill_body({"model": m, "prompt": " ".join(_WORDS) * 12, "max_tokens": 8}, False))
+        status, out = T.post_json(url + "/v1/completions", body)
+        assert status == 200 and len(out["cache_block_ids"]) > 16, out
+        held = poll(lambda: state().load.kv_usage, 30)  # the held blocks, as LMDeploy's scheduler counts them
+        assert held >= len(out["cache_block_ids"]) / 64 - 1e-6, held
+        assert poll(lambda: state().load.kv_usage == 0.0, 60), state().load
+    finally:
+        for s in started:
+            s.stop()
+        rt.close()
+
+
+def test_prefix_routing_from_the_engines_kv_events(servers, tmp_path):
+    """Two LMDeploy engines with ``--enable-prefix-caching`` publish their prefix caches (``kv_events_endpoint``) and
+    register with the dlmix router (``router_url``). Once a chat's blocks are in the router's exact index (under the
+    keys the router computes for the chat: the engine's own block hashes are re-hashed), a second chat sharing that
+    long prefix goes to the engine holding it: the router counts the hit on that engine, and the engine's own answer
+    (``usage.prompt_tokens_details.cached_tokens``) shows it reused the blocks."""
+    from dlmix.router.config import RouterConfig
+    from dlmix.testing import RouterThread, poll, wait_until
+
+    m = servers["model"]
+    rt = RouterThread(RouterConfig(host="127.0.0.1", port=0, policy="prefix", model_spec=m, tokenizer=m))
+    router = rt.router
+    started = []
+    try:
+        urls = []
+        for _ in range(2):
+            port, kp = T.free_port(), T.free_port()
+            url = f"http://127.0.0.1:{port}"
+            urls.append(url)
+            env = {"DLMIX_LMDEPLOY_CONFIG": json.dumps({
+                "router_url": rt.url, "public_url": url, "model_name": m, "heartbeat_s": 0.5,
+                "kv_events_endpoint": f"tcp://127.0.0.1:{kp}"})}
+            T.start_ready(m, tmp_path, started, role="Hybrid", dtype="float16", block_size=16, num_blocks=128,
+                          port=port, env=env, extra=["--enable-prefix-caching"])
+
+        def ids():
+            return rt.call(lambda: {b.state.url: (b.state.id, b.state.slot) for b in router.registry.backends.values()})
+
+        assert poll(lambda: set(ids()) == set(urls), 60), ids()
+        probe = iter(range(1000))
+        held = {}
+
+        def chat(text: str) -> dict:
+            return {"model": m, "messages": [{"role": "user", "content": text}], "max_tokens": 2}
+
+        def indexed() -> bool:  # ZMQ slow joiner: fresh prompts until one's blocks reach the index
+            text = f"{next(probe)} " + " ".join(_WORDS) * 8
+            status, out = T.post_json(rt.url + "/v1/chat/completions", chat(text))
+            assert status == 200, out
+            keys = list(rt.call(lambda: router._request_from(chat(text), True)).block_hashes(16))
+
+            def whole():  # every block of the prompt on one instance (the chat template's first block is on both)
+                hit = rt.call(lambda: router.index.match(keys))
+                return hit if hit and max(hit.values()) >= len(keys) - 1 else None
+
+            hit = poll(whole, 5)
+            if hit:
+                held.update(text=text, keys=keys, hit=hit)
+            return bool(hit)
+
+        wait_until(indexed, 180, "the engines' KV events in the router's index", interval_s=0)
+        slot, n = max(held["hit"].items(), key=lambda kv: kv[1])
+        holder = next(url for url, (_, s) in ids().items() if s == slot)
+        hid = ids()[holder][0]
+        reg = router.metrics.registry
+
+        def hits() -> float:
+            return reg.get_sample_value("dlmix_router_prefix_hit_tokens_total", {"instance": hid}) or 0.0
+
+        def served() -> float:
+            return reg.get_sample_value("dlmix_router_responses_total", {"instance": hid, "status": "2xx"}) or 0.0
+
+        h0, s0 = hits(), served()
+        status, out = T.post_json(rt.url + "/v1/chat/completions", chat(held["text"] + " and then the story goes on"))
+        assert status == 200, out
+        assert served() == s0 + 1 and hits() - h0 >= 16 * (n - 1), (served() - s0, hits() - h0, held["hit"], ids())
+        # the engine's own account: the prompt tokens it took from its prefix cache
+        assert out["usage"]["prompt_tokens_details"]["cached_tokens"] >= 16 * (n - 1), out["usage"]
+    finally:
+        for s in started:
+            s.stop()
+        rt.close()

@@ -105,3 +105,83 @@ def test_describe_cache_refuses_what_it_does_not_move(tmp_path, kw, reason):
     ce, mc, _ = _engine(**kw)
     with pytest.raises(ValueError, match=reason):
         describe_cache(ce, mc, str(tmp_path), tp_rank=0, tp_size=1)
+
+
+def test_router_registration_body_and_load_from_the_engine():
+    """What an engine with ``router_url`` sends the router: its role, model, block size, chips, and with DLMix its
+    layout and transport; the load from LMDeploy's own scheduler metrics."""
+    from dlmix.kv import KVLayout, ModelIdentity
+    from dlmix_lmdeploy import router_hook
+
+    with pytest.raises(DLMixLMDeployConfigError, match="router_url needs public_url"):
+        load_settings({"router_url": "http://127.0.0.1:8000"})
+    settings = load_settings({"router_url": "http://127.0.0.1:8000", "public_url": "http://127.0.0.1:23333",
+                              "chip_profile": "cpu-x86", "model_name": "smollm2", "heartbeat_s": 0.5})
+    role = enum.Enum("EngineRole", "Hybrid Prefill Decode")
+    mb = enum.Enum("MigrationBackend", "DLSlime DLMix")
+    eng = SimpleNamespace(cache_config=SimpleNamespace(role=role.Decode, block_size=64, migration_backend=mb.DLSlime),
+                          dist_config=SimpleNamespace(attn_tp=1), model_path="/models/smollm2")
+    body = router_hook.engine_body(eng, settings)
+    assert body == {"url": "http://127.0.0.1:23333", "role": "decode", "engine": "lmdeploy", "model": "smollm2",
+                    "chip": "cpu-x86", "num_chips": 1, "block_size": 64, "heartbeat_ttl_s": 3.0}
+    lay = KVLayout(model=ModelIdentity("LlamaForCausalLM", 30, 3, 64, "gqa", weights_fingerprint="sha256:aa"),
+                   block_size=16, dtype="bf16", arrangement="lmdeploy_packed")
+    transport = {"kind": "tcp", "name": "lmdeploy-prefill-1", "host": "127.0.0.1", "port": 5555}
+    rank = SimpleNamespace(layout=lay, endpoint=SimpleNamespace(descriptor=lambda: transport))
+    eng.cache_config = SimpleNamespace(role=role.Prefill, block_size=16, migration_backend=mb.DLMix)
+    body = router_hook.engine_body(eng, load_settings({"router_url": "http://r:1", "public_url": "http://e:2"}), rank)
+    assert (body["role"], body["model"], body["block_size"], body["transport"]) == (
+        "prefill", "/models/smollm2", 16, transport)
+    assert body["kv_layout"] == lay.to_dict() and body["contract_version"] == 1
+    sched = SimpleNamespace(schedule_metrics=SimpleNamespace(waiting_seqs=3, active_seqs=2, cache_usage=0.25))
+    assert router_hook.engine_load(sched) == {"waiting": 3, "running": 2, "kv_usage": 0.25}
+    assert router_hook.start(eng, rank, load_settings({})) is None  # no router_url: nothing starts
+
+
+def test_prefix_cache_events_reach_the_routers_keys(tmp_path):
+    """Trie nodes as LMDeploy's prefix cache attaches and evicts them (its own block hashes, a root with a negative
+    block id) -> the adapter's ZMQ publisher -> the router's LMDeploy decoder: the router's index holds exactly the
+    keys it computes for the prompt; an evicted leaf is removed; LoRA and multimodal blocks are not published."""
+    import zmq
+
+    from dlmix.router import kv_events
+    from dlmix.routing.hashing import BlockHasher
+    from dlmix_lmdeploy.kv_events import Publisher
+
+    class Node:  # the fields of lmdeploy.pytorch.paging.block_trie.node.Node the publisher reads
+        def __init__(self, block_hash, block_id, token_ids, parent=None, adapter_name=None, extra_identity=()):
+            self.block_hash, self.block_id, self.token_ids = block_hash, block_id, token_ids
+            self.parent, self.adapter_name, self.extra_identity = parent, adapter_name, extra_identity
+
+    ep = f"ipc://{tmp_path}/events"
+    pub = Publisher(ep, block_size=16)
+    sub = zmq.Context.instance().socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.setsockopt(zmq.RCVTIMEO, 10000)
+    sub.connect(ep)
+    hasher = BlockHasher("sha256_cbor", None)
+    dec = kv_events.decode_fn("lmdeploy", hasher, 16)
+    tokens = [int(t) for t in torch.randint(0, 49000, (64,), generator=torch.Generator().manual_seed(3))]
+    root = Node(-7, -1, [])
+    got: list = []
+    try:
+        import time
+
+        time.sleep(0.3)  # ZMQ slow joiner
+        parent = root
+        nodes = []
+        for i in range(4):
+            n = Node((2 ** 64 - 1) - i if i % 2 else 1000 + i, 10 + i, tokens[16 * i:16 * (i + 1)], parent)
+            pub.stored(n)
+            nodes.append(n)
+            parent = n
+        pub.stored(Node(55, 3, tokens[:16], root, adapter_name="lora-a"))  # not published
+        pub.stored(Node(56, 4, tokens[:16], root, extra_identity=(("img", 1),)))
+        while len([k for u in got if isinstance(u, kv_events.Stored) for k in u.keys]) < 4:
+            got += dec(sub.recv_multipart()[2])
+        assert [k for u in got for k in u.keys] == hasher.block_keys(tokens, 16)
+        pub.removed(nodes[-1])
+        upd = dec(sub.recv_multipart()[2])
+        assert upd == [kv_events.Removed(keys=[hasher.block_keys(tokens, 16)[-1]])], upd
+    finally:
+        sub.close(0)

@@ -169,8 +169,8 @@ def test_kv_events_engine_neutral_updates_and_decoder_registry():
     ix = PrefixIndex()
     assert kv_events.apply(ix, 0, ups) == 2
     assert ix.match([1, 2, 3]) == {0: 2}
-    with pytest.raises(ValueError, match="no KV-event decoder for engine 'lmdeploy'; known: vllm, sglang"):
-        kv_events.get_decoder("lmdeploy")
+    with pytest.raises(ValueError, match="no KV-event decoder for engine 'tgi'; known: vllm, sglang, lmdeploy"):
+        kv_events.get_decoder("tgi")
 
 
 def test_one_error_hierarchy_keeps_the_old_classes_catchable():

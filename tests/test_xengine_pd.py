@@ -28,9 +28,7 @@ pytestmark = pytest.mark.slow
 
 from dlmix_lmdeploy import testing as L  # noqa: E402
 
-if L.lmdeploy_python() is None:
-    pytest.skip("no LMDeploy venv (run scripts/setup_lmdeploy.sh, or set DLMIX_LMDEPLOY_VENV)",
-                allow_module_level=True)
+L.require_venv()
 
 from dlmix_vllm import testing as V  # noqa: E402
 

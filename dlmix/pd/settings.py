@@ -14,7 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from dlmix.net import is_loopback
 
-__all__ = ["EndpointSettings", "load_json_settings"]
+__all__ = ["EndpointSettings", "RoutedEndpointSettings", "load_json_settings"]
 
 S = TypeVar("S", bound=BaseModel)
 
@@ -63,6 +63,34 @@ class EndpointSettings(BaseModel):
             raise ValueError(f"host={self.host!r} is not a loopback address: set shared_secret so the KV channel is "
                              "authenticated")
         return self
+
+
+class RoutedEndpointSettings(EndpointSettings):
+    """:class:`EndpointSettings` plus how an engine instance registers itself with the dlmix router
+    (:class:`dlmix.pd.router_client.RouterClient`):
+
+      router_url: dlmix router base URL (``http://host:port``); when set, the instance registers with the router and
+        heartbeats its load and KV usage.
+      router_admin_key: bearer key of the router's admin API (optional; without one the router accepts loopback).
+      public_url: this instance's OpenAI HTTP URL announced to the router (an adapter may know a default).
+      heartbeat_s: seconds between heartbeats.
+      chip_profile: dlmix chip profile name announced to the router (e.g. ``cpu-avx512``); num_chips: chips the
+        instance spans (default: its TP size).
+    """
+
+    router_url: str | None = None
+    router_admin_key: str | None = None
+    public_url: str | None = None
+    heartbeat_s: float = Field(default=2.0, gt=0)
+    chip_profile: str | None = None
+    num_chips: int | None = Field(default=None, ge=1)
+
+    @field_validator("router_url", "public_url")
+    @classmethod
+    def _http(cls, url: str | None) -> str | None:
+        if url is not None and not url.startswith(("http://", "https://")):
+            raise ValueError(f"must start with http:// or https://, got {url!r}")
+        return url
 
 
 def load_json_settings(model: type[S], env_var: str, raw: str | dict[str, Any] | None, error: type[Exception]) -> S:

@@ -31,6 +31,8 @@ WATCHED = frozenset({
     "lmdeploy.pytorch.engine.engine",
     "lmdeploy.pytorch.backends.selector",
     "lmdeploy.pytorch.engine.mp_engine.zmq_engine",
+    "lmdeploy.serve.core.async_engine",
+    "lmdeploy.pytorch.paging.block_trie.node",
 })
 
 _installed = False

@@ -16,10 +16,16 @@ Where each patch goes, and why (LMDeploy 0.18 sources):
   decode's migration (``_migration_loop_migrate``, which asserts equal block counts) pulls per request through the
   core, and a request whose pull failed is answered with an error instead of decoding from incomplete KV;
 * ``pytorch/engine/engine.py``: ``end_session`` of a held prefill session ends the core's hold; the session itself
-  ends once no read can touch its blocks;
+  ends once no read can touch its blocks; after ``__init__``, an engine whose ``DLMIX_LMDEPLOY_CONFIG`` names a
+  ``router_url`` registers with the dlmix router and heartbeats its load (:mod:`dlmix_lmdeploy.router_hook`, any
+  migration backend);
 * ``pytorch/engine/mp_engine/zmq_engine.py``: a start-up race of LMDeploy's engine process fixed for DLMix engines
   (:func:`_mp_engine`);
-* ``pytorch/backends/selector.py``: the CPU test aid's op backend, only with ``DLMIX_LMDEPLOY_CPU=1``.
+* ``pytorch/backends/selector.py``: the CPU test aid's op backend, only with ``DLMIX_LMDEPLOY_CPU=1``;
+* ``pytorch/paging/block_trie/node.py``: a block attached to / evicted from the prefix-cache trie is published as
+  a KV event when ``kv_events_endpoint`` is set (:func:`_trie_node`, :mod:`dlmix_lmdeploy.kv_events`);
+* ``serve/core/async_engine.py``: a pair DLMix refuses at ``p2p_connect`` is answered ``409`` with the reasons
+  instead of a bare ``500`` (:func:`_async_engine`).
 """
 from __future__ import annotations
 
@@ -216,6 +222,22 @@ def _engine(m: Any) -> None:
 
     _wrap(m.Engine, "end_session", make)
 
+    def make_init(original):
+        def __init__(self, *args, **kwargs):
+            original(self, *args, **kwargs)
+            from .router_hook import start
+
+            from .config import load_settings
+            from .kv_events import start as start_events
+
+            # publishes KV events / registers with the dlmix router when DLMIX_LMDEPLOY_CONFIG asks; else nothing
+            settings = load_settings()
+            start_events(settings.kv_events_endpoint, int(self.cache_config.block_size))
+            start(self, current() if is_dlmix(self.cache_config) else None, settings)
+        return __init__
+
+    _wrap(m.Engine, "__init__", make_init)
+
 
 def _mp_engine(m: Any) -> None:
     """LMDeploy 0.18's ``ZMQMPEngine._start_mp_proc`` leaves its ``with mp.Manager()`` block as soon as the engine
@@ -256,6 +278,56 @@ def _selector(m: Any) -> None:
         patch_selector(m)
 
 
+def _trie_node(m: Any) -> None:
+    """Prefix-cache blocks attached to / evicted from LMDeploy's trie become KV events for the router when
+    ``kv_events_endpoint`` is set (:mod:`dlmix_lmdeploy.kv_events`); otherwise the methods run as they are."""
+    def make_attach(original):
+        def attach_to(self, parent):
+            original(self, parent)
+            pub = _events()
+            if pub is not None:
+                pub.stored(self)
+        return attach_to
+
+    def make_detach(original):
+        def detach_leaf(self):
+            done = original(self)
+            pub = _events()
+            if done and pub is not None:
+                pub.removed(self)
+            return done
+        return detach_leaf
+
+    _wrap(m.Node, "attach_to", make_attach)
+    _wrap(m.Node, "detach_leaf", make_detach)
+
+
+def _events() -> Any:
+    from .kv_events import current as events
+
+    return events()
+
+
+def _async_engine(m: Any) -> None:
+    """A pair DLMix refuses (``p2p_connect``'s pair check, in the engine process) reaches the api_server as a bare
+    ``Exception`` with the reasons (LMDeploy's MP engine RPC, ``mp_engine/zmq_rpc.py``), which FastAPI answers as
+    ``500 Internal Server Error`` without them; answer ``409`` with the reasons instead, so whoever connects the pair
+    (the dlmix router, LMDeploy's proxy) can say why. Other errors are left as they are."""
+    def make(original):
+        def p2p_connect(self, conn_request):
+            try:
+                return original(self, conn_request)
+            except Exception as e:
+                if "DLMix:" not in str(e):
+                    raise
+                from fastapi import HTTPException
+
+                raise HTTPException(status_code=409, detail=str(e)) from None
+        return p2p_connect
+
+    _wrap(m.AsyncEngine, "p2p_connect", make)
+
+
 PATCHES: dict[str, Callable[[Any], None]] = {
     "lmdeploy.pytorch.disagg.config": _config,
     "lmdeploy.pytorch.disagg.backend.backend": _backend_registry,
@@ -266,6 +338,8 @@ PATCHES: dict[str, Callable[[Any], None]] = {
     "lmdeploy.pytorch.engine.engine": _engine,
     "lmdeploy.pytorch.backends.selector": _selector,
     "lmdeploy.pytorch.engine.mp_engine.zmq_engine": _mp_engine,
+    "lmdeploy.serve.core.async_engine": _async_engine,
+    "lmdeploy.pytorch.paging.block_trie.node": _trie_node,
 }
 
 

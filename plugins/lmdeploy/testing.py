@@ -80,6 +80,15 @@ def start_api_server(model: str, log_dir: Path, *, role: str = "Hybrid", dtype: 
     return _spawn(spec.argv(), spec.child_env(), Path(log_dir) / f"{role.lower()}-{port}.log", spec.url)
 
 
+def require_venv() -> None:
+    """Skip the calling test module, with the reason, when LMDeploy's venv is absent (call at module level)."""
+    if lmdeploy_python() is None:
+        import pytest
+
+        pytest.skip("no LMDeploy venv (run scripts/setup_lmdeploy.sh, or set DLMIX_LMDEPLOY_VENV)",
+                    allow_module_level=True)
+
+
 def start_ready(model: str, log_dir: Path, started: list | None = None, **kw: Any) -> LMDeployServer:
     """:func:`start_api_server` and wait until it is ready, retried once on the same port when the engine process
     died at start-up: LMDeploy 0.18's api_server shuts its multiprocessing manager down while the engine process may

@@ -4,7 +4,7 @@ An engine publishes which KV blocks it stored or evicted; the router keeps a
 :class:`~dlmix.routing.prefix_index.PrefixIndex` per instance slot from them. The router core only knows three
 engine-neutral updates (:class:`Stored`, :class:`Removed`, :class:`Cleared`, block keys as 64-bit ints, see
 :func:`dlmix.routing.hashing.to_key`). Each engine's wire format lives in its own decoder module in this package
-(``vllm.py``, ``sglang.py``), registered in :data:`DECODERS` by engine name; a decoder module exposes
+(``vllm.py``, ``sglang.py``, ``lmdeploy.py``), registered in :data:`DECODERS` by engine name; a decoder module exposes
 ``decode(payload: bytes) -> list`` of updates (stateless: the engine publishes the router's own block hashes, as
 vLLM does) or ``make(hasher, block_size) -> callable(payload) -> list`` (stateful, one per instance: the router
 re-hashes published token ids, as for SGLang), and raises ``ValueError`` (or msgspec's errors) on a bad payload.
@@ -19,7 +19,7 @@ from typing import Callable, Iterable, List, Optional, Sequence
 
 import msgspec
 
-from dlmix.router.kv_events import sglang, vllm
+from dlmix.router.kv_events import lmdeploy, sglang, vllm
 
 __all__ = ["Stored", "Removed", "Cleared", "apply", "DECODERS", "get_decoder", "decode_fn", "subscribe"]
 
@@ -58,7 +58,7 @@ def apply(index, slot: int, updates: Iterable) -> int:
 
 
 #: engine name -> decoder module (``decode(payload) -> list`` of updates, or ``make(hasher, block_size)``)
-DECODERS = {"vllm": vllm, "sglang": sglang}
+DECODERS = {"vllm": vllm, "sglang": sglang, "lmdeploy": lmdeploy}
 
 
 def get_decoder(engine: str):
