@@ -133,7 +133,9 @@ def test_router_registration_body_and_load_from_the_engine():
     assert (body["role"], body["model"], body["block_size"], body["transport"]) == (
         "prefill", "/models/smollm2", 16, transport)
     assert body["kv_layout"] == lay.to_dict() and body["contract_version"] == 1
-    sched = SimpleNamespace(schedule_metrics=SimpleNamespace(waiting_seqs=3, active_seqs=2, cache_usage=0.25))
+    bm = SimpleNamespace(num_gpu_blocks=64, get_num_free_gpu_blocks=lambda: 48)
+    sched = SimpleNamespace(block_manager=bm, num_waiting=lambda: 1, num_ready=lambda: 1, num_remote_loading=lambda: 1,
+                            num_running=lambda: 2)
     assert router_hook.engine_load(sched) == {"waiting": 3, "running": 2, "kv_usage": 0.25}
     assert router_hook.start(eng, rank, load_settings({})) is None  # no router_url: nothing starts
 

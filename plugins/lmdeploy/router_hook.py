@@ -9,9 +9,9 @@ whatever the migration backend. This module holds what is LMDeploy's:
   name), ``block_size`` (``--cache-block-seq-len``), ``num_chips`` (the attention TP size unless set), ``chip``, and
   with ``--migration-backend DLMix`` the rank's KV layout and transport descriptor, and ``kv_events`` (the
   ``kv_events_endpoint`` the engine publishes its prefix cache on, :mod:`dlmix_lmdeploy.kv_events`);
-* the load, read without locks from LMDeploy's own scheduler metrics (``Scheduler.schedule_metrics``, the figures its
-  ``/metrics`` reports): ``running`` = active sequences, ``waiting`` = waiting, ready and migrating sequences,
-  ``kv_usage`` = used share of the KV blocks (blocks held for a decode count as used).
+* the load, read without locks from LMDeploy's scheduler: ``running`` = active sequences, ``waiting`` = waiting,
+  ready and migrating sequences (the counts of its ``schedule_metrics``), ``kv_usage`` = used share of the block
+  manager's KV blocks (blocks held for a decode count as used, unlike LMDeploy's own request-based figure).
 
 Unlike LMDeploy's ``--proxy-url`` registration (``/nodes/add``, no heartbeats), the router then expires an engine
 that stops heartbeating (``heartbeat_ttl_s`` = 3 x ``heartbeat_s``) and its policies see the engine's own load.
@@ -55,9 +55,15 @@ def engine_body(engine: Any, settings: LMDeploySettings, rank: Any = None) -> di
 
 
 def engine_load(scheduler: Any) -> dict[str, Any]:
-    """``{"waiting", "running", "kv_usage"}`` from LMDeploy's ``Scheduler.schedule_metrics`` (no locks)."""
-    m = scheduler.schedule_metrics
-    return {"waiting": int(m.waiting_seqs), "running": int(m.active_seqs), "kv_usage": float(m.cache_usage)}
+    """``{"waiting", "running", "kv_usage"}`` of LMDeploy's scheduler (no locks): the sequence counts its
+    ``schedule_metrics`` reports, and the used share of the block manager's GPU blocks. Not ``schedule_metrics``'
+    ``cache_usage``: by default (``LMDEPLOY_ENABLE_REQUEST_CACHE_USAGE_METRIC``) it counts only blocks of live
+    sequences, so blocks a prefill holds for a decode would look free."""
+    bm = scheduler.block_manager
+    total = int(bm.num_gpu_blocks)
+    used = 1.0 - bm.get_num_free_gpu_blocks() / total if total else 0.0
+    waiting = scheduler.num_waiting() + scheduler.num_ready() + scheduler.num_remote_loading()
+    return {"waiting": int(waiting), "running": int(scheduler.num_running()), "kv_usage": float(used)}
 
 
 def start(engine: Any, rank: Any = None, settings: LMDeploySettings | None = None) -> RouterClient | None:
