@@ -189,17 +189,20 @@ class VLLMServerSpec:
     def child_env(self) -> dict[str, str]:
         """The child's environment: ours, minus ``VLLM_CPU_KVCACHE_SPACE`` when ``kv_cache_bytes`` is set (it would
         override the flag), with ``PYTHONUNBUFFERED`` defaulted, plus :meth:`env_additions`."""
-        env = dict(os.environ)
-        if self.kv_cache_bytes:
-            env.pop("VLLM_CPU_KVCACHE_SPACE", None)
-        env.setdefault("PYTHONUNBUFFERED", "1")
-        env.update(self.env_additions())
-        return env
+        return _child_env(self.env_additions(), drop=("VLLM_CPU_KVCACHE_SPACE",) if self.kv_cache_bytes else ())
 
     @property
     def url(self) -> str:
         """Base URL of the OpenAI API, e.g. ``http://127.0.0.1:8000``."""
         return f"http://{self.host}:{self.port}"
+
+
+def _child_env(additions: dict[str, str], drop: tuple[str, ...] = ()) -> dict[str, str]:
+    """An engine child's environment: ours without ``drop``, ``PYTHONUNBUFFERED`` defaulted, plus ``additions``."""
+    env = {k: v for k, v in os.environ.items() if k not in drop}
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    env.update(additions)
+    return env
 
 
 #: SGLang 0.5 flags that run its server on a CPU-only host (with ``SGLANG_USE_CPU_ENGINE=1``): the torch-native
@@ -225,15 +228,9 @@ class _OwnVenvServer:
 
     def child_env(self) -> dict[str, str]:
         """The child's environment (class doc)."""
-        env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-        env.setdefault("PYTHONUNBUFFERED", "1")
-        env.update(self.env_additions())
-        return env
+        return _child_env(self.env_additions(), drop=("PYTHONPATH",))
 
-    @property
-    def url(self) -> str:
-        """Base URL of the OpenAI API."""
-        return f"http://{self.host}:{self.port}"
+    url = VLLMServerSpec.url
 
 
 @dataclass
