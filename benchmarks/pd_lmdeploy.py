@@ -1,7 +1,8 @@
 """TTFT of LMDeploy aggregated vs LMDeploy PD with the DLMix migration backend behind the dlmix router (real LMDeploy
 0.18 CPU servers with the CPU aid, SmolLM2), plus the KV bytes moved and the transfer time.
 
-Three phases one after the other (a phase's servers are stopped before the next, so they do not share the cores):
+Three deployments, all running at once, each request's prompt sent to every one of them in turn (the order rotated
+from one prompt to the next), so load changes and prompt content hit all three alike:
 
 * ``aggregated``: one Hybrid server, bf16, block 64; requests go to it directly;
 * ``pd_same``: prefill bf16/block 64 -> decode bf16/block 64 behind the dlmix router (LMDeploy's DistServe flow);
@@ -15,8 +16,9 @@ Each request is a fresh prompt of about N tokens (words of random text) sent to 
 ``stream=true``, ``max_tokens=2``; TTFT = time until the first streamed text. The decode logs each migration (tokens,
 bytes, seconds; ``DLMIX_LMDEPLOY_LOG=INFO``), from which the transfer time of each request is read. Medians per
 prompt length N in 128, 512, 1000. Figures: ``ttft_ms_<phase>_<N>``, ``kv_bytes_<N>``, ``transfer_ms_<phase>_<N>`` and
-``pd_ttft_overhead_ms_<N>`` = PD TTFT (same shapes) - aggregated TTFT - transfer time and
-``pd_mixed_ttft_overhead_ms_<N>`` (mixed shapes, conversion included in the transfer time), measured in the same run
+``pd_ttft_overhead_ms_<N>`` = the median over prompts of (PD TTFT (same shapes) - aggregated TTFT of the same prompt -
+that request's transfer time), with ``_spread`` (min, max), and ``pd_mixed_ttft_overhead_ms_<N>`` (mixed shapes,
+conversion included in the transfer time), measured in the same run
 (the cost of the prefill leg's HTTP round trip, the router hop and the decode's migration scheduling; target: at most
 10 ms); ``ttft_agg_vs_pd_<phase>_<N>`` = aggregated TTFT / PD TTFT (higher is better for PD).
 
@@ -39,6 +41,7 @@ from pathlib import Path
 from dlmix_lmdeploy import testing as T
 
 LENGTHS = (128, 512, 1000)
+PHASES = ("aggregated", "pd_same", "pd_mixed")
 _MIGRATED = re.compile(r"DLMix: session \S+ migrated (\d+) tokens, (\d+) B in ([0-9.]+) s")
 _WORDS = ("river mountain quiet engine market yellow window garden silver theory station winter bridge signal "
           "harvest lantern ocean pocket rhythm castle meadow copper thunder village orbit canvas planet ribbon").split()
@@ -67,50 +70,29 @@ def _ttft(url: str, model: str, prompt: str) -> float:
     raise RuntimeError(f"no text streamed from {url}")
 
 
-def _phase(name: str, model: str, work: Path, reps: int, tokenizer, seed: int) -> dict:
+def _deploy(name: str, model: str, work: Path, started: list, routers: list) -> tuple[str, object]:
+    """Start deployment ``name``; returns ``(url to send requests to, decode server or None)``."""
     from dlmix.router.config import RouterConfig
     from dlmix.testing import RouterThread
 
-    started, rt = [], None
-    rng = random.Random(seed)
-    try:
-        if name == "aggregated":
-            s = T.start_api_server(model, work, role="Hybrid", dtype="bfloat16", block_size=64, num_blocks=64)
-            started.append(s)
-            s.wait_ready()
-            url, decode = s.url, None
-        else:
-            rt = RouterThread(RouterConfig(host="127.0.0.1", port=0, policy="cost", model_spec=model))
-            env = {"DLMIX_LMDEPLOY_LOG": "INFO"}
-            same = name == "pd_same"
-            for kw in (dict(role="Prefill", dtype="bfloat16", block_size=64 if same else 16,
-                            num_blocks=64 if same else 256),
-                       dict(role="Decode", dtype="bfloat16" if same else "float16", block_size=64, num_blocks=64)):
-                s = T.start_api_server(model, work, proxy_url=rt.url, env=env, **kw)
-                started.append(s)
-                s.wait_ready()
-            url, decode = rt.url, started[1]
-            deadline = time.monotonic() + 60
-            while len(rt.call(lambda: list(rt.router.registry.backends))) < 2 and time.monotonic() < deadline:
-                time.sleep(0.2)
-        _ttft(url, model, _prompt(tokenizer, 32, rng))  # warm-up (and the pair handshake)
-        out: dict = {"ttft_s": {}, "transfer_s": {}, "kv_bytes": {}}
-        for n in LENGTHS:
-            seen = len(_MIGRATED.findall(decode.log_path.read_text(errors="replace"))) if decode else 0
-            out["ttft_s"][n] = statistics.median(_ttft(url, model, _prompt(tokenizer, n, rng)) for _ in range(reps))
-            if decode:
-                time.sleep(0.2)
-                moves = _MIGRATED.findall(decode.log_path.read_text(errors="replace"))[seen:]
-                if len(moves) != reps:
-                    raise RuntimeError(f"{name}: {len(moves)} migrations logged for {reps} requests of {n} tokens")
-                out["transfer_s"][n] = statistics.median(float(m[2]) for m in moves)
-                out["kv_bytes"][n] = statistics.median(int(m[1]) for m in moves)
-        return out
-    finally:
-        for s in reversed(started):
-            s.stop()
-        if rt is not None:
-            rt.close()
+    if name == "aggregated":
+        s = T.start_ready(model, work, started, role="Hybrid", dtype="bfloat16", block_size=64, num_blocks=64)
+        return s.url, None
+    rt = RouterThread(RouterConfig(host="127.0.0.1", port=0, policy="cost", model_spec=model))
+    routers.append(rt)
+    env = {"DLMIX_LMDEPLOY_LOG": "INFO"}
+    same = name == "pd_same"
+    servers = [T.start_ready(model, work, started, proxy_url=rt.url, env=env, **kw) for kw in (
+        dict(role="Prefill", dtype="bfloat16", block_size=64 if same else 16, num_blocks=64 if same else 256),
+        dict(role="Decode", dtype="bfloat16" if same else "float16", block_size=64, num_blocks=64))]
+    deadline = time.monotonic() + 60
+    while len(rt.call(lambda: list(rt.router.registry.backends))) < 2 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return rt.url, servers[1]
+
+
+def _migrations(decode) -> list:
+    return _MIGRATED.findall(decode.log_path.read_text(errors="replace"))
 
 
 def main() -> None:
@@ -126,23 +108,50 @@ def main() -> None:
     model = str(prepare("smollm2"))
     tokenizer = AutoTokenizer.from_pretrained(model)
     reps = 3 if args.quick else 7
-    res = {}
+    rng = random.Random(0)
+    ttft: dict = {name: {n: [] for n in LENGTHS} for name in PHASES}
+    moved: dict = {name: {n: [] for n in LENGTHS} for name in PHASES[1:]}
+    started, routers = [], []
     with tempfile.TemporaryDirectory(prefix="pd_lmdeploy_") as work:
-        for i, name in enumerate(("aggregated", "pd_same", "pd_mixed")):
-            res[name] = _phase(name, model, Path(work), reps, tokenizer, seed=i)
-            print(name, json.dumps(res[name]), flush=True)
+        try:
+            deps = {name: _deploy(name, model, Path(work), started, routers) for name in PHASES}
+            for url, _ in deps.values():
+                _ttft(url, model, _prompt(tokenizer, 32, rng))  # warm-up (and the pair handshake)
+            for n in LENGTHS:
+                for rep in range(reps):
+                    prompt = _prompt(tokenizer, n, rng)
+                    order = PHASES[rep % 3:] + PHASES[:rep % 3]  # each deployment first as often as the others
+                    for name in order:
+                        url, decode = deps[name]
+                        seen = len(_migrations(decode)) if decode else 0
+                        ttft[name][n].append(_ttft(url, model, prompt))
+                        if decode:
+                            deadline = time.monotonic() + 10
+                            while len(_migrations(decode)) == seen and time.monotonic() < deadline:
+                                time.sleep(0.05)
+                            got = _migrations(decode)[seen:]
+                            if len(got) != 1:
+                                raise RuntimeError(f"{name}: {len(got)} migrations logged for one request")
+                            moved[name][n].append((float(got[0][2]), int(got[0][1])))
+                print(f"{n} tokens:", {k: [round(x * 1e3) for x in ttft[k][n]] for k in PHASES}, flush=True)
+        finally:
+            for s in reversed(started):
+                s.stop()
+            for rt in routers:
+                rt.close()
+    med = statistics.median
     fig: dict = {"reps": reps}
     for n in LENGTHS:
-        agg = res["aggregated"]["ttft_s"][n]
-        for name in res:
-            fig[f"ttft_ms_{name}_{n}"] = round(res[name]["ttft_s"][n] * 1e3, 1)
+        for name in PHASES:
+            fig[f"ttft_ms_{name}_{n}"] = round(med(ttft[name][n]) * 1e3, 1)
             if name != "aggregated":
-                fig[f"transfer_ms_{name}_{n}"] = round(res[name]["transfer_s"][n] * 1e3, 2)
-        fig[f"kv_bytes_{n}"] = res["pd_same"]["kv_bytes"][n]
+                fig[f"transfer_ms_{name}_{n}"] = round(med(t for t, _ in moved[name][n]) * 1e3, 2)
+        fig[f"kv_bytes_{n}"] = med(b for _, b in moved["pd_same"][n])
         for name, key in (("pd_same", "pd_ttft_overhead_ms"), ("pd_mixed", "pd_mixed_ttft_overhead_ms")):
-            r = res[name]
-            fig[f"{key}_{n}"] = round((r["ttft_s"][n] - agg - r["transfer_s"][n]) * 1e3, 1)
-            fig[f"ttft_agg_vs_{name}_{n}"] = round(agg / r["ttft_s"][n], 3)
+            paired = [pd - agg - t for pd, agg, (t, _) in zip(ttft[name][n], ttft["aggregated"][n], moved[name][n])]
+            fig[f"{key}_{n}"] = round(med(paired) * 1e3, 1)
+            fig[f"{key}_{n}_spread"] = [round(min(paired) * 1e3, 1), round(max(paired) * 1e3, 1)]
+            fig[f"ttft_agg_vs_{name}_{n}"] = round(med(ttft["aggregated"][n]) / med(ttft[name][n]), 3)
     print(json.dumps(fig))
 
 

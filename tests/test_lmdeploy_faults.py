@@ -6,8 +6,9 @@ no KV block stays held on either side.
 
 The block accounting read is the engines' own: both engines register themselves with the router (``router_url``)
 and heartbeat the used share of LMDeploy's block manager (:mod:`dlmix_lmdeploy.router_hook`), which counts the blocks
-a prefill holds for a decode (LMDeploy's ``cache_usage`` metric does not). A hold nobody collects is freed by the
-prefill's ``hold_timeout_s`` (8 s here).
+a prefill holds for a decode (LMDeploy's ``cache_usage`` metric does not). The prefill's ``hold_timeout_s`` is 600 s
+here, so blocks freed within the tests' waits were freed by the flow itself (consumed by the decode, the request
+aborted, or the router's ``free_cache`` when a decode leg did not take them), not by that timeout.
 """
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ from dlmix_lmdeploy import testing as T  # noqa: E402
 
 T.require_venv()
 
-HOLD_TIMEOUT_S = 8
+HOLD_TIMEOUT_S = 600
 _WORDS = ("river mountain quiet engine market yellow window garden silver theory station winter bridge signal "
           "harvest lantern ocean pocket rhythm castle meadow copper thunder village orbit canvas planet ribbon").split()
 
@@ -75,7 +76,7 @@ def _usage(rt, url: str) -> float | None:
     return rt.call(get)
 
 
-def _idle(pair, names=("P", "D"), timeout_s: float = HOLD_TIMEOUT_S + 30) -> dict[str, float]:
+def _idle(pair, names=("P", "D"), timeout_s: float = 90) -> dict[str, float]:
     """Wait until each engine's heartbeat reports at most the idle figure (a block LMDeploy may keep for itself:
     under 2 blocks of the pool); returns the last figures. Fails naming the engine that still holds blocks."""
     from dlmix.testing import poll
@@ -105,11 +106,23 @@ def _open(url: str, body: dict) -> http.client.HTTPConnection:
     return c
 
 
+def test_decode_leg_refused_frees_the_prefill_hold_at_once(pair):
+    """A request the prefill leg serves but the decode refuses (``logprobs`` without ``--logprobs-mode`` on the
+    decode; the router's prefill leg drops logprobs): the client gets the decode's 400 with its reason, and the
+    router's ``free_cache`` (the hold named by its block ids) frees the prefill's blocks long before the hold
+    timeout."""
+    rt, m = pair["router"], pair["model"]
+    _idle(pair)
+    status, out = T.post_json(rt.url + "/v1/completions", {**_body(m, _prompt(4, 400), 8), "logprobs": 2})
+    assert status == 400 and "logprobs" in json.dumps(out), (status, out)
+    print("after the refused decode leg:", _idle(pair))
+
+
 def test_client_disconnects_leave_no_block_held(pair):
     """A client that goes away (1) while its prompt is being prefilled and (2) after two streamed tokens: afterwards
-    neither engine holds a block (the decode aborts its sequence; the prefill's hold, if one was made, is freed
-    once consumed or after ``hold_timeout_s``), and both keep serving: the next request answers the same text as
-    before the disconnects."""
+    neither engine holds a block (the decode aborts its sequence; a prefill hold is consumed by the decode or freed
+    by the router when the decode leg did not take it), and both keep serving: the next request answers the same
+    text as before the disconnects."""
     rt, m = pair["router"], pair["model"]
     _idle(pair)
     prompt = _prompt(1, 500)  # ~500 tokens: a prefill of about a second or more here

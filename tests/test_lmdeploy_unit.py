@@ -13,7 +13,7 @@ import torch
 from dlmix.kv import read_kv
 from dlmix_lmdeploy import autoload, patches
 from dlmix_lmdeploy.config import DLMixLMDeployConfigError, load_settings
-from dlmix_lmdeploy.layout import describe_cache
+from dlmix_lmdeploy.layout import describe_cache, describe_int8_cache
 
 
 def test_hook_watches_exactly_the_patched_modules():
@@ -97,7 +97,8 @@ def test_describe_cache_reads_what_lmdeploy_allocated(tmp_path, packed):
 
 
 @pytest.mark.parametrize("kw, reason", [
-    (dict(policy=8), "quantized KV"),
+    (dict(policy=4), "not --quant-policy 4"),
+    (dict(policy=8), "receives into --quant-policy 8 on a decode engine"),
     (dict(pad=256), "padded"),
     (dict(dtype=torch.float8_e4m3fn), "not moved"),
 ])
@@ -105,6 +106,89 @@ def test_describe_cache_refuses_what_it_does_not_move(tmp_path, kw, reason):
     ce, mc, _ = _engine(**kw)
     with pytest.raises(ValueError, match=reason):
         describe_cache(ce, mc, str(tmp_path), tp_rank=0, tp_size=1)
+
+
+def _int8_engine(L=2, B=6, N=16, H=3, D=8, sdtype=torch.float16):
+    """An LMDeploy ``--quant-policy 8`` packed pool: uint8 K and V ``[N, H, D]``, then K and V scales/zeros
+    ``[N, H, 2]`` in ``sdtype``, each payload padded to 256 bytes (``cache_engine/layout.py``)."""
+    el = torch.empty((), dtype=sdtype).element_size()
+    descs = [SimpleNamespace(shape=(N, H, D), dtype=torch.uint8, size=N * H * D),
+             SimpleNamespace(shape=(N, H, D), dtype=torch.uint8, size=N * H * D),
+             SimpleNamespace(shape=(N, H, 2), dtype=sdtype, size=N * H * 2 * el),
+             SimpleNamespace(shape=(N, H, 2), dtype=sdtype, size=N * H * 2 * el)]
+    for d in descs:
+        d.aligned_size = (d.size + 255) // 256 * 256
+    pool = torch.zeros((L, B, sum(d.aligned_size for d in descs)), dtype=torch.uint8)
+    views, off = [], 0
+    for d in descs:
+        views.append(pool[:, :, off:off + d.size].view(d.dtype).view(L, B, *d.shape))
+        off += d.aligned_size
+    names = ["k_cache", "v_cache", "quant_0", "quant_1"]
+    ce = SimpleNamespace(cache_config=SimpleNamespace(quant_policy=8, block_size=N, kernel_block_size=N),
+                         block_cache_plan=SimpleNamespace(tensor_specs=[SimpleNamespace(name=n, desc=d)
+                                                                        for n, d in zip(names, descs)]),
+                         gpu_allocation=SimpleNamespace(pools=[SimpleNamespace(tensor=pool)], tensor_views=views))
+    mc = SimpleNamespace(num_layers=L, num_attention_heads=9, use_standard_kv_cache=True,
+                         hf_config=SimpleNamespace(architectures=["LlamaForCausalLM"]))
+    return ce, mc, views
+
+
+def test_int8_quantization_is_lmdeploys_formula():
+    """``q = floor(x / scale + zero + 0.5)`` with ``scale = (max - min) / 255`` and ``zero = -min / scale`` per
+    (token, head) vector (LMDeploy ``fill_kv_cache.py``); reading back errs by at most half a step; an evenly spaced
+    vector of 256 values is stored exactly; a constant vector reads back exactly."""
+    from dlmix.kv.quant import dequantize_int8_asym, quantize_int8_asym
+
+    ramp = (torch.arange(256, dtype=torch.float32) * 0.5 - 10).reshape(1, 256)
+    q, sz = quantize_int8_asym(ramp, torch.float32)
+    assert torch.equal(q[0].long(), torch.arange(256)) and sz[0].tolist() == [0.5, 20.0]
+    assert torch.equal(dequantize_int8_asym(q, sz), ramp)
+    x = torch.randn(7, 3, 64, dtype=torch.float16) * 3
+    q, sz = quantize_int8_asym(x, torch.float16)
+    assert q.dtype == torch.uint8 and sz.shape == (7, 3, 2) and sz.dtype == torch.float16
+    s, z = sz[..., :1].float(), sz[..., 1:].float()
+    assert torch.equal(q.long(), torch.floor(x.float() / s + z + 0.5).clamp(0, 255).long())
+    lo, hi = x.float().amin(-1, keepdim=True), x.float().amax(-1, keepdim=True)
+    assert torch.allclose(s, (hi - lo) / 255, rtol=1e-3)
+    err = (dequantize_int8_asym(q, sz) - x.float()).abs()
+    assert (err <= s * 0.5 + 1e-3).all(), err.max()
+    flat = torch.full((2, 64), 1.75)
+    q, sz = quantize_int8_asym(flat, torch.float16)
+    assert torch.equal(dequantize_int8_asym(q, sz), flat)
+    with pytest.raises(ValueError, match="float"):
+        quantize_int8_asym(torch.zeros(3, dtype=torch.int32), torch.float16)
+
+
+def test_int8_cache_receives_in_the_model_dtype_and_quantizes_into_its_blocks(tmp_path):
+    """A ``--quant-policy 8`` decode is described as what a transfer into it carries (fp16, ``lmdeploy``
+    arrangement); a bf16 packed prefill's blocks converted into its shadow and stored land, quantized, in exactly
+    the decode's block ids (uint8 K/V and scales/zeros in LMDeploy's pool), other blocks untouched."""
+    from dlmix.kv import convert
+    from dlmix.kv.quant import quantize_int8_asym
+
+    ce, mc, (kq, vq, ksz, vsz) = _int8_engine()
+    layout, cache = describe_int8_cache(ce, mc, str(tmp_path), tp_rank=0, tp_size=1)
+    assert (layout.arrangement, layout.dtype, layout.block_size) == ("lmdeploy", "fp16", 16)
+    sce, smc, (k, v) = _engine(L=2, B=8, N=4, packed=True)
+    k.copy_(torch.randn(k.shape).to(k.dtype))
+    v.copy_(torch.randn(v.shape).to(v.dtype))
+    src_layout, src_layers = describe_cache(sce, smc, str(tmp_path), tp_rank=0, tp_size=1)
+    tokens, dst_blocks = 20, [4, 1]  # 5 prefill blocks of 4 -> 2 decode blocks of 16
+    shadow = cache.shadow(len(dst_blocks))
+    convert(src_layout, src_layers, [7, 0, 3, 5, 2], layout, shadow, [0, 1], tokens, 0)
+    cache.store(shadow, dst_blocks)
+    for layer in range(2):
+        for t in (0, 3, 4, 15, 16, 19):
+            sb, so = [7, 0, 3, 5, 2][t // 4], t % 4
+            b, o = dst_blocks[t // 16], t % 16
+            for src, q, sz in ((k, kq, ksz), (v, vq, vsz)):
+                want_q, want_sz = quantize_int8_asym(src[layer, sb, so].to(torch.float16), torch.float16)
+                assert torch.equal(q[layer, b, o], want_q) and torch.equal(sz[layer, b, o], want_sz)
+        for b in (0, 2, 3, 5):
+            assert not kq[layer, b].any() and not ksz[layer, b].any()
+    ce.cache_config.quant_policy = 4
+    with pytest.raises(ValueError, match="not an int8"):
+        describe_int8_cache(ce, mc, str(tmp_path), tp_rank=0, tp_size=1)
 
 
 def test_router_registration_body_and_load_from_the_engine():

@@ -11,7 +11,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from dlmix.kv import KVLayout, ModelIdentity
-from dlmix.pd.contract import ContractError, block_ids_transfer_id, decode_params
+from dlmix.pd.contract import ContractError, block_ids_session_alias, block_ids_transfer_id, decode_params
 from dlmix.router.engines import can_pair, get_engine
 from dlmix.router.engines import bridges
 
@@ -38,6 +38,12 @@ def test_block_ids_transfer_id():
     for bad in ([-1], ["x"], [None]):
         with pytest.raises(ContractError):
             block_ids_transfer_id(bad)
+        with pytest.raises(ContractError):
+            block_ids_session_alias(bad)
+    # the integer alias for LMDeploy's free_cache: the same hold, never an engine session (>= 0) or "none" (-1)
+    al = block_ids_session_alias([4, 9, 2])
+    assert al == block_ids_session_alias((4, 9, 2)) == -2 - int(a.rsplit("-", 1)[1][:12], 16)
+    assert al <= -2 and al != block_ids_session_alias([9, 4, 2])
 
 
 class _FakeLMDeploy:

@@ -112,3 +112,82 @@ def test_lmdeploy_pairs_with_vllm_both_ways_but_never_with_sglang():
             assert "concurrent/bootstrap" in r.text and "lmdeploy (sequential/migration_request)" in r.text
     finally:
         rt.close()
+
+
+class _FakeEngine:
+    """An LMDeploy api_server stand-in: ``/health``, ``/v1/models``, the DistServe handshake routes, ``free_cache``
+    (recorded), and ``/v1/completions`` answering a prefill's hand-off (role prefill) or ``decode_status``."""
+
+    def __init__(self, role: str, decode_status: int = 200):
+        import threading
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        self.freed: list[dict] = []
+        fake = self
+
+        class H(BaseHTTPRequestHandler):
+            def log_message(self, *a):
+                pass
+
+            def _answer(self, status, body):
+                data = json.dumps(body).encode()
+                self.send_response(status)
+                self.send_header("content-type", "application/json")
+                self.send_header("content-length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def do_GET(self):
+                self._answer(200, {"data": [{"id": "m"}]} if self.path == "/v1/models" else {})
+
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers["content-length"])) or b"{}")
+                if self.path == "/distserve/free_cache":
+                    fake.freed.append(body)
+                    self._answer(200, {"status": "SUCCESS"})
+                elif self.path.startswith("/distserve/"):
+                    self._answer(200, {"engine_endpoint_info": {}, "kvtransfer_endpoint_info": []})
+                elif role == "prefill":
+                    self._answer(200, {"id": "-1", "choices": [{"text": "x"}], "cache_block_ids": [7, 3, 11],
+                                       "remote_token_ids": [42], "usage": {"prompt_tokens": 40}})
+                else:
+                    self._answer(decode_status, {"object": "error", "message": "decode failed", "code": 500}
+                                 if decode_status != 200 else {"choices": [{"text": "answer"}]})
+
+        self.srv = ThreadingHTTPServer(("127.0.0.1", 0), H)
+        self.url = f"http://127.0.0.1:{self.srv.server_address[1]}"
+        threading.Thread(target=self.srv.serve_forever, daemon=True).start()
+
+    def close(self):
+        self.srv.shutdown()
+        self.srv.server_close()
+        lmd.forget(self.url)
+
+
+@pytest.mark.parametrize("decode_status", [500, 200])
+def test_prefill_hold_is_freed_when_the_decode_leg_does_not_take_it(decode_status):
+    """A decode leg that fails (HTTP 500) makes the router ask the prefill to free what it holds for that request
+    at once: ``/distserve/free_cache`` naming the hold by the alias of its block ids (LMDeploy's api_server answers
+    the user's session id, not the engine's); a decode leg that succeeds frees nothing (its decode took the KV)."""
+    from dlmix.pd.contract import block_ids_session_alias
+    from dlmix.testing import poll
+
+    p, d = _FakeEngine("prefill"), _FakeEngine("decode", decode_status)
+    rt = RouterThread(RouterConfig(host="127.0.0.1", port=0, policy="round_robin", retries=0))
+    try:
+        with httpx.Client(base_url=rt.url, timeout=30) as c:
+            for url, role in ((p.url, 2), (d.url, 3)):
+                r = c.post("/nodes/add", json={"url": url, "status": {"models": ["m"], "role": role}})
+                assert r.status_code in (200, 201), r.text
+            r = c.post("/v1/completions", json={"model": "m", "prompt": "hello", "max_tokens": 4})
+            assert r.status_code == decode_status, r.text
+        if decode_status == 200:
+            assert not poll(lambda: p.freed, 1.0) and not d.freed
+        else:
+            alias = block_ids_session_alias([7, 3, 11])
+            assert poll(lambda: p.freed, 10) == [{"remote_engine_id": p.url, "remote_session_id": alias}]
+            assert alias <= -2 and not d.freed
+    finally:
+        rt.close()
+        p.close()
+        d.close()

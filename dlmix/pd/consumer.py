@@ -165,11 +165,14 @@ class Consumer:
 
     def pull(self, remote: dict[str, Any], remote_req_id: str, remote_block_ids: list[int], start: int, end: int,
              local_block_ids: list[int], cancelled: Callable[[], bool] = lambda: False, *,
-             src_layout: KVLayout | dict[str, Any] | None = None, digest: str | None = None) -> PullResult:
+             src_layout: KVLayout | dict[str, Any] | None = None, digest: str | None = None,
+             dst_layers: list[Any] | None = None) -> PullResult:
         """Load tokens ``[start, end)`` of the producer's request into this rank's blocks ``local_block_ids`` (the
         request's block table in token order). ``src_layout``: the producer's layout from the parameters (None:
         ask the producer for it once, in the ``blocks_ready`` answer). ``digest``: this request's prompt digest
-        (the producer refuses a mismatch). Never raises (see :class:`PullResult`)."""
+        (the producer refuses a mismatch). ``dst_layers``: other caches of this rank's layout to load into instead
+        of its own (a receive buffer an engine re-encodes afterwards, e.g. into an int8 cache). Never raises (see
+        :class:`PullResult`)."""
         t0 = time.perf_counter()
         res = PullResult(loaded_upto=start)
         try:
@@ -208,7 +211,7 @@ class Consumer:
                 if reasons:
                     raise PermissionError("incompatible prefill/decode pair: " + "; ".join(reasons))
             self._rounds(peer, remote_req_id, src, [int(b) for b in remote_block_ids], start, end,
-                         list(local_block_ids), res, cancelled)
+                         list(local_block_ids), res, cancelled, self.layers if dst_layers is None else dst_layers)
         except Exception as e:
             res.error = f"{type(e).__name__}: {e}"
         res.failed_block_ids = failed_blocks(self.layout.block_size, list(local_block_ids), res.loaded_upto, end)
@@ -227,7 +230,7 @@ class Consumer:
                          src_layout=params.layout, digest=digest)
 
     def _rounds(self, peer: str, rid: str, src: KVLayout, rblocks: list[int], start: int, end: int,
-                lblocks: list[int], res: PullResult, cancelled: Callable[[], bool]) -> None:
+                lblocks: list[int], res: PullResult, cancelled: Callable[[], bool], dst_layers: list[Any]) -> None:
         from dlmix.kv.ops import convert as kv_convert
         from dlmix.kv.ops import torch_dtype
 
@@ -274,7 +277,7 @@ class Consumer:
                 t0, t1 = max(start, c0 * ns), min(end, c1 * ns)
                 src_caches = [self._staged_layer(src, sdt, layer, n, P, pp) for layer in range(L)]
                 src_table = [0] * c0 + list(range(n))
-                kv_convert(src, src_caches, src_table, self.layout, self.layers, lblocks, t1, t0,
+                kv_convert(src, src_caches, src_table, self.layout, dst_layers, lblocks, t1, t0,
                            relax_fingerprint=not self.verify_weights)
                 res.loaded_upto = t1
                 c0 = c1

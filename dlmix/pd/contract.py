@@ -59,6 +59,7 @@ __all__ = [
     "ControlMessage",
     "prompt_digest",
     "block_ids_transfer_id",
+    "block_ids_session_alias",
     "decode_params",
     "decode_message",
     "encode",
@@ -134,6 +135,14 @@ def block_ids_transfer_id(block_ids: Iterable[int]) -> str:
         raise ContractError("block ids must be non-negative")
     h = hashlib.blake2b(",".join(str(b) for b in ids).encode(), digest_size=12)
     return f"blk-{len(ids)}-{h.hexdigest()}"
+
+
+def block_ids_session_alias(block_ids: Iterable[int]) -> int:
+    """A negative integer naming the same hold as :func:`block_ids_transfer_id` (``-2`` minus its first 48 bits),
+    for engine APIs whose free or abort carries only an integer session id (LMDeploy's ``/distserve/free_cache``
+    ``remote_session_id``). Engines number their own sessions from 0 and use ``-1`` for "none", so an alias never
+    names a real session. Raises ContractError like :func:`block_ids_transfer_id`."""
+    return -2 - int(block_ids_transfer_id(block_ids).rsplit("-", 1)[1][:12], 16)
 
 
 class TransportDescriptor(msgspec.Struct, forbid_unknown_fields=False, kw_only=True):

@@ -53,6 +53,7 @@ class PDOrchestrator:
         self.cfg = cfg
         self.metrics = metrics
         self.make_view = make_view
+        self._aborts: set = set()  # running abort_handoff tasks (kept referenced until done)
 
     async def prefill(self, conn, req, d: dict, rr: RouteRequest, dec: Decision, chat: bool, fwd: bytes):
         """Run the prefill leg of ``dec`` (``d``: the parsed client body; ``fwd``: forwarded header lines).
@@ -109,6 +110,24 @@ class PDOrchestrator:
             tried.add(p.id)
             if m:
                 m.retry("prefill")
+
+    def handoff_abort(self, dec: Decision, kvp: dict):
+        """A callable that tells ``dec``'s prefill instance to free the KV it holds for this request (the engine
+        adapter's optional ``abort_handoff``, run as a background task, errors logged), for when the decode leg did
+        not take it; None when there is nothing to call: no such hook, or a cross-engine pair (``kvp`` is then in
+        the decode engine's terms; the prefill's hold timeout frees it)."""
+        pb = self.registry.backends.get(dec.prefill.id) if dec.prefill is not None else None
+        db = self.registry.backends.get(dec.decode.id)
+        hook = getattr(pb.engine, "abort_handoff", None) if pb is not None else None
+        if hook is None or db is None or db.engine is not pb.engine:
+            return None
+        url = pb.state.url
+
+        def abort() -> None:
+            task = asyncio.ensure_future(hook(url, kvp))
+            self._aborts.add(task)
+            task.add_done_callback(self._aborts.discard)
+        return abort
 
     async def _pair_ready(self, conn, b, dec: Decision, kvp: dict, rbody: bytes):
         """Make the prefill's hand-off fit the decode instance before the decode leg: across engines, the bridge

@@ -479,24 +479,44 @@ class Router:
                 self._pd_metrics(view, rr, dec)
             return await self.pd.concurrent(conn, req, d, rr, dec, chat, fwd, first)
         data = req.body
+        abort = None
         if dec.prefill is not None:
             kvp = await self.pd.prefill(conn, req, d, rr, dec, chat, fwd)
             if kvp is SENT:
                 return SENT
             if kvp is not None:  # else: fell back to prefill on D (dec.prefill is None now)
-                data = self.rt[dec.decode.id].engine.decode_body(req.body, kvp, d)
+                abort = self.pd.handoff_abort(dec, kvp)
+                try:
+                    data = self.rt[dec.decode.id].engine.decode_body(req.body, kvp, d)
+                except BaseException:
+                    if abort is not None:
+                        abort()
+                    raise
                 if m:
                     self._pd_metrics(view, rr, dec)
                 first()
         b = self.rt.get(dec.decode.id)
         if b is None:
+            if abort is not None:
+                abort()
             raise BackendError(f"instance {dec.decode.id} was removed")
         if dec.prefill is None and dec.decode.role == "decode" and b.engine.DECODE_NEEDS_PREFILL:
             self._send(conn, 503, _json.encode({"error": f"no prefill instance available for decode-only "
                                                          f"instance {dec.decode.id} ({dec.decode.engine})"}))
             return SENT
         raw = build_request(req.method, req.url, b.hostport, b.auth + fwd, data)
-        return b, await request(b.pool, raw, conn.transport, conn, None, first)
+        if abort is None:
+            return b, await request(b.pool, raw, conn.transport, conn, None, first)
+        # the prefill holds this request's KV: free it now when the decode leg did not take it (client gone, decode
+        # failed), not at the prefill's hold timeout; freeing a hold already consumed is a no-op
+        try:
+            c = await request(b.pool, raw, conn.transport, conn, None, first)
+        except BaseException:
+            abort()
+            raise
+        if c.status != 200:
+            abort()
+        return b, c
 
     def _pd_metrics(self, view: ClusterView, rr: RouteRequest, dec) -> None:
         """A PD hand-off (either flow): the prompt tokens the decode instance already holds, and the cost model's

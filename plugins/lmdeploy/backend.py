@@ -24,10 +24,16 @@ With ``--migration-backend DLMix`` (this module plus the patches of :mod:`dlmix_
   checked, so a decode whose prompt tokens differ refuses instead of decoding from someone else's KV;
 * the decode does not send LMDeploy's ZMQ free after a DLMix migration (its ``remote_session_id`` names the wrong
   session, see :func:`hold_key`); the core's ``blocks_consumed`` ends the hold instead. A free or abort that does
-  reach the prefill (the proxy's ``free_cache``) ends the hold; the session ends once no read can touch its blocks.
+  reach the prefill (the proxy's ``free_cache``; the dlmix router's, naming the hold by
+  :func:`dlmix.pd.contract.block_ids_session_alias` of its blocks) ends the hold; the session ends once no read can
+  touch its blocks.
+
+A Decode rank with an int8 cache (``--quant-policy 8``) receives each request into a shadow of its blocks in the model
+dtype and quantizes it there with LMDeploy's own int8 formula (:class:`dlmix_lmdeploy.layout.Int8Cache`,
+:mod:`dlmix.kv.quant`), so a prefill of any dtype can feed it.
 
 Limits (refused with a reason): TP size 1 per side with LMDeploy's single-process executor (the endpoint lives in the
-process of the engine loop), quantized KV (``--quant-policy`` 4/8), MLA.
+process of the engine loop), int8 KV on a prefill and ``--quant-policy`` 4 or fp8 on either side, MLA.
 """
 from __future__ import annotations
 
@@ -43,12 +49,12 @@ from typing import Any
 from lmdeploy.pytorch.disagg.backend.base import MigrationBackendImpl
 
 from dlmix.kv.layout import KVLayout
-from dlmix.pd.contract import block_ids_transfer_id, prompt_digest
+from dlmix.pd.contract import block_ids_session_alias, block_ids_transfer_id, prompt_digest
 from dlmix.pd.endpoint import DEFAULT_LOOPBACK_SECRET, KVEndpoint, PullResult
 from dlmix.pd.pair import check_pair, layout_of
 
 from .config import load_settings
-from .layout import describe_cache
+from .layout import Int8Cache, describe_cache, describe_int8_cache, quant_policy
 
 log = logging.getLogger("dlmix_lmdeploy")
 
@@ -93,8 +99,11 @@ class Rank:
     lock: threading.Lock = field(default_factory=threading.Lock)
     key_of: dict[int, str] = field(default_factory=dict)  # prefill: engine session id -> hold key
     session_of: dict[str, int] = field(default_factory=dict)  # prefill: hold key -> engine session id
+    key_of_alias: dict[int, str] = field(default_factory=dict)  # prefill: block_ids_session_alias -> hold key
+    alias_of: dict[str, int] = field(default_factory=dict)  # prefill: hold key -> its alias
     scheduler: Any = None
     _loop: Any = None
+    int8: Int8Cache | None = None  # decode with --quant-policy 8: transfers land in a shadow, quantized on arrival
 
     # ------------------------------------------------------------------ connection
     def endpoint_info(self) -> dict[str, Any]:
@@ -140,6 +149,8 @@ class Rank:
                 return
             self.key_of[session_id] = key
             self.session_of[key] = session_id
+            alias = self.alias_of[key] = block_ids_session_alias(block_ids)
+            self.key_of_alias[alias] = key
         self.endpoint.add_hold(key, [int(b) for b in block_ids], len(token_ids), prompt_digest(token_ids))
         if self.scheduler is None:
             self.scheduler = scheduler
@@ -155,6 +166,7 @@ class Rank:
                     sid = self.session_of.pop(key, None)
                     if sid is not None:
                         self.key_of.pop(sid, None)
+                    self.key_of_alias.pop(self.alias_of.pop(key, None), None)
                 if sid is not None and self.scheduler.get_session(sid) is not None:
                     self.scheduler.end_session(sid)
         except Exception as e:  # never let the poller die
@@ -164,9 +176,11 @@ class Rank:
     def drop(self, session_id: int) -> bool:
         """The engine was asked to end a held session (LMDeploy's free after migration, ``free_cache``, abort): let
         the core end the hold (at once, or when a read in progress finishes); :meth:`poll` then ends the session.
+        ``session_id`` is the engine's session or the hold's :func:`~dlmix.pd.contract.block_ids_session_alias`
+        (what the dlmix router sends to ``/distserve/free_cache`` when a request's decode leg did not take its KV).
         Returns False when the session is not held here."""
         with self.lock:
-            key = self.key_of.get(session_id)
+            key = self.key_of.get(session_id) if session_id >= 0 else self.key_of_alias.get(session_id)
         if key is None:
             return False
         self.endpoint.engine_abort(key)
@@ -183,9 +197,20 @@ class Rank:
             return PullResult(loaded_upto=0, error=f"DLMix: {remote_engine_id} is not connected to this decode engine",
                               failed_block_ids=list(local_block_ids))
         rid = hold_key(remote_block_ids)
+        local = [int(b) for b in local_block_ids]
+        shadow = self.int8.shadow(len(local)) if self.int8 is not None else None
         res = self.endpoint.pull(peer.transport, rid, list(remote_block_ids), 0, len(token_ids),
-                                 list(local_block_ids), src_layout=peer.layout, digest=prompt_digest(token_ids))
+                                 list(range(len(local))) if shadow is not None else local,
+                                 src_layout=peer.layout, digest=prompt_digest(token_ids), dst_layers=shadow)
         self.endpoint.release(peer.transport, rid, consumed=res.error is None)
+        if shadow is not None:
+            res.failed_block_ids = [local[i] for i in res.failed_block_ids]
+            if res.error is None:
+                try:
+                    self.int8.store(shadow, local)
+                except Exception as e:  # never raise into the engine loop: the request fails, its blocks are freed
+                    res.error = f"quantizing the received KV failed: {type(e).__name__}: {e}"
+                    res.failed_block_ids = list(local)
         return res
 
 
@@ -220,15 +245,24 @@ def start_rank(agent: Any) -> Rank:
     settings = load_settings()
     import lmdeploy
 
-    layout, layers = describe_cache(agent.cache_engine, agent.model_config, str(agent.model_path), tp_rank=0,
-                                    tp_size=tp, engine=f"lmdeploy {lmdeploy.__version__}")
+    int8 = None
+    if quant_policy(agent.cache_engine) == 8:
+        if role != "Decode":
+            raise ValueError("the DLMix migration backend receives into an int8 KV cache (--quant-policy 8) on a "
+                             "Decode engine only; run this prefill with --quant-policy 0")
+        layout, int8 = describe_int8_cache(agent.cache_engine, agent.model_config, str(agent.model_path),
+                                           tp_rank=0, tp_size=tp, engine=f"lmdeploy {lmdeploy.__version__}")
+        layers = int8.shadow(1)  # the endpoint's own caches: a decode holds nothing for others
+    else:
+        layout, layers = describe_cache(agent.cache_engine, agent.model_config, str(agent.model_path), tp_rank=0,
+                                        tp_size=tp, engine=f"lmdeploy {lmdeploy.__version__}")
     secret = settings.shared_secret or DEFAULT_LOOPBACK_SECRET
     name = f"lmdeploy-{role.lower()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     ep = KVEndpoint(settings.transport, name, secret, settings.host, settings.port or 0, layout, layers,
                     settings.staging_bytes if role == "Decode" else 0, hold_timeout_s=settings.hold_timeout_s,
                     registration_wait_s=settings.registration_wait_s, io_timeout_s=settings.io_timeout_s,
                     verify_weights=settings.verify_weights)
-    _rank = Rank(role=role, layout=layout, endpoint=ep, endpoint_settings=settings)
+    _rank = Rank(role=role, layout=layout, endpoint=ep, endpoint_settings=settings, int8=int8)
     log.info("DLMix: %s endpoint %s, layout block %d %s %s", role, ep.descriptor(), layout.block_size,
              layout.dtype, layout.arrangement)
     return _rank

@@ -11,6 +11,8 @@ import torch.nn.functional as F
 from lmdeploy.pytorch.backends.attention import AttentionImpl, AttentionMetadata, PagedAttentionBuildSpec
 from lmdeploy.pytorch.backends.default import DefaultOpsBackend
 
+from dlmix.kv.quant import dequantize_int8_asym, quantize_int8_asym
+
 __all__ = ["CpuPagedAttention", "CpuOpsBackend"]
 
 
@@ -19,13 +21,20 @@ class CpuPagedAttention(AttentionImpl[AttentionMetadata]):
     in fp32, one sequence at a time.
 
     Shapes: ``query`` ``[tokens, heads, head_dim]``; ``key``/``value`` ``[tokens, kv_heads, head_dim]``;
-    ``k_cache``/``v_cache`` ``[num_blocks, block_size, kv_heads, head_dim]`` (views, may be strided).
+    ``k_cache``/``v_cache`` ``[num_blocks, block_size, kv_heads, head_dim]`` (views, may be strided). With
+    ``--quant-policy 8`` the caches are uint8 and ``k_scales_zeros``/``v_scales_zeros``
+    ``[num_blocks, block_size, kv_heads, 2]`` hold each vector's scale and zero point: written and read with
+    :mod:`dlmix.kv.quant` (LMDeploy's int8 formula). Other quantized policies raise NotImplementedError.
     """
 
     def forward(self, query, key, value, k_cache, v_cache, attn_metadata, k_scales_zeros=None,
                 v_scales_zeros=None, learnable_sink=None, nsa_indices=None, inplace=False, **kwargs):
         if learnable_sink is not None or nsa_indices is not None or self.alibi or self.logit_softcapping:
             raise NotImplementedError("the CPU aid implements plain causal/non-causal attention only")
+        quant = int(getattr(attn_metadata.quant_policy, "value", attn_metadata.quant_policy) or 0)
+        if quant not in (0, 8):
+            raise NotImplementedError(f"the CPU aid implements KV --quant-policy 0 and 8, not {quant}")
+        quant = quant == 8 and k_scales_zeros is not None
         block_size = k_cache.size(1)
         q_lens = attn_metadata.q_seqlens.tolist()
         kv_lens = attn_metadata.kv_seqlens.tolist()
@@ -39,12 +48,20 @@ class CpuPagedAttention(AttentionImpl[AttentionMetadata]):
                 if key is not None:
                     pos = torch.arange(history, kv_len)
                     blk, off = table[pos // block_size].long(), pos % block_size
-                    k_cache[blk, off] = key[start:start + q_len].to(k_cache.dtype)
-                    v_cache[blk, off] = value[start:start + q_len].to(v_cache.dtype)
+                    if quant:
+                        for x, c, sz in ((key, k_cache, k_scales_zeros), (value, v_cache, v_scales_zeros)):
+                            c[blk, off], sz[blk, off] = quantize_int8_asym(x[start:start + q_len], sz.dtype)
+                    else:
+                        k_cache[blk, off] = key[start:start + q_len].to(k_cache.dtype)
+                        v_cache[blk, off] = value[start:start + q_len].to(v_cache.dtype)
                 pos = torch.arange(kv_len)
                 blk, off = table[pos // block_size].long(), pos % block_size
-                k = k_cache[blk, off].float()
-                v = v_cache[blk, off].float()
+                if quant:
+                    k = dequantize_int8_asym(k_cache[blk, off], k_scales_zeros[blk, off])
+                    v = dequantize_int8_asym(v_cache[blk, off], v_scales_zeros[blk, off])
+                else:
+                    k = k_cache[blk, off].float()
+                    v = v_cache[blk, off].float()
                 if groups > 1:
                     k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
                 q = query[start:start + q_len].float()

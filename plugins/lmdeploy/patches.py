@@ -222,6 +222,19 @@ def _engine(m: Any) -> None:
 
     _wrap(m.Engine, "end_session", make)
 
+    def make_stop(original):
+        def _on_stop_session(self, reqs, **kwargs):
+            # LMDeploy's api_server stops a session whose client went away, also after its prefill finished and
+            # kept the blocks for a decode (non-streaming: it looks only once the answer is there): free that hold
+            rank = current()
+            if rank is not None and rank.role == "Prefill":
+                for req in reqs:
+                    rank.drop(int(req.data["session_id"]))
+            return original(self, reqs, **kwargs)
+        return _on_stop_session
+
+    _wrap(m.Engine, "_on_stop_session", make_stop)
+
     def make_init(original):
         def __init__(self, *args, **kwargs):
             original(self, *args, **kwargs)

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from typing import Any
 
 import msgspec
@@ -46,6 +47,7 @@ PROTOCOL_TCP = 1
 CONNECT_TIMEOUT_S = 60.0
 
 _enc = msgspec.json.Encoder()
+log = logging.getLogger("dlmix.router.engines.lmdeploy")
 
 
 class _PrefillResp(msgspec.Struct):
@@ -105,6 +107,27 @@ async def pair_ready(prefill_url: str, decode_url: str, kvp: dict) -> dict:
         fut = _connected[key] = asyncio.ensure_future(connect_pair(prefill_url, decode_url))
     await asyncio.shield(fut)
     return {**kvp, "remote_engine_id": prefill_url}
+
+
+async def abort_handoff(prefill_url: str, kvp: dict) -> None:
+    """Free what a prefill holds for a decode leg that did not take it (the client went away, the decode failed):
+    LMDeploy's ``POST /distserve/free_cache``, the session named by
+    :func:`dlmix.pd.contract.block_ids_session_alias` of ``kvp["remote_block_ids"]`` (the api_server answers the
+    user's session id, not the engine's; a DLMix prefill answers to the alias of its held blocks). Best effort: a
+    failure is logged, and the prefill's ``hold_timeout_s`` frees the blocks anyway."""
+    import httpx
+
+    from dlmix.pd.contract import ContractError, block_ids_session_alias
+
+    try:
+        alias = block_ids_session_alias(kvp.get("remote_block_ids") or [])
+        async with httpx.AsyncClient(timeout=CONNECT_TIMEOUT_S, trust_env=False) as client:
+            r = await client.post(f"{prefill_url}/distserve/free_cache",
+                                  json={"remote_engine_id": prefill_url, "remote_session_id": alias})
+        if r.status_code != 200:
+            log.warning("free_cache on %s answered %s: %s", prefill_url, r.status_code, r.text[:200])
+    except (httpx.HTTPError, ContractError) as ex:
+        log.warning("free_cache on %s failed: %s", prefill_url, ex)
 
 
 def forget(url: str) -> None:
