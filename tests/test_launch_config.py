@@ -183,7 +183,7 @@ def test_sglang_config_errors():
                                              "  - {engine: sglang, role: both, port: 18300}\n")
 
 
-def test_lmdeploy_pd_plan_builds_lmdeploys_own_command_and_registers_the_instances(tmp_path):
+def test_lmdeploy_pd_plan_builds_lmdeploys_own_command_and_the_engines_register_themselves(tmp_path):
     import yaml
 
     dep = Deployment.from_file(next(p for p in EXAMPLES if p.name == "lmdeploy-cpu-pd.yaml"))
@@ -198,26 +198,26 @@ def test_lmdeploy_pd_plan_builds_lmdeploys_own_command_and_registers_the_instanc
         assert argv[argv.index("--role") + 1] == role and argv[argv.index("--migration-backend") + 1] == "DLMix"
         assert argv[argv.index("--cache-block-seq-len") + 1] == block and argv[argv.index("--dtype") + 1] == dtype
         assert argv[argv.index("--num-gpu-blocks") + 1] == "256" and "--eager-mode" in argv
-        assert "--proxy-url" not in argv  # registered from the router's config (the router has an admin key)
+        # not LMDeploy's --proxy-url (it cannot send the router's admin key): the engine's own hook registers it
+        assert "--proxy-url" not in argv and plans[name].self_registers
         env = plans[name].env
-        assert json.loads(env["DLMIX_LMDEPLOY_CONFIG"]) == {"shared_secret": "s3cret", "host": "127.0.0.1"}
+        port = {"prefill": 8100, "decode": 8200}[name]
+        assert json.loads(env["DLMIX_LMDEPLOY_CONFIG"]) == {
+            "shared_secret": "s3cret", "host": "127.0.0.1", "router_url": "http://127.0.0.1:8000",
+            "router_admin_key": "s3cret", "public_url": f"http://127.0.0.1:{port}", "instance_id": name,
+            "model_name": "smollm2",
+            "chip_profile": "cpu-x86"}
         assert env["DLMIX_LMDEPLOY_CPU"] == "1" and env["OMP_NUM_THREADS"] == "1"
         assert plans[name].health_path == "/health"
     cfg = yaml.safe_load((tmp_path / "router.yaml").read_text())
-    regs = {i["id"]: i for i in cfg["instances"]}
-    assert {k: (r["engine"], r["role"], r["block_size"], r["heartbeat_ttl_s"]) for k, r in regs.items()} == {
-        "prefill": ("lmdeploy", "prefill", 16, 0), "decode": ("lmdeploy", "decode", 64, 0)}
-    from dlmix.router.config import RouterConfig
-    from dlmix.router.server import Router
-
-    r = Router(RouterConfig(**{k: v for k, v in cfg.items() if k in ("instances", "policy")}, port=0))
-    assert [i.engine for i in r.instances] == ["lmdeploy", "lmdeploy"]
+    assert cfg["instances"] == [] and cfg["admin_key"] == "s3cret"  # nothing registered statically
 
 
 def test_lmdeploy_instance_settings_merge_with_the_launch_secret(tmp_path):
     dep = Deployment.from_file(next(p for p in EXAMPLES if p.name == "lmdeploy-metax-prefill-ppu-decode.yaml"))
     plans = {p.name: p for p in plan(dep, "s3cret", tmp_path, models={0: "/m", 1: "/m"})}
-    assert json.loads(plans["prefill-metax"].env["DLMIX_LMDEPLOY_CONFIG"]) == {
+    got = json.loads(plans["prefill-metax"].env["DLMIX_LMDEPLOY_CONFIG"])
+    assert {k: got[k] for k in ("shared_secret", "host", "transport")} == {
         "shared_secret": "s3cret", "host": "10.0.0.11", "transport": "dlslime"}
     argv = plans["decode-ppu"].argv
     assert argv[argv.index("--device") + 1] == "cuda" and "--eager-mode" not in argv
@@ -239,3 +239,23 @@ def test_lmdeploy_config_errors():
     assert "needs an LMDeploy prefill" in _err("model: m\nrouter: {port: 18000}\ninstances:\n"
                                                "  - {engine: lmdeploy, role: decode, port: 18200}\n"
                                                "  - {engine: lmdeploy, role: both, port: 18300}\n")
+
+
+def test_launched_lmdeploy_engines_register_themselves_and_publish_kv_events(tmp_path):
+    """Under ``dlmix launch`` every LMDeploy instance, any role, registers itself with the launched router through
+    its admin API (its name as id, the launch's secret as key) and heartbeats its own load; one with
+    ``--enable-prefix-caching`` behind a router with ``kv_events`` also publishes its prefix cache on a TCP port of
+    its host. A Hybrid instance gets only the router keys (no migration backend settings)."""
+    dep = Deployment.from_yaml("model: m\nrouter: {port: 18000, kv_events: true}\ninstances:\n"
+                               "  - {name: a, engine: lmdeploy, role: both, port: 18100, chip: cpu-x86,\n"
+                               "     extra_args: [--enable-prefix-caching]}\n"
+                               "  - {name: b, engine: lmdeploy, role: both, port: 18200}\n", "dep.yaml")
+    plans = {p.name: p for p in plan(dep, "s3cret", tmp_path, models={0: "/m", 1: "/m"})}
+    a = json.loads(plans["a"].env["DLMIX_LMDEPLOY_CONFIG"])
+    ev = a.pop("kv_events_endpoint")
+    assert a == {"router_url": "http://127.0.0.1:18000", "router_admin_key": "s3cret", "instance_id": "a",
+                 "public_url": "http://127.0.0.1:18100", "model_name": "m", "chip_profile": "cpu-x86"}
+    assert ev.startswith("tcp://127.0.0.1:") and int(ev.rsplit(":", 1)[1]) not in (18000, 18100, 18200)
+    b = json.loads(plans["b"].env["DLMIX_LMDEPLOY_CONFIG"])
+    assert "kv_events_endpoint" not in b and b["instance_id"] == "b"
+    assert "--migration-backend" not in plans["a"].argv and plans["a"].self_registers and plans["b"].self_registers

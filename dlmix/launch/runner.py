@@ -220,20 +220,32 @@ def _sglang_spec(dep: Deployment, i: int, model: str, secret: str, kv_events: Op
         hub_offline=bool(model) and Path(model).is_dir())
 
 
-def _lmdeploy_spec(dep: Deployment, i: int, model: str, secret: str) -> LMDeployServerSpec:
+def _lmdeploy_spec(dep: Deployment, i: int, model: str, secret: str, router_url: Optional[str] = None,
+                   kv_events: Optional[str] = None) -> LMDeployServerSpec:
     """The :class:`LMDeployServerSpec` of instance ``i``: prefill/decode roles use the ``DLMix`` migration backend
     (authenticated with the launch's secret, plus the keys of the instance's own ``DLMIX_LMDEPLOY_CONFIG`` in
     ``env``, e.g. ``transport``); on CPU a pool of 256 blocks (``--num-gpu-blocks``) unless
-    ``extra_args`` set one. The router learns the instance from its config (static registration), not from
-    LMDeploy's ``--proxy-url`` (the launched router has an admin key, which LMDeploy cannot send)."""
+    ``extra_args`` set one. With ``router_url`` the engine registers itself with the launched router through its
+    admin API (``router_url``, ``router_admin_key`` = the launch's secret, ``public_url``, ``instance_id`` = the
+    instance's name, ``model_name``, ``chip_profile``) and heartbeats its own load (:mod:`dlmix_lmdeploy.router_hook`), any role; ``kv_events``: the
+    ``kv_events_endpoint`` it publishes its prefix cache on (with ``--enable-prefix-caching``). Not LMDeploy's
+    ``--proxy-url``: the launched router has an admin key, which LMDeploy's own registration cannot send."""
     inst = dep.instances[i]
     kv = inst.kv
     cpu = inst.device == "cpu"
     args = list(inst.extra_args)
     env = _engine_env(dep, inst)
     backend = None
-    if inst.role != "both":  # the launch's secret and bind host, then the instance's own DLMIX_LMDEPLOY_CONFIG keys
-        backend = {"shared_secret": secret, "host": inst.host}
+    routed = {}
+    if router_url:
+        routed = {"router_url": router_url, "router_admin_key": secret, "public_url": inst.url,
+                  "instance_id": dep.instance_name(i), "model_name": dep.served_name_of(i), "chip_profile": inst.chip}
+        if kv_events:
+            routed["kv_events_endpoint"] = kv_events
+    if inst.role != "both" or routed:
+        # the launch's secret and bind host (PD roles), the router keys, then the instance's own DLMIX_LMDEPLOY_CONFIG
+        backend = {"shared_secret": secret, "host": inst.host} if inst.role != "both" else {}
+        backend.update(routed)
         own = env.pop("DLMIX_LMDEPLOY_CONFIG", None)
         if own:
             try:
@@ -323,14 +335,13 @@ def plan(dep: Deployment, secret: str, log_dir: Path, models: Optional[Dict[int,
                     bootstrap_port=bootstrap))
             continue
         if inst.engine == "lmdeploy":
-            lspec = _lmdeploy_spec(dep, i, models[i], secret)
+            # KV events need LMDeploy's prefix cache; the engine binds a concrete tcp://host:port for them
+            if router_url and dep.router.kv_events and "--enable-prefix-caching" in inst.extra_args:  # type: ignore
+                ev = f"tcp://{inst.host}:{_free_block(1, taken)}"
+            lspec = _lmdeploy_spec(dep, i, models[i], secret, router_url, ev)
             plans.append(ProcessPlan(name=name, kind="engine", argv=lspec.argv(), env=lspec.env_additions(),
                                      host=inst.host, port=inst.port, index=i, ready_timeout_s=inst.ready_timeout_s,
-                                     health_path="/health"))
-            if router_url:
-                static.append(registration_body(
-                    url=inst.url, instance_id=name, role=inst.role, engine="lmdeploy", model=dep.served_name_of(i),
-                    chip=inst.chip, heartbeat_ttl_s=0, block_size=inst.kv.block_size or 64))
+                                     health_path="/health", self_registers=bool(router_url)))
             continue
         vspec = _vllm_spec(dep, i, models[i], kv_transfer, ev)
         env = vspec.env_additions()  # mock engines get the same environment

@@ -76,6 +76,8 @@ class RoutedEndpointSettings(EndpointSettings):
       heartbeat_s: seconds between heartbeats.
       chip_profile: dlmix chip profile name announced to the router (e.g. ``cpu-avx512``); num_chips: chips the
         instance spans (default: its TP size).
+      instance_id: the id to register under (default: the router names the instance); ``dlmix launch`` passes the
+        deployment's instance name.
     """
 
     router_url: str | None = None
@@ -84,6 +86,7 @@ class RoutedEndpointSettings(EndpointSettings):
     heartbeat_s: float = Field(default=2.0, gt=0)
     chip_profile: str | None = None
     num_chips: int | None = Field(default=None, ge=1)
+    instance_id: str | None = Field(default=None, min_length=1, max_length=128)
 
     @field_validator("router_url", "public_url")
     @classmethod

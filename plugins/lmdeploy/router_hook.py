@@ -44,7 +44,7 @@ def engine_body(engine: Any, settings: LMDeploySettings, rank: Any = None) -> di
     dist = getattr(engine, "dist_config", None)
     tp = int(getattr(dist, "attn_tp", 1) or 1) if dist is not None else 1
     return registration_body(
-        url=str(settings.public_url), role=role, engine="lmdeploy",
+        url=str(settings.public_url), instance_id=settings.instance_id, role=role, engine="lmdeploy",
         model=settings.model_name or str(engine.model_path), chip=settings.chip_profile,
         num_chips=settings.num_chips or tp, block_size=None if rank is not None else int(cc.block_size),
         kv_layout=rank.layout if rank is not None else None,
