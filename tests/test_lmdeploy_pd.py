@@ -149,6 +149,37 @@ def _router_request(url: str, model: str, kind: str, prompt: str) -> str:
     return T.router_request(url, model, kind, prompt, MAX_TOKENS)
 
 
+def _pd_router(m: str, prefill_url: str, decode_url: str, routers: list):
+    """A dlmix router (cost policy) with this prefill and decode registered through LMDeploy's ``/nodes/add``;
+    appended to ``routers`` (the caller closes them)."""
+    from dlmix.router.config import RouterConfig
+    from dlmix.testing import RouterThread
+
+    rt = RouterThread(RouterConfig(host="127.0.0.1", port=0, policy="cost", model_spec=m))
+    routers.append(rt)
+    for url, role in ((prefill_url, 2), (decode_url, 3)):
+        status, out = T.post_json(rt.url + "/nodes/add", {"url": url, "status": {"models": [m], "role": role}})
+        assert status in (200, 201), out
+    return rt
+
+
+def _against_reference(url: str, ref_url: str, m: str, tokenizer, lengths: list[int], rng: random.Random
+                       ) -> list[tuple[str, str, tuple]]:
+    """One greedy request per prompt length ``n`` (random words cut to ``n`` tokens) to ``url``, the kind cycling
+    completion, chat, chat-stream, completion-stream, and the same prompt's reference from the single instance at
+    ``ref_url``: ``[(label, text, reference)]`` (reference as :func:`dlmix_lmdeploy.testing.reference`)."""
+    kinds = ["completion", "chat", "chat-stream", "completion-stream"]
+    out = []
+    for i, n in enumerate(lengths):
+        prompt = tokenizer.decode(tokenizer.encode(" ".join(rng.choice(_WORDS) for _ in range(n)))[:n])
+        kind = kinds[i % 4]
+        got = _router_request(url, m, kind, prompt)
+        ref = (T.reference_chat(ref_url, m, prompt, tokenizer, MAX_TOKENS) if kind.startswith("chat")
+               else T.reference(ref_url, prompt, tokenizer, MAX_TOKENS))
+        out.append((f"{kind} {n} tokens", got, ref))
+    return out
+
+
 def test_servers_register_themselves_with_the_dlmix_router(servers):
     """``lmdeploy serve api_server --proxy-url ROUTER`` registers through LMDeploy's ``/nodes/add``."""
     rt = servers["router"]
@@ -167,17 +198,8 @@ def test_router_pd_chat_and_completion_streaming_or_not_equal_single_instance(se
     tokenizer = AutoTokenizer.from_pretrained(m)
     rng = random.Random(21)
     lengths = [10, 1000] + [rng.randint(10, 1000) for _ in range(18)]
-    kinds = ["completion", "chat", "chat-stream", "completion-stream"]
-    ties = 0
-    for i, n in enumerate(lengths):
-        prompt = tokenizer.decode(tokenizer.encode(" ".join(rng.choice(_WORDS) for _ in range(n)))[:n])
-        kind = kinds[i % 4]
-        got = _router_request(servers["router"].url, m, kind, prompt)
-        if kind.startswith("chat"):
-            ref = T.reference_chat(servers["R"].url, m, prompt, tokenizer, MAX_TOKENS)
-        else:
-            ref = T.reference(servers["R"].url, prompt, tokenizer, MAX_TOKENS)
-        ties += T.near_tie(f"{kind} {n} tokens", got, ref, NEAR_TIE)
+    ties = sum(T.near_tie(label, got, ref, NEAR_TIE) for label, got, ref in _against_reference(
+        servers["router"].url, servers["R"].url, m, tokenizer, lengths, rng))
     print(f"dlmix router, PD bf16/16 -> fp16/64 vs single fp16/64: identical {len(lengths) - ties}/{len(lengths)}, "
           f"near-ties {ties} (threshold {NEAR_TIE} nats)")
     assert ties <= len(lengths) // 2
@@ -190,8 +212,6 @@ def test_same_configuration_on_both_sides_is_identical_to_a_single_instance(serv
     the dlmix router: 20 prompts of 10..1000 tokens, completion and chat, streaming and not. The decode reads exactly
     the KV the single fp16/block-64 instance computes for itself, so every answer is identical to that instance's
     (no near-tie allowance)."""
-    from dlmix.router.config import RouterConfig
-    from dlmix.testing import RouterThread
     from transformers import AutoTokenizer
 
     m = servers["model"]
@@ -199,25 +219,11 @@ def test_same_configuration_on_both_sides_is_identical_to_a_single_instance(serv
     started, routers = [], []
     try:
         p3 = T.start_ready(m, tmp_path, started, role="Prefill", dtype="float16", block_size=64, num_blocks=64)
-        rt = RouterThread(RouterConfig(host="127.0.0.1", port=0, policy="cost", model_spec=m))
-        routers.append(rt)
-        for url, role in ((p3.url, 2), (servers["D2"].url, 3)):
-            status, out = T.post_json(rt.url + "/nodes/add", {"url": url, "status": {"models": [m], "role": role}})
-            assert status in (200, 201), out
+        rt = _pd_router(m, p3.url, servers["D2"].url, routers)
         rng = random.Random(3)
         lengths = [10, 1000] + [rng.randint(10, 400) for _ in range(18)]  # fp16 prefill is slow on CPUs
-        kinds = ["completion", "chat", "chat-stream", "completion-stream"]
-        differ = []
-        for i, n in enumerate(lengths):
-            prompt = tokenizer.decode(tokenizer.encode(" ".join(rng.choice(_WORDS) for _ in range(n)))[:n])
-            kind = kinds[i % 4]
-            got = _router_request(rt.url, m, kind, prompt)
-            if kind.startswith("chat"):
-                ref = T.reference_chat(servers["R"].url, m, prompt, tokenizer, MAX_TOKENS)
-            else:
-                ref = T.reference(servers["R"].url, prompt, tokenizer, MAX_TOKENS)
-            if got != ref[0]:
-                differ.append((kind, n, got, ref[0]))
+        differ = [(label, got, ref[0]) for label, got, ref in _against_reference(
+            rt.url, servers["R"].url, m, tokenizer, lengths, rng) if got != ref[0]]
         print(f"dlmix router, PD fp16/64 -> fp16/64 vs single fp16/64: identical {len(lengths) - len(differ)}/"
               f"{len(lengths)}")
         assert not differ, differ
@@ -234,8 +240,6 @@ def test_int8_decode_equals_single_int8_instance(servers, tmp_path):
     decode's uint8 blocks and their scales/zeros. 20 prompts of 10..1000 tokens, completion and chat, streaming and
     not: greedy text equals a single ``--quant-policy 8`` fp16/block-64 instance except near-ties, counted and
     printed. Control: the int8 reference's logprobs differ from the unquantized reference's (int8 is really on)."""
-    from dlmix.router.config import RouterConfig
-    from dlmix.testing import RouterThread
     from transformers import AutoTokenizer
 
     m = servers["model"]
@@ -246,28 +250,15 @@ def test_int8_decode_equals_single_int8_instance(servers, tmp_path):
                            extra=["--quant-policy", "8"])
         r8 = T.start_ready(m, tmp_path, started, role="Hybrid", dtype="float16", block_size=64, num_blocks=64,
                            extra=["--quant-policy", "8", "--logprobs-mode", "raw_logprobs"])
-        rt = RouterThread(RouterConfig(host="127.0.0.1", port=0, policy="cost", model_spec=m))
-        routers.append(rt)
-        for url, role in ((servers["P2"].url, 2), (d8.url, 3)):
-            status, out = T.post_json(rt.url + "/nodes/add", {"url": url, "status": {"models": [m], "role": role}})
-            assert status in (200, 201), out
+        rt = _pd_router(m, servers["P2"].url, d8.url, routers)
         control = "The capital of France is"
         q8, fp = T.reference(r8.url, control, tokenizer, MAX_TOKENS), T.reference(servers["R"].url, control,
                                                                                   tokenizer, MAX_TOKENS)
         assert q8[2] != fp[2], "int8 and fp16 caches gave the same logprobs: is --quant-policy 8 on?"
         rng = random.Random(8)
         lengths = [10, 1000] + [rng.randint(10, 1000) for _ in range(18)]
-        kinds = ["completion", "chat", "chat-stream", "completion-stream"]
-        ties = 0
-        for i, n in enumerate(lengths):
-            prompt = tokenizer.decode(tokenizer.encode(" ".join(rng.choice(_WORDS) for _ in range(n)))[:n])
-            kind = kinds[i % 4]
-            got = _router_request(rt.url, m, kind, prompt)
-            if kind.startswith("chat"):
-                ref = T.reference_chat(r8.url, m, prompt, tokenizer, MAX_TOKENS)
-            else:
-                ref = T.reference(r8.url, prompt, tokenizer, MAX_TOKENS)
-            ties += T.near_tie(f"int8 {kind} {n} tokens", got, ref, NEAR_TIE)
+        ties = sum(T.near_tie(f"int8 {label}", got, ref, NEAR_TIE) for label, got, ref in _against_reference(
+            rt.url, r8.url, m, tokenizer, lengths, rng))
         print(f"dlmix router, PD bf16/16 -> int8 (fp16 scales)/64 vs single int8/64: identical "
               f"{len(lengths) - ties}/{len(lengths)}, near-ties {ties} (threshold {NEAR_TIE} nats)")
         # The single int8 instance's own prefill attends over its int8-rounded prompt K/V, while the PD prefill
@@ -349,8 +340,6 @@ def test_other_weights_refused_by_default_and_change_output_when_relaxed(servers
     * with the check relaxed on both sides (``verify_weights: false``, for this test only), the decode reads that
       prefill's KV and the greedy output is no longer the single instance's (beyond near-ties): the check guards
       something real."""
-    from dlmix.router.config import RouterConfig
-    from dlmix.testing import RouterThread
     from transformers import AutoTokenizer
 
     m = servers["model"]
@@ -363,11 +352,7 @@ def test_other_weights_refused_by_default_and_change_output_when_relaxed(servers
         dx = T.start_ready(m, tmp_path, started, role="Decode", dtype="float16", block_size=64, num_blocks=32,
                            env=relaxed)
         for dec in (servers["D2"], dx):
-            rt = RouterThread(RouterConfig(host="127.0.0.1", port=0, policy="cost", model_spec=m))
-            routers.append(rt)
-            for url, role in ((px.url, 2), (dec.url, 3)):
-                status, out = T.post_json(rt.url + "/nodes/add", {"url": url, "status": {"models": [m], "role": role}})
-                assert status in (200, 201), out
+            _pd_router(m, px.url, dec.url, routers)
         status, out = T.post_json(routers[0].url + "/v1/completions", {
             "model": m, "prompt": "The capital of France is", "max_tokens": MAX_TOKENS, "temperature": 0})
         assert status == 502 and "weights fingerprint" in out["error"] and "409" in out["error"], (status, out)

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
@@ -14,6 +12,7 @@ from dlmix.kv import KVLayout, ModelIdentity
 from dlmix.pd.contract import ContractError, block_ids_session_alias, block_ids_transfer_id, decode_params
 from dlmix.router.engines import can_pair, get_engine
 from dlmix.router.engines import bridges
+from dlmix.testing import JsonStandIn
 
 LAYOUT = KVLayout(model=ModelIdentity("LlamaForCausalLM", 30, 3, 64, "gqa", weights_fingerprint="sha256:aa"),
                   block_size=16, dtype="bf16", arrangement="lmdeploy_packed", tp_size=1)
@@ -46,45 +45,26 @@ def test_block_ids_transfer_id():
     assert al <= -2 and al != block_ids_session_alias([9, 4, 2])
 
 
-class _FakeLMDeploy:
-    """LMDeploy's ``/distserve/engine_info`` and ``/distserve/p2p_initialize`` as a DLMix prefill answers them."""
+class _FakeLMDeploy(JsonStandIn):
+    """LMDeploy's ``/distserve/engine_info`` and ``/distserve/p2p_initialize`` as a DLMix prefill answers them;
+    ``refuse`` makes ``p2p_connect`` answer 500 as a refused pair does (a decode's routes)."""
 
-    def __init__(self, info: dict | None = None, status: int = 200):
-        self.calls: list[tuple[str, dict | None]] = []
+    def __init__(self, info: dict | None = None, status: int = 200, refuse: str = ""):
         self.info = {"dlmix": 1, "role": "Prefill", "transport": TRANSPORT, "layout": LAYOUT.to_dict()} \
             if info is None else info
-        self.status = status
-        fake = self
 
-        class H(BaseHTTPRequestHandler):
-            def log_message(self, *a):
-                pass
+        def route(method, path, body):
+            if method == "GET":
+                return status, json.dumps({"role": 2, "block_size": 16})  # LMDeploy answers a JSON string
+            if path == "/distserve/p2p_connect" and refuse:
+                return 500, {"error": refuse}
+            return status, {"engine_endpoint_info": {"zmq_address": "tcp://x"},
+                            "kvtransfer_endpoint_info": [{"protocol": 1, "endpoint_info": json.dumps(self.info)}]}
 
-            def _answer(self, body):
-                data = json.dumps(body).encode()
-                self.send_response(fake.status)
-                self.send_header("content-type", "application/json")
-                self.send_header("content-length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
-            def do_GET(self):
-                fake.calls.append((self.path, None))
-                self._answer(json.dumps({"role": 2, "block_size": 16}))  # LMDeploy answers a JSON string
-
-            def do_POST(self):
-                body = json.loads(self.rfile.read(int(self.headers["content-length"])))
-                fake.calls.append((self.path, body))
-                self._answer({"engine_endpoint_info": {"zmq_address": "tcp://x"},
-                              "kvtransfer_endpoint_info": [{"protocol": 1, "endpoint_info": json.dumps(fake.info)}]})
-
-        self.srv = ThreadingHTTPServer(("127.0.0.1", 0), H)
-        self.url = f"http://127.0.0.1:{self.srv.server_address[1]}"
-        threading.Thread(target=self.srv.serve_forever, daemon=True).start()
+        super().__init__(route)
 
     def close(self):
-        self.srv.shutdown()
-        self.srv.server_close()
+        super().close()
         bridges.forget(self.url)
 
 
@@ -147,25 +127,9 @@ def test_an_unreachable_prefill_is_a_readable_error_and_is_asked_again_next_time
     bridges.forget(url)
 
 
-class _FakeLMDeployDecode(_FakeLMDeploy):
-    """An LMDeploy decode's DistServe routes; ``refuse`` makes ``p2p_connect`` answer 500 as a refused pair does."""
-
-    def __init__(self, refuse: str = ""):
-        super().__init__()
-        fake = self
-        orig = self.srv.RequestHandlerClass.do_POST
-
-        def do_POST(h):
-            if h.path == "/distserve/p2p_connect" and refuse:
-                body = json.loads(h.rfile.read(int(h.headers["content-length"])))
-                fake.calls.append((h.path, body))
-                fake.status = 500
-                h._answer({"error": refuse})
-                fake.status = 200
-                return
-            orig(h)
-
-        self.srv.RequestHandlerClass.do_POST = do_POST
+def _FakeLMDeployDecode(refuse: str = "") -> _FakeLMDeploy:
+    """An LMDeploy decode's DistServe routes (see :class:`_FakeLMDeploy`)."""
+    return _FakeLMDeploy(refuse=refuse)
 
 
 def _vllm_params(port: int = 5555) -> dict:

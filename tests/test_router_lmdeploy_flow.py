@@ -13,7 +13,7 @@ from dlmix.router.config import RouterConfig
 from dlmix.router.engines import lmdeploy as lmd
 from dlmix.routing.policies import ClusterView, make_policy
 from dlmix.routing.state import InstanceState, RouteRequest
-from dlmix.testing import RouterThread
+from dlmix.testing import JsonStandIn, RouterThread
 
 
 def test_prefill_leg_keeps_the_cache_and_answers_one_token():
@@ -114,53 +114,31 @@ def test_lmdeploy_pairs_with_vllm_both_ways_but_never_with_sglang():
         rt.close()
 
 
-class _FakeEngine:
+class _FakeEngine(JsonStandIn):
     """An LMDeploy api_server stand-in: ``/health``, ``/v1/models``, the DistServe handshake routes, ``free_cache``
     (recorded), and ``/v1/completions`` answering a prefill's hand-off (role prefill) or ``decode_status``."""
 
     def __init__(self, role: str, decode_status: int = 200):
-        import threading
-        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-
         self.freed: list[dict] = []
-        fake = self
 
-        class H(BaseHTTPRequestHandler):
-            def log_message(self, *a):
-                pass
+        def route(method, path, body):
+            if method == "GET":
+                return 200, {"data": [{"id": "m"}]} if path == "/v1/models" else {}
+            if path == "/distserve/free_cache":
+                self.freed.append(body)
+                return 200, {"status": "SUCCESS"}
+            if path.startswith("/distserve/"):
+                return 200, {"engine_endpoint_info": {}, "kvtransfer_endpoint_info": []}
+            if role == "prefill":
+                return 200, {"id": "-1", "choices": [{"text": "x"}], "cache_block_ids": [7, 3, 11],
+                             "remote_token_ids": [42], "usage": {"prompt_tokens": 40}}
+            return decode_status, ({"object": "error", "message": "decode failed", "code": 500}
+                                   if decode_status != 200 else {"choices": [{"text": "answer"}]})
 
-            def _answer(self, status, body):
-                data = json.dumps(body).encode()
-                self.send_response(status)
-                self.send_header("content-type", "application/json")
-                self.send_header("content-length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
-            def do_GET(self):
-                self._answer(200, {"data": [{"id": "m"}]} if self.path == "/v1/models" else {})
-
-            def do_POST(self):
-                body = json.loads(self.rfile.read(int(self.headers["content-length"])) or b"{}")
-                if self.path == "/distserve/free_cache":
-                    fake.freed.append(body)
-                    self._answer(200, {"status": "SUCCESS"})
-                elif self.path.startswith("/distserve/"):
-                    self._answer(200, {"engine_endpoint_info": {}, "kvtransfer_endpoint_info": []})
-                elif role == "prefill":
-                    self._answer(200, {"id": "-1", "choices": [{"text": "x"}], "cache_block_ids": [7, 3, 11],
-                                       "remote_token_ids": [42], "usage": {"prompt_tokens": 40}})
-                else:
-                    self._answer(decode_status, {"object": "error", "message": "decode failed", "code": 500}
-                                 if decode_status != 200 else {"choices": [{"text": "answer"}]})
-
-        self.srv = ThreadingHTTPServer(("127.0.0.1", 0), H)
-        self.url = f"http://127.0.0.1:{self.srv.server_address[1]}"
-        threading.Thread(target=self.srv.serve_forever, daemon=True).start()
+        super().__init__(route)
 
     def close(self):
-        self.srv.shutdown()
-        self.srv.server_close()
+        super().close()
         lmd.forget(self.url)
 
 

@@ -9,6 +9,8 @@
   divergence fails; :func:`output_logprobs`: the output tokens and top-2 gaps of an OpenAI response;
 * :func:`wait_http`: poll a URL until it answers 200; :func:`poll` / :func:`wait_until`: poll any condition with a
   (generous) deadline;
+* :class:`JsonStandIn`: a stand-in HTTP server answering JSON from a function (an engine's routes, for tests of the
+  code that calls them);
 * :class:`~dlmix.testing.mock_engine.MockEngine`: the one mock OpenAI engine (vLLM's API, PD legs, KV events,
   Prometheus counters, fixed fast answers for router benchmarks).
 """
@@ -20,8 +22,8 @@ import time
 
 from dlmix.engine_process import free_port, free_port_block, port_free
 
-__all__ = ["free_port", "free_port_block", "port_free", "LoopThread", "RouterThread", "wait_http", "poll", "wait_until",
-           "MockEngine", "compare_greedy", "output_logprobs"]
+__all__ = ["free_port", "free_port_block", "port_free", "LoopThread", "RouterThread", "JsonStandIn", "wait_http", "poll",
+           "wait_until", "MockEngine", "compare_greedy", "output_logprobs"]
 
 
 class LoopThread:
@@ -59,6 +61,51 @@ class LoopThread:
         """Stop the loop and join the thread (5 s at most)."""
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(5)
+
+
+class JsonStandIn:
+    """A stand-in HTTP server on 127.0.0.1 (a free port, daemon threads) for tests of code that calls an engine's
+    routes: ``route(method, path, body) -> (status, answer)`` answers every request, ``body`` being the decoded JSON of
+    a POST (None for a GET or an empty body) and ``answer`` any JSON value; each request is recorded in ``calls`` as
+    ``(path, body)``. ``url`` is its base URL; ``close()`` stops it."""
+
+    def __init__(self, route):
+        import json
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        self.calls: list = []
+        stand_in = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *a):
+                pass
+
+            def _serve(self, method: str) -> None:
+                n = int(self.headers.get("content-length") or 0)
+                body = json.loads(self.rfile.read(n)) if n else None
+                stand_in.calls.append((self.path, body))
+                status, answer = route(method, self.path, body)
+                data = json.dumps(answer).encode()
+                self.send_response(status)
+                self.send_header("content-type", "application/json")
+                self.send_header("content-length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def do_GET(self):
+                self._serve("GET")
+
+            def do_POST(self):
+                self._serve("POST")
+
+        self.srv = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.srv.server_address[1]}"
+        threading.Thread(target=self.srv.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        """Stop serving and close the socket."""
+        self.srv.shutdown()
+        self.srv.server_close()
 
 
 class RouterThread:
