@@ -34,7 +34,9 @@ class CpuPagedAttention(AttentionImpl[AttentionMetadata]):
         quant = int(getattr(attn_metadata.quant_policy, "value", attn_metadata.quant_policy) or 0)
         if quant not in (0, 8):
             raise NotImplementedError(f"the CPU aid implements KV --quant-policy 0 and 8, not {quant}")
-        quant = quant == 8 and k_scales_zeros is not None
+        if quant == 8 and (k_scales_zeros is None or v_scales_zeros is None):
+            raise ValueError("--quant-policy 8 needs the caches' scales and zeros (k_scales_zeros, v_scales_zeros)")
+        quant = quant == 8
         block_size = k_cache.size(1)
         q_lens = attn_metadata.q_seqlens.tolist()
         kv_lens = attn_metadata.kv_seqlens.tolist()
