@@ -227,8 +227,9 @@ def _lmdeploy_spec(dep: Deployment, i: int, model: str, secret: str, router_url:
     ``env``, e.g. ``transport``); on CPU a pool of 256 blocks (``--num-gpu-blocks``) unless
     ``extra_args`` set one. With ``router_url`` the engine registers itself with the launched router through its
     admin API (``router_url``, ``router_admin_key`` = the launch's secret, ``public_url``, ``instance_id`` = the
-    instance's name, ``model_name``, ``chip_profile``) and heartbeats its own load (:mod:`dlmix_lmdeploy.router_hook`), any role; ``kv_events``: the
-    ``kv_events_endpoint`` it publishes its prefix cache on (with ``--enable-prefix-caching``). Not LMDeploy's
+    instance's name, ``model_name``, ``chip_profile``) and heartbeats its own load
+    (:mod:`dlmix_lmdeploy.router_hook`), any role; ``kv_events``: the ``kv_events_endpoint`` it publishes its prefix
+    cache on (with ``--enable-prefix-caching``). Not LMDeploy's
     ``--proxy-url``: the launched router has an admin key, which LMDeploy's own registration cannot send."""
     inst = dep.instances[i]
     kv = inst.kv
