@@ -150,10 +150,28 @@ def test_client_disconnects_leave_no_block_held(pair):
     assert T.router_request(rt.url, m, "completion", prompt, 8) == before
 
 
+def test_prompts_beyond_the_prefill_pool_keep_their_held_blocks(pair):
+    """Six prompts at once whose KV together (about 2,100 tokens) exceeds the prefill's pool (96 blocks of 16 = 1,536
+    tokens): the prefill admits the later ones only as decodes consume the earlier ones' KV, and its scheduler must
+    never evict a block it holds for a decode to make room (LMDeploy turns a finished prefill's session evictable
+    when its request ends). Every answer equals the one given one at a time, twice over."""
+    rt, m = pair["router"], pair["model"]
+    prompts = [_prompt(10 + i, 250 + 40 * i) for i in range(6)]
+    want = [T.router_request(rt.url, m, "completion", p, 8) for p in prompts]
+    for _ in range(2):
+        with ThreadPoolExecutor(6) as ex:
+            got = list(ex.map(lambda p: T.post_json(rt.url + "/v1/completions", _body(m, p, 8), timeout=300),
+                              prompts))
+        assert [st for st, _ in got] == [200] * 6, got
+        assert [out["choices"][0]["text"] for _, out in got] == want
+    _idle(pair)
+
+
 def test_killed_prefill_fails_its_requests_readably_and_the_decode_frees_everything(pair):
     """Six requests in flight, then the prefill engine is killed (SIGKILL to its process group). Each request either
     answers the same text as when nothing failed, or fails with an HTTP error whose body says why (never a 200 with
-    other text); afterwards the decode holds no block, and the router stops sending requests to the dead prefill."""
+    other text: a decode-only LMDeploy instance is not given a whole request when its prefill leg fails);
+    afterwards the decode holds no block, and the router stops sending requests to the dead prefill."""
     rt, m = pair["router"], pair["model"]
     prompts = [_prompt(10 + i, 250 + 40 * i) for i in range(6)]
     want = [T.router_request(rt.url, m, "completion", p, 8) for p in prompts]

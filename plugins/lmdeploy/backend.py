@@ -173,6 +173,11 @@ class Rank:
             log.error("DLMix: freeing released prefill sessions failed: %s", e)
         self._loop.call_later(POLL_S, self.poll)
 
+    def is_held(self, session_id: int) -> bool:
+        """True while this prefill holds the engine session ``session_id`` for a decode."""
+        with self.lock:
+            return session_id in self.key_of
+
     def drop(self, session_id: int) -> bool:
         """The engine was asked to end a held session (LMDeploy's free after migration, ``free_cache``, abort): let
         the core end the hold (at once, or when a read in progress finishes); :meth:`poll` then ends the session.

@@ -16,7 +16,8 @@ Where each patch goes, and why (LMDeploy 0.18 sources):
   decode's migration (``_migration_loop_migrate``, which asserts equal block counts) pulls per request through the
   core, and a request whose pull failed is answered with an error instead of decoding from incomplete KV;
 * ``pytorch/engine/engine.py``: ``end_session`` of a held prefill session ends the core's hold; the session itself
-  ends once no read can touch its blocks; after ``__init__``, an engine whose ``DLMIX_LMDEPLOY_CONFIG`` names a
+  ends once no read can touch its blocks; the END/STOP_SESSION requests of a held session leave its sequence as it
+  is (LMDeploy would turn it STOPPED, whose blocks its scheduler may evict and reuse during a decode's read); after ``__init__``, an engine whose ``DLMIX_LMDEPLOY_CONFIG`` names a
   ``router_url`` registers with the dlmix router and heartbeats its load (:mod:`dlmix_lmdeploy.router_hook`, any
   migration backend);
 * ``pytorch/engine/mp_engine/zmq_engine.py``: a start-up race of LMDeploy's engine process fixed for DLMix engines
@@ -222,15 +223,49 @@ def _engine(m: Any) -> None:
 
     _wrap(m.Engine, "end_session", make)
 
+    def _held_apart(self, reqs):
+        """Split ``reqs`` (STOP/END_SESSION requests) into those naming a session this prefill holds for a decode
+        and the rest."""
+        rank = current()
+        if rank is None or rank.role != "Prefill":
+            return [], list(reqs)
+        held, rest = [], []
+        for req in reqs:
+            (held if rank.is_held(int(req.data["session_id"])) else rest).append(req)
+        return held, rest
+
+    def _answer(self, reqs):
+        from lmdeploy.messages import ResponseType
+
+        for req in reqs:
+            if req.data.get("response", True):
+                self._response(req.resp, ResponseType.SUCCESS)
+
+    def make_end(original):
+        def _on_end_session(self, reqs, **kwargs):
+            # LMDeploy's engine instance ends every session once its request finished; for a prefill that keeps its
+            # cache this turns the sequence STOPPED, whose blocks the scheduler may then evict for the next prompt
+            # (recompute eviction) while the decode has not read them. A session the rank holds stays as it is
+            # (TO_BE_MIGRATED: never evicted) until the hold is released; the rank's poller ends it then.
+            held, rest = _held_apart(self, reqs)
+            _answer(self, held)
+            return original(self, rest, **kwargs) if rest else None
+        return _on_end_session
+
+    _wrap(m.Engine, "_on_end_session", make_end)
+
     def make_stop(original):
         def _on_stop_session(self, reqs, **kwargs):
             # LMDeploy's api_server stops a session whose client went away, also after its prefill finished and
             # kept the blocks for a decode (non-streaming: it looks only once the answer is there): free that hold
+            # (at once, or once a read in progress is over; the poller ends the session then). Stopping the
+            # sequence here would make its blocks evictable under a read in progress.
+            held, rest = _held_apart(self, reqs)
             rank = current()
-            if rank is not None and rank.role == "Prefill":
-                for req in reqs:
-                    rank.drop(int(req.data["session_id"]))
-            return original(self, reqs, **kwargs)
+            for req in held:
+                rank.drop(int(req.data["session_id"]))
+            _answer(self, held)
+            return original(self, rest, **kwargs) if rest else None
         return _on_stop_session
 
     _wrap(m.Engine, "_on_stop_session", make_stop)
