@@ -5,8 +5,8 @@ With ``kv_events_endpoint`` in ``DLMIX_LMDEPLOY_CONFIG`` (e.g. ``tcp://127.0.0.1
 ``Engine.__init__``), and the patched trie nodes (``pytorch/paging/block_trie/node.py``, :mod:`dlmix_lmdeploy.patches`)
 report each block attached to the trie (``Node.attach_to``: the block is cached and can be reused by a later prompt)
 and each evicted leaf (``Node.detach_leaf``). Events are queued without blocking the scheduler and sent in batches
-from a daemon thread every ``FLUSH_S`` seconds, in the wire format the router reads for LMDeploy
-(:mod:`dlmix.router.kv_events.lmdeploy`). Blocks of LoRA adapters and of multimodal spans are not published (the
+from a daemon thread every ``FLUSH_S`` seconds, in the core's KV event wire format
+(:mod:`dlmix.routing.kv_events`, which the router decodes for LMDeploy in :mod:`dlmix.router.kv_events.lmdeploy`). Blocks of LoRA adapters and of multimodal spans are not published (the
 router keys prompts by their token ids only). With ``router_url`` the endpoint goes into the router registration.
 """
 from __future__ import annotations
@@ -17,7 +17,7 @@ import threading
 import time
 from typing import Any
 
-from dlmix.router.kv_events.lmdeploy import BlockRemoved, BlockStored, KVEventBatch, encode_batch
+from dlmix.routing.kv_events import BlockRemoved, BlockStored, KVEventBatch, encode_batch
 
 log = logging.getLogger("dlmix_lmdeploy.kv_events")
 

@@ -1,8 +1,7 @@
-"""SGLang's KV cache events: wire format mirror and a stateful decoder to the router's own block keys.
+"""SGLang's KV cache events: a stateful decoder to the router's own block keys.
 
-Wire format (read from SGLang 0.5 ``sglang/srt/disaggregation/kv_events.py`` and ``sglang/srt/mem_cache/events.py``):
-the same ZMQ PUB multipart ``[topic, seq, payload]`` and msgpack encoding as vLLM's (``payload`` = array-like
-``[ts, events, attn_dp_rank]``; events are tagged maps). The radix cache publishes one ``BlockStored`` per KV page
+Wire format: :mod:`dlmix.routing.kv_events` (SGLang 0.5's, the same ZMQ PUB multipart ``[topic, seq, payload]``
+and msgpack encoding as vLLM's). The radix cache publishes one ``BlockStored`` per KV page
 (``block_hashes`` = ``[page hash]``, ``parent_block_hash`` = the previous page's hash or None at the root,
 ``token_ids`` = the page's tokens, ``block_size`` = their count, ``cache_salt``, ``lora_name``) and one
 ``BlockRemoved`` per evicted radix node. Engine flag: ``--kv-events-config '{"publisher": "zmq", "endpoint":
@@ -18,56 +17,12 @@ LoRA adapters (``lora_name``) and of offloaded tiers (``medium`` other than ``GP
 """
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Tuple, Union
-
-import msgspec
+from typing import Any, Dict, List, Optional, Tuple
 
 from dlmix.routing.hashing import BlockHasher, to_key
+from dlmix.routing.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch, decode_batch, encode_batch
 
-Hash = Union[int, bytes]
-
-
-class BlockStored(msgspec.Struct, tag=True, omit_defaults=True):
-    """Pages now cached on the publisher (one page per hash, usually one)."""
-
-    block_hashes: List[Hash]
-    parent_block_hash: Optional[Hash]
-    token_ids: List[Any]
-    block_size: int
-    lora_id: Optional[int] = None
-    medium: Optional[str] = None
-    cache_salt: Optional[str] = None
-    session_id: Optional[str] = None
-    lora_name: Optional[str] = None
-
-
-class BlockRemoved(msgspec.Struct, tag=True, omit_defaults=True):
-    """Pages evicted on the publisher."""
-
-    block_hashes: List[Hash]
-    medium: Optional[str] = None
-
-
-class AllBlocksCleared(msgspec.Struct, tag=True, omit_defaults=True):
-    """The publisher dropped its whole prefix cache."""
-
-
-class KVEventBatch(msgspec.Struct, array_like=True, omit_defaults=True):
-    """One published batch: timestamp (s), events, attention-DP rank."""
-
-    ts: float
-    events: List[Union[BlockStored, BlockRemoved, AllBlocksCleared]]
-    attn_dp_rank: Optional[int] = None
-
-
-_decoder = msgspec.msgpack.Decoder(KVEventBatch)
-_encoder = msgspec.msgpack.Encoder()
-
-
-def encode_batch(batch: KVEventBatch) -> bytes:
-    """Encode a batch as SGLang does (tests)."""
-    return _encoder.encode(batch)
-
+__all__ = ["BlockStored", "BlockRemoved", "AllBlocksCleared", "KVEventBatch", "encode_batch", "Decoder", "make"]
 
 #: per page: (router chain hash after the page's full router blocks or None at the root, tokens waiting for the next
 #: router block, cache_salt of the chain, router keys completed by this page)
@@ -94,7 +49,7 @@ class Decoder:
         self.pages: Dict[Any, _PageState] = {}
 
     def __call__(self, payload: bytes) -> list:
-        return self.updates(_decoder.decode(payload))
+        return self.updates(decode_batch(payload))
 
     def updates(self, batch: KVEventBatch) -> list:
         """The batch as engine-neutral updates."""
