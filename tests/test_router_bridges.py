@@ -194,3 +194,60 @@ def test_vllm_to_lmdeploy_errors_are_readable_and_a_refused_pair_is_tried_again(
     finally:
         fake.close()
         bridges.forget("http://p:1")
+
+
+@pytest.mark.parametrize("case", ["decode leg fails", "bridge fails"])
+def test_an_lmdeploy_prefill_hold_is_freed_when_a_vllm_decode_does_not_take_it(case):
+    """Across engines too, a decode leg that does not take the KV (the vLLM decode answers 500; or the bridge cannot
+    build its parameters: the prefill's endpoint info is not a DLMix one, answered 502) makes the router free the
+    LMDeploy prefill's hold at once: ``/distserve/free_cache`` naming it by the alias of the block ids in the
+    prefill's own answer, not by anything in the vLLM decode's parameters."""
+    import httpx
+
+    from dlmix.router.config import RouterConfig
+    from dlmix.testing import RouterThread, poll
+
+    info = {"dlmix": 1, "role": "Prefill", "transport": TRANSPORT, "layout": LAYOUT.to_dict()} \
+        if case == "decode leg fails" else {"dlmix": 99}
+    freed: list = []
+    decoded: list = []
+
+    def prefill(method, path, body):
+        if method == "GET":
+            return 200, {"data": [{"id": "m"}]} if path == "/v1/models" else json.dumps({"role": 2, "block_size": 16})
+        if path == "/v1/completions":
+            return 200, json.loads(ANSWER)
+        if path == "/distserve/free_cache":
+            freed.append(body)
+            return 200, {"status": "SUCCESS"}
+        return 200, {"engine_endpoint_info": {"zmq_address": "tcp://x"},
+                     "kvtransfer_endpoint_info": [{"protocol": 1, "endpoint_info": json.dumps(info)}]}
+
+    def decode(method, path, body):
+        if method == "GET":
+            return 200, {"data": [{"id": "m"}]}
+        decoded.append(body)
+        return 500, {"error": "decode failed"}
+
+    p, d = JsonStandIn(prefill), JsonStandIn(decode)
+    rt = RouterThread(RouterConfig(host="127.0.0.1", port=0, policy="round_robin", retries=0))
+    try:
+        with httpx.Client(base_url=rt.url, timeout=30) as c:
+            r = c.post("/nodes/add", json={"url": p.url, "status": {"models": ["m"], "role": 2}})
+            assert r.status_code in (200, 201), r.text
+            r = c.post("/admin/instances", json={"url": d.url, "role": "decode", "engine": "vllm", "model": "m",
+                                                 "heartbeat_ttl_s": 0})
+            assert r.status_code in (200, 201), r.text
+            r = c.post("/v1/completions", json={"model": "m", "prompt": "hello", "max_tokens": 4})
+        if case == "decode leg fails":
+            assert r.status_code == 500 and len(decoded) == 1, r.text
+            assert decoded[0]["kv_transfer_params"]["remote_request_id"] == block_ids_transfer_id([7, 3, 11])
+        else:
+            assert r.status_code == 502 and "cannot feed" in r.text and not decoded, r.text
+        assert poll(lambda: freed, 10) == [{"remote_engine_id": p.url,
+                                            "remote_session_id": block_ids_session_alias([7, 3, 11])}]
+    finally:
+        rt.close()
+        p.close()
+        d.close()
+        bridges.forget(p.url)

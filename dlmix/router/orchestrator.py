@@ -17,7 +17,7 @@ instance is tried next, its choice of no prefill instance (or no choice at all) 
 from __future__ import annotations
 
 import asyncio
-from typing import Callable, Optional
+from typing import Callable, NamedTuple, Optional
 
 import msgspec
 
@@ -26,10 +26,19 @@ from dlmix.router.proxy import BackendError, build_request, request
 from dlmix.routing.policies import prefill_work
 from dlmix.routing.state import Decision, InstanceState, NoInstanceError, RouteRequest
 
-__all__ = ["PDOrchestrator", "SENT"]
+__all__ = ["PDOrchestrator", "Handoff", "SENT"]
 
 #: returned by :meth:`PDOrchestrator.prefill` when the prefill instance's 4xx answer was sent to the client
 SENT = object()
+
+
+class Handoff(NamedTuple):
+    """A finished prefill leg: ``kvp``, what the decode leg carries (in the decode engine's terms, through a bridge
+    across engines); ``abort``, a call that frees what the prefill holds for the request (None when its engine
+    adapter has no ``abort_handoff``), for when the decode leg does not take it."""
+
+    kvp: dict
+    abort: Optional[Callable[[], None]]
 
 
 async def _no_bridge(prefill_url: str, decode_url: str, kvp: dict, rbody: bytes) -> dict:
@@ -58,10 +67,11 @@ class PDOrchestrator:
     async def prefill(self, conn, req, d: dict, rr: RouteRequest, dec: Decision, chat: bool, fwd: bytes):
         """Run the prefill leg of ``dec`` (``d``: the parsed client body; ``fwd``: forwarded header lines).
 
-        Returns the ``kv_transfer_params`` dict for the decode leg; None when the prefill moved to the decode
-        instance (``dec.prefill`` is None then); :data:`SENT` when a 4xx from the prefill instance went to the
-        client. Raises BackendError only when the client went away. ``dec`` and the instances' load counters are
-        updated as the leg moves.
+        Returns a :class:`Handoff` (the decode leg's ``kvp``, and the call that frees the prefill's hold when the
+        decode leg does not take it); None when the prefill moved to the decode instance (``dec.prefill`` is None
+        then); :data:`SENT` when a 4xx from the prefill instance or a pair that cannot work (502) was answered to
+        the client. Raises BackendError only when the client went away. ``dec`` and the instances' load counters
+        are updated as the leg moves.
         """
         p = dec.prefill
         body = self.registry.backends[p.id].engine.prefill_body(d, chat)
@@ -111,17 +121,16 @@ class PDOrchestrator:
             if m:
                 m.retry("prefill")
 
-    def handoff_abort(self, dec: Decision, kvp: dict):
-        """A callable that tells ``dec``'s prefill instance to free the KV it holds for this request (the engine
-        adapter's optional ``abort_handoff``, run as a background task, errors logged), for when the decode leg did
-        not take it; None when there is nothing to call: no such hook, or a cross-engine pair (``kvp`` is then in
-        the decode engine's terms; the prefill's hold timeout frees it)."""
-        pb = self.registry.backends.get(dec.prefill.id) if dec.prefill is not None else None
-        db = self.registry.backends.get(dec.decode.id)
-        hook = getattr(pb.engine, "abort_handoff", None) if pb is not None else None
-        if hook is None or db is None or db.engine is not pb.engine:
+    def handoff_abort(self, b, kvp: dict):
+        """A callable that tells prefill backend ``b`` to free the KV it holds for this request (its engine
+        adapter's optional ``abort_handoff`` with ``kvp`` as ``b`` answered it, i.e. in the prefill engine's terms,
+        also when a bridge gave the decode leg another engine's; run as a background task, errors logged), for when
+        the decode leg did not take it; None when the engine has no such hook (its prefill's hold timeout frees
+        the KV)."""
+        hook = getattr(b.engine, "abort_handoff", None)
+        if hook is None:
             return None
-        url = pb.state.url
+        url = b.state.url
 
         def abort() -> None:
             task = asyncio.ensure_future(hook(url, kvp))
@@ -132,11 +141,12 @@ class PDOrchestrator:
     async def _pair_ready(self, conn, b, dec: Decision, kvp: dict, rbody: bytes):
         """Make the prefill's hand-off fit the decode instance before the decode leg: across engines, the bridge
         between them (:mod:`dlmix.router.engines.bridges`); otherwise the engine adapter's optional ``pair_ready``
-        (e.g. LMDeploy's connection handshake). Returns the decode leg's ``kvp``, or :data:`SENT` after answering 502
-        with the reason when the pair cannot work."""
+        (e.g. LMDeploy's connection handshake). Returns the :class:`Handoff`, or :data:`SENT` after answering 502
+        with the reason when the pair cannot work (the prefill's hold is freed then)."""
+        abort = self.handoff_abort(b, kvp)
         db = self.registry.backends.get(dec.decode.id)
         if db is None:
-            return kvp
+            return Handoff(kvp, abort)
         if db.engine is not b.engine:
             ready = get_bridge(b.engine.NAME, db.engine.NAME)
             if ready is None:  # registration refuses such pairs; a guard, not a path
@@ -145,11 +155,13 @@ class PDOrchestrator:
         else:
             ready = getattr(b.engine, "pair_ready", None)
             if ready is None:
-                return kvp
+                return Handoff(kvp, abort)
             call = ready(b.state.url, db.state.url, kvp)
         try:
-            return await call
+            return Handoff(await call, abort)
         except ValueError as ex:
+            if abort is not None:
+                abort()
             if self.metrics:
                 self.metrics.answer(502)
             conn.send(502, msgspec.json.encode({"error": f"prefill {b.state.id} cannot feed decode "

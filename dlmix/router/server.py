@@ -481,13 +481,13 @@ class Router:
         data = req.body
         abort = None
         if dec.prefill is not None:
-            kvp = await self.pd.prefill(conn, req, d, rr, dec, chat, fwd)
-            if kvp is SENT:
+            handoff = await self.pd.prefill(conn, req, d, rr, dec, chat, fwd)
+            if handoff is SENT:
                 return SENT
-            if kvp is not None:  # else: fell back to prefill on D (dec.prefill is None now)
-                abort = self.pd.handoff_abort(dec, kvp)
+            if handoff is not None:  # else: fell back to prefill on D (dec.prefill is None now)
+                abort = handoff.abort
                 try:
-                    data = self.rt[dec.decode.id].engine.decode_body(req.body, kvp, d)
+                    data = self.rt[dec.decode.id].engine.decode_body(req.body, handoff.kvp, d)
                 except BaseException:
                     if abort is not None:
                         abort()

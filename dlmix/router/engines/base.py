@@ -26,9 +26,10 @@ The router only calls these names on an instance's adapter (``get_engine(state.e
 * optional ``async pair_ready(prefill_url, decode_url, kvp) -> dict`` (sequential flow): called after the prefill
   leg, before the decode leg; completes ``kvp`` and prepares the pair (LMDeploy: the DistServe connection handshake,
   once per pair). Raises ValueError with the reason when the pair cannot work; the router then answers 502.
-* optional ``async abort_handoff(prefill_url, kvp)`` (sequential flow): the decode leg of a same-engine pair did not
-  take the KV the prefill holds (client gone, decode failed, answered non-200): free it now instead of at the
-  prefill's hold timeout (LMDeploy: ``/distserve/free_cache``). Best effort, never raises; freeing KV the decode
+* optional ``async abort_handoff(prefill_url, kvp)`` (sequential flow): the decode leg did not take the KV the
+  prefill holds (client gone, decode failed or answered non-200, the pair could not be prepared): free it now instead
+  of at the prefill's hold timeout (LMDeploy: ``/distserve/free_cache``). ``kvp`` is this adapter's own
+  ``kv_transfer_params`` of the prefill's answer, also when a bridge handed the decode another engine's. Best effort, never raises; freeing KV the decode
   already took must be harmless.
 
 A new engine is one file implementing these (copy :mod:`dlmix.router.engines.vllm`), added to
