@@ -16,8 +16,6 @@ from typing import Any, Optional
 
 import msgspec
 
-from dlmix.router.engines import bridges
-from dlmix.router.engines import lmdeploy as lmdeploy_engine
 from dlmix.router.registry import RegistrationError, Registry
 from dlmix.router.routes import Route, RouteTable
 
@@ -170,8 +168,6 @@ class AdminAPI:
         reg = lmdeploy_registration(body)
         if isinstance(reg, str):
             return 400, {"error": reg}
-        lmdeploy_engine.forget(reg["url"])  # a restarted engine needs its DistServe connections made again
-        bridges.forget(reg["url"])  # and its endpoint learnt again
         return self.state.register(reg)
 
     def lmdeploy_remove(self, body):
@@ -182,8 +178,6 @@ class AdminAPI:
         b = next((b for b in self.registry.backends.values() if b.state.url.rstrip("/") == url.rstrip("/")), None)
         if b is None:
             return 404, {"error": f"no instance with url {url!r}"}
-        lmdeploy_engine.forget(b.state.url)
-        bridges.forget(b.state.url)
         return self.state.delete(b)
 
     def get(self, body, backend):

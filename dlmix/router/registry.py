@@ -28,7 +28,7 @@ from dlmix.errors import DlmixError
 from dlmix.pd.contract import ContractError
 from dlmix.pd.registration import decode_registration
 from dlmix.router import kv_events
-from dlmix.router.engines import can_pair, get_engine, pd_key
+from dlmix.router.engines import ENGINES, bridges, can_pair, get_engine, pd_key
 from dlmix.router.proxy import BackendError, Pool, build_request, request
 from dlmix.routing.hashing import BlockHasher
 from dlmix.routing.state import ROLES, InstanceState
@@ -71,6 +71,17 @@ class RegistrationError(DlmixError):
         super().__init__(msg)
         self.status = status
         self.reasons = reasons or []
+
+
+def _forget_pairs(url: str) -> None:
+    """Drop what the engine adapters (their optional ``forget(url)``: LMDeploy's DistServe connections) and the
+    cross-engine bridges remember about the instance at ``url``: it was registered anew (restarted, maybe with
+    another transport endpoint behind the same address) or removed."""
+    for eng in ENGINES.values():
+        forget = getattr(eng, "forget", None)
+        if forget is not None:
+            forget(url)
+    bridges.forget(url)
 
 
 class Backend:
@@ -211,6 +222,7 @@ class Registry:
         """
         st, ttl, lkey, old = self.validate(d, ttl_default)
         # ---- commit (nothing below raises on a validated body)
+        _forget_pairs(st.url)  # a (re)started engine: its PD connections are made and its endpoint learnt again
         if old is not None:
             st.slot = old.state.slot
             pos = self._pos[old.state.id]
@@ -392,6 +404,7 @@ class Registry:
         if b.ev_task is not None:
             b.ev_task.cancel()
         b.pool.close()
+        _forget_pairs(st.url)
         self.backends.pop(st.id, None)
         if self._by_url.get(st.url) is b:
             del self._by_url[st.url]

@@ -207,7 +207,11 @@ class Rank:
         res = self.endpoint.pull(peer.transport, rid, list(remote_block_ids), 0, len(token_ids),
                                  list(range(len(local))) if shadow is not None else local,
                                  src_layout=peer.layout, digest=prompt_digest(token_ids), dst_layers=shadow)
-        self.endpoint.release(peer.transport, rid, consumed=res.error is None)
+        try:
+            self.endpoint.release(peer.transport, rid, consumed=res.error is None)
+        except Exception as e:  # the prefill is gone: its hold timeout (or its death) frees its blocks
+            log.warning("DLMix: telling prefill %s that %s is %s failed: %s", remote_engine_id, rid,
+                        "consumed" if res.error is None else "aborted", e)
         if shadow is not None:
             res.failed_block_ids = [local[i] for i in res.failed_block_ids]
             if res.error is None:

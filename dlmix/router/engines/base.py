@@ -29,8 +29,11 @@ The router only calls these names on an instance's adapter (``get_engine(state.e
 * optional ``async abort_handoff(prefill_url, kvp)`` (sequential flow): the decode leg did not take the KV the
   prefill holds (client gone, decode failed or answered non-200, the pair could not be prepared): free it now instead
   of at the prefill's hold timeout (LMDeploy: ``/distserve/free_cache``). ``kvp`` is this adapter's own
-  ``kv_transfer_params`` of the prefill's answer, also when a bridge handed the decode another engine's. Best effort, never raises; freeing KV the decode
-  already took must be harmless.
+  ``kv_transfer_params`` of the prefill's answer, also when a bridge handed the decode another engine's. Best
+  effort, never raises; freeing KV the decode already took must be harmless.
+* optional ``forget(url)``: drop what the adapter remembers about the instance at ``url`` (LMDeploy: the pairs it
+  connected); the registry calls it whenever an instance registers (a restarted engine may have another transport
+  endpoint behind the same address) or is removed.
 
 A new engine is one file implementing these (copy :mod:`dlmix.router.engines.vllm`), added to
 :data:`dlmix.router.engines.ENGINES`; ``tests/test_pd_contract.py`` checks every registered adapter against
