@@ -1,4 +1,4 @@
-"""The fault campaign: hostile clients, fuzzed requests and frames, and the PD fault matrix on real vLLM CPU.
+"""The fault campaign: hostile clients, fuzzed requests and frames, the PD fault matrix on real vLLM CPU and LMDeploy.
 
 Classes (each reports ``tried``, ``ok`` (greedy output equal to a single instance; ``near_ties`` counted apart),
 ``clear_error``, ``unclear``, ``wrong`` (must be 0), ``unchecked``, ``held_after`` (must be 0), ``crashes`` (must be
@@ -23,8 +23,17 @@ Classes (each reports ``tried``, ``ok`` (greedy output equal to a single instanc
   serving the same prompt alone after a prefix-cache reset. The healthy PD client shares the KV link; it pauses while a
   fault is armed on the link's byte count (drop, kill, client abort mid-transfer), so the fault hits the class's own
   transfer; a stall hits everyone on the link, the healthy client included.
+* a real LMDeploy 0.18 CPU prefill/decode pair behind the dlmix router (when ``scripts/setup_lmdeploy.sh`` built its
+  venv; :class:`dlmix_lmdeploy.testing.RoutedPair`: bf16/block-16 prefill of 96 blocks, fp16/block-64 decode of 32,
+  DLMix backend, both registered with the router by their own hook): ``lmd_baseline``, ``lmd_prefill_pool_exhausted``
+  (6 prompts of ~2,100 tokens together for the prefill's 1,536), ``lmd_decode_kv_exhausted`` (6 x 450 for the decode's
+  2,048), ``lmd_client_abort_prefill`` / ``lmd_client_abort_decode`` (each followed by the same request, which must be
+  right), ``lmd_decode_leg_refused`` (a decode leg the decode answers 400), ``lmd_kill_prefill`` (SIGKILL with 6
+  requests in flight) and ``lmd_restart_same_address`` (the prefill restarted on its port). References are the same
+  request through the same deployment with nothing else running; ``held_after``: blocks in use beyond the idle
+  allowance on both engines, from LMDeploy's own block manager as heartbeated.
 
-    flock /tmp/dlmix-heavy.lock python benchmarks/faults.py [--quick] [--no-vllm] [--only CLASS,...]
+    flock /tmp/dlmix-heavy.lock python benchmarks/faults.py [--quick] [--no-vllm] [--no-lmdeploy] [--only CLASS,...]
 
 ``--quick``: smaller hostile sizes and 1-2 requests per PD class (the 10,000 fuzzed requests and frames stay).
 Prints progress to stderr and ONE JSON object on the last stdout line: ``{"classes": {name: tally}, "totals":
@@ -62,6 +71,8 @@ MAX_TOKENS = 12
 PD_CLASSES = {"pd_baseline", "kv_link_stall", "kv_link_drop", "client_abort_prefill", "client_abort_transfer",
               "client_abort_decode", "decode_kv_exhausted", "kill_prefill_mid_transfer", "kill_decode_mid_stream",
               "restart_same_address"}
+LMD_CLASSES = {"lmd_baseline", "lmd_prefill_pool_exhausted", "lmd_decode_kv_exhausted", "lmd_client_abort_prefill",
+               "lmd_client_abort_decode", "lmd_decode_leg_refused", "lmd_kill_prefill", "lmd_restart_same_address"}
 NEAR_TIE = 0.5  # nats: a first divergence where the reference's top-1/top-2 gap is smaller counts as a near-tie
 
 
@@ -525,6 +536,190 @@ def pd_classes(quick: bool, only: set, out: dict) -> dict:
     return out
 
 
+_WORDS = ("river mountain quiet engine market yellow window garden silver theory station winter bridge signal harvest "
+          "lantern ocean pocket rhythm castle meadow copper thunder village orbit canvas planet ribbon").split()
+
+
+def _words(rng: random.Random, n: int) -> str:
+    """``n`` words repeating a random cycle of 4 to 7 words: the continuation is the cycle, with a wide margin
+    between the model's first and second choice. Prompts of independent random words leave SmolLM2's next-token
+    distribution flat, and there LMDeploy's bf16 CPU kernels alone change greedy answers with the batch they run
+    in (measured here: a single bf16 instance, no PD, answered 3 of 6 such prompts differently when they ran
+    together than one at a time), which would hide what a fault does."""
+    cycle = rng.sample(_WORDS, rng.randint(4, 7))
+    return f"Story {rng.randrange(10_000)}: " + " ".join(cycle[k % len(cycle)] for k in range(n))
+
+
+def lmdeploy_classes(quick: bool, only: set, out: dict) -> dict:
+    """The PD fault matrix on a real LMDeploy pair behind the dlmix router (:class:`dlmix_lmdeploy.testing.RoutedPair`:
+    bf16/block-16 prefill of 96 blocks, fp16/block-64 decode of 32 blocks, DLMix backend, hold timeout 600 s).
+    References are the same request through the same deployment with nothing else running: a fault must not change
+    an answer. ``held_after``: blocks in use beyond the idle allowance on both engines once settled."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import httpx
+
+    from dlmix.models import prepare
+    from dlmix_lmdeploy import testing as LT
+
+    model = str(prepare("smollm2"))
+    rng = random.Random(11)
+    per = 1 if quick else 3
+    pair = LT.RoutedPair(model, tempfile.mkdtemp(prefix="dlmix-faults-lmdeploy-"))
+    _CLEANUP.append(pair.stop)
+    pair.start()
+
+    def body(prompt: str, stream: bool = False, **kw) -> dict:
+        return {"model": model, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True,
+                "stream": stream, **kw}
+
+    def ask(prompt: str, timeout: float = 300.0) -> tuple[int, dict]:
+        return LT.post_json(pair.url + "/v1/completions", body(prompt), timeout=timeout)
+
+    def reference(prompt: str) -> str:
+        st, o = ask(prompt)
+        if st != 200:
+            raise RuntimeError(f"reference request failed: {st} {str(o)[:200]}")
+        return o["choices"][0]["text"]
+
+    def judge(t, got: tuple[int, dict], ref: str) -> None:
+        st, o = got
+        if st == 200:
+            text = o["choices"][0]["text"]
+            t.add("ok" if text == ref else "wrong")
+            if text != ref:
+                t.notes.append(f"wrong: {text!r} for {ref!r}")
+        elif st >= 400 and (o.get("error") or o.get("message") or o.get("detail")):
+            t.add("clear_error")
+            t.notes.append(f"{st}: {str(o)[:150]}")
+        else:
+            t.add("unclear")
+            t.notes.append(f"{st}: {str(o)[:150]}")
+
+    def fresh(n_words: int) -> tuple[str, str]:
+        p = _words(rng, n_words)
+        return p, reference(p)
+
+    try:
+        healthy = [fresh(40) for _ in range(3)]
+
+        def run(name, fn, killed=False):
+            if only and name not in only:
+                return
+            t = Tally()
+            t0 = time.monotonic()
+            stop = threading.Event()
+            h = {"worst": 0.0, "bad": 0, "n": 0}
+
+            def healthy_client():
+                i = 0
+                while not stop.is_set():
+                    p, ref = healthy[i % len(healthy)]
+                    i += 1
+                    t1 = time.monotonic()
+                    try:
+                        st, o = ask(p, timeout=120)
+                        if st == 200 and o["choices"][0]["text"] != ref:
+                            h["bad"] += 1
+                    except Exception:
+                        pass  # a fault class may take an engine away on purpose; only wrong answers count
+                    h["worst"] = max(h["worst"], time.monotonic() - t1)
+                    h["n"] += 1
+                    stop.wait(1.0 if quick else 0.3)
+
+            th = threading.Thread(target=healthy_client, daemon=True)
+            th.start()
+            try:
+                fn(t)
+            except Exception as e:  # the class itself failed: say so, keep going
+                t.notes.append(f"class aborted: {type(e).__name__}: {e}"[:300])
+            stop.set()
+            th.join(300)
+            t.worst_healthy_wait_s = h["worst"]
+            if h["bad"]:
+                t.wrong += h["bad"]
+                t.notes.append(f"healthy client: {h['bad']} wrong answers of {h['n']}")
+            for which in ("P", "D"):
+                if not killed and getattr(pair, which).proc.poll() is not None:
+                    t.crashes += 1
+                    t.notes.append(f"{which} exited: {getattr(pair, which).log_tail(5)[-300:]}")
+            t.held_after = pair.held_after()
+            out[name] = t.to_dict()
+            log(f"[faults] {name}: {time.monotonic() - t0:.1f}s {json.dumps(out[name])[:400]}")
+
+        def baseline(t):
+            for _ in range(per + 1):
+                p, ref = fresh(300)
+                judge(t, ask(p), ref)
+        run("lmd_baseline", baseline)
+
+        def at_once(t, items):
+            with ThreadPoolExecutor(len(items)) as ex:
+                for got, (p, ref) in zip(ex.map(lambda it: ask(it[0]), items), items):
+                    judge(t, got, ref)
+
+        def prefill_pool(t):  # ~2,100 prompt tokens at once for the prefill's 1,536
+            items = [fresh(250 + 40 * i) for i in range(6)]
+            for _ in range(per):
+                at_once(t, items)
+        run("lmd_prefill_pool_exhausted", prefill_pool)
+
+        def decode_pool(t):  # ~2,700 tokens at once for the decode's 2,048 (and the prefill's 1,536)
+            at_once(t, [fresh(450) for _ in range(6)])
+        run("lmd_decode_kv_exhausted", decode_pool)
+
+        def abort_prefill(t):
+            for _ in range(per):
+                p, ref = fresh(700)
+                try:
+                    httpx.post(pair.url + "/v1/completions", json=body(p), timeout=0.3)
+                except httpx.TimeoutException:
+                    pass  # the client gave up during the prefill leg
+                time.sleep(1.0)
+                judge(t, ask(p), ref)
+        run("lmd_client_abort_prefill", abort_prefill)
+
+        def abort_decode(t):
+            for _ in range(per):
+                p, ref = fresh(300)
+                with httpx.Client(timeout=120) as c, \
+                        c.stream("POST", pair.url + "/v1/completions", json={**body(p, True), "max_tokens": 400}) as r:
+                    for i, _ in enumerate(r.iter_lines()):
+                        if i >= 2:
+                            break  # the client leaves mid-stream
+                time.sleep(1.0)
+                judge(t, ask(p), ref)
+        run("lmd_client_abort_decode", abort_decode)
+
+        def refused(t):  # logprobs without --logprobs-mode: the decode leg answers 400; the prefill's hold is freed
+            for _ in range(per):
+                p, _ = fresh(300)
+                st, o = LT.post_json(pair.url + "/v1/completions", body(p, logprobs=2))
+                t.add("clear_error" if st == 400 and "logprobs" in json.dumps(o) else "unclear")
+        run("lmd_decode_leg_refused", refused)
+
+        def kill_prefill(t):
+            items = [fresh(250 + 40 * i) for i in range(6)]
+            port = int(pair.P.url.rsplit(":", 1)[1])
+            with ThreadPoolExecutor(len(items)) as ex:
+                futs = [ex.submit(ask, p) for p, _ in items]
+                time.sleep(1.5)
+                os.killpg(pair.P.proc.pid, signal.SIGKILL)
+                for f, (p, ref) in zip(futs, items):
+                    judge(t, f.result(), ref)
+            pair.launch("P", port=port)
+        run("lmd_kill_prefill", kill_prefill, killed=True)
+
+        def restart(t):  # the prefill was restarted on its port by the class before
+            for _ in range(per + 1):
+                p, ref = fresh(300)
+                judge(t, ask(p), ref)
+        run("lmd_restart_same_address", restart)
+    finally:
+        pair.stop()
+    return out
+
+
 def _emit(classes: dict, t0: float, interrupted: bool = False) -> None:
     totals = {k: sum(c.get(k, 0) for c in classes.values()) for k in
               ("tried", "ok", "near_ties", "clear_error", "unclear", "wrong", "unchecked", "held_after", "crashes")}
@@ -540,6 +735,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--no-vllm", action="store_true", help="skip the real vLLM CPU PD classes")
+    ap.add_argument("--no-lmdeploy", action="store_true", help="skip the real LMDeploy PD classes")
     ap.add_argument("--only", default="", help="comma-separated class names")
     a = ap.parse_args()
     only = {x for x in a.only.split(",") if x}
@@ -568,6 +764,13 @@ def main() -> int:
             log(f"[faults] vLLM not installed ({e}): PD classes skipped")
         else:
             pd_classes(a.quick, only, classes)
+    if not a.no_lmdeploy and (not only or only & LMD_CLASSES):
+        from dlmix_lmdeploy.testing import lmdeploy_python
+
+        if lmdeploy_python() is None:
+            log("[faults] no LMDeploy venv (scripts/setup_lmdeploy.sh): LMDeploy PD classes skipped")
+        else:
+            lmdeploy_classes(a.quick, only, classes)
     _emit(classes, t0)
     return 0
 

@@ -40,58 +40,19 @@ def _prompt(i: int, n_words: int) -> str:
 @pytest.fixture(scope="module")
 def pair(smollm2_dir, tmp_path_factory):
     """Router + a prefill (bf16, block 16, 96 blocks) and a decode (fp16, block 64, 32 blocks), each registered with
-    the router by its own hook, heartbeating every 0.5 s."""
-    from dlmix.router.config import RouterConfig
-    from dlmix.testing import RouterThread, poll
-
-    m = str(smollm2_dir)
-    logs = tmp_path_factory.mktemp("lmdeploy-faults")
-    rt = RouterThread(RouterConfig(host="127.0.0.1", port=0, policy="cost", model_spec=m))
-    started = []
-    try:
-        servers = {}
-        for name, kw in {"P": dict(role="Prefill", dtype="bfloat16", block_size=16, num_blocks=96),
-                         "D": dict(role="Decode", dtype="float16", block_size=64, num_blocks=32)}.items():
-            port = T.free_port()
-            url = f"http://127.0.0.1:{port}"
-            env = {"DLMIX_LMDEPLOY_CONFIG": json.dumps({"router_url": rt.url, "public_url": url, "model_name": m,
-                                                        "heartbeat_s": 0.5, "hold_timeout_s": HOLD_TIMEOUT_S})}
-            servers[name] = T.start_ready(m, logs, started, port=port, env=env, **kw)
-        urls = {s.url for s in servers.values()}
-        assert poll(lambda: rt.call(lambda: {b.state.url for b in rt.router.registry.backends.values()
-                                              if b.state.load is not None}) >= urls, 60)
-        yield {**servers, "router": rt, "model": m, "started": started}
-    finally:
-        for s in reversed(started):
-            s.stop()
-        rt.close()
+    the router by its own hook, heartbeating every 0.5 s (:class:`dlmix_lmdeploy.testing.RoutedPair`)."""
+    with T.RoutedPair(str(smollm2_dir), tmp_path_factory.mktemp("lmdeploy-faults"),
+                      hold_timeout_s=HOLD_TIMEOUT_S) as p:
+        yield p
 
 
-def _usage(rt, url: str) -> float | None:
-    def get():
-        for b in rt.router.registry.backends.values():
-            if b.state.url == url and b.state.load is not None:
-                return b.state.load.kv_usage
-        return None
-    return rt.call(get)
-
-
-def _idle(pair, names=("P", "D"), timeout_s: float = 90) -> dict[str, float]:
-    """Wait until each engine's heartbeat reports at most the idle figure (a block LMDeploy may keep for itself:
-    under 2 blocks of the pool); returns the last figures. Fails naming the engine that still holds blocks."""
-    from dlmix.testing import poll
-
-    limits = {"P": 2 / 96, "D": 2 / 32}
-    rt = pair["router"]
-    last = {}
-
-    def idle() -> bool:
-        for n in names:
-            last[n] = _usage(rt, pair[n].url)
-        return all(last[n] is not None and last[n] <= limits[n] + 1e-9 for n in names)
-
-    assert poll(idle, timeout_s, interval_s=0.5), f"KV blocks still held after {timeout_s} s: {last}"
-    return dict(last)
+def _idle(pair, names=("P", "D"), timeout_s: float = 90) -> dict:
+    """Wait until each engine reports at most the idle figure (a block or two LMDeploy may keep for itself); returns
+    the last figures in blocks. Fails naming the engine that still holds blocks."""
+    last = pair.settle(names, timeout_s)
+    assert all(last[n] is not None and last[n] <= pair.IDLE_BLOCKS for n in names), \
+        f"KV blocks still held after {timeout_s} s: {last}"
+    return last
 
 
 def _body(m: str, prompt: str, max_tokens: int, stream: bool = False) -> dict:
@@ -111,7 +72,7 @@ def test_decode_leg_refused_frees_the_prefill_hold_at_once(pair):
     decode; the router's prefill leg drops logprobs): the client gets the decode's 400 with its reason, and the
     router's ``free_cache`` (the hold named by its block ids) frees the prefill's blocks long before the hold
     timeout."""
-    rt, m = pair["router"], pair["model"]
+    rt, m = pair.router, pair.model
     _idle(pair)
     status, out = T.post_json(rt.url + "/v1/completions", {**_body(m, _prompt(4, 400), 8), "logprobs": 2})
     assert status == 400 and "logprobs" in json.dumps(out), (status, out)
@@ -123,7 +84,7 @@ def test_client_disconnects_leave_no_block_held(pair):
     neither engine holds a block (the decode aborts its sequence; a prefill hold is consumed by the decode or freed
     by the router when the decode leg did not take it), and both keep serving: the next request answers the same
     text as before the disconnects."""
-    rt, m = pair["router"], pair["model"]
+    rt, m = pair.router, pair.model
     _idle(pair)
     prompt = _prompt(1, 500)  # ~500 tokens: a prefill of about a second or more here
     before = T.router_request(rt.url, m, "completion", prompt, 8)
@@ -155,7 +116,7 @@ def test_prompts_beyond_the_prefill_pool_keep_their_held_blocks(pair):
     tokens): the prefill admits the later ones only as decodes consume the earlier ones' KV, and its scheduler must
     never evict a block it holds for a decode to make room (LMDeploy turns a finished prefill's session evictable
     when its request ends). Every answer equals the one given one at a time, twice over."""
-    rt, m = pair["router"], pair["model"]
+    rt, m = pair.router, pair.model
     prompts = [_prompt(10 + i, 250 + 40 * i) for i in range(6)]
     want = [T.router_request(rt.url, m, "completion", p, 8) for p in prompts]
     for _ in range(2):
@@ -167,12 +128,43 @@ def test_prompts_beyond_the_prefill_pool_keep_their_held_blocks(pair):
     _idle(pair)
 
 
+def test_a_pull_whose_prefill_is_gone_fails_that_request_and_does_not_raise_into_the_engine():
+    """The decode's per-request pull (run from LMDeploy's engine loop) tells the prefill at the end whether it took
+    the KV; when the prefill is gone that notice cannot be sent, and the pull still returns its result (the request
+    fails with the reason) instead of raising into the engine loop, which would stop the decode engine. Run in the
+    LMDeploy venv with a stand-in endpoint whose release raises as the transport does for a dead peer."""
+    import subprocess
+
+    code = """
+from dlmix_kv_connectors.base import PeerError
+from dlmix.pd.endpoint import PullResult
+from dlmix_lmdeploy.backend import Peer, Rank
+
+class Endpoint:
+    def pull(self, *a, **k):
+        return PullResult(loaded_upto=0, error="ConnectionError: prefill gone", failed_block_ids=[3])
+    def release(self, *a, **k):
+        raise PeerError("cannot connect to prefill at 127.0.0.1:1: [Errno 111] Connection refused")
+
+rank = Rank(role="Decode", layout=None, endpoint=Endpoint())
+rank.peers["http://prefill"] = Peer({"kind": "tcp"}, None)
+res = rank.pull("http://prefill", 0, [1], [3], [5, 6, 7])
+print(repr(res.error), res.failed_block_ids)
+"""
+    out = subprocess.run([T.lmdeploy_python(), "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "'ConnectionError: prefill gone' [3]", out.stdout
+    assert "telling prefill http://prefill that" in out.stderr  # logged as a warning
+
+
 def test_killed_prefill_fails_its_requests_readably_and_the_decode_frees_everything(pair):
     """Six requests in flight, then the prefill engine is killed (SIGKILL to its process group). Each request either
     answers the same text as when nothing failed, or fails with an HTTP error whose body says why (never a 200 with
     other text: a decode-only LMDeploy instance is not given a whole request when its prefill leg fails);
-    afterwards the decode holds no block, and the router stops sending requests to the dead prefill."""
-    rt, m = pair["router"], pair["model"]
+    afterwards the decode holds no block, the router stops sending requests to the dead prefill, and once a prefill
+    runs again on the same address the pair answers as before (the decode's engine survived pulls from a dead
+    prefill)."""
+    rt, m = pair.router, pair.model
     prompts = [_prompt(10 + i, 250 + 40 * i) for i in range(6)]
     want = [T.router_request(rt.url, m, "completion", p, 8) for p in prompts]
     _idle(pair)
@@ -184,7 +176,7 @@ def test_killed_prefill_fails_its_requests_readably_and_the_decode_frees_everyth
     with ThreadPoolExecutor(6) as ex:
         futs = [ex.submit(one, p) for p in prompts]
         time.sleep(1.5)
-        os.killpg(pair["P"].proc.pid, signal.SIGKILL)
+        os.killpg(pair.P.proc.pid, signal.SIGKILL)
         results = [f.result() for f in futs]
     ok = failed = 0
     for (status, out), w in zip(results, want):
@@ -200,3 +192,8 @@ def test_killed_prefill_fails_its_requests_readably_and_the_decode_frees_everyth
     _idle(pair, names=("D",))
     status, out = T.post_json(rt.url + "/v1/completions", _body(m, prompts[0], 8), timeout=120)
     assert status in (502, 503) and (out.get("error") or out.get("message")), (status, out)
+    # the decode survived the pulls that found its prefill gone: a prefill started again on the same address
+    # registers, and the pair answers as before
+    pair.launch("P", port=int(pair.P.url.rsplit(":", 1)[1]))
+    assert [T.router_request(rt.url, m, "completion", p, 8) for p in prompts[:2]] == want[:2]
+    _idle(pair)

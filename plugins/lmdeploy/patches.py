@@ -17,9 +17,9 @@ Where each patch goes, and why (LMDeploy 0.18 sources):
   core, and a request whose pull failed is answered with an error instead of decoding from incomplete KV;
 * ``pytorch/engine/engine.py``: ``end_session`` of a held prefill session ends the core's hold; the session itself
   ends once no read can touch its blocks; the END/STOP_SESSION requests of a held session leave its sequence as it
-  is (LMDeploy would turn it STOPPED, whose blocks its scheduler may evict and reuse during a decode's read); after ``__init__``, an engine whose ``DLMIX_LMDEPLOY_CONFIG`` names a
-  ``router_url`` registers with the dlmix router and heartbeats its load (:mod:`dlmix_lmdeploy.router_hook`, any
-  migration backend);
+  is (LMDeploy would turn it STOPPED, whose blocks its scheduler may evict and reuse during a decode's read); after
+  ``__init__``, an engine whose ``DLMIX_LMDEPLOY_CONFIG`` names a ``router_url`` registers with the dlmix router
+  and heartbeats its load (:mod:`dlmix_lmdeploy.router_hook`, any migration backend);
 * ``pytorch/engine/mp_engine/zmq_engine.py``: a start-up race of LMDeploy's engine process fixed for DLMix engines
   (:func:`_mp_engine`);
 * ``pytorch/backends/selector.py``: the CPU test aid's op backend, only with ``DLMIX_LMDEPLOY_CPU=1``;

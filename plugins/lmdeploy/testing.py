@@ -16,7 +16,7 @@ from typing import Any
 from dlmix.engine_process import LMDEPLOY_ROLES, LMDeployServerSpec, ServerChild, free_port
 
 __all__ = ["lmdeploy_python", "LMDeployServer", "start_proxy", "start_api_server", "post_json", "free_port",
-           "reference", "reference_chat", "first_divergence", "near_tie"]
+           "reference", "reference_chat", "first_divergence", "near_tie", "RoutedPair"]
 
 
 def lmdeploy_python() -> str | None:
@@ -224,3 +224,136 @@ def near_tie(case: str, got: str, ref: tuple[str, list[str], list[float]], thres
                              f"{text!r}")
     print(f"[{case}] near-tie at token {k} (top-2 gap {gap:.4f})")
     return True
+
+
+class RoutedPair:
+    """A dlmix router (a :class:`dlmix.testing.RouterThread` in this process, ``cost`` policy) and an LMDeploy
+    prefill and decode that register themselves with it and heartbeat their block usage every ``heartbeat_s``
+    seconds (:mod:`dlmix_lmdeploy.router_hook`): the fault tests' and the fault campaign's deployment.
+
+    Args:
+        model: the model folder (also the served model name).
+        log_dir: where the servers' logs go.
+        engines: per name (``"P"``, ``"D"``) the :func:`start_api_server` keywords (role, dtype, block_size,
+            num_blocks, ...). Default: a bf16/block-16 prefill of 96 blocks and an fp16/block-64 decode of 32.
+        hold_timeout_s: the prefill's hold timeout (long by default, so that blocks freed within a test's wait were
+            freed by the flow itself, not by this timeout).
+
+    The block usage read is LMDeploy's own block manager's (used blocks over the pool, as heartbeated), which counts
+    the blocks a prefill holds for a decode. Use as a context manager, or call :meth:`stop`.
+    """
+
+    #: blocks an idle engine may still report (LMDeploy keeps at most a block or two for itself)
+    IDLE_BLOCKS = 2
+
+    def __init__(self, model: str, log_dir: Path, engines: dict[str, dict] | None = None,
+                 hold_timeout_s: float = 600.0, heartbeat_s: float = 0.5):
+        self.model = str(model)
+        self.log_dir = Path(log_dir)
+        self.engines = engines or {"P": dict(role="Prefill", dtype="bfloat16", block_size=16, num_blocks=96),
+                                   "D": dict(role="Decode", dtype="float16", block_size=64, num_blocks=32)}
+        self.hold_timeout_s = hold_timeout_s
+        self.heartbeat_s = heartbeat_s
+        self.servers: dict[str, LMDeployServer] = {}
+        self.started: list[LMDeployServer] = []
+        self.router: Any = None
+
+    @property
+    def url(self) -> str:
+        """The router's base URL."""
+        return self.router.url
+
+    def start(self) -> "RoutedPair":
+        """Start the router and both engines; returns once the router has a heartbeat from each. Raises
+        RuntimeError (with a log tail) when an engine does not start, AssertionError when one never registers."""
+        from dlmix.router.config import RouterConfig
+        from dlmix.testing import RouterThread
+
+        self.router = RouterThread(RouterConfig(host="127.0.0.1", port=0, policy="cost", model_spec=self.model))
+        try:
+            for name in self.engines:
+                self.launch(name)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def launch(self, name: str, port: int | None = None) -> LMDeployServer:
+        """Start engine ``name`` (again, e.g. on its old ``port`` after a kill) and wait until it heartbeats."""
+        from dlmix.testing import poll
+
+        port = port or free_port()
+        url = f"http://127.0.0.1:{port}"
+        before = self.router.call(lambda: self._backend(url))  # a killed instance's, replaced when this registers
+        env = {"DLMIX_LMDEPLOY_CONFIG": json.dumps({"router_url": self.url, "public_url": url,
+                                                    "model_name": self.model, "heartbeat_s": self.heartbeat_s,
+                                                    "hold_timeout_s": self.hold_timeout_s})}
+        s = self.servers[name] = start_ready(self.model, self.log_dir, self.started, port=port, env=env,
+                                             **self.engines[name])
+
+        def serving() -> bool:
+            b = self._backend(url)
+            return b is not None and b is not before and b.state.load is not None and b.state.healthy
+        assert poll(lambda: self.router.call(serving), 60), f"{name} ({url}) never registered and heartbeated"
+        return s
+
+    def _backend(self, url: str) -> Any:
+        """The router's backend registered for ``url`` (None when none); call on the router's loop."""
+        return next((b for b in self.router.router.registry.backends.values() if b.state.url == url), None)
+
+    def __getattr__(self, name: str) -> LMDeployServer:
+        servers = self.__dict__.get("servers", {})
+        if name in servers:
+            return servers[name]
+        raise AttributeError(name)
+
+    def usage(self, name: str) -> float | None:
+        """Engine ``name``'s used share of its block pool from its last heartbeat (None before the first)."""
+        url = self.servers[name].url
+
+        def get():
+            for b in self.router.router.registry.backends.values():
+                if b.state.url == url and b.state.load is not None:
+                    return b.state.load.kv_usage
+            return None
+        return self.router.call(get)
+
+    def blocks_used(self, name: str) -> int | None:
+        """:meth:`usage` in blocks."""
+        u = self.usage(name)
+        return None if u is None else round(u * int(self.engines[name]["num_blocks"]))
+
+    def settle(self, names: tuple[str, ...] = ("P", "D"), timeout_s: float = 90.0) -> dict[str, int | None]:
+        """Wait (up to ``timeout_s``) until each engine reports at most :data:`IDLE_BLOCKS` blocks in use; returns
+        the last figures in blocks (None for an engine that did not report)."""
+        from dlmix.testing import poll
+
+        last: dict[str, int | None] = {}
+
+        def idle() -> bool:
+            for n in names:
+                last[n] = self.blocks_used(n)
+            return all(last[n] is not None and last[n] <= self.IDLE_BLOCKS for n in names)
+
+        poll(idle, timeout_s, interval_s=0.5)
+        return dict(last)
+
+    def held_after(self, names: tuple[str, ...] = ("P", "D"), timeout_s: float = 90.0) -> int:
+        """Blocks still in use beyond the idle allowance after :meth:`settle` (an engine that does not report
+        counts its whole pool)."""
+        last = self.settle(names, timeout_s)
+        return sum(int(self.engines[n]["num_blocks"]) if last[n] is None else max(0, last[n] - self.IDLE_BLOCKS)
+                   for n in names)
+
+    def stop(self) -> None:
+        """Stop every engine started (by process group) and the router."""
+        for s in reversed(self.started):
+            s.stop()
+        if self.router is not None:
+            self.router.close()
+
+    def __enter__(self) -> "RoutedPair":
+        return self.start()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
