@@ -34,7 +34,6 @@ import json
 import secrets
 import sys
 import time
-from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, List, Optional
@@ -43,7 +42,8 @@ import httpx
 
 from dlmix.testing import output_logprobs
 
-__all__ = ["run_demo", "DEFAULT_DEPLOYMENT", "DEFAULT_DEPLOYMENTS", "DemoRow", "scrape", "first_divergence", "NEAR_TIE_NATS"]
+__all__ = ["run_demo", "DEFAULT_DEPLOYMENT", "DEFAULT_DEPLOYMENTS", "DemoRow", "scrape", "first_divergence",
+           "NEAR_TIE_NATS"]
 
 #: A first differing token whose top-1/top-2 logprob gap on the single instance is below this (nats) is a near-tie,
 #: not a wrong answer: the threshold the bf16 prefill -> fp32 decode end-to-end test uses (tests/test_vllm_pd.py).

@@ -216,8 +216,11 @@ def _engine(m: Any) -> None:
     def make(original):
         def end_session(self, session_id):
             rank = current()
-            if rank is not None and rank.role == "Prefill" and rank.drop(session_id):
-                return True  # ended by the rank's poller once no read can touch the blocks
+            if rank is not None and rank.role == "Prefill":
+                if rank.drop(session_id):
+                    return True  # ended by the rank's poller once no read can touch the blocks
+                if session_id <= -2:  # a hold's alias (the router's free_cache) whose hold ended already: done
+                    return True
             return original(self, session_id)
         return end_session
 
