@@ -4,6 +4,7 @@ serialises back to exactly the same object), and checked for what a cluster woul
 (selectors, ``$(VAR)`` references, probe ports, device resources and node selectors per chip vendor)."""
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -209,10 +210,50 @@ def test_sglang_instances_are_refused_with_the_reason(tmp_path):
     assert not (tmp_path / "k8s").exists()
 
 
-def test_lmdeploy_instances_are_refused_with_the_reason(tmp_path):
-    from dlmix.launch.config import ConfigError
-
-    dep = Deployment.from_file(ROOT / "examples/lmdeploy-cpu-pd.yaml")
-    with pytest.raises(ConfigError) as ei:
-        emit_k8s(dep, tmp_path / "k8s", secret="s3cret")
-    assert "instances[0].engine: --emit k8s does not support LMDeploy" in str(ei.value)
+def test_lmdeploy_instances_register_from_their_pods(tmp_path):
+    """The seed's mode (b) on Kubernetes: the LMDeploy prefill (MetaX) and decode (PPU, its device resource set in
+    the file: the catalog has none for it) run LMDeploy's console script with their pod IP, select the DLMix
+    migration backend, and get their DLMix settings in ``DLMIX_LMDEPLOY_CONFIG``: the file's own transport, the
+    endpoint on the pod IP at the declared ``kv-side`` port, the Secret for the transport and the router's admin
+    API, and self-registration with the router through its admin Service (LMDeploy's ``--proxy-url`` cannot send an
+    admin key). Every ``$(VAR)`` in args and env values is defined before it is used (Kubernetes expands only
+    those)."""
+    dep = Deployment.from_file(ROOT / "examples/lmdeploy-metax-prefill-ppu-decode.yaml")
+    with pytest.raises(ConfigError, match="decode-ppu|instances\\[1\\].k8s.resource"):
+        build_manifests(dep, secret="s3cret")
+    dep.instances[1].k8s.resource = "example.com/ppu"
+    m = emit_k8s(dep, tmp_path / "k8s", secret="s3cret")
+    objs = [yaml.safe_load(f.read_text()) for f in sorted((tmp_path / "k8s").iterdir())]
+    for o in objs:
+        _validate(o)
+    deps, svcs = _by(objs, "Deployment"), _by(objs, "Service")
+    assert set(deps) == {"lmdeploy-metax-ppu-router", "lmdeploy-metax-ppu-prefill-metax",
+                         "lmdeploy-metax-ppu-decode-ppu"}
+    want = {"prefill-metax": ("Prefill", "maca", 23334, {"metax-tech.com/gpu": "1"}, "C500"),
+            "decode-ppu": ("Decode", "cuda", 23335, {"example.com/ppu": "1"}, "PPU")}
+    for inst, (role, device, port, limits, chip) in want.items():
+        d = deps[f"lmdeploy-metax-ppu-{inst}"]
+        _check_workload(d)
+        pod = d["spec"]["template"]["spec"]
+        c = pod["containers"][0]
+        a = c["args"]
+        assert c["command"] == ["lmdeploy"] and a[:3] == ["serve", "api_server", "/models/Qwen2.5-7B-Instruct"]
+        for flag, v in (("--server-name", "$(POD_IP)"), ("--server-port", str(port)), ("--role", role),
+                        ("--migration-backend", "DLMix"), ("--device", device), ("--backend", "pytorch")):
+            assert a[a.index(flag) + 1] == v, flag
+        env = [e["name"] for e in c["env"]]
+        for j, e in enumerate(c["env"]):
+            for ref in VAR_REF.findall(e.get("value", "")):
+                assert ref in env[:j], (inst, e["name"], ref)
+        cfg = json.loads(next(e["value"] for e in c["env"] if e["name"] == "DLMIX_LMDEPLOY_CONFIG"))
+        assert cfg == {"shared_secret": "$(DLMIX_SECRET)", "host": "$(POD_IP)", "transport": "dlslime",
+                       "port": SIDE_CHANNEL_PORT, "router_url": "http://lmdeploy-metax-ppu-router-admin:8000",
+                       "router_admin_key": "$(DLMIX_SECRET)", "public_url": f"http://$(POD_IP):{port}",
+                       "instance_id": inst, "model_name": "qwen2.5-7b", "chip_profile": chip}
+        assert {"name": "kv-side", "containerPort": SIDE_CHANNEL_PORT} in c["ports"]
+        assert c["resources"]["limits"] == limits and pod["nodeSelector"] == {"dlmix.io/chip": chip}
+        assert svcs[f"lmdeploy-metax-ppu-{inst}"]["spec"]["ports"][0]["port"] == port
+    cfg = RouterConfig.from_dict(yaml.safe_load(_by(objs, "ConfigMap")["lmdeploy-metax-ppu-router-config"]["data"]
+                                                ["router.yaml"]))
+    assert cfg.instances == []  # both register themselves
+    assert any("RDMA" in n and "prefill-metax" in n for n in m.notes)

@@ -19,8 +19,11 @@ The same file that ``dlmix launch`` runs on one host becomes, per object, one YA
   selector (vendor ``k8s_node_label`` = chip name), and a ``Service`` ``NAME-INSTANCE``.
 
 Engines run the command line ``dlmix launch`` builds, with ``--host $(POD_IP)`` (the pod's IP from the downward API;
-Kubernetes expands ``$(VAR)`` in ``args``), so self-registering engines (DLMix connector) announce their pod IP;
-others are listed in the router config by their Service. Probes: engines ``startupProbe`` (allows
+Kubernetes expands ``$(VAR)`` in ``args`` and in later ``env`` values), so self-registering engines (DLMix connector;
+LMDeploy, whose ``DLMIX_LMDEPLOY_CONFIG`` carries the router's admin Service, the Secret and the pod IP) announce
+their pod IP; others are listed in the router config by their Service. LMDeploy runs as its console script next to
+``k8s.python``; its DLMix endpoint listens on the pod IP at a fixed port (``port`` of its own settings, default
+:data:`SIDE_CHANNEL_PORT`), declared as ``kv-side``. Probes: engines ``startupProbe`` (allows
 ``ready_timeout_s``), ``readinessProbe`` and ``livenessProbe`` on ``GET /health`` (SGLang: ``/ready``); the router
 ``readinessProbe`` on ``GET /health`` (200 once an instance is healthy) and a TCP ``livenessProbe``. Restarts are
 Kubernetes' own (``restartPolicy: Always`` with its back-off), not the local supervisor.
@@ -30,6 +33,7 @@ Local-only features are left out with a note in :attr:`Manifests.notes`: KV even
 """
 from __future__ import annotations
 
+import json
 import math
 import os
 import re
@@ -101,20 +105,17 @@ def build_manifests(dep: Deployment, secret: Optional[str] = None) -> Manifests:
 
     Raises:
         ConfigError: an instance on an accelerator whose vendor publishes no device resource and that sets no
-            ``k8s.resource``; a name that cannot become a Kubernetes name; an SGLang or LMDeploy instance (not supported
-            yet).
+            ``k8s.resource``; a name that cannot become a Kubernetes name; an SGLang instance (not supported yet).
     """
     from dlmix.hw.profiles import load_catalog
     from dlmix.launch.runner import plan
 
     k = dep.k8s
     out = Manifests()
-    sg = [(f"instances[{i}]", inst.engine) for i, inst in enumerate(dep.instances)
-          if inst.engine in ("sglang", "lmdeploy")]
-    if sg:  # the bootstrap / KV ports would need Services and pod-IP advertising that are not generated yet
-        raise ConfigError([f"{x}.engine: --emit k8s does not support {'SGLang' if e == 'sglang' else 'LMDeploy'} "
-                           "instances yet (run them with dlmix launch, or write their manifests by hand)"
-                           for x, e in sg])
+    sg = [f"instances[{i}]" for i, inst in enumerate(dep.instances) if inst.engine == "sglang"]
+    if sg:  # the bootstrap server's port and SGLang's own registration are not generated yet
+        raise ConfigError([f"{x}.engine: --emit k8s does not support SGLang instances yet (run them with dlmix "
+                           "launch, or write their manifests by hand)" for x in sg])
     try:
         base = dns_name(dep.name)
     except ValueError as e:
@@ -146,6 +147,21 @@ def build_manifests(dep: Deployment, secret: Optional[str] = None) -> Manifests:
         if conn is not None and conn.name == "DLMixConnector" and "port" not in conn.extra_config:
             inst.connector = ConnectorSettings(**{**conn.model_dump(), "extra_config": {
                 **conn.extra_config, "port": SIDE_CHANNEL_PORT}})
+        if inst.engine == "lmdeploy" and inst.role != "both":
+            own = inst.env.get("DLMIX_LMDEPLOY_CONFIG", kdep.env.get("DLMIX_LMDEPLOY_CONFIG"))
+            if own is not None:
+                inst.env["DLMIX_LMDEPLOY_CONFIG"] = own
+            if _lmdeploy_kv_port(inst) is None:  # the DLMix endpoint's port, fixed so that the pod can declare it
+                try:
+                    cfg = json.loads(own) if own else {}
+                except ValueError:
+                    cfg = None  # not JSON: left for the engine to refuse with the reason
+                if isinstance(cfg, dict):
+                    inst.env["DLMIX_LMDEPLOY_CONFIG"] = json.dumps({**cfg, "port": SIDE_CHANNEL_PORT})
+            transport = _lmdeploy_setting(inst, "transport")
+            if transport not in (None, "tcp", "shm"):
+                out.notes.append(f"{name}: transport {transport!r} reads over RDMA: give the pod the node's RDMA "
+                                 "NIC (its device plugin's resource in k8s.requests, and the IPC_LOCK capability)")
         if inst.cpus and inst.device != "cpu":
             out.notes.append(f"{name}: cpus {inst.cpus!r} (taskset pinning) left out; use k8s.requests cpu")
     if kdep.router_enabled():
@@ -247,7 +263,8 @@ def build_manifests(dep: Deployment, secret: Optional[str] = None) -> Manifests:
         argv = list(pl.argv)
         if argv and argv[0] == "taskset":
             argv = argv[3:]
-        argv[0] = k.python
+        # vLLM runs as ``python -m ...``; LMDeploy as its console script, next to the image's python
+        argv[0] = str(Path(k.python).parent / "lmdeploy") if inst.engine == "lmdeploy" else k.python
         vendor = catalog.vendor_of(inst.chip)
         limits: Dict[str, object] = {}
         requests: Dict[str, object] = dict(kinst.requests)
@@ -269,6 +286,8 @@ def build_manifests(dep: Deployment, secret: Optional[str] = None) -> Manifests:
         conn = kdep.connector_of(i)
         if conn is not None and conn.name == "DLMixConnector":
             ports.append({"name": "kv-side", "containerPort": int(conn.extra_config["port"])})
+        if inst.engine == "lmdeploy" and inst.role != "both" and _lmdeploy_kv_port(kdep.instances[i]):
+            ports.append({"name": "kv-side", "containerPort": _lmdeploy_kv_port(kdep.instances[i])})
         extra = {"dlmix.io/instance": pl.name, "dlmix.io/role": inst.role, "dlmix.io/chip": inst.chip}
         sel = {"app.kubernetes.io/instance": base, "dlmix.io/instance": dns_name(pl.name)}
         container = {
@@ -297,6 +316,21 @@ def build_manifests(dep: Deployment, secret: Optional[str] = None) -> Manifests:
             out.notes.append(f"{pl.name}: devices {inst.devices!r} left out; the device plugin assigns "
                              f"{limits.get(kinst.resource or vendor.k8s_resource or '', 0)} device(s)")
     return out
+
+
+def _lmdeploy_setting(inst, key: str):
+    """``key`` of an LMDeploy instance's own ``DLMIX_LMDEPLOY_CONFIG`` (JSON in its ``env``), None when unset or not
+    readable (the engine refuses a malformed one with the reason when it starts)."""
+    try:
+        return json.loads(inst.env.get("DLMIX_LMDEPLOY_CONFIG") or "{}").get(key)
+    except (ValueError, AttributeError):
+        return None
+
+
+def _lmdeploy_kv_port(inst) -> Optional[int]:
+    """The ``port`` of an LMDeploy instance's DLMix endpoint from its ``DLMIX_LMDEPLOY_CONFIG``, None when unset."""
+    port = _lmdeploy_setting(inst, "port")
+    return port if isinstance(port, int) and not isinstance(port, bool) and port > 0 else None
 
 
 def _index(dep: Deployment, name: str) -> int:
