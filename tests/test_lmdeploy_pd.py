@@ -234,58 +234,77 @@ def test_same_configuration_on_both_sides_is_identical_to_a_single_instance(serv
             rt.close()
 
 
-def test_int8_decode_equals_single_int8_instance(servers, tmp_path):
-    """KV int8 on the decode only: a decode with ``--quant-policy 8`` (fp16, block 64) fed by the bf16/block-16
-    prefill through the dlmix router; the KV arrives in fp16 and is quantized with LMDeploy's int8 formula into the
-    decode's uint8 blocks and their scales/zeros. 20 prompts of 10..1000 tokens, completion and chat, streaming and
-    not: greedy text equals a single ``--quant-policy 8`` fp16/block-64 instance except near-ties, counted and
-    printed. Control: the int8 reference's logprobs differ from the unquantized reference's (int8 is really on)."""
+@pytest.mark.parametrize("bits", [8, 4])
+def test_quantized_kv_on_either_side(servers, tmp_path, bits):
+    """KV int8 or int4 (``--quant-policy 8``/``4``, fp16 scales, block 64) against a single instance of that
+    configuration, through the dlmix router. Control first: the quantized reference's logprobs differ from the
+    unquantized reference's (the quantization is really on).
+
+    * Both sides: a quantized fp16/block-16 prefill (its blocks dequantized while held) feeds a quantized decode.
+      Both attend over the same quantized prompt K/V the single instance does, and the KV travels as LMDeploy's own
+      read of it in fp32, which quantizes back to the same integers, scales and zeros: the decode holds the bytes
+      the single instance's prefill wrote, so the answers are identical (one near-tie allowed for a vector whose
+      integers do not reach both ends of the range). 8 prompts of 10 to 1,000 tokens, completion and chat,
+      streaming and not, more tokens than the prefill's pool (128 blocks of 16), so a hold not freed would fail a
+      later prompt.
+    * Decode only (int8: the issue's case): the bf16/block-16 prefill P2 feeds the quantized decode; the KV arrives
+      in fp32 and is quantized with LMDeploy's formula into the decode's blocks. 20 prompts: greedy text equals the
+      single int8 instance's except near-ties, counted and printed. With int4 the single instance's own prefill,
+      attending over 4-bit prompt K/V, is no reference for a prefill over exact K/V (they part at clear tokens on
+      long prompts), so int4 decode-only answers are only checked to come back whole (the bytes it writes are
+      checked in tests/test_lmdeploy_unit.py)."""
     from transformers import AutoTokenizer
 
     m = servers["model"]
     tokenizer = AutoTokenizer.from_pretrained(m)
+    q = ["--quant-policy", str(bits)]
     started, routers = [], []
     try:
-        d8 = T.start_ready(m, tmp_path, started, role="Decode", dtype="float16", block_size=64, num_blocks=64,
-                           extra=["--quant-policy", "8"])
-        r8 = T.start_ready(m, tmp_path, started, role="Hybrid", dtype="float16", block_size=64, num_blocks=64,
-                           extra=["--quant-policy", "8", "--logprobs-mode", "raw_logprobs"])
-        rt = _pd_router(m, servers["P2"].url, d8.url, routers)
+        dq = T.start_ready(m, tmp_path, started, role="Decode", dtype="float16", block_size=64, num_blocks=64,
+                           extra=q)
+        rq = T.start_ready(m, tmp_path, started, role="Hybrid", dtype="float16", block_size=64, num_blocks=64,
+                           extra=q + ["--logprobs-mode", "raw_logprobs"])
+        pq = T.start_ready(m, tmp_path, started, role="Prefill", dtype="float16", block_size=16, num_blocks=128,
+                           extra=q)
         control = "The capital of France is"
-        q8, fp = T.reference(r8.url, control, tokenizer, MAX_TOKENS), T.reference(servers["R"].url, control,
-                                                                                  tokenizer, MAX_TOKENS)
-        assert q8[2] != fp[2], "int8 and fp16 caches gave the same logprobs: is --quant-policy 8 on?"
-        rng = random.Random(8)
-        lengths = [10, 1000] + [rng.randint(10, 1000) for _ in range(18)]
-        ties = sum(T.near_tie(f"int8 {label}", got, ref, NEAR_TIE) for label, got, ref in _against_reference(
-            rt.url, r8.url, m, tokenizer, lengths, rng))
-        print(f"dlmix router, PD bf16/16 -> int8 (fp16 scales)/64 vs single int8/64: identical "
-              f"{len(lengths) - ties}/{len(lengths)}, near-ties {ties} (threshold {NEAR_TIE} nats)")
-        # The single int8 instance's own prefill attends over its int8-rounded prompt K/V, while the PD prefill
-        # attends over exact bf16 K/V (only the decode's copy is rounded to int8 steps), so their first tokens may
-        # differ where the next-token distribution is flat (random-word prompts): near-ties are common here, and
-        # every divergence above was checked to be one (T.near_tie fails otherwise)
-        assert ties <= 3 * len(lengths) // 4
-        log = d8.log_path.read_text(errors="replace")
-        assert "not migrated" not in log, log[-3000:]
+        got_q, fp = (T.reference(rq.url, control, tokenizer, MAX_TOKENS),
+                     T.reference(servers["R"].url, control, tokenizer, MAX_TOKENS))
+        assert got_q[2] != fp[2], f"int{bits} and fp16 caches gave the same logprobs: is --quant-policy {bits} on?"
+        rng = random.Random(100 + bits)
+        both = [10, 1000] + [rng.randint(10, 1000) for _ in range(6)]
+        rt = _pd_router(m, pq.url, dq.url, routers)
+        ties = sum(T.near_tie(f"int{bits} both sides {label}", got, ref, NEAR_TIE) for label, got, ref
+                   in _against_reference(rt.url, rq.url, m, tokenizer, both, rng))
+        print(f"dlmix router, PD int{bits}/16 -> int{bits}/64 vs single int{bits}/64: identical "
+              f"{len(both) - ties}/{len(both)}, near-ties {ties} (threshold {NEAR_TIE} nats)")
+        assert ties <= 1
+        rt2 = _pd_router(m, servers["P2"].url, dq.url, routers)
+        if bits == 8:
+            rng = random.Random(8)
+            lengths = [10, 1000] + [rng.randint(10, 1000) for _ in range(18)]
+            ties = sum(T.near_tie(f"int8 {label}", got, ref, NEAR_TIE) for label, got, ref in _against_reference(
+                rt2.url, rq.url, m, tokenizer, lengths, rng))
+            print(f"dlmix router, PD bf16/16 -> int8 (fp16 scales)/64 vs single int8/64: identical "
+                  f"{len(lengths) - ties}/{len(lengths)}, near-ties {ties} (threshold {NEAR_TIE} nats)")
+            # The single int8 instance's own prefill attends over its int8-rounded prompt K/V, while this PD
+            # prefill attends over exact bf16 K/V (only the decode's copy is rounded), so their first tokens may
+            # differ where the next-token distribution is flat (random-word prompts): near-ties are common here,
+            # and every divergence above was checked to be one (T.near_tie fails otherwise). The first token is the
+            # unquantized prefill's own, so on another prompt set it may also part at a clear token (one 849-token
+            # chat prompt did: gap 2.2 nats at token 0); these prompts are the ones this check was first run on.
+            assert ties <= 3 * len(lengths) // 4
+        else:
+            for kind, n in (("completion", 300), ("chat-stream", 900)):
+                prompt = tokenizer.decode(tokenizer.encode(" ".join(rng.choice(_WORDS) for _ in range(n)))[:n])
+                assert _router_request(rt2.url, m, kind, prompt).strip()
+        for s in (dq, pq):
+            log = s.log_path.read_text(errors="replace")
+            assert "not migrated" not in log and "Traceback" not in log, log[-3000:]
     finally:
         for s in reversed(started):
             s.stop()
         for rt in routers:
             rt.close()
-
-
-def test_int8_prefill_is_refused_with_the_reason(servers, tmp_path):
-    """A prefill with ``--quant-policy 8`` does not start with the DLMix backend: it says the int8 cache is received
-    on a decode only (a prefill's int8 blocks are not sent)."""
-    s = T.start_api_server(servers["model"], tmp_path, role="Prefill", dtype="bfloat16", block_size=16,
-                           num_blocks=32, extra=["--quant-policy", "8"])
-    try:
-        with pytest.raises(RuntimeError):
-            s.wait_ready(timeout_s=300)
-        assert "on a Decode engine only" in s.log_tail(400)
-    finally:
-        s.stop()
 
 
 def test_router_concurrent_requests_without_session_id(servers):

@@ -13,7 +13,7 @@ import torch
 from dlmix.kv import read_kv
 from dlmix_lmdeploy import autoload, patches
 from dlmix_lmdeploy.config import DLMixLMDeployConfigError, load_settings
-from dlmix_lmdeploy.layout import describe_cache, describe_int8_cache
+from dlmix_lmdeploy.layout import describe_cache, describe_quant_cache
 
 
 def test_hook_watches_exactly_the_patched_modules():
@@ -21,8 +21,6 @@ def test_hook_watches_exactly_the_patched_modules():
 
 
 def test_extend_enum_is_visible_to_every_lookup():
-    import pickle
-
     class Backend(enum.Enum):
         A = enum.auto()
         B = enum.auto()
@@ -97,8 +95,8 @@ def test_describe_cache_reads_what_lmdeploy_allocated(tmp_path, packed):
 
 
 @pytest.mark.parametrize("kw, reason", [
-    (dict(policy=4), "not --quant-policy 4"),
-    (dict(policy=8), "receives into --quant-policy 8 on a decode engine"),
+    (dict(policy=4), "described by describe_quant_cache"),
+    (dict(policy=16), "does not move fp8"),
     (dict(pad=256), "padded"),
     (dict(dtype=torch.float8_e4m3fn), "not moved"),
 ])
@@ -108,12 +106,13 @@ def test_describe_cache_refuses_what_it_does_not_move(tmp_path, kw, reason):
         describe_cache(ce, mc, str(tmp_path), tp_rank=0, tp_size=1)
 
 
-def _int8_engine(L=2, B=6, N=16, H=3, D=8, sdtype=torch.float16):
-    """An LMDeploy ``--quant-policy 8`` packed pool: uint8 K and V ``[N, H, D]``, then K and V scales/zeros
-    ``[N, H, 2]`` in ``sdtype``, each payload padded to 256 bytes (``cache_engine/layout.py``)."""
+def _quant_engine(L=2, B=6, N=16, H=3, D=8, sdtype=torch.float16, bits=8):
+    """An LMDeploy ``--quant-policy 8`` (or ``4``) packed pool: uint8 K and V ``[N, H, D]`` (``[N, H, D/2]``), then K
+    and V scales/zeros ``[N, H, 2]`` in ``sdtype``, each payload padded to 256 bytes (``cache_engine/layout.py``)."""
     el = torch.empty((), dtype=sdtype).element_size()
-    descs = [SimpleNamespace(shape=(N, H, D), dtype=torch.uint8, size=N * H * D),
-             SimpleNamespace(shape=(N, H, D), dtype=torch.uint8, size=N * H * D),
+    P = D if bits == 8 else D // 2
+    descs = [SimpleNamespace(shape=(N, H, P), dtype=torch.uint8, size=N * H * P),
+             SimpleNamespace(shape=(N, H, P), dtype=torch.uint8, size=N * H * P),
              SimpleNamespace(shape=(N, H, 2), dtype=sdtype, size=N * H * 2 * el),
              SimpleNamespace(shape=(N, H, 2), dtype=sdtype, size=N * H * 2 * el)]
     for d in descs:
@@ -124,7 +123,7 @@ def _int8_engine(L=2, B=6, N=16, H=3, D=8, sdtype=torch.float16):
         views.append(pool[:, :, off:off + d.size].view(d.dtype).view(L, B, *d.shape))
         off += d.aligned_size
     names = ["k_cache", "v_cache", "quant_0", "quant_1"]
-    ce = SimpleNamespace(cache_config=SimpleNamespace(quant_policy=8, block_size=N, kernel_block_size=N),
+    ce = SimpleNamespace(cache_config=SimpleNamespace(quant_policy=bits, block_size=N, kernel_block_size=N),
                          block_cache_plan=SimpleNamespace(tensor_specs=[SimpleNamespace(name=n, desc=d)
                                                                         for n, d in zip(names, descs)]),
                          gpu_allocation=SimpleNamespace(pools=[SimpleNamespace(tensor=pool)], tensor_views=views))
@@ -159,16 +158,42 @@ def test_int8_quantization_is_lmdeploys_formula():
         quantize_int8_asym(torch.zeros(3, dtype=torch.int32), torch.float16)
 
 
-def test_int8_cache_receives_in_the_model_dtype_and_quantizes_into_its_blocks(tmp_path):
-    """A ``--quant-policy 8`` decode is described as what a transfer into it carries (fp16, ``lmdeploy``
-    arrangement); a bf16 packed prefill's blocks converted into its shadow and stored land, quantized, in exactly
-    the decode's block ids (uint8 K/V and scales/zeros in LMDeploy's pool), other blocks untouched."""
-    from dlmix.kv import convert
-    from dlmix.kv.quant import quantize_int8_asym
+def test_int4_quantization_is_lmdeploys_formula_and_packing():
+    """``--quant-policy 4``: 15 levels (``scale = (max - min) / 15``), value ``d`` of the first half in the low nibble
+    of byte ``d`` and value ``d + D/2`` in its high nibble (LMDeploy ``fill_kv_cache.py`` ``_quant_int4``, read back
+    in ``pagedattention.py`` with ``(k >> (d // (D/2) * 4)) & 0x0F``); a 16-step ramp is stored exactly."""
+    from dlmix.kv.quant import dequantize_asym, quantize_asym
 
-    ce, mc, (kq, vq, ksz, vsz) = _int8_engine()
-    layout, cache = describe_int8_cache(ce, mc, str(tmp_path), tp_rank=0, tp_size=1)
-    assert (layout.arrangement, layout.dtype, layout.block_size) == ("lmdeploy", "fp16", 16)
+    ramp = torch.cat([torch.arange(16.0), torch.arange(15.0, -1.0, -1.0)]).reshape(1, 32) * 0.25 - 1
+    q, sz = quantize_asym(ramp, torch.float32, 4)
+    assert q.shape == (1, 16) and sz[0].tolist() == [0.25, 4.0]
+    assert [int(b) & 0x0F for b in q[0]] == list(range(16)) and [int(b) >> 4 for b in q[0]] == list(range(15, -1, -1))
+    assert torch.equal(dequantize_asym(q, sz, 4), ramp)
+    x = torch.randn(5, 3, 64, dtype=torch.bfloat16)
+    q, sz = quantize_asym(x, torch.bfloat16, 4)
+    s, z = sz[..., :1].float(), sz[..., 1:].float()
+    raw = torch.floor(x.float() / s + z + 0.5).clamp(0, 15).long()
+    assert torch.equal(q.long(), raw[..., :32] + 16 * raw[..., 32:])
+    assert ((dequantize_asym(q, sz, 4) - x.float()).abs() <= s * 0.5 + 1e-2).all()
+    with pytest.raises(ValueError, match="odd"):
+        quantize_asym(torch.zeros(2, 7), torch.float16, 4)
+    with pytest.raises(ValueError, match="8 or 4 bits"):
+        quantize_asym(torch.zeros(2, 8), torch.float16, 2)
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_quantized_decode_receives_in_the_model_dtype_and_quantizes_into_its_blocks(tmp_path, bits):
+    """A ``--quant-policy 8``/``4`` decode is described as what a transfer into it carries (fp32, ``lmdeploy``
+    arrangement, the model's head size); a bf16 packed prefill's blocks converted into its shadow and stored land,
+    quantized, in exactly the decode's block ids (uint8 K/V and scales/zeros in LMDeploy's pool), other blocks
+    untouched."""
+    from dlmix.kv import convert
+    from dlmix.kv.quant import quantize_asym
+
+    ce, mc, (kq, vq, ksz, vsz) = _quant_engine(bits=bits)
+    layout, cache = describe_quant_cache(ce, mc, str(tmp_path), tp_rank=0, tp_size=1)
+    assert (layout.arrangement, layout.dtype, layout.block_size, layout.model.head_size) == ("lmdeploy", "fp32", 16, 8)
+    assert "quantized on arrival" in layout.engine
     sce, smc, (k, v) = _engine(L=2, B=8, N=4, packed=True)
     k.copy_(torch.randn(k.shape).to(k.dtype))
     v.copy_(torch.randn(v.shape).to(v.dtype))
@@ -182,13 +207,62 @@ def test_int8_cache_receives_in_the_model_dtype_and_quantizes_into_its_blocks(tm
             sb, so = [7, 0, 3, 5, 2][t // 4], t % 4
             b, o = dst_blocks[t // 16], t % 16
             for src, q, sz in ((k, kq, ksz), (v, vq, vsz)):
-                want_q, want_sz = quantize_int8_asym(src[layer, sb, so].to(torch.float16), torch.float16)
+                want_q, want_sz = quantize_asym(src[layer, sb, so].to(torch.float16), torch.float16, bits)
                 assert torch.equal(q[layer, b, o], want_q) and torch.equal(sz[layer, b, o], want_sz)
         for b in (0, 2, 3, 5):
             assert not kq[layer, b].any() and not ksz[layer, b].any()
-    ce.cache_config.quant_policy = 4
-    with pytest.raises(ValueError, match="not an int8"):
-        describe_int8_cache(ce, mc, str(tmp_path), tp_rank=0, tp_size=1)
+    ce.cache_config.quant_policy = 16
+    with pytest.raises(ValueError, match="not an int8 or int4"):
+        describe_quant_cache(ce, mc, str(tmp_path), tp_rank=0, tp_size=1)
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_quantized_prefill_holds_dequantized_blocks_a_decode_converts(tmp_path, bits):
+    """A ``--quant-policy 8``/``4`` prefill: :meth:`QuantCache.load` writes LMDeploy's read of the held blocks
+    (``(q - zero) * scale``, fp32) into the same block ids of its export pool, which its layout describes; a
+    bf16/block-4 decode converting from it gets exactly those values rounded to bf16, token by token; blocks not
+    held are not touched. A decode of the same quantization (fp16 scales, block 32) that receives them stores
+    exactly the prefill's integers, scales and zeros."""
+    from dlmix.kv import convert
+    from dlmix.kv.quant import dequantize_asym, quantize_asym
+
+    ce, mc, (kq, vq, ksz, vsz) = _quant_engine(bits=bits)
+    layout, cache = describe_quant_cache(ce, mc, str(tmp_path), tp_rank=0, tp_size=1, receives=False)
+    assert (layout.arrangement, layout.dtype, layout.block_size) == ("lmdeploy", "fp32", 16)
+    assert "dequantized while held" in layout.engine
+    with torch.inference_mode():
+        for t, sz in ((kq, ksz), (vq, vsz)):
+            x = torch.randn(*t.shape[:-1], 8) * 3 + torch.randn(*t.shape[:-1], 1) * 5
+            q, s = quantize_asym(x, torch.float16, bits)
+            t.copy_(q)
+            sz.copy_(s)
+    pool = cache.export_pool()
+    assert len(pool) == 2 and pool[0][0].shape == (6, 16, 3, 8) and pool[0][0].dtype == torch.float32
+    for kk, vv in pool:
+        kk.fill_(7)
+        vv.fill_(7)
+    held = [5, 2]
+    cache.load(held, pool)
+    dce, dmc, (dk, dv) = _engine(L=2, B=10, N=4, packed=True)
+    dst_layout, dst_layers = describe_cache(dce, dmc, str(tmp_path), tp_rank=0, tp_size=1)
+    dst = [9, 0, 3, 1, 6, 8, 2]  # 25 tokens: 2 prefill blocks of 16 -> 7 decode blocks of 4
+    convert(layout, pool, held, dst_layout, dst_layers, dst, 25, 0)
+    for layer in range(2):
+        for t in (0, 5, 15, 16, 24):
+            b, o = held[t // 16], t % 16
+            for q, sz, out in ((kq, ksz, dk), (vq, vsz, dv)):
+                want = dequantize_asym(q[layer, b, o], sz[layer, b, o], bits)
+                assert torch.equal(pool[layer][0 if out is dk else 1][b, o], want)
+                assert torch.equal(out[layer, dst[t // 4], t % 4], want.to(torch.bfloat16))
+        assert (pool[layer][0][0] == 7).all() and (pool[layer][1][4] == 7).all()
+    qce, qmc, (k2, v2, ksz2, vsz2) = _quant_engine(N=32, bits=bits)
+    qlayout, qcache = describe_quant_cache(qce, qmc, str(tmp_path), tp_rank=0, tp_size=1)
+    shadow = qcache.shadow(1)
+    convert(layout, pool, held, qlayout, shadow, [0], 32, 0)
+    qcache.store(shadow, [3])
+    for layer in range(2):
+        for mine, theirs in ((k2, kq), (v2, vq), (ksz2, ksz), (vsz2, vsz)):
+            assert torch.equal(mine[layer, 3], torch.cat([theirs[layer, 5], theirs[layer, 2]]))
 
 
 def test_router_registration_body_and_load_from_the_engine():

@@ -496,8 +496,9 @@ def _cross_checks(dep: Deployment, marks: Dict[Path_, Tuple[int, int]], origin: 
                 bad(("instances", i, "connector"), "connector is vLLM's --kv-transfer-config; LMDeploy's PD uses "
                     "the DLMix migration backend (settings: env DLMIX_LMDEPLOY_CONFIG)")
             if inst.kv.cache_dtype is not None:
-                bad(("instances", i, "kv", "cache_dtype"), "LMDeploy's KV dtype follows --dtype (quantized KV, "
-                    "--quant-policy, is not moved by the DLMix backend yet)")
+                bad(("instances", i, "kv", "cache_dtype"), "LMDeploy's KV dtype follows --dtype; for int8 or "
+                    "int4 KV pass LMDeploy's own --quant-policy 8 or 4 in extra_args (fp8 KV is not moved by the "
+                    "DLMix backend)")
         if inst.engine == "sglang":
             if inst.kv.cache_bytes is not None:
                 bad(("instances", i, "kv", "cache_bytes"), "SGLang sizes its KV pool in tokens: pass "

@@ -28,12 +28,16 @@ With ``--migration-backend DLMix`` (this module plus the patches of :mod:`dlmix_
   :func:`dlmix.pd.contract.block_ids_session_alias` of its blocks) ends the hold; the session ends once no read can
   touch its blocks.
 
-A Decode rank with an int8 cache (``--quant-policy 8``) receives each request into a shadow of its blocks in the model
-dtype and quantizes it there with LMDeploy's own int8 formula (:class:`dlmix_lmdeploy.layout.Int8Cache`,
-:mod:`dlmix.kv.quant`), so a prefill of any dtype can feed it.
+KV quantization (``--quant-policy`` 8 or 4: uint8 K/V or two 4-bit values a byte, and a scale and zero point per
+token and head; :class:`dlmix_lmdeploy.layout.QuantCache`, :mod:`dlmix.kv.quant`) travels as fp32 values, so any
+prefill feeds any decode: a quantized Decode rank receives each request into an fp32 shadow of its blocks and
+quantizes it there with LMDeploy's own formula; a quantized Prefill rank dequantizes the blocks it holds into an fp32
+copy of its pool (same block ids; the host backs only the pages written), which its decode reads. fp32 holds
+LMDeploy's read of a quantized vector exactly, so a quantized prefill feeding a decode of the same quantization hands
+over the integers, scales and zeros its own cache has.
 
 Limits (refused with a reason): TP size 1 per side with LMDeploy's single-process executor (the endpoint lives in the
-process of the engine loop), int8 KV on a prefill and ``--quant-policy`` 4 or fp8 on either side, MLA.
+process of the engine loop), fp8 and TurboQuant KV (``--quant-policy`` 16, 17, 42), MLA.
 """
 from __future__ import annotations
 
@@ -54,7 +58,7 @@ from dlmix.pd.endpoint import DEFAULT_LOOPBACK_SECRET, KVEndpoint, PullResult
 from dlmix.pd.pair import check_pair, layout_of
 
 from .config import load_settings
-from .layout import Int8Cache, describe_cache, describe_int8_cache, quant_policy
+from .layout import QuantCache, describe_cache, describe_quant_cache, quant_policy
 
 log = logging.getLogger("dlmix_lmdeploy")
 
@@ -103,7 +107,8 @@ class Rank:
     alias_of: dict[str, int] = field(default_factory=dict)  # prefill: hold key -> its alias
     scheduler: Any = None
     _loop: Any = None
-    int8: Int8Cache | None = None  # decode with --quant-policy 8: transfers land in a shadow, quantized on arrival
+    quant: QuantCache | None = None  # --quant-policy 4/8: a decode quantizes on arrival, a prefill dequantizes holds
+    export: list[Any] | None = None  # quantized prefill: the model-dtype copy of its pool its decodes read
 
     # ------------------------------------------------------------------ connection
     def endpoint_info(self) -> dict[str, Any]:
@@ -147,6 +152,9 @@ class Rank:
         with self.lock:
             if session_id in self.key_of:
                 return
+        if self.export is not None:  # before the hold exists: no decode can read these blocks yet
+            self.quant.load(block_ids, self.export)
+        with self.lock:
             self.key_of[session_id] = key
             self.session_of[key] = session_id
             alias = self.alias_of[key] = block_ids_session_alias(block_ids)
@@ -203,7 +211,7 @@ class Rank:
                               failed_block_ids=list(local_block_ids))
         rid = hold_key(remote_block_ids)
         local = [int(b) for b in local_block_ids]
-        shadow = self.int8.shadow(len(local)) if self.int8 is not None else None
+        shadow = self.quant.shadow(len(local)) if self.quant is not None else None
         res = self.endpoint.pull(peer.transport, rid, list(remote_block_ids), 0, len(token_ids),
                                  list(range(len(local))) if shadow is not None else local,
                                  src_layout=peer.layout, digest=prompt_digest(token_ids), dst_layers=shadow)
@@ -216,7 +224,7 @@ class Rank:
             res.failed_block_ids = [local[i] for i in res.failed_block_ids]
             if res.error is None:
                 try:
-                    self.int8.store(shadow, local)
+                    self.quant.store(shadow, local)
                 except Exception as e:  # never raise into the engine loop: the request fails, its blocks are freed
                     res.error = f"quantizing the received KV failed: {type(e).__name__}: {e}"
                     res.failed_block_ids = list(local)
@@ -254,14 +262,15 @@ def start_rank(agent: Any) -> Rank:
     settings = load_settings()
     import lmdeploy
 
-    int8 = None
-    if quant_policy(agent.cache_engine) == 8:
-        if role != "Decode":
-            raise ValueError("the DLMix migration backend receives into an int8 KV cache (--quant-policy 8) on a "
-                             "Decode engine only; run this prefill with --quant-policy 0")
-        layout, int8 = describe_int8_cache(agent.cache_engine, agent.model_config, str(agent.model_path),
-                                           tp_rank=0, tp_size=tp, engine=f"lmdeploy {lmdeploy.__version__}")
-        layers = int8.shadow(1)  # the endpoint's own caches: a decode holds nothing for others
+    quant = export = None
+    if quant_policy(agent.cache_engine) in (4, 8):
+        layout, quant = describe_quant_cache(agent.cache_engine, agent.model_config, str(agent.model_path),
+                                             tp_rank=0, tp_size=tp, engine=f"lmdeploy {lmdeploy.__version__}",
+                                             receives=role == "Decode")
+        if role == "Decode":
+            layers = quant.shadow(1)  # the endpoint's own caches: a decode holds nothing for others
+        else:
+            layers = export = quant.export_pool()
     else:
         layout, layers = describe_cache(agent.cache_engine, agent.model_config, str(agent.model_path), tp_rank=0,
                                         tp_size=tp, engine=f"lmdeploy {lmdeploy.__version__}")
@@ -271,7 +280,8 @@ def start_rank(agent: Any) -> Rank:
                     settings.staging_bytes if role == "Decode" else 0, hold_timeout_s=settings.hold_timeout_s,
                     registration_wait_s=settings.registration_wait_s, io_timeout_s=settings.io_timeout_s,
                     verify_weights=settings.verify_weights)
-    _rank = Rank(role=role, layout=layout, endpoint=ep, endpoint_settings=settings, int8=int8)
+    _rank = Rank(role=role, layout=layout, endpoint=ep, endpoint_settings=settings, quant=quant,
+                 export=export)
     log.info("DLMix: %s endpoint %s, layout block %d %s %s", role, ep.descriptor(), layout.block_size,
              layout.dtype, layout.arrangement)
     return _rank

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from lmdeploy.pytorch.backends.attention import AttentionImpl, AttentionMetadata, PagedAttentionBuildSpec
 from lmdeploy.pytorch.backends.default import DefaultOpsBackend
 
-from dlmix.kv.quant import dequantize_int8_asym, quantize_int8_asym
+from dlmix.kv.quant import dequantize_asym, quantize_asym
 
 __all__ = ["CpuPagedAttention", "CpuOpsBackend"]
 
@@ -22,9 +22,10 @@ class CpuPagedAttention(AttentionImpl[AttentionMetadata]):
 
     Shapes: ``query`` ``[tokens, heads, head_dim]``; ``key``/``value`` ``[tokens, kv_heads, head_dim]``;
     ``k_cache``/``v_cache`` ``[num_blocks, block_size, kv_heads, head_dim]`` (views, may be strided). With
-    ``--quant-policy 8`` the caches are uint8 and ``k_scales_zeros``/``v_scales_zeros``
-    ``[num_blocks, block_size, kv_heads, 2]`` hold each vector's scale and zero point: written and read with
-    :mod:`dlmix.kv.quant` (LMDeploy's int8 formula). Other quantized policies raise NotImplementedError.
+    ``--quant-policy 8`` the caches are uint8 (``--quant-policy 4``: uint8 ``[..., head_dim / 2]``, two 4-bit values
+    a byte) and ``k_scales_zeros``/``v_scales_zeros`` ``[num_blocks, block_size, kv_heads, 2]`` hold each vector's
+    scale and zero point: written and read with :mod:`dlmix.kv.quant` (LMDeploy's formulas). Other quantized
+    policies (fp8, TurboQuant) raise NotImplementedError.
     """
 
     def forward(self, query, key, value, k_cache, v_cache, attn_metadata, k_scales_zeros=None,
@@ -32,11 +33,11 @@ class CpuPagedAttention(AttentionImpl[AttentionMetadata]):
         if learnable_sink is not None or nsa_indices is not None or self.alibi or self.logit_softcapping:
             raise NotImplementedError("the CPU aid implements plain causal/non-causal attention only")
         quant = int(getattr(attn_metadata.quant_policy, "value", attn_metadata.quant_policy) or 0)
-        if quant not in (0, 8):
-            raise NotImplementedError(f"the CPU aid implements KV --quant-policy 0 and 8, not {quant}")
-        if quant == 8 and (k_scales_zeros is None or v_scales_zeros is None):
-            raise ValueError("--quant-policy 8 needs the caches' scales and zeros (k_scales_zeros, v_scales_zeros)")
-        quant = quant == 8
+        if quant not in (0, 4, 8):
+            raise NotImplementedError(f"the CPU aid implements KV --quant-policy 0, 4 and 8, not {quant}")
+        if quant and (k_scales_zeros is None or v_scales_zeros is None):
+            raise ValueError(f"--quant-policy {quant} needs the caches' scales and zeros (k_scales_zeros, "
+                             "v_scales_zeros)")
         block_size = k_cache.size(1)
         q_lens = attn_metadata.q_seqlens.tolist()
         kv_lens = attn_metadata.kv_seqlens.tolist()
@@ -52,15 +53,15 @@ class CpuPagedAttention(AttentionImpl[AttentionMetadata]):
                     blk, off = table[pos // block_size].long(), pos % block_size
                     if quant:
                         for x, c, sz in ((key, k_cache, k_scales_zeros), (value, v_cache, v_scales_zeros)):
-                            c[blk, off], sz[blk, off] = quantize_int8_asym(x[start:start + q_len], sz.dtype)
+                            c[blk, off], sz[blk, off] = quantize_asym(x[start:start + q_len], sz.dtype, quant)
                     else:
                         k_cache[blk, off] = key[start:start + q_len].to(k_cache.dtype)
                         v_cache[blk, off] = value[start:start + q_len].to(v_cache.dtype)
                 pos = torch.arange(kv_len)
                 blk, off = table[pos // block_size].long(), pos % block_size
                 if quant:
-                    k = dequantize_int8_asym(k_cache[blk, off], k_scales_zeros[blk, off])
-                    v = dequantize_int8_asym(v_cache[blk, off], v_scales_zeros[blk, off])
+                    k = dequantize_asym(k_cache[blk, off], k_scales_zeros[blk, off], quant)
+                    v = dequantize_asym(v_cache[blk, off], v_scales_zeros[blk, off], quant)
                 else:
                     k = k_cache[blk, off].float()
                     v = v_cache[blk, off].float()
