@@ -6,7 +6,9 @@ from one prompt to the next), so load changes and prompt content hit all three a
 
 * ``aggregated``: one Hybrid server, bf16, block 64; requests go to it directly;
 * ``pd_same``: prefill bf16/block 64 -> decode bf16/block 64 behind the dlmix router (LMDeploy's DistServe flow);
-* ``pd_mixed``: prefill bf16/block 16 -> decode fp16/block 64 behind the dlmix router (converted on the way).
+* ``pd_mixed``: prefill bf16/block 16 -> decode fp16/block 64 behind the dlmix router (converted on the way);
+* with ``--quant-policy 8`` or ``4``, a fourth, ``pd_quant``: prefill bf16/block 16 -> decode fp16/block 64 with that
+  KV quantization (the KV travels as fp32 and is quantized on arrival).
 
 Every prefill computes in bf16 (on a CPU without native fp16 arithmetic an fp16 prefill is several times slower,
 which would swamp what PD adds); in DistServe the first token is the prefill's, so the decode's dtype does not enter
@@ -20,9 +22,11 @@ prompt length N in 128, 512, 1000. Figures: ``ttft_ms_<phase>_<N>``, ``kv_bytes_
 that request's transfer time), with ``_spread`` (min, max), and ``pd_mixed_ttft_overhead_ms_<N>`` (mixed shapes,
 conversion included in the transfer time), measured in the same run
 (the cost of the prefill leg's HTTP round trip, the router hop and the decode's migration scheduling; target: at most
-10 ms); ``ttft_agg_vs_pd_<phase>_<N>`` = aggregated TTFT / PD TTFT (higher is better for PD).
+10 ms); ``ttft_agg_vs_pd_<phase>_<N>`` = aggregated TTFT / PD TTFT (higher is better for PD). With ``pd_quant``:
+``kv_bytes_quant_<N>``, ``pd_quant_ttft_overhead_ms_<N>`` and ``transfer_quant_vs_mixed_<N>`` = the mixed pair's
+transfer time / the quantized pair's (both include conversion; higher is better for the quantized pair).
 
-Usage: ``python benchmarks/pd_lmdeploy.py [--quick]`` (LMDeploy runs with the venv of ``scripts/setup_lmdeploy.sh``);
+Usage: ``python benchmarks/pd_lmdeploy.py [--quick] [--quant-policy 8|4]`` (LMDeploy runs with the venv of ``scripts/setup_lmdeploy.sh``);
 prints one JSON object on the last line.
 """
 from __future__ import annotations
@@ -70,7 +74,8 @@ def _ttft(url: str, model: str, prompt: str) -> float:
     raise RuntimeError(f"no text streamed from {url}")
 
 
-def _deploy(name: str, model: str, work: Path, started: list, routers: list) -> tuple[str, object]:
+def _deploy(name: str, model: str, work: Path, started: list, routers: list, quant: int = 0
+            ) -> tuple[str, object]:
     """Start deployment ``name``; returns ``(url to send requests to, decode server or None)``."""
     from dlmix.router.config import RouterConfig
     from dlmix.testing import RouterThread
@@ -82,9 +87,10 @@ def _deploy(name: str, model: str, work: Path, started: list, routers: list) -> 
     routers.append(rt)
     env = {"DLMIX_LMDEPLOY_LOG": "INFO"}
     same = name == "pd_same"
+    q = ["--quant-policy", str(quant)] if name == "pd_quant" else []
     servers = [T.start_ready(model, work, started, proxy_url=rt.url, env=env, **kw) for kw in (
         dict(role="Prefill", dtype="bfloat16", block_size=64 if same else 16, num_blocks=64 if same else 256),
-        dict(role="Decode", dtype="bfloat16" if same else "float16", block_size=64, num_blocks=64))]
+        dict(role="Decode", dtype="bfloat16" if same else "float16", block_size=64, num_blocks=64, extra=q))]
     deadline = time.monotonic() + 60
     while len(rt.call(lambda: list(rt.router.registry.backends))) < 2 and time.monotonic() < deadline:
         time.sleep(0.2)
@@ -98,7 +104,10 @@ def _migrations(decode) -> list:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="3 requests per length (default 7)")
+    ap.add_argument("--quant-policy", type=int, choices=(0, 4, 8), default=0,
+                    help="also run pd_quant: a decode with this LMDeploy KV quantization")
     args = ap.parse_args()
+    phases = PHASES + (("pd_quant",) if args.quant_policy else ())
     if T.lmdeploy_python() is None:
         sys.exit("no LMDeploy venv: run scripts/setup_lmdeploy.sh")
     from transformers import AutoTokenizer
@@ -109,18 +118,19 @@ def main() -> None:
     tokenizer = AutoTokenizer.from_pretrained(model)
     reps = 3 if args.quick else 7
     rng = random.Random(0)
-    ttft: dict = {name: {n: [] for n in LENGTHS} for name in PHASES}
-    moved: dict = {name: {n: [] for n in LENGTHS} for name in PHASES[1:]}
+    ttft: dict = {name: {n: [] for n in LENGTHS} for name in phases}
+    moved: dict = {name: {n: [] for n in LENGTHS} for name in phases[1:]}
     started, routers = [], []
     with tempfile.TemporaryDirectory(prefix="pd_lmdeploy_") as work:
         try:
-            deps = {name: _deploy(name, model, Path(work), started, routers) for name in PHASES}
+            deps = {name: _deploy(name, model, Path(work), started, routers, args.quant_policy) for name in phases}
             for url, _ in deps.values():
                 _ttft(url, model, _prompt(tokenizer, 32, rng))  # warm-up (and the pair handshake)
             for n in LENGTHS:
                 for rep in range(reps):
                     prompt = _prompt(tokenizer, n, rng)
-                    order = PHASES[rep % 3:] + PHASES[:rep % 3]  # each deployment first as often as the others
+                    k = rep % len(phases)
+                    order = phases[k:] + phases[:k]  # each deployment first as often as the others
                     for name in order:
                         url, decode = deps[name]
                         seen = len(_migrations(decode)) if decode else 0
@@ -133,21 +143,27 @@ def main() -> None:
                             if len(got) != 1:
                                 raise RuntimeError(f"{name}: {len(got)} migrations logged for one request")
                             moved[name][n].append((float(got[0][2]), int(got[0][1])))
-                print(f"{n} tokens:", {k: [round(x * 1e3) for x in ttft[k][n]] for k in PHASES}, flush=True)
+                print(f"{n} tokens:", {k: [round(x * 1e3) for x in ttft[k][n]] for k in phases}, flush=True)
         finally:
             for s in reversed(started):
                 s.stop()
             for rt in routers:
                 rt.close()
     med = statistics.median
-    fig: dict = {"reps": reps}
+    fig: dict = {"reps": reps, "quant_policy": args.quant_policy}
     for n in LENGTHS:
-        for name in PHASES:
+        for name in phases:
             fig[f"ttft_ms_{name}_{n}"] = round(med(ttft[name][n]) * 1e3, 1)
             if name != "aggregated":
                 fig[f"transfer_ms_{name}_{n}"] = round(med(t for t, _ in moved[name][n]) * 1e3, 2)
         fig[f"kv_bytes_{n}"] = med(b for _, b in moved["pd_same"][n])
-        for name, key in (("pd_same", "pd_ttft_overhead_ms"), ("pd_mixed", "pd_mixed_ttft_overhead_ms")):
+        pairs = [("pd_same", "pd_ttft_overhead_ms"), ("pd_mixed", "pd_mixed_ttft_overhead_ms")]
+        if args.quant_policy:
+            pairs.append(("pd_quant", "pd_quant_ttft_overhead_ms"))
+            fig[f"kv_bytes_quant_{n}"] = med(b for _, b in moved["pd_quant"][n])
+            fig[f"transfer_quant_vs_mixed_{n}"] = round(med(t for t, _ in moved["pd_mixed"][n])
+                                                        / med(t for t, _ in moved["pd_quant"][n]), 3)
+        for name, key in pairs:
             paired = [pd - agg - t for pd, agg, (t, _) in zip(ttft[name][n], ttft["aggregated"][n], moved[name][n])]
             fig[f"{key}_{n}"] = round(med(paired) * 1e3, 1)
             fig[f"{key}_{n}_spread"] = [round(min(paired) * 1e3, 1), round(max(paired) * 1e3, 1)]

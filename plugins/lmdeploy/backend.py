@@ -46,6 +46,7 @@ import json
 import logging
 import os
 import threading
+import time
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
@@ -203,7 +204,8 @@ class Rank:
     def pull(self, remote_engine_id: str, remote_session_id: int, remote_block_ids: list[int],
              local_block_ids: list[int], token_ids: list[int]) -> PullResult:
         """Load a migrating request's KV (all ``len(token_ids)`` prompt tokens) into ``local_block_ids`` and release
-        the prefill's hold. Blocking; never raises (errors are in the result)."""
+        the prefill's hold. Blocking; never raises (errors are in the result). ``seconds`` of the result include
+        quantizing on arrival (a ``--quant-policy`` 4/8 decode)."""
         with self.lock:
             peer = self.peers.get(remote_engine_id)
         if peer is None:
@@ -223,11 +225,13 @@ class Rank:
         if shadow is not None:
             res.failed_block_ids = [local[i] for i in res.failed_block_ids]
             if res.error is None:
+                t0 = time.perf_counter()
                 try:
                     self.quant.store(shadow, local)
                 except Exception as e:  # never raise into the engine loop: the request fails, its blocks are freed
                     res.error = f"quantizing the received KV failed: {type(e).__name__}: {e}"
                     res.failed_block_ids = list(local)
+                res.seconds += time.perf_counter() - t0  # the migration's time includes quantizing on arrival
         return res
 
 
