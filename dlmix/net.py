@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import ipaddress
 
-__all__ = ["is_loopback"]
+__all__ = ["is_loopback", "url_host"]
 
 _LOOPBACK_NAMES = frozenset(("localhost", "ip6-localhost", "ip6-loopback"))
 
@@ -18,3 +18,18 @@ def is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host.strip("[]")).is_loopback
     except ValueError:
         return False
+
+
+def url_host(host: str) -> str:
+    """The host part of a URL that reaches a server bound to ``host`` from the same machine: a wildcard bind address
+    becomes loopback (``0.0.0.0`` -> ``127.0.0.1``, ``::`` -> ``[::1]``; a wildcard is no address to connect to), an
+    IPv6 literal gets its brackets (``fe80::1`` -> ``[fe80::1]``), anything else (names, IPv4, ``$(POD_IP)``) is
+    returned as it is. Never raises."""
+    h = host.strip("[]")
+    try:
+        ip = ipaddress.ip_address(h)
+    except ValueError:
+        return host
+    if ip.is_unspecified:
+        return "127.0.0.1" if ip.version == 4 else "[::1]"
+    return f"[{h}]" if ip.version == 6 else h

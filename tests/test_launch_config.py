@@ -224,6 +224,28 @@ def test_lmdeploy_instance_settings_merge_with_the_launch_secret(tmp_path):
     assert plans["prefill-metax"].argv[plans["prefill-metax"].argv.index("--device") + 1] == "maca"
 
 
+@pytest.mark.parametrize("router_host, instance_host, router_url, public_url", [
+    ("0.0.0.0", "0.0.0.0", "http://127.0.0.1:8000", "http://127.0.0.1:8100"),
+    ("::", "::", "http://[::1]:8000", "http://[::1]:8100"),
+    ("::1", "fe80::1", "http://[::1]:8000", "http://[fe80::1]:8100"),
+    ("127.0.0.1", "10.0.0.11", "http://127.0.0.1:8000", "http://10.0.0.11:8100"),
+])
+def test_wildcard_and_ipv6_binds_give_urls_that_reach_them(tmp_path, router_host, instance_host, router_url,
+                                                            public_url):
+    """An engine registers at the router's URL and announces its own: a wildcard bind address is no address to
+    connect to (loopback instead: everything a launch starts runs on this machine), and an IPv6 literal needs
+    brackets in a URL (``http://:::8000`` is not one)."""
+    dep = Deployment.from_file(next(p for p in EXAMPLES if p.name == "lmdeploy-cpu-pd.yaml"))
+    dep.router.host = router_host
+    dep.instances[0].host = instance_host
+    plans = {p.name: p for p in plan(dep, "s3cret", tmp_path, models={0: "/m", 1: "/m"})}
+    got = json.loads(plans["prefill"].env["DLMIX_LMDEPLOY_CONFIG"])
+    assert (got["router_url"], got["public_url"], got["host"]) == (router_url, public_url, instance_host)
+    argv = plans["prefill"].argv
+    assert argv[argv.index("--server-name") + 1] == instance_host  # still binds what the file says
+    assert dep.entry_url() == router_url and plans["prefill"].url == public_url
+
+
 def test_lmdeploy_config_errors():
     two = ("model: m\nrouter: {port: 18000}\ninstances:\n"
            "  - {name: p, engine: lmdeploy, role: prefill, port: 18100}\n"

@@ -36,6 +36,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from dlmix.errors import ConfigError as _BaseConfigError
+from dlmix.net import url_host
 
 __all__ = ["ConfigError", "Deployment", "Instance", "KVSettings", "RouterSettings", "ConnectorSettings",
            "RestartPolicy", "K8sSettings", "K8sInstanceSettings", "DEVICE_VISIBILITY_ENV", "parse_deployment"]
@@ -255,8 +256,9 @@ class Instance(_Strict):
 
     @property
     def url(self) -> str:
-        """``http://host:port`` of the OpenAI API."""
-        return f"http://{self.host}:{self.port}"
+        """``http://host:port`` of the OpenAI API, as this machine reaches it (a wildcard ``host`` becomes loopback,
+        an IPv6 one gets brackets: :func:`dlmix.net.url_host`)."""
+        return f"http://{url_host(self.host)}:{self.port}"
 
 
 class RouterSettings(_Strict):
@@ -296,8 +298,9 @@ class RouterSettings(_Strict):
 
     @property
     def url(self) -> str:
-        """``http://host:port`` of the router."""
-        return f"http://{self.host}:{self.port}"
+        """``http://host:port`` of the router, as this machine reaches it (:func:`dlmix.net.url_host`): what engines
+        register at and clients are pointed to."""
+        return f"http://{url_host(self.host)}:{self.port}"
 
 
 class Deployment(_Strict):

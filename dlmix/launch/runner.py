@@ -43,6 +43,7 @@ from dlmix.engine_process import (EngineProcess, LMDeployServerSpec, SGLangServe
                                   free_port_block, port_free as _port_free)
 from dlmix.launch.config import DEVICE_VISIBILITY_ENV, Deployment, Instance
 from dlmix.launch.supervisor import Supervised, Supervisor, SupervisorEvent, console_printer
+from dlmix.net import url_host
 from dlmix.pd.registration import registration_body
 
 __all__ = ["LaunchError", "PortInUseError", "ProcessFailedError", "RunningInstance", "RunningDeployment", "launch",
@@ -86,7 +87,8 @@ class _Spec:
 
     @property
     def url(self) -> str:
-        return f"http://{self.host}:{self.port}"
+        """``http://host:port`` as this machine reaches it (:func:`dlmix.net.url_host`)."""
+        return f"http://{url_host(self.host)}:{self.port}"
 
 
 @dataclass
@@ -108,7 +110,8 @@ class ProcessPlan:
 
     @property
     def url(self) -> str:
-        return f"http://{self.host}:{self.port}"
+        """``http://host:port`` as this machine reaches it (:func:`dlmix.net.url_host`)."""
+        return f"http://{url_host(self.host)}:{self.port}"
 
 
 @dataclass
