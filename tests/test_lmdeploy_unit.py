@@ -136,26 +136,26 @@ def test_int8_quantization_is_lmdeploys_formula():
     """``q = floor(x / scale + zero + 0.5)`` with ``scale = (max - min) / 255`` and ``zero = -min / scale`` per
     (token, head) vector (LMDeploy ``fill_kv_cache.py``); reading back errs by at most half a step; an evenly spaced
     vector of 256 values is stored exactly; a constant vector reads back exactly."""
-    from dlmix.kv.quant import dequantize_int8_asym, quantize_int8_asym
+    from dlmix.kv.quant import dequantize_asym, quantize_asym
 
     ramp = (torch.arange(256, dtype=torch.float32) * 0.5 - 10).reshape(1, 256)
-    q, sz = quantize_int8_asym(ramp, torch.float32)
+    q, sz = quantize_asym(ramp, torch.float32, 8)
     assert torch.equal(q[0].long(), torch.arange(256)) and sz[0].tolist() == [0.5, 20.0]
-    assert torch.equal(dequantize_int8_asym(q, sz), ramp)
+    assert torch.equal(dequantize_asym(q, sz, 8), ramp)
     x = torch.randn(7, 3, 64, dtype=torch.float16) * 3
-    q, sz = quantize_int8_asym(x, torch.float16)
+    q, sz = quantize_asym(x, torch.float16, 8)
     assert q.dtype == torch.uint8 and sz.shape == (7, 3, 2) and sz.dtype == torch.float16
     s, z = sz[..., :1].float(), sz[..., 1:].float()
     assert torch.equal(q.long(), torch.floor(x.float() / s + z + 0.5).clamp(0, 255).long())
     lo, hi = x.float().amin(-1, keepdim=True), x.float().amax(-1, keepdim=True)
     assert torch.allclose(s, (hi - lo) / 255, rtol=1e-3)
-    err = (dequantize_int8_asym(q, sz) - x.float()).abs()
+    err = (dequantize_asym(q, sz, 8) - x.float()).abs()
     assert (err <= s * 0.5 + 1e-3).all(), err.max()
     flat = torch.full((2, 64), 1.75)
-    q, sz = quantize_int8_asym(flat, torch.float16)
-    assert torch.equal(dequantize_int8_asym(q, sz), flat)
+    q, sz = quantize_asym(flat, torch.float16, 8)
+    assert torch.equal(dequantize_asym(q, sz, 8), flat)
     with pytest.raises(ValueError, match="float"):
-        quantize_int8_asym(torch.zeros(3, dtype=torch.int32), torch.float16)
+        quantize_asym(torch.zeros(3, dtype=torch.int32), torch.float16, 8)
 
 
 def test_int4_quantization_is_lmdeploys_formula_and_packing():

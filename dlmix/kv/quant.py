@@ -26,11 +26,10 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["quantize_asym", "dequantize_asym", "quantize_int8_asym", "dequantize_int8_asym", "LEVELS", "BITS"]
+__all__ = ["quantize_asym", "dequantize_asym", "BITS"]
 
-#: uint8 levels above zero: the scale maps ``max - min`` onto 0..255
-LEVELS = 255
-#: the integer widths LMDeploy's ``--quant-policy`` names (4 and 8) and their top level
+#: the integer widths LMDeploy's ``--quant-policy`` names (4 and 8) and their top level: the scale maps
+#: ``max - min`` onto ``0..level``
 BITS = {8: 255, 4: 15}
 
 
@@ -80,12 +79,3 @@ def dequantize_asym(q: Any, scales_zeros: Any, bits: int = 8) -> Any:
     sz = scales_zeros.float()
     return (q.float() - sz[..., 1:]) * sz[..., :1]
 
-
-def quantize_int8_asym(x: Any, scale_dtype: Any) -> tuple[Any, Any]:
-    """:func:`quantize_asym` with 8 bits: ``q`` uint8 ``[..., D]``, ``scales_zeros`` ``[..., 2]``."""
-    return quantize_asym(x, scale_dtype, 8)
-
-
-def dequantize_int8_asym(q: Any, scales_zeros: Any) -> Any:
-    """:func:`dequantize_asym` with 8 bits."""
-    return dequantize_asym(q, scales_zeros, 8)

@@ -138,6 +138,7 @@ def build_manifests(dep: Deployment, secret: Optional[str] = None) -> Manifests:
     kdep = dep.model_copy(deep=True)
     admin_svc, router_name = f"{base}-router-admin", f"{base}-router"
     svc_of: Dict[str, str] = {}
+    kv_port: Dict[int, int] = {}  # LMDeploy PD instances: their DLMix endpoint's port
     for i, inst in enumerate(kdep.instances):
         name = dep.instance_name(i)
         svc_of[name] = dns_name(base, name)
@@ -149,16 +150,19 @@ def build_manifests(dep: Deployment, secret: Optional[str] = None) -> Manifests:
                 **conn.extra_config, "port": SIDE_CHANNEL_PORT}})
         if inst.engine == "lmdeploy" and inst.role != "both":
             own = inst.env.get("DLMIX_LMDEPLOY_CONFIG", kdep.env.get("DLMIX_LMDEPLOY_CONFIG"))
-            if own is not None:
+            try:
+                cfg = json.loads(own) if own else {}
+            except ValueError:
+                cfg = None  # not JSON: passed on as it is, for the engine to refuse with the reason
+            if isinstance(cfg, dict):
+                port = cfg.get("port")
+                if not (isinstance(port, int) and not isinstance(port, bool) and port > 0):
+                    port = cfg["port"] = SIDE_CHANNEL_PORT  # fixed, so that the pod can declare it
+                inst.env["DLMIX_LMDEPLOY_CONFIG"] = json.dumps(cfg)
+                kv_port[i] = port
+            elif own is not None:
                 inst.env["DLMIX_LMDEPLOY_CONFIG"] = own
-            if _lmdeploy_kv_port(inst) is None:  # the DLMix endpoint's port, fixed so that the pod can declare it
-                try:
-                    cfg = json.loads(own) if own else {}
-                except ValueError:
-                    cfg = None  # not JSON: left for the engine to refuse with the reason
-                if isinstance(cfg, dict):
-                    inst.env["DLMIX_LMDEPLOY_CONFIG"] = json.dumps({**cfg, "port": SIDE_CHANNEL_PORT})
-            transport = _lmdeploy_setting(inst, "transport")
+            transport = cfg.get("transport") if isinstance(cfg, dict) else None
             if transport not in (None, "tcp", "shm"):
                 out.notes.append(f"{name}: transport {transport!r} reads over RDMA: give the pod the node's RDMA "
                                  "NIC (its device plugin's resource in k8s.requests, and the IPC_LOCK capability)")
@@ -286,8 +290,8 @@ def build_manifests(dep: Deployment, secret: Optional[str] = None) -> Manifests:
         conn = kdep.connector_of(i)
         if conn is not None and conn.name == "DLMixConnector":
             ports.append({"name": "kv-side", "containerPort": int(conn.extra_config["port"])})
-        if inst.engine == "lmdeploy" and inst.role != "both" and _lmdeploy_kv_port(kdep.instances[i]):
-            ports.append({"name": "kv-side", "containerPort": _lmdeploy_kv_port(kdep.instances[i])})
+        if i in kv_port:
+            ports.append({"name": "kv-side", "containerPort": kv_port[i]})
         extra = {"dlmix.io/instance": pl.name, "dlmix.io/role": inst.role, "dlmix.io/chip": inst.chip}
         sel = {"app.kubernetes.io/instance": base, "dlmix.io/instance": dns_name(pl.name)}
         container = {
@@ -316,21 +320,6 @@ def build_manifests(dep: Deployment, secret: Optional[str] = None) -> Manifests:
             out.notes.append(f"{pl.name}: devices {inst.devices!r} left out; the device plugin assigns "
                              f"{limits.get(kinst.resource or vendor.k8s_resource or '', 0)} device(s)")
     return out
-
-
-def _lmdeploy_setting(inst, key: str):
-    """``key`` of an LMDeploy instance's own ``DLMIX_LMDEPLOY_CONFIG`` (JSON in its ``env``), None when unset or not
-    readable (the engine refuses a malformed one with the reason when it starts)."""
-    try:
-        return json.loads(inst.env.get("DLMIX_LMDEPLOY_CONFIG") or "{}").get(key)
-    except (ValueError, AttributeError):
-        return None
-
-
-def _lmdeploy_kv_port(inst) -> Optional[int]:
-    """The ``port`` of an LMDeploy instance's DLMix endpoint from its ``DLMIX_LMDEPLOY_CONFIG``, None when unset."""
-    port = _lmdeploy_setting(inst, "port")
-    return port if isinstance(port, int) and not isinstance(port, bool) and port > 0 else None
 
 
 def _index(dep: Deployment, name: str) -> int:

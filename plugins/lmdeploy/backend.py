@@ -109,7 +109,7 @@ class Rank:
     scheduler: Any = None
     _loop: Any = None
     quant: QuantCache | None = None  # --quant-policy 4/8: a decode quantizes on arrival, a prefill dequantizes holds
-    export: list[Any] | None = None  # quantized prefill: the model-dtype copy of its pool its decodes read
+    export: list[Any] | None = None  # quantized prefill: the fp32 copy of its pool its decodes read
 
     # ------------------------------------------------------------------ connection
     def endpoint_info(self) -> dict[str, Any]:

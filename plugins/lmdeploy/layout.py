@@ -43,6 +43,16 @@ def _model_identity(model_config: Any, model_path: str, num_layers: int, kv_head
                          weights_fingerprint=weights_fingerprint(str(model_path)))
 
 
+def _check_standard_cache(cache_config: Any, model_config: Any) -> None:
+    """Raise ValueError unless the cache is standard K/V (not MLA or state caches) with a kernel block size equal to
+    its block size: what both :func:`describe_cache` and :func:`describe_quant_cache` require."""
+    if cache_config.block_size != cache_config.kernel_block_size:
+        raise ValueError(f"block size {cache_config.block_size} != kernel block size "
+                         f"{cache_config.kernel_block_size}")
+    if not getattr(model_config, "use_standard_kv_cache", True):
+        raise ValueError("the DLMix migration backend moves standard K/V caches only (not MLA or state caches)")
+
+
 def quant_policy(cache_engine: Any) -> int:
     """LMDeploy's ``--quant-policy`` of this cache (0 none, 4/8 int4/int8, fp8 ones)."""
     cc = cache_engine.cache_config
@@ -67,10 +77,7 @@ def describe_cache(cache_engine: Any, model_config: Any, model_path: str, *, tp_
     if policy:
         raise ValueError(f"a --quant-policy {policy} cache is described by describe_quant_cache (4 and 8); the "
                          f"DLMix migration backend does not move fp8 or TurboQuant KV caches")
-    if cc.block_size != cc.kernel_block_size:
-        raise ValueError(f"block size {cc.block_size} != kernel block size {cc.kernel_block_size}")
-    if not getattr(model_config, "use_standard_kv_cache", True):
-        raise ValueError("the DLMix migration backend moves standard K/V caches only (not MLA or state caches)")
+    _check_standard_cache(cc, model_config)
     specs = list(cache_engine.block_cache_plan.tensor_specs)
     names = [s.name for s in specs]
     if names != ["k_cache", "v_cache"]:
@@ -190,10 +197,7 @@ def describe_quant_cache(cache_engine: Any, model_config: Any, model_path: str, 
     policy = quant_policy(cache_engine)
     if policy not in (4, 8):
         raise ValueError(f"not an int8 or int4 (--quant-policy 8 or 4) KV cache: --quant-policy {policy}")
-    if cc.block_size != cc.kernel_block_size:
-        raise ValueError(f"block size {cc.block_size} != kernel block size {cc.kernel_block_size}")
-    if not getattr(model_config, "use_standard_kv_cache", True):
-        raise ValueError("the DLMix migration backend moves standard K/V caches only (not MLA or state caches)")
+    _check_standard_cache(cc, model_config)
     specs = list(cache_engine.block_cache_plan.tensor_specs)
     names = [s.name for s in specs]
     if len(names) != 4 or names[:2] != ["k_cache", "v_cache"]:
