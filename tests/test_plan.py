@@ -217,3 +217,111 @@ def test_baselines_structure_and_ratios(small_plan):
     for k, c in base.items():
         v = rt[f"plan_vs_{k}"]
         assert v is None if not c.goodput else v == pytest.approx(r.best.goodput / c.goodput, abs=1e-3)
+
+
+def _cpu_inventory(tmp_path, calib):
+    """Two cores of one CPU, each size with its own measured timing (a copy of the stored vLLM CPU profile)."""
+    import json
+
+    (tmp_path / "calib_1.json").write_text(json.dumps(calib(2.0)))
+    (tmp_path / "calib_2.json").write_text(json.dumps(calib(1.0)))
+    p = tmp_path / "inv.yaml"
+    p.write_text(yaml.safe_dump({"name": "cpu2", "hosts": [{"name": "local", "chips": {"cpu-x86": 2}}],
+                                 "timing": {"cpu-x86": {1: "calib_1.json", 2: "calib_2.json"}}}))
+    return load_inventory(str(p))
+
+
+@pytest.fixture
+def calib():
+    import json
+    from importlib import resources
+
+    base = json.loads(resources.files("dlmix").joinpath("data/sim_calib_smollm2_vllm_cpu.json").read_text())
+
+    def make(slow: float) -> dict:
+        c = {k: v * slow for k, v in base["coefficients"].items()}
+        return {"name": f"x{slow:g}", "coefficients": c}
+    return make
+
+
+def test_measured_timing_replaces_the_roofline(tmp_path, calib):
+    from dlmix.sim.timing import LinearTiming
+
+    inv = _cpu_inventory(tmp_path, calib)
+    g = inv.group("cpu")
+    assert g.tp_sizes() == [1, 2]
+    assert g.timing_profile(1) == str(tmp_path / "calib_1.json") and g.timing_profile(4) is None
+    wl = load_plan_workload("synthetic:groups=2,per_group=4,prefix=512,suffix=128,output=64", 8)
+    slo = SLO(1.5, 0.06, 90)
+    pl = Planner(inv, load_model("smollm2"), slo, wl, engine={"max_num_batched_tokens": 2048, "max_num_seqs": 64})
+    t1 = LinearTiming.load(g.timing_profile(1))
+    e = pl.estimate("cpu-x86", 1, "both")
+    # TTFT of each request from the measured coefficients: r0 + c0 + c_tok·(N − h) + c_quad·(N² − h²)
+    n = wl.input_len.astype(float)
+    h = wl.hit.astype(float)
+    pre = t1.r0 + t1.c0 + t1.c_tok * (n - h) + t1.c_quad * (n * n - h * h)
+    assert e.p == pytest.approx(0.8 / pre.mean())
+    assert e.figures["itl_1_s"] == pytest.approx(t1.c0 + t1.c_seq + t1.c_ctx * (n.mean() + 32))
+    # the 2-core profile is twice as fast: twice the prefill capacity
+    assert pl.estimate("cpu-x86", 2, "both").p == pytest.approx(2 * e.p)
+    # each simulated instance gets its size's profile; the engine settings are the planner's
+    c = Candidate((GroupChoice("cpu-x86", "both", 1, 2),))
+    d = pl.deployment_dict(c)
+    assert d["max_num_batched_tokens"] == 2048 and d["max_num_seqs"] == 64
+    assert d["instances"][0]["timing"] == str(tmp_path / "calib_1.json")
+    with pytest.raises(ValueError, match="unknown engine setting"):
+        Planner(inv, load_model("smollm2"), slo, wl, engine={"max_batch": 3})
+
+
+def test_timing_errors(tmp_path):
+    bad = {"name": "x", "hosts": [{"name": "a", "chips": {"cpu-x86": 2}}], "timing": {"cpu-x86": {4: "smollm2_vllm_cpu"}}}
+    with pytest.raises(InventoryError, match="no host holds an instance of 4"):
+        load_inventory(bad)
+    bad["timing"] = {"cpu-x86": {1: "no_such_profile"}}
+    with pytest.raises(InventoryError, match="not found"):
+        load_inventory(bad)
+    bad["timing"] = {"H100": {1: "smollm2_vllm_cpu"}}
+    with pytest.raises(InventoryError, match="no H100 on any host"):
+        load_inventory(bad)
+
+
+def test_pd_inside_one_chip_group(tmp_path, calib):
+    """Two cores of one type: 1 prefill + 1 decode is searched beside the aggregated options, simulated, and written
+    as a launch file with one engine per core."""
+    inv = _cpu_inventory(tmp_path, calib)
+    wl = load_plan_workload("synthetic:groups=2,per_group=8,prefix=512,suffix=128,output=64", 16)
+    pl = Planner(inv, load_model("smollm2"), SLO(1.5, 0.06, 90), wl,
+                 engine={"max_num_batched_tokens": 2048, "max_num_seqs": 64})
+    splits = pl.split_options(inv.group("cpu-x86"))
+    assert splits == [(GroupChoice("cpu-x86", "prefill", 1, 1), GroupChoice("cpu-x86", "decode", 1, 1))]
+    labels = {c.label() for c in pl.enumerate()}
+    assert labels == {"cpu-x86 B tp1×2 [cost, bs64]", "cpu-x86 B tp2×1 [cost, bs64]",
+                      "cpu-x86 P tp1×1 | cpu-x86 D tp1×1 [cost, bs64]"}
+    pd = next(c for c in pl.enumerate() if len(c.choices) == 2)
+    pl.evaluate(pd)
+    assert pd.goodput > 0 and pd.summary["good_fraction"] >= 0.9
+    dep = pl.deployment_dict(pd)
+    assert [(i["role"], i["count"], i["timing"]) for i in dep["instances"]] == [
+        ("prefill", 1, str(tmp_path / "calib_1.json")), ("decode", 1, str(tmp_path / "calib_1.json"))]
+    ld = launch_deployment(pl, pd)
+    assert [(i["role"], i["cpus"], i["tensor_parallel_size"]) for i in ld["instances"]] == [
+        ("prefill", "0", 1), ("decode", "1", 1)]
+    agg = launch_deployment(pl, Candidate((GroupChoice("cpu-x86", "both", 2, 1),)))
+    assert [(i["cpus"], i["tensor_parallel_size"]) for i in agg["instances"]] == [("0-1", 1)]
+    from dlmix.launch.config import Deployment as LaunchDeployment
+
+    p = tmp_path / "launch.yaml"
+    p.write_text(yaml.safe_dump(ld))
+    assert [i.role for i in LaunchDeployment.from_file(p).instances] == ["prefill", "decode"]
+
+
+def test_split_devices_do_not_overlap():
+    """PD inside a group spread over two hosts: the decode part takes the devices the prefill part left."""
+    inv = load_inventory({"name": "x", "hosts": [{"name": "a", "chips": {"H100": 4}}, {"name": "b", "chips": {"H100": 4}}]})
+    wl = load_plan_workload("mooncake", 40)
+    pl = Planner(inv, LLAMA, SLO(5.0, 0.05, 80), wl)
+    c = Candidate((GroupChoice("H100", "prefill", 1, 5), GroupChoice("H100", "decode", 1, 3)))
+    ld = launch_deployment(pl, c)
+    got = sorted((i["name"].split("-")[0], i["devices"]) for i in ld["instances"])
+    assert got == [("a", "0"), ("a", "1"), ("a", "2"), ("a", "3"), ("b", "0"), ("b", "1"), ("b", "2"), ("b", "3")]
+    assert [i["role"] for i in ld["instances"]].count("prefill") == 5

@@ -16,6 +16,11 @@ hit ``h_i``, output ``O_i``), SLO TTFT target ``T*``, ITL target ``I*``, attainm
   capacity (``B · (N̄ + Ō)``) and ``max_num_seqs``;
 * **KV transfer**: a prefill-role instance can send at most ``link bytes/s / (mean uncached N · kv_bpt)`` req/s.
 
+With a measured timing profile (:class:`dlmix.sim.timing.LinearTiming`, ``T_iter = c0 + c_tok·T_p + c_quad·Q +
+c_seq·B + c_ctx·S``) instead of the roofline: ``T_pre(N, h) = r0 + k·c0 + c_tok·(N − h) + c_quad·(N² − h²)`` with
+``k = ⌈(N − h) / budget⌉`` prefill iterations of the token ``budget``, and ``T_step(B, S) = c0 + c_seq·B + c_ctx·S``,
+so the largest batch within an ITL target ``I`` is ``(I − c0) / (c_seq + c_ctx·C̄)``.
+
 Cluster capacity (:func:`cluster_capacity`): the largest rate ``λ`` whose prefill work fits the prefill-role
 instances plus a share of the aggregated ones, and whose decode work fits the decode-role instances plus the rest of
 the aggregated ones' time (a two-resource split solved greedily by prefill/decode speed ratio, which is optimal for
@@ -87,6 +92,7 @@ class _WorkStats:
         self.flops = m.flops_per_token * (n - h) + m.attn_flops_per_token2 * (n * n - h * h)  # per request, FLOP
         self.flops_mean = float(self.flops.mean())
         self.n_tokens = n
+        self.hit = h
         self.uncached_mean = float((n - h).mean())
         q = slo.pct
         self.req_pct = float(np.percentile(n + wl.output_len, q))
@@ -105,11 +111,26 @@ def work_stats(wl: PlanWorkload, cost: CostModel, slo: SLO) -> _WorkStats:
 
 
 def estimate_role(cost: CostModel, wl: PlanWorkload, slo: SLO, chip: str, tp: int, role: str,
-                  link=None) -> RoleEstimate:
+                  link=None, timing=None, budget: int = 8192, max_num_seqs: int = MAX_NUM_SEQS) -> RoleEstimate:
     """Analytic estimate of one instance (see the module docstring). ``role`` is ``prefill``/``decode``/``both``;
-    ``link`` the KV link descriptor of a prefill-role instance. Raises KeyError for an unknown chip."""
+    ``link`` the KV link descriptor of a prefill-role instance; ``timing`` a measured
+    :class:`dlmix.sim.timing.LinearTiming` of this instance size (None: the catalog roofline); ``budget`` the
+    engine's token budget per iteration and ``max_num_seqs`` its sequence limit. Raises KeyError for an unknown
+    chip."""
     st = work_stats(wl, cost, slo)
     c_f, c_b = cost.coefs(chip, tp)
+    if timing is not None:
+        new = st.n_tokens - st.hit
+        pre_t = (timing.r0 + np.ceil(np.maximum(new, 1.0) / budget) * timing.c0 + timing.c_tok * new
+                 + timing.c_quad * (st.n_tokens ** 2 - st.hit ** 2))
+
+        def step_time(b: int, s: float) -> float:
+            return timing.c0 + timing.c_seq * b + timing.c_ctx * s
+    else:
+        pre_t = cost.t0 + st.flops * c_f
+
+        def step_time(b: int, s: float) -> float:
+            return cost.decode_step_time(chip, b, int(s), tp)
     cap = cost.kv_capacity_tokens(chip, tp)
     fig: Dict[str, float] = {"kv_capacity_tokens": float(cap)}
     if cap <= 0:
@@ -122,7 +143,7 @@ def estimate_role(cost: CostModel, wl: PlanWorkload, slo: SLO, chip: str, tp: in
                             f"({st.req_pct:.0f} prompt+output tokens)", figures=fig)
     est = RoleEstimate(True, figures=fig)
     if role in ("prefill", "both"):
-        t_pre = cost.t0 + st.flops * c_f
+        t_pre = pre_t
         if role == "prefill":
             ln = cost.catalog.link(link)
             t_pre = t_pre + ln.setup_ms * 1e-3 + st.n_tokens * cost.kv_bpt / ln.bytes_per_s
@@ -130,14 +151,14 @@ def estimate_role(cost: CostModel, wl: PlanWorkload, slo: SLO, chip: str, tp: in
         est.ttft_share = float((t_pre <= slo.ttft).mean())
         t_q = float(np.percentile(t_pre, slo.pct))
         fig["ttft_pct_s"] = t_q
-        est.p = RHO_PREFILL / (cost.t0 + st.flops_mean * c_f)
+        est.p = RHO_PREFILL / float(pre_t.mean())
         if est.ttft_share < slo.attain:
             est.ok = False
             est.reason = (f"TTFT: the p{slo.pct:g} prompt ({st.n_pct:.0f} tokens) takes {t_q:.2f} s to prefill"
                           f"{' and transfer' if role == 'prefill' else ''} on {tp}× {chip} > {slo.ttft:.2f} s target")
     if role in ("decode", "both"):
         itl = slo.itl * (BOTH_ITL_FACTOR if role == "both" else 1.0)
-        step1 = cost.decode_step_time(chip, 1, int(st.ctx), tp)
+        step1 = step_time(1, st.ctx)
         fig["itl_1_s"] = step1
         if step1 > itl:
             est.ok = False
@@ -146,10 +167,14 @@ def estimate_role(cost: CostModel, wl: PlanWorkload, slo: SLO, chip: str, tp: in
                  f"{itl * 1e3:.1f} ms{' (75 % of the target: aggregated)' if role == 'both' else ''}")
             est.reason = est.reason + "; " + r if est.reason else r
         else:
-            bw_b = ((itl - cost.t1) / c_b - cost.model.weight_bytes) / (st.ctx * cost.kv_bpt)
-            fl_b = (itl - cost.t1) / (cost.model.flops_per_token * c_f)
-            b = max(1.0, min(bw_b, fl_b, cap / (st.n_mean + st.o_mean), MAX_NUM_SEQS))
-            step = cost.decode_step_time(chip, int(b), int(b * st.ctx), tp)
+            if timing is not None:
+                lim = (itl - timing.c0) / max(timing.c_seq + timing.c_ctx * st.ctx, 1e-12)
+            else:
+                bw_b = ((itl - cost.t1) / c_b - cost.model.weight_bytes) / (st.ctx * cost.kv_bpt)
+                fl_b = (itl - cost.t1) / (cost.model.flops_per_token * c_f)
+                lim = min(bw_b, fl_b)
+            b = max(1.0, min(lim, cap / (st.n_mean + st.o_mean), max_num_seqs))
+            step = step_time(int(b), b * st.ctx)
             est.d = b / (st.o_mean * step)
             fig["decode_batch"] = b
     return est

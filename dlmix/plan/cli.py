@@ -39,6 +39,9 @@ def plan_command(
     chips: Optional[List[str]] = typer.Option(None, "--chips", help="extra chip catalog YAML (repeatable)"),
     out: Optional[str] = typer.Option(None, "--out", "-o", help="folder for plan.json, deployment files, plan.png"),
     seed: int = typer.Option(0, "--seed", help="simulator seed"),
+    max_num_batched_tokens: int = typer.Option(8192, "--max-num-batched-tokens",
+                                               help="engine token budget per iteration (every instance)"),
+    max_num_seqs: int = typer.Option(256, "--max-num-seqs", help="engine running-sequence limit (every instance)"),
 ) -> None:
     """Plan a deployment of a model on a chip inventory for an SLO and a workload (docs/plan.md)."""
     from rich.console import Console
@@ -76,7 +79,8 @@ def plan_command(
             def cb(msg: str, done: int, total: int) -> None:
                 prog.update(task, description=msg[:90], completed=done, total=max(total, 1))
 
-            pl = Planner(inv, spec, slo, wl, r_val, policy, block_size, seed, progress=cb)
+            pl = Planner(inv, spec, slo, wl, r_val, policy, block_size, seed, progress=cb,
+                         engine={"max_num_batched_tokens": max_num_batched_tokens, "max_num_seqs": max_num_seqs})
             res = pl.plan(top_k=top_k, refine=not no_refine)
             base = baselines(pl, progress=cb) if (with_baselines and res.feasible) else None
     except (InventoryError, CatalogError, ConfigError, WorkloadError, ValueError) as ex:

@@ -12,12 +12,20 @@ Inventory YAML (a file, or a built-in name: ``dlmix/data/plan_inv_<name>.yaml``)
     links:                        # links between hosts (catalog link name or {bandwidth_gbps, setup_ms, eff})
       - {hosts: [node-a, node-b], link: rdma-100g}
     default_link: tcp-25g         # between hosts without an entry in ``links``
+    timing:                       # optional: measured engine timing per chip type and instance size (chips),
+      cpu-x86: {1: calib_1core.json, 2: calib_2core.json}   # replaces the catalog roofline (dlmix.sim.calibrate)
 
 A *chip group* is one chip type over all hosts that carry it. Tensor parallelism stays inside a host, so a group
 supports TP size ``t`` with ``Σ_host ⌊count_host / t⌋`` instances. A group's ``link`` (used for analytic pruning,
 before the peers are known) is the fastest link from its hosts to another host (its own host's link when the
 inventory has one host): optimistic, so pruning never drops an option a good placement could use. A deployment's
 KV link per group is :meth:`Inventory.link_to`: the slowest link between the group's hosts and its peers' hosts.
+
+``timing`` names, per chip type and instance size, a calibration profile of :class:`dlmix.sim.timing.LinearTiming`
+(a ``dlmix.sim.calibrate`` JSON, path relative to the inventory file, or a built-in profile name). A chip type with
+``timing`` is planned only at the sizes it names (its estimates and simulations use the measured timing instead of
+the catalog roofline). For a CPU chip type (catalog vendor ``generic``) a "chip" is a core and an instance of size
+``t`` is one engine pinned to ``t`` cores.
 """
 from __future__ import annotations
 
@@ -30,6 +38,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from dlmix.hw.profiles import Catalog, LinkProfile, load_catalog
+from dlmix.sim.timing import LinearTiming
 
 __all__ = ["InventoryError", "Inventory", "ChipGroup", "load_inventory", "builtin_inventories"]
 
@@ -64,6 +73,7 @@ class InventorySpec(_Strict):
     hosts: List[HostSpec] = Field(min_length=1)
     links: List[LinkSpec] = Field(default_factory=list)
     default_link: Union[str, Dict[str, float]] = "tcp-25g"
+    timing: Dict[str, Dict[int, str]] = Field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -73,11 +83,13 @@ class ChipGroup:
     Attributes:
         chip: canonical catalog name. per_host: ``((host, count), ...)`` in inventory order.
         link: the group's KV link descriptor (catalog name or dict), see the module docstring.
+        timing: ``((size, profile), ...)``: measured timing profiles per instance size (empty: catalog roofline).
     """
 
     chip: str
     per_host: Tuple[Tuple[str, int], ...]
     link: Union[str, dict]
+    timing: Tuple[Tuple[int, str], ...] = ()
 
     @property
     def count(self) -> int:
@@ -89,13 +101,19 @@ class ChipGroup:
         return sum(c // tp for _, c in self.per_host)
 
     def tp_sizes(self) -> List[int]:
-        """TP sizes (powers of two) that at least one host can hold."""
+        """TP sizes (powers of two) that at least one host can hold; with ``timing``, only the sizes it names."""
         mx = max(c for _, c in self.per_host)
+        if self.timing:
+            return sorted(t for t, _ in self.timing if t <= mx)
         out, t = [], 1
         while t <= mx:
             out.append(t)
             t *= 2
         return out
+
+    def timing_profile(self, tp: int) -> Optional[str]:
+        """The timing profile (path or built-in name) of instances of size ``tp``, or None (roofline)."""
+        return dict(self.timing).get(tp)
 
 
 @dataclass
@@ -194,12 +212,33 @@ def inventory_from_dict(d: dict, origin: str = "<dict>", catalog: Optional[Catal
             return host_link[a]
         return pair.get(frozenset((a, b)), spec.default_link)
 
+    timing: Dict[str, Tuple[Tuple[int, str], ...]] = {}
+    base = Path(origin).parent if origin not in ("<dict>",) and Path(origin).exists() else Path(".")
+    for chip, sizes in spec.timing.items():
+        try:
+            canon = cat.chip(chip).name
+        except KeyError as ex:
+            raise InventoryError(f"{origin}: timing: {ex.args[0]}") from None
+        if canon not in by_chip:
+            raise InventoryError(f"{origin}: timing: no {chip} on any host")
+        rows = []
+        for size, prof in sorted(sizes.items()):
+            if size < 1 or size > max(c for _, c in by_chip[canon]):
+                raise InventoryError(f"{origin}: timing.{chip}.{size}: no host holds an instance of {size} {chip}")
+            p = Path(prof) if Path(prof).is_absolute() else base / prof
+            ref = str(p) if p.exists() else prof
+            try:
+                LinearTiming.load(ref)
+            except (FileNotFoundError, ValueError, OSError) as ex:
+                raise InventoryError(f"{origin}: timing.{chip}.{size}: {ex}") from None
+            rows.append((int(size), ref))
+        timing[canon] = tuple(rows)
     groups = []
     for chip, per_host in by_chip.items():
         mine = [h for h, _ in per_host]
         cands = [between(a, b) for a in mine for b in hosts if b != a] or [between(a, a) for a in mine]
         fastest = max(cands, key=lambda x: (_link(cat, x).bytes_per_s, -_link(cat, x).setup_ms))
-        groups.append(ChipGroup(chip, tuple(per_host), fastest))
+        groups.append(ChipGroup(chip, tuple(per_host), fastest, timing.get(chip, ())))
     return Inventory(spec.name, groups, spec, cat, pair)
 
 

@@ -30,8 +30,8 @@ def sim_deployment(pl: Planner, c: Candidate, name: str = "plan") -> str:
 
 def launch_deployment(pl: Planner, c: Candidate, model_ref: Optional[str] = None, name: str = "plan") -> dict:
     """``c`` as a ``dlmix launch`` mapping (:func:`dlmix.launch.config.parse_deployment` schema): one instance per
-    engine, named ``HOST-CHIP-ROLE-K``, ``devices`` numbered per host, ports from 8100, the router with the plan's
-    policy. ``dlmix launch`` starts processes on one host: instances of other hosts need their ``host`` set there."""
+    engine, named ``HOST-CHIP-ROLE-K``, ``devices`` numbered per host (a CPU instance of size ``t``: one engine
+    pinned to ``t`` cores, ``cpus``), ports from 8100, the router with the plan's policy. ``dlmix launch`` starts processes on one host: instances of other hosts need their ``host`` set there."""
     model = model_ref or HUB_IDS.get(pl.model.name, pl.model.name or "model")
     insts: List[dict] = []
     max_len = int(max(pl.wl.input_len + pl.wl.output_len))
@@ -47,17 +47,17 @@ def launch_deployment(pl: Planner, c: Candidate, model_ref: Optional[str] = None
         device = VENDOR_DEVICE.get(prof.vendor, "cuda")
         left = ch.instances
         for host, cnt in g.per_host:
-            for _ in range(cnt // ch.tp):
-                if left <= 0:
-                    break
+            while left > 0 and next_dev.get(host, 0) + ch.tp <= cnt:  # PD inside a group: parts share the hosts
                 k = next_dev.get(host, 0)
                 next_dev[host] = k + ch.tp
                 left -= 1
+                # a CPU "chip" is a core: an instance of size t is one engine on t cores (its threads), not TP
                 e = {"name": f"{host}-{ch.chip}-{ch.role}-{len(insts)}", "role": ch.role, "port": 8100 + len(insts),
-                     "chip": c.router_chip or ch.chip, "device": device, "tensor_parallel_size": ch.tp,
+                     "chip": c.router_chip or ch.chip, "device": device,
+                     "tensor_parallel_size": 1 if device == "cpu" else ch.tp,
                      "max_model_len": mlen, "kv": {"block_size": c.block_size}}
                 if device == "cpu":
-                    e["cpus"] = ",".join(str(i) for i in range(k, k + ch.tp))
+                    e["cpus"] = f"{k}-{k + ch.tp - 1}" if ch.tp > 1 else str(k)
                 else:
                     e["devices"] = ",".join(str(i) for i in range(k, k + ch.tp))
                     e["kv"]["gpu_memory_utilization"] = 0.9
@@ -111,6 +111,7 @@ def _pct(s: Optional[dict], key: str, p: str) -> str:
 def tables(r: PlanResult, base: Optional[Dict[str, Candidate]] = None):
     """Rich renderables: the recommendation per chip group, the ranked candidates (best, runners-up, Pareto points),
     the baselines, or the infeasibility explanation."""
+    from rich.markup import escape
     from rich.table import Table
     from rich.text import Text
 
@@ -150,7 +151,7 @@ def tables(r: PlanResult, base: Optional[Dict[str, Candidate]] = None):
     for i, c in enumerate(r.simulated):
         cs = c.summary or {}
         cand.add_row(f"{i + 1}{'*' if id(c) in front else ''}",
-                     c.label() + (" (not better than #1)" if c.note.startswith("not better") else ""),
+                     escape(c.label() + (" (not better than #1)" if c.note.startswith("not better") else "")),
                      str(c.chips_used), f"{c.analytic:.2f}", "-" if c.goodput is None else f"{c.goodput:.2f}",
                      f"{100 * cs.get('good_fraction', 0):.1f}", _pct(cs, "ttft_ms", "p90"), _pct(cs, "tpot_ms", "p90"))
     out.append(cand)
@@ -163,7 +164,7 @@ def tables(r: PlanResult, base: Optional[Dict[str, Candidate]] = None):
         rt = ratios(b.goodput or 0.0, base)
         for n, c in base.items():
             v = rt.get(f"plan_vs_{n}")
-            bt.add_row(n, c.label() + (f" ({c.note})" if c.note else ""), str(c.chips_used),
+            bt.add_row(n, escape(c.label() + (f" ({c.note})" if c.note else "")), str(c.chips_used),
                        f"{(c.goodput or 0):.2f}", "-" if v is None else f"{v:.2f}")
         out.append(bt)
     return out

@@ -31,6 +31,7 @@ from dlmix.plan.inventory import Inventory
 from dlmix.plan.workload import PlanWorkload
 from dlmix.sim.config import deployment_from_dict
 from dlmix.sim.simulator import Simulator
+from dlmix.sim.timing import LinearTiming
 
 __all__ = ["GroupChoice", "Candidate", "Planner", "PlanResult", "RATE_GRID", "ROLES"]
 
@@ -141,11 +142,14 @@ class Planner:
         rate: request rate to plan for, req/s, or None to maximise the goodput.
         policy: router policy simulated (default ``cost``, given the SLO as its targets). block_size: default KV
         block size (divides 512). seed: simulator seed. progress: ``callback(message, done, total)`` or None.
+        engine: overrides of the engine settings every instance gets (:data:`DEFAULTS`: ``max_num_batched_tokens``,
+        ``max_num_seqs``, ``t_step``, ``gpu_memory_utilization``). Raises ValueError for a bad rate, SLO, block size
+        or engine key.
     """
 
     def __init__(self, inventory: Inventory, model: ModelSpec, slo: SLO, workload: PlanWorkload,
                  rate: Optional[float] = None, policy: str = "cost", block_size: int = 64, seed: int = 0,
-                 progress: Optional[Callable[[str, int, int], None]] = None):
+                 progress: Optional[Callable[[str, int, int], None]] = None, engine: Optional[dict] = None):
         if rate is not None and rate <= 0:
             raise ValueError(f"rate must be > 0 (or None to maximise), got {rate}")
         if slo.ttft <= 0 or slo.itl <= 0 or not (0 < slo.pct <= 100):
@@ -161,10 +165,15 @@ class Planner:
         self.block_size = block_size
         self.seed = seed
         self.progress = progress or (lambda msg, done, total: None)
-        self.cost = CostModel(model, inventory.catalog, t0=DEFAULTS["t_step"], t1=DEFAULTS["t_step"])
+        bad = set(engine or {}) - set(DEFAULTS)
+        if bad:
+            raise ValueError(f"unknown engine setting(s) {sorted(bad)}; known: {', '.join(DEFAULTS)}")
+        self.engine = {**DEFAULTS, **(engine or {})}
+        self.cost = CostModel(model, inventory.catalog, t0=self.engine["t_step"], t1=self.engine["t_step"])
         self.sims = 0
         self.kappa: List[float] = []  # simulated / analytic goodput ratios seen so far
         self._est: Dict[tuple, RoleEstimate] = {}
+        self._timing: Dict[str, LinearTiming] = {}
 
     # ------------------------------------------------------------------ analytic
     def estimate(self, chip: str, tp: int, role: str) -> RoleEstimate:
@@ -172,16 +181,39 @@ class Planner:
         key = (chip, tp, role)
         e = self._est.get(key)
         if e is None:
-            e = self._est[key] = estimate_role(self.cost, self.wl, self.slo, chip, tp, role,
-                                               self.inv.group(chip).link)
+            g = self.inv.group(chip)
+            prof = g.timing_profile(tp)
+            timing = None
+            if prof is not None:
+                timing = self._timing.get(prof) or self._timing.setdefault(prof, LinearTiming.load(prof))
+            e = self._est[key] = estimate_role(self.cost, self.wl, self.slo, chip, tp, role, g.link, timing,
+                                               int(self.engine["max_num_batched_tokens"]),
+                                               int(self.engine["max_num_seqs"]))
         return e
 
-    def group_options(self, keep_tp: Optional[int] = 2) -> List[List[GroupChoice]]:
-        """Per group: ``unused`` plus the SLO-feasible (role, TP) choices, the ``keep_tp`` TP sizes of largest group
-        capacity per role (None: every TP whose weights fit, SLO-feasible or not — the exhaustive space)."""
+    def split_options(self, g, every_tp: bool = False) -> List[Tuple[GroupChoice, GroupChoice]]:
+        """PD inside one chip group: ``k`` instances prefill and the other ``n − k`` decode, at one TP size ``t``
+        whose prefill and decode estimates both pass. Per TP size the ``k`` of largest standalone capacity
+        ``min(k · min(p, xfer), (n − k) · d)``; of these the best TP size (``every_tp``: every one)."""
+        rows = []
+        for tp in g.tp_sizes():
+            n = g.instances(tp)
+            ep, ed = self.estimate(g.chip, tp, "prefill"), self.estimate(g.chip, tp, "decode")
+            if n < 2 or not (ep.ok and ed.ok):
+                continue
+            cap, k = max((min(k * min(ep.p, ep.xfer_cap), (n - k) * ed.d), k) for k in range(1, n))
+            rows.append((cap, (GroupChoice(g.chip, "prefill", tp, k), GroupChoice(g.chip, "decode", tp, n - k))))
+        rows.sort(key=lambda x: (-x[0], x[1][0].tp))
+        return [r for _, r in (rows if every_tp else rows[:1])]
+
+    def group_options(self, keep_tp: Optional[int] = 2) -> List[List[Tuple[GroupChoice, ...]]]:
+        """Per group, its options, each a tuple of :class:`GroupChoice`: ``unused``; the SLO-feasible (role, TP)
+        choices, the ``keep_tp`` TP sizes of largest group capacity per role (None: every TP whose weights fit,
+        SLO-feasible or not — the exhaustive space); and PD inside the group (:meth:`split_options`, a prefill and a
+        decode choice)."""
         out = []
         for g in self.inv.groups:
-            opts = [GroupChoice(g.chip, "unused")]
+            opts: List[Tuple[GroupChoice, ...]] = [(GroupChoice(g.chip, "unused"),)]
             for role in ROLES:
                 cands = []
                 for tp in g.tp_sizes():
@@ -196,7 +228,8 @@ class Planner:
                     capv = {"prefill": e.p, "decode": e.d, "both": (e.p * e.d / (e.p + e.d)) if e.p + e.d else 0}[role]
                     cands.append((capv * n, GroupChoice(g.chip, role, tp, n)))
                 cands.sort(key=lambda x: (-x[0], x[1].tp))
-                opts += [c for _, c in (cands if keep_tp is None else cands[:keep_tp])]
+                opts += [(c,) for _, c in (cands if keep_tp is None else cands[:keep_tp])]
+            opts += self.split_options(g, every_tp=keep_tp is None)
             out.append(opts)
         return out
 
@@ -223,7 +256,8 @@ class Planner:
     def enumerate(self, keep_tp: Optional[int] = 2) -> List[Candidate]:
         """Every PD-valid combination of :meth:`group_options`, with its analytic capacity, best first."""
         out = []
-        for combo in itertools.product(*self.group_options(keep_tp)):
+        for opts in itertools.product(*self.group_options(keep_tp)):
+            combo = tuple(c for o in opts for c in o)
             roles = {c.role for c in combo}
             if roles == {"unused"} or {"prefill", "both"} <= roles or ("decode" in roles and "prefill" not in roles):
                 continue  # the router treats "both" and "decode" alike: with prefill-role instances as decode,
@@ -252,10 +286,13 @@ class Planner:
             peers = sorted({p.chip for p in used if p.role in peer_roles})
             e = {"chip": ch.chip, "count": ch.instances, "role": ch.role, "num_chips": ch.tp,
                  "link": self.inv.link_to(ch.chip, peers)}
+            prof = self.inv.group(ch.chip).timing_profile(ch.tp)
+            if prof is not None:
+                e["timing"] = prof
             if c.router_chip:
                 e["router_chip"] = c.router_chip
             inst.append(e)
-        return {"name": name, "block_size": c.block_size, **DEFAULTS, "instances": inst}
+        return {"name": name, "block_size": c.block_size, **self.engine, "instances": inst}
 
     def policy_params(self, c: Candidate) -> dict:
         """Router policy parameters: the ``cost`` policy gets the SLO as ``ttft_target`` / ``itl_target``."""
@@ -349,8 +386,9 @@ class Planner:
             out.append(f"no chip group can {side} within the SLO: " + "; ".join(p for p in parts if p))
         return out
 
-    def plan(self, top_k: int = 4, pareto_points: int = 3, refine: bool = True) -> PlanResult:
-        """Run the search (module docstring). Returns a :class:`PlanResult`."""
+    def plan(self, top_k: int = 4, pareto_points: int = 3, refine: bool = True, top_split: int = 2) -> PlanResult:
+        """Run the search (module docstring): ``top_k`` role patterns without PD inside a group and ``top_split``
+        with it are simulated. Returns a :class:`PlanResult`."""
         t0 = time.perf_counter()
         c0 = time.process_time()
         self.progress("analytic pruning", 0, 1)
@@ -364,13 +402,18 @@ class Planner:
         # the analytic best of each of the top_k role patterns (which groups prefill / decode / both / unused): the
         # roofline capacities rank candidates of one pattern well but can misjudge PD against aggregation, so the
         # simulator sees every leading pattern; then the runner-up TP variant of the leading pattern
+        # patterns with PD inside a group compete for top_split places of their own: their roofline capacity
+        # reads high (both sides counted busy), which would otherwise crowd the cross-type patterns out
         pats: Dict[tuple, List[Candidate]] = {}
         for c in cands:
-            pats.setdefault(tuple(ch.role for ch in c.choices), []).append(c)
-        heads = sorted(pats.values(), key=lambda cs: self._analytic_order(cs[0]))[:top_k]
+            pats.setdefault(tuple((ch.chip, ch.role) for ch in c.choices), []).append(c)
+        ordered = sorted(pats.values(), key=lambda cs: self._analytic_order(cs[0]))
+        plain = [cs for cs in ordered if not _has_split(cs[0])]
+        heads = (plain or ordered)[:top_k]
         pick = [cs[0] for cs in heads]
         if len(heads[0]) > 1:
             pick.append(heads[0][1])
+        pick += [cs[0] for cs in ordered if _has_split(cs[0])][:top_split] if plain else []
         # Pareto helpers: analytic best at other chip counts (below the leader's)
         levels: Dict[int, Candidate] = {}
         for c in cands:
@@ -395,8 +438,9 @@ class Planner:
             # local search: the winner with one group at another TP size that passes the analytic checks (the
             # roofline capacity hardly separates TP sizes; the simulated TTFT tail does)
             seen = {c.key for c in sim}
+            split = {ch.chip for ch in best.choices if [o.chip for o in best.choices].count(ch.chip) > 1}
             for gi, ch in enumerate(best.choices):
-                if ch.role == "unused":
+                if ch.role == "unused" or ch.chip in split:  # PD inside a group: its TP and split stay
                     continue
                 g = self.inv.group(ch.chip)
                 for tp in g.tp_sizes():
@@ -459,6 +503,12 @@ class Planner:
             out.append(f"only {100 * s.get('good_fraction', 0):.1f} % of requests meet both targets "
                        f"(< {q:g} %) at the lowest rate tried ({c.label()})")
         return out
+
+
+def _has_split(c: Candidate) -> bool:
+    """A chip type appears in more than one choice (PD inside the group)."""
+    chips = [ch.chip for ch in c.choices]
+    return len(set(chips)) < len(chips)
 
 
 def pareto_front(cands: Sequence[Candidate]) -> List[Candidate]:
