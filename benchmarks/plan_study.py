@@ -4,7 +4,8 @@ For each inventory (4 H100 + 4 H20; 8 Ascend 910B + 4 H20; ``mix32``: 8 910B + 8
 4 H20) plans Llama-3.1-8B on the Mooncake conversation trace (first N requests) for the largest rate at which 80 %
 of requests meet TTFT <= 5 s and ITL (TPOT) <= 50 ms, then simulates the baselines of :mod:`dlmix.plan.baselines`
 and, on the two small inventories, every combination of the search space (each chip group: unused, or prefill /
-decode / both at every TP size whose weights fit; router policy ``cost``, block 64) with the same rate search.
+decode / both at every TP size whose weights fit, or split between prefill and decode with the analytically best
+split at every TP size where both parts pass; router policy ``cost``, block 64) with the same rate search.
 
 Figures (last stdout line, one JSON object): per inventory ``plan_goodput`` (req/s), ``plan_vs_<baseline>``,
 ``plan_vs_exhaustive`` (the plan's best in that space / the exhaustive best; the plan's refinement can only add to
