@@ -85,3 +85,21 @@ def test_simulator_reproduces_calibrated_formulas():
         assert t == pytest.approx(predict_ttft(c, n), rel=1e-9)
     # decode iteration of 4 sequences: context grows from 4*257 by 4 per iteration; the median is mid-way
     assert itl[(4, 256)] == pytest.approx(predict_itl(c, 4, 4 * (256 + 24)), rel=0.01)
+
+
+def test_core_lists_and_cpu_flags(tmp_path):
+    from dlmix.sim.calibrate import _flags_text, cpu_flags, parse_cpus
+
+    assert parse_cpus("0") == [0] and parse_cpus("0-1") == [0, 1] and parse_cpus("3, 0-1,1") == [0, 1, 3]
+    for bad in ("", "a", "1-", "2-1", "0;1"):
+        with pytest.raises(ValueError):
+            parse_cpus(bad)
+    info = tmp_path / "cpuinfo"
+    info.write_text("processor\t: 0\nmodel name\t: Some CPU\nflags\t\t: fpu avx2 avx512f avx512_bf16 amx_bf16 amx_tile\n"
+                    "processor\t: 1\nflags\t\t: fpu\n")
+    fl = cpu_flags(str(info))
+    assert fl == {"model": "Some CPU", "avx512f": True, "avx512_bf16": True, "amx": True}
+    assert _flags_text(fl) == "AVX-512 BF16, AMX"
+    info.write_text("model name\t: Old CPU\nflags\t\t: fpu avx2\n")
+    assert _flags_text(cpu_flags(str(info))) == "no AVX-512, no AMX"
+    assert _flags_text(cpu_flags(str(tmp_path / "missing"))) == "CPU flags unknown"

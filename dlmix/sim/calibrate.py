@@ -15,10 +15,20 @@ and the fit's own relative errors.
 Usage (once; starts one vLLM CPU server, ~2 GB, ~30 s to start)::
 
     python -m dlmix.sim.calibrate --out dlmix/data/sim_calib_smollm2_vllm_cpu.json
+    python -m dlmix.sim.calibrate --cpus 0 --neighbour-cpus 1 --name smollm2_vllm_cpu_1core --out calib_1core.json
+
+``--cpus`` pins the server's compute threads to a core list the way ``dlmix launch`` pins a vLLM CPU instance's
+``cpus:`` (``VLLM_CPU_OMP_THREADS_BIND``, one OpenMP thread per listed core); without it vLLM binds on its own
+(``auto``). The ``source`` text names the cores and the processor flags (AVX-512 BF16, AMX) it was measured with.
+``--neighbour-cpus 1`` measures a one-core engine while a second server on core 1 is kept busy: the iteration
+times of an engine whose neighbours are busy too (on 2 cores the API servers, the router and the clients share
+the cores with the engines, so an idle-neighbour profile is too fast for a deployment of two one-core engines).
+Python: :func:`calibrate` measures, fits and writes the file and returns the document.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
@@ -34,6 +44,7 @@ DECODE_BS = ((1, 64), (2, 64), (4, 64), (8, 64), (1, 1024), (4, 512), (8, 256))
 DECODE_TOKENS = 48
 SERVER_ARGS = ["--max-num-batched-tokens", "2048", "--no-enable-prefix-caching", "--max-num-seqs", "64"]
 BLOCK_SIZE = 32
+DEFAULT_NAME = "smollm2_vllm_cpu"
 
 
 def _nnls_lstsq(X: np.ndarray, y: np.ndarray) -> np.ndarray:
@@ -165,15 +176,154 @@ def measure_decode(url: str, model: str, points: Sequence[Tuple[int, int]], toke
     return out
 
 
-def start_server(block_size: int = BLOCK_SIZE):
-    """Start one SmolLM2 vLLM CPU server (context manager :class:`dlmix.engine_process.EngineProcess`)."""
+def parse_cpus(cpus: str) -> List[int]:
+    """Core ids of a core list (``"0"``, ``"0-3"``, ``"0,2-3"``), sorted, without repeats.
+
+    Raises ValueError for anything else (the syntax of ``cpus:`` in a ``dlmix launch`` file)."""
+    out = set()
+    for part in str(cpus).replace(" ", "").split(","):
+        lo, sep, hi = part.partition("-")
+        if not lo.isdigit() or (sep and not hi.isdigit()):
+            raise ValueError(f"cpus must be a core list like '0', '0-3' or '0,2-3', got {cpus!r}")
+        a, b = int(lo), int(hi) if sep else int(lo)
+        if b < a:
+            raise ValueError(f"cpus: range {part!r} runs backwards")
+        out.update(range(a, b + 1))
+    return sorted(out)
+
+
+def cpu_flags(path: str = "/proc/cpuinfo") -> Dict[str, object]:
+    """What the processor offers the CPU kernels: ``model`` (model name), ``avx512f``, ``avx512_bf16`` and ``amx``
+    (``amx_bf16`` and ``amx_tile``) from the first processor's ``flags`` line; Nones when unreadable."""
+    model, flags = None, None
+    try:
+        with open(path) as f:
+            for line in f:
+                key, _, val = line.partition(":")
+                key = key.strip()
+                if key == "model name" and model is None:
+                    model = val.strip()
+                elif key == "flags" and flags is None:
+                    flags = set(val.split())
+                if model is not None and flags is not None:
+                    break
+    except OSError:
+        pass
+    if flags is None:
+        return {"model": model, "avx512f": None, "avx512_bf16": None, "amx": None}
+    return {"model": model, "avx512f": "avx512f" in flags, "avx512_bf16": "avx512_bf16" in flags,
+            "amx": "amx_bf16" in flags and "amx_tile" in flags}
+
+
+def _flags_text(fl: Dict[str, object]) -> str:
+    """``AVX-512 BF16, AMX`` / ``AVX-512 BF16, no AMX`` / ``no AVX-512, no AMX`` (``flags unknown`` when unread)."""
+    if fl.get("avx512_bf16") is None:
+        return "CPU flags unknown"
+    avx = "AVX-512 BF16" if fl["avx512_bf16"] else ("AVX-512 without BF16" if fl["avx512f"] else "no AVX-512")
+    return f"{avx}, {'AMX' if fl['amx'] else 'no AMX'}"
+
+
+def start_server(block_size: int = BLOCK_SIZE, cpus: str | None = None):
+    """Start one SmolLM2 vLLM CPU server (context manager :class:`dlmix.engine_process.EngineProcess`).
+
+    ``cpus``: core list its compute threads are pinned to, as ``dlmix launch`` pins a vLLM CPU instance
+    (``VLLM_CPU_OMP_THREADS_BIND``); None: vLLM's own binding."""
     from dlmix import models
     from dlmix.engine_process import EngineProcess, VLLMServerSpec, free_port
 
+    if cpus is not None:
+        parse_cpus(cpus)  # refuse a malformed list before starting anything
     spec = VLLMServerSpec(model=str(models.prepare("smollm2")), port=free_port(), block_size=block_size,
                           max_model_len=2048, served_model_name="smollm2", kv_cache_bytes=256 * 1024 * 1024,
-                          extra_args=list(SERVER_ARGS))
+                          extra_args=list(SERVER_ARGS), cpu_bind=str(cpus).replace(" ", "") if cpus else None)
     return EngineProcess(spec, name="calib")
+
+
+def _keep_busy(url: str, stop: threading.Event, seed: int = 7) -> int:
+    """Load a neighbour server the way a busy deployment would until ``stop``: 4 concurrent streams of 512-token
+    prompts and 48 output tokens, one after another. Returns the number of requests sent."""
+    import httpx
+
+    rng = random.Random(seed)
+    sent = 0
+    with httpx.Client(limits=httpx.Limits(max_connections=6)) as c:
+        def one() -> None:
+            _stream(c, url, "smollm2", _prompt(rng, 512), DECODE_TOKENS)
+
+        while not stop.is_set():
+            th = [threading.Thread(target=one) for _ in range(4)]
+            for t in th:
+                t.start()
+            for t in th:
+                t.join()
+            sent += 4
+    return sent
+
+
+def calibrate(out_path: str | os.PathLike | None, cpus: str | None = None, name: str = DEFAULT_NAME,
+              reps: int = 3, neighbour_cpus: str | None = None) -> Dict[str, object]:
+    """Start one SmolLM2 vLLM CPU server (pinned to ``cpus`` when given), measure prefill and decode points, fit,
+    and write the calibration document to ``out_path`` (JSON; None: not written). Returns the document
+    (``name``, ``source``, ``measured_at``, ``engine``, ``cpus``, ``cpu_flags``, ``coefficients``, points, ``fit``).
+
+    ``neighbour_cpus``: measure *under load*: a second server pinned to these cores is kept busy throughout
+    (:func:`_keep_busy`), as the other engines of a deployment that shares the machine are; its API server and the
+    clients then compete for the cores as they do in that deployment.
+
+    Raises ValueError for a malformed ``cpus`` list; server start-up errors of
+    :class:`dlmix.engine_process.EngineProcess`."""
+    cores = parse_cpus(cpus) if cpus is not None else None
+    fl = cpu_flags()
+    load = os.getloadavg()[0]
+    with contextlib.ExitStack() as stack:
+        stop = threading.Event()
+        busy = None
+        if neighbour_cpus is not None:
+            nb = stack.enter_context(start_server(cpus=neighbour_cpus))
+            busy = threading.Thread(target=_keep_busy, args=(nb.url, stop), daemon=True)
+        srv = stack.enter_context(start_server(cpus=cpus))
+        if busy is not None:
+            busy.start()
+        try:
+            pre = measure_prefill(srv.url, "smollm2", PREFILL_NS, reps)
+            dec = measure_decode(srv.url, "smollm2", DECODE_BS)
+        finally:
+            stop.set()
+            if busy is not None:
+                busy.join(timeout=120)
+    c = fit(pre, dec)
+    if cores is None:
+        where = f"{os.cpu_count()}-core x86, not pinned (vLLM's own thread binding)"
+    else:
+        where = (f"pinned to cores {str(cpus).replace(' ', '')} ({len(cores)} core{'s' if len(cores) != 1 else ''}, "
+                 f"VLLM_CPU_OMP_THREADS_BIND) of a {os.cpu_count()}-core x86")
+    doc = {"name": name,
+           "source": f"measured with dlmix.sim.calibrate: vllm-cpu {_vllm_version()}, SmolLM2-135M-Instruct bf16, "
+                     f"{where} ({_flags_text(fl)}{'; ' + fl['model'] if fl.get('model') else ''}), --enforce-eager, "
+                     "prefix caching off, " + " ".join(SERVER_ARGS) + f", block size {BLOCK_SIZE}; "
+                     + (f"under load: a neighbour server on cores {neighbour_cpus} kept busy (4 streams of 512+48 "
+                        "tokens); " if neighbour_cpus is not None else "one server; ") +
+                     f"1-min load average {load:.1f} at the start",
+           "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+           "engine": {"block_size": BLOCK_SIZE, "max_num_batched_tokens": 2048, "max_num_seqs": 64},
+           "cpus": str(cpus).replace(" ", "") if cpus is not None else None,
+           "neighbour_cpus": neighbour_cpus,
+           "cpu_flags": fl,
+           "coefficients": c, "prefill_points": pre, "decode_points": dec,
+           "fit": dict(fit_errors(c, pre, dec), method="relative-error least squares, non-negative slopes")}
+    if out_path is not None:
+        with open(out_path, "w") as f:
+            json.dump(doc, f, indent=1)
+    return doc
+
+
+def _vllm_version() -> str:
+    try:
+        from importlib.metadata import version
+
+        return version("vllm")
+    except Exception:  # not installed as a distribution: the stored calibration's version
+        return "0.32.0"
 
 
 def main(argv=None) -> int:
@@ -181,23 +331,19 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default="dlmix/data/sim_calib_smollm2_vllm_cpu.json")
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--cpus", default=None,
+                    help="core list to pin the server to, e.g. 0 or 0-1 (as cpus: in dlmix launch; default: unpinned)")
+    ap.add_argument("--name", default=DEFAULT_NAME, help=f"profile name written in the JSON (default {DEFAULT_NAME})")
+    ap.add_argument("--neighbour-cpus", default=None,
+                    help="measure under load: keep a second server on these cores busy meanwhile (e.g. 1)")
     a = ap.parse_args(argv)
-    load = os.getloadavg()[0]
-    with start_server() as srv:
-        pre = measure_prefill(srv.url, "smollm2", PREFILL_NS, a.reps)
-        dec = measure_decode(srv.url, "smollm2", DECODE_BS)
-    c = fit(pre, dec)
-    doc = {"name": "smollm2_vllm_cpu",
-           "source": "measured with dlmix.sim.calibrate: vllm-cpu 0.32.0, SmolLM2-135M-Instruct bf16, 2-core x86 "
-                     "(AVX-512 BF16, no AMX), --enforce-eager, prefix caching off, "
-                     + " ".join(SERVER_ARGS) + f", block size {BLOCK_SIZE}; one server; 1-min load average {load:.1f} "
-                     "at the start",
-           "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-           "engine": {"block_size": BLOCK_SIZE, "max_num_batched_tokens": 2048, "max_num_seqs": 64},
-           "coefficients": c, "prefill_points": pre, "decode_points": dec,
-           "fit": dict(fit_errors(c, pre, dec), method="relative-error least squares, non-negative slopes")}
-    with open(a.out, "w") as f:
-        json.dump(doc, f, indent=1)
+    for v in (a.cpus, a.neighbour_cpus):
+        if v is not None:
+            try:
+                parse_cpus(v)
+            except ValueError as e:
+                ap.error(str(e))
+    doc = calibrate(a.out, cpus=a.cpus, name=a.name, reps=a.reps, neighbour_cpus=a.neighbour_cpus)
     print(json.dumps(doc))
     return 0
 
