@@ -458,8 +458,8 @@ def _calibrations(calib_dir: Path, log) -> Dict[int, Path]:
 
 
 def _launch_file(pl, c, ports) -> dict:
-    """The candidate as ``dlmix launch`` writes it for the plan (:func:`dlmix.plan.report.launch_deployment`), on
-    free ports, with the calibration's engine settings and a KV cache that holds the sample."""
+    """The candidate's launch file as ``dlmix plan`` writes it (:func:`dlmix.plan.report.launch_deployment`: the
+    engine settings it simulated, the calibration's), on free ports, with a KV cache that holds the sample."""
     from dlmix.plan.report import launch_deployment
 
     d = launch_deployment(pl, c, model_ref="smollm2", name="plan-validate")
@@ -467,8 +467,6 @@ def _launch_file(pl, c, ports) -> dict:
     for k, inst in enumerate(d["instances"]):
         inst["port"] = ports[k + 1]
         inst["kv"]["cache_bytes"] = CACHE_BYTES
-        inst["extra_args"] = ["--max-num-batched-tokens", str(ENGINE["max_num_batched_tokens"]),
-                              "--max-num-seqs", str(ENGINE["max_num_seqs"])]
     return d
 
 

@@ -325,3 +325,13 @@ def test_split_devices_do_not_overlap():
     got = sorted((i["name"].split("-")[0], i["devices"]) for i in ld["instances"])
     assert got == [("a", "0"), ("a", "1"), ("a", "2"), ("a", "3"), ("b", "0"), ("b", "1"), ("b", "2"), ("b", "3")]
     assert [i["role"] for i in ld["instances"]].count("prefill") == 5
+
+
+def test_launch_file_carries_the_simulated_engine_settings(tmp_path, calib):
+    inv = _cpu_inventory(tmp_path, calib)
+    wl = load_plan_workload("synthetic:groups=2,per_group=4,prefix=512,suffix=128,output=64", 8)
+    pl = Planner(inv, load_model("smollm2"), SLO(1.5, 0.06, 90), wl,
+                 engine={"max_num_batched_tokens": 2048, "max_num_seqs": 64})
+    ld = launch_deployment(pl, Candidate((GroupChoice("cpu-x86", "both", 1, 2),)))
+    assert [i["extra_args"] for i in ld["instances"]] == [
+        ["--max-num-batched-tokens", "2048", "--max-num-seqs", "64"]] * 2

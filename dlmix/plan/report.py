@@ -31,7 +31,8 @@ def sim_deployment(pl: Planner, c: Candidate, name: str = "plan") -> str:
 def launch_deployment(pl: Planner, c: Candidate, model_ref: Optional[str] = None, name: str = "plan") -> dict:
     """``c`` as a ``dlmix launch`` mapping (:func:`dlmix.launch.config.parse_deployment` schema): one instance per
     engine, named ``HOST-CHIP-ROLE-K``, ``devices`` numbered per host (a CPU instance of size ``t``: one engine
-    pinned to ``t`` cores, ``cpus``), ports from 8100, the router with the plan's policy. ``dlmix launch`` starts processes on one host: instances of other hosts need their ``host`` set there."""
+    pinned to ``t`` cores, ``cpus``), ports from 8100, the engine settings the plan simulated
+    (``--max-num-batched-tokens``, ``--max-num-seqs`` in ``extra_args``), the router with the plan's policy. ``dlmix launch`` starts processes on one host: instances of other hosts need their ``host`` set there."""
     model = model_ref or HUB_IDS.get(pl.model.name, pl.model.name or "model")
     insts: List[dict] = []
     max_len = int(max(pl.wl.input_len + pl.wl.output_len))
@@ -55,7 +56,10 @@ def launch_deployment(pl: Planner, c: Candidate, model_ref: Optional[str] = None
                 e = {"name": f"{host}-{ch.chip}-{ch.role}-{len(insts)}", "role": ch.role, "port": 8100 + len(insts),
                      "chip": c.router_chip or ch.chip, "device": device,
                      "tensor_parallel_size": 1 if device == "cpu" else ch.tp,
-                     "max_model_len": mlen, "kv": {"block_size": c.block_size}}
+                     "max_model_len": mlen, "kv": {"block_size": c.block_size},
+                     # the engine settings the plan simulated (vLLM's flags)
+                     "extra_args": ["--max-num-batched-tokens", str(int(pl.engine["max_num_batched_tokens"])),
+                                    "--max-num-seqs", str(int(pl.engine["max_num_seqs"]))]}
                 if device == "cpu":
                     e["cpus"] = f"{k}-{k + ch.tp - 1}" if ch.tp > 1 else str(k)
                 else:
