@@ -336,7 +336,9 @@ class Planner:
             return c
         if guess is None:
             k_ = sorted(self.kappa)[len(self.kappa) // 2] if self.kappa else 0.8
-            guess = max(c.analytic * k_, 1e-3)
+            # a candidate the analytic checks reject (capacity 0) may still meet the SLO in the simulator: search
+            # from 1 req/s (4 grid steps up at a time, or down by 4..32 steps) rather than from ~0
+            guess = c.analytic * k_ if c.analytic > 0 else 1.0
         cache = {} if cache is None else cache
         k0 = round(math.log(guess) / math.log(RATE_GRID))
         lo = hi = None
