@@ -30,6 +30,7 @@ from pathlib import Path
 
 import httpx
 
+from dlmix.net import iter_sse_lines
 from dlmix_vllm import testing as T
 
 LENGTHS = (128, 512, 1000)
@@ -54,7 +55,7 @@ def _ttft_stream(client: httpx.Client, url: str, prompt: list[int], ktp: dict | 
     with client.stream("POST", url + "/v1/completions", json=body) as r:
         if r.status_code != 200:
             raise RuntimeError(f"HTTP {r.status_code}: {r.read()[:300]!r}")
-        for line in r.iter_lines():
+        for line in iter_sse_lines(r):
             if line.startswith("data: ") and line[6:] != "[DONE]" and first is None:
                 ev = json.loads(line[6:])
                 if any((c.get("text") or "") for c in ev.get("choices") or []):

@@ -40,6 +40,7 @@ from typing import Dict, List, Optional
 
 import httpx
 
+from dlmix.net import iter_sse_lines
 from dlmix.testing import output_logprobs
 
 __all__ = ["run_demo", "DEFAULT_DEPLOYMENT", "DEFAULT_DEPLOYMENTS", "DemoRow", "scrape", "first_divergence",
@@ -185,7 +186,7 @@ def _send(client: httpx.Client, base: str, req: DemoRequest, row: DemoRow, echo)
         if r.status_code != 200:
             row.error = f"HTTP {r.status_code}: {r.read().decode(errors='replace')[:300]}"
             return
-        for line in r.iter_lines():
+        for line in iter_sse_lines(r):
             if not line.startswith("data: ") or line.strip() == "data: [DONE]":
                 continue
             chunk = json.loads(line[6:])

@@ -33,3 +33,65 @@ def url_host(host: str) -> str:
     if ip.is_unspecified:
         return "127.0.0.1" if ip.version == 4 else "[::1]"
     return f"[{h}]" if ip.version == 6 else h
+
+
+def sse_split(buffer: str, text: str) -> tuple:
+    """Split server-sent-event text into complete lines at the SSE line ends only (CRLF, LF, CR: WHATWG HTML §9.2),
+    never at the other Unicode line boundaries that ``str.splitlines`` and httpx's ``iter_lines`` also break on
+    (U+0085, U+2028, U+2029, \\x1c-\\x1e, \\x0b, \\x0c), which a model's output may contain unescaped in a JSON
+    chunk.
+
+    Args:
+        buffer: the unterminated tail left by the previous call ("" at the start). text: newly decoded text.
+    Returns ``(lines, rest)``: the complete lines, without their line ends, and the new unterminated tail (a
+    trailing CR is kept in it, as it may be the first half of CRLF).
+    """
+    s = buffer + text
+    lines = []
+    start = i = 0
+    n = len(s)
+    while i < n:
+        c = s[i]
+        if c == "\n":
+            lines.append(s[start:i])
+            start = i + 1
+        elif c == "\r":
+            if i + 1 == n:
+                break  # may be CRLF split across two reads
+            lines.append(s[start:i])
+            start = i + 2 if s[i + 1] == "\n" else i + 1
+            i = start - 1
+        i += 1
+    return lines, s[start:]
+
+
+def iter_sse_lines(response):
+    """Lines of a streaming ``httpx.Response`` split at SSE line ends only (:func:`sse_split`)."""
+    import codecs
+
+    dec = codecs.getincrementaldecoder("utf-8")("replace")
+    rest = ""
+    for chunk in response.iter_bytes():
+        lines, rest = sse_split(rest, dec.decode(chunk))
+        yield from lines
+    lines, rest = sse_split(rest, dec.decode(b"", final=True))
+    yield from lines
+    if rest.rstrip("\r"):
+        yield rest.rstrip("\r")
+
+
+async def aiter_sse_lines(response):
+    """Async :func:`iter_sse_lines` for ``httpx.AsyncClient`` streams."""
+    import codecs
+
+    dec = codecs.getincrementaldecoder("utf-8")("replace")
+    rest = ""
+    async for chunk in response.aiter_bytes():
+        lines, rest = sse_split(rest, dec.decode(chunk))
+        for ln in lines:
+            yield ln
+    lines, rest = sse_split(rest, dec.decode(b"", final=True))
+    for ln in lines:
+        yield ln
+    if rest.rstrip("\r"):
+        yield rest.rstrip("\r")

@@ -19,6 +19,7 @@ from typing import Callable, Optional, Union
 import httpx
 
 from dlmix.bench.stats import RequestResult
+from dlmix.net import aiter_sse_lines
 
 __all__ = ["send_request", "Clock"]
 
@@ -79,7 +80,7 @@ async def send_request(client: httpx.AsyncClient, base_url: str, model: Optional
                 res.error = f"HTTP {r.status_code}: {detail}"
                 res.latency = clock() - start
                 return res
-            async for line in r.aiter_lines():
+            async for line in aiter_sse_lines(r):
                 if not line.startswith("data:"):
                     continue
                 data = line[5:].strip()

@@ -39,6 +39,8 @@ from typing import Dict, List, Sequence, Tuple
 
 import numpy as np
 
+from dlmix.net import iter_sse_lines
+
 PREFILL_NS = (32, 128, 256, 512, 768, 1024, 1536, 1920)
 DECODE_BS = ((1, 64), (2, 64), (4, 64), (8, 64), (1, 1024), (4, 512), (8, 256))
 DECODE_TOKENS = 48
@@ -113,7 +115,7 @@ def _stream(client, url: str, model: str, prompt: List[int], max_tokens: int) ->
     times: List[float] = []
     with client.stream("POST", url + "/v1/completions", json=body, timeout=600.0) as r:
         r.raise_for_status()
-        for line in r.iter_lines():
+        for line in iter_sse_lines(r):
             if line.startswith("data: ") and line != "data: [DONE]":
                 d = json.loads(line[6:])
                 if d.get("choices"):
