@@ -95,3 +95,10 @@ async def aiter_sse_lines(response):
         yield ln
     if rest.rstrip("\r"):
         yield rest.rstrip("\r")
+
+
+def sse_lines(text: str) -> list:
+    """All lines of a complete SSE body, split as :func:`sse_split` does."""
+    lines, rest = sse_split("", text)
+    rest = rest.rstrip("\r")
+    return lines + ([rest] if rest else [])

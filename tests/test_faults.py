@@ -285,7 +285,9 @@ def _choices(resp, stream: bool) -> dict[int, list[int]]:
         for ch in resp.json()["choices"]:
             out[ch["index"]] = list(ch["token_ids"])
         return out
-    for line in resp.text.splitlines():
+    from dlmix.net import sse_lines
+
+    for line in sse_lines(resp.text):
         if line.startswith("data: ") and line[6:].strip() != "[DONE]":
             for ch in _json.loads(line[6:]).get("choices") or []:
                 out.setdefault(ch["index"], []).extend(ch.get("token_ids") or [])

@@ -31,6 +31,7 @@ pytest.importorskip("vllm")
 zmq = pytest.importorskip("zmq")
 
 from dlmix.engine_process import EngineProcess, VLLMServerSpec, free_port  # noqa: E402
+from dlmix.net import iter_sse_lines  # noqa: E402
 from dlmix.router.config import RouterConfig  # noqa: E402
 from dlmix.router.kv_events.vllm import BlockStored, apply_batch, decode_batch  # noqa: E402
 from dlmix.routing.prefix_index import PrefixIndex  # noqa: E402
@@ -262,7 +263,7 @@ def _stream(url: str, path: str, body: dict):
     text, ids, done = [], [], False
     with httpx.stream("POST", url + path, json=body, timeout=180) as r:
         status = r.status_code
-        for line in r.iter_lines():
+        for line in iter_sse_lines(r):
             if not line.startswith("data: "):
                 continue
             data = line[6:]
@@ -391,7 +392,7 @@ def test_router_models_and_client_disconnect_aborts_backend(routed):
     with httpx.stream("POST", rt.url + "/v1/completions", json=body, timeout=120) as s:
         assert s.status_code == 200
         n = 0
-        for line in s.iter_lines():
+        for line in iter_sse_lines(s):
             n += line.startswith("data: ")
             if n >= 3:
                 break  # the client goes away mid-stream

@@ -31,6 +31,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Optional
 
 from dlmix.engine_process import free_port
+from dlmix.net import sse_lines
 
 __all__ = ["Answer", "Tally", "exchange", "judge", "http_request", "fuzz_request", "malformed_bodies",
            "HealthyClient", "MockDeployment", "LinkProxy", "one_byte_chunks", "slowloris", "idle_connections",
@@ -182,7 +183,7 @@ def exchange(port: int, raw: bytes, timeout: float = 30.0, host: str = "127.0.0.
 
 def _events(body: bytes) -> Optional[list]:
     out = []
-    for line in body.decode("utf-8", "replace").splitlines():
+    for line in sse_lines(body.decode("utf-8", "replace")):
         if line.startswith("data: "):
             out.append(line[6:])
     return out

@@ -145,8 +145,10 @@ def wait_ready(servers: list[VllmServer], timeout_s: float = 300.0) -> None:
 
 def parse_sse(text: str) -> list[dict]:
     """Events of an OpenAI SSE stream body (``data: {...}`` lines; ``[DONE]`` dropped)."""
+    from dlmix.net import sse_lines
+
     out = []
-    for line in text.splitlines():
+    for line in sse_lines(text):  # not str.splitlines: outputs may hold U+2028 etc. unescaped
         if line.startswith("data: ") and line[6:].strip() != "[DONE]":
             out.append(json.loads(line[6:]))
     return out
