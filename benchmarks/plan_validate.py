@@ -52,7 +52,8 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 STEP = 1.15              # rate factor between two tries
-DOWN_LIMIT = 4.0         # search down to start_rate / DOWN_LIMIT
+DOWN_LIMIT = 2.0         # search down to start_rate / DOWN_LIMIT (5 rates at most: runs at low rates are long)
+HOPELESS = 0.6           # ... but stop after 3 rates in a row whose attainment is below HOPELESS × target
 TOKEN_LO, TOKEN_HI = 10, 256   # dlmix bench's default --token-range; run k shifts it by k (fresh prefixes)
 
 __all__ = ["measure_goodput", "goodput_search", "write_deployment", "LaunchedDeployment", "bench_once",
@@ -323,8 +324,9 @@ def goodput_search(attain: Callable[[float], float], target: float, start_rate: 
 
     With ``rates``: each is tried (ascending) and the goodput is the largest that meets the target. Otherwise from
     ``start_rate``: up by ``step`` while the target is met (at most ``max_tries`` runs, no rate above ``max_rate``),
-    or down by ``step`` until it is met, not below ``start_rate / down_limit`` (goodput 0 if none
-    meets it). Returns ``{"goodput", "tried": {rate: attainment}, "capped"}`` (rates rounded to 4 digits as keys;
+    or down by ``step`` until it is met, not below ``start_rate / down_limit`` and not after 3 rates in a row
+    whose attainment is below ``HOPELESS × target`` (the SLO is missed at low load: latency, not queueing; goodput
+    0 if none meets it). Returns ``{"goodput", "tried": {rate: attainment}, "capped"}`` (rates rounded to 4 digits as keys;
     ``capped``: the largest rate tried met the target, so the goodput is only a lower bound: raise ``max_tries`` /
     ``max_rate``, or use a larger sample when even a burst of the whole sample meets the target)."""
     tried: Dict[float, float] = {}
@@ -350,11 +352,13 @@ def goodput_search(attain: Callable[[float], float], target: float, start_rate: 
             best = r
     else:
         floor = start_rate / down_limit
-        while r / step >= floor * (1 - 1e-9):
+        low = 1 if tried[round(r, 4)] < HOPELESS * target else 0
+        while r / step >= floor * (1 - 1e-9) and low < 3:
             r /= step
             if meets(r):
                 best = r
                 break
+            low = low + 1 if tried[round(r, 4)] < HOPELESS * target else 0
     return {"goodput": round(best, 4), "tried": tried, "capped": capped}
 
 
@@ -371,7 +375,7 @@ def measure_goodput(deploy: dict, workload: dict, slo: dict, rates: Optional[Lis
         slo: ``ttft_s`` (s), ``itl_s`` (s, checked as ``dlmix bench``'s per-request TPOT), ``pct`` (% of requests
             that must meet both).
         rates: explicit rates to try instead of the search (None: search from ``start_rate``).
-        start_rate: first rate of the search, req/s (:func:`goodput_search`, factor 1.15, down to start/4;
+        start_rate: first rate of the search, req/s (:func:`goodput_search`, factor 1.15, down to start/2;
             ``max_tries`` runs at most, none above ``max_rate``).
         out_dir: launch logs (``logs/``), bench results (``bench/<label>/``), ``measure.json``.
     Returns ``{"goodput", "tried": {rate: attainment}, "per_rate": {rate: {"ttft_p50_ms", "ttft_p90_ms",
@@ -468,6 +472,12 @@ def _launch_file(pl, c, ports) -> dict:
         inst["port"] = ports[k + 1]
         inst["kv"]["cache_bytes"] = CACHE_BYTES
     return d
+
+
+def _calib_summary(path: Path) -> dict:
+    """What a profile says of itself: name, source, when, coefficients, fit errors."""
+    d = json.loads(Path(path).read_text())
+    return {k: d.get(k) for k in ("name", "source", "measured_at", "coefficients", "fit")}
 
 
 def _rank(values: Dict[str, float]) -> List[str]:
@@ -582,8 +592,9 @@ def main(argv=None) -> int:
                                             if chosen in measured and best_meas else None),
            "plan_prediction_error": (round(predicted[chosen] / measured[chosen] - 1, 3)
                                      if chosen in measured and measured[chosen] else None),
-           "detail": detail, "calibration": {k: str(v) for k, v in calib.items()},
-           "measured_from": a.measured_from,
+           "detail": detail, "calibration": {k: _calib_summary(v) for k, v in calib.items()},
+           "measured_from_earlier_run": sorted(n for n in names if a.measured_from
+                                               and (Path(a.measured_from) / n / "measure.json").exists()),
            "wall_s": round(time.monotonic() - t_all, 1)}
     (out / "plan_validate.json").write_text(json.dumps(rec, indent=1))
     print(json.dumps(rec))
