@@ -28,6 +28,15 @@ def _events():
     return chunks, [raw[i:i + 7] for i in range(0, len(raw), 7)]
 
 
+def _async_transport(pieces):
+    async def handler(request):
+        async def gen():
+            for p in pieces:
+                yield p
+        return httpx.Response(200, content=gen(), headers={"content-type": "text/event-stream"})
+    return httpx.MockTransport(handler)
+
+
 def test_sync_and_async_streams_keep_events_whole():
     chunks, pieces = _events()
 
@@ -38,14 +47,8 @@ def test_sync_and_async_streams_keep_events_whole():
         got = [json.loads(x[6:]) for x in iter_sse_lines(r) if x.startswith("data: {")]
     assert got == chunks
 
-    async def ahandler(request):
-        async def gen():
-            for p in pieces:
-                yield p
-        return httpx.Response(200, content=gen(), headers={"content-type": "text/event-stream"})
-
     async def run():
-        async with httpx.AsyncClient(transport=httpx.MockTransport(ahandler)) as c:
+        async with httpx.AsyncClient(transport=_async_transport(pieces)) as c:
             async with c.stream("GET", "http://x/") as r:
                 return [json.loads(x[6:]) async for x in aiter_sse_lines(r) if x.startswith("data: {")]
     assert asyncio.run(run()) == chunks
@@ -53,16 +56,10 @@ def test_sync_and_async_streams_keep_events_whole():
 
 def test_bench_client_counts_a_chunk_with_a_unicode_line_separator():
     from dlmix.bench.client import send_request
-    chunks, pieces = _events()
-
-    async def ahandler(request):
-        async def gen():
-            for p in pieces:
-                yield p
-        return httpx.Response(200, content=gen(), headers={"content-type": "text/event-stream"})
+    _, pieces = _events()
 
     async def run():
-        async with httpx.AsyncClient(transport=httpx.MockTransport(ahandler)) as c:
+        async with httpx.AsyncClient(transport=_async_transport(pieces)) as c:
             return await send_request(c, "http://x", "m", [1, 2, 3], 2)
     res = asyncio.run(run())
     assert res.success and res.error in ("", None) and res.output_tokens == 2
