@@ -65,36 +65,42 @@ def sse_split(buffer: str, text: str) -> tuple:
     return lines, s[start:]
 
 
+class _SSELines:
+    """Incremental UTF-8 decoding plus :func:`sse_split`: ``feed(chunk)`` returns the lines a chunk completes,
+    ``close()`` the rest of the stream."""
+
+    def __init__(self) -> None:
+        import codecs
+
+        self._dec = codecs.getincrementaldecoder("utf-8")("replace")
+        self._rest = ""
+
+    def feed(self, chunk: bytes) -> list:
+        lines, self._rest = sse_split(self._rest, self._dec.decode(chunk))
+        return lines
+
+    def close(self) -> list:
+        lines, rest = sse_split(self._rest, self._dec.decode(b"", final=True))
+        rest = rest.rstrip("\r")
+        return lines + ([rest] if rest else [])
+
+
 def iter_sse_lines(response):
     """Lines of a streaming ``httpx.Response`` split at SSE line ends only (:func:`sse_split`)."""
-    import codecs
-
-    dec = codecs.getincrementaldecoder("utf-8")("replace")
-    rest = ""
+    d = _SSELines()
     for chunk in response.iter_bytes():
-        lines, rest = sse_split(rest, dec.decode(chunk))
-        yield from lines
-    lines, rest = sse_split(rest, dec.decode(b"", final=True))
-    yield from lines
-    if rest.rstrip("\r"):
-        yield rest.rstrip("\r")
+        yield from d.feed(chunk)
+    yield from d.close()
 
 
 async def aiter_sse_lines(response):
     """Async :func:`iter_sse_lines` for ``httpx.AsyncClient`` streams."""
-    import codecs
-
-    dec = codecs.getincrementaldecoder("utf-8")("replace")
-    rest = ""
+    d = _SSELines()
     async for chunk in response.aiter_bytes():
-        lines, rest = sse_split(rest, dec.decode(chunk))
-        for ln in lines:
+        for ln in d.feed(chunk):
             yield ln
-    lines, rest = sse_split(rest, dec.decode(b"", final=True))
-    for ln in lines:
+    for ln in d.close():
         yield ln
-    if rest.rstrip("\r"):
-        yield rest.rstrip("\r")
 
 
 def sse_lines(text: str) -> list:
@@ -102,3 +108,20 @@ def sse_lines(text: str) -> list:
     lines, rest = sse_split("", text)
     rest = rest.rstrip("\r")
     return lines + ([rest] if rest else [])
+
+
+def parse_cpus(cpus: str) -> list:
+    """Core ids of a core list (``"0"``, ``"0-3"``, ``"0,2-3"``; spaces ignored), sorted, without repeats: the
+    syntax of ``cpus:`` in a ``dlmix launch`` file and of ``VLLM_CPU_OMP_THREADS_BIND``.
+
+    Raises ValueError for anything else, a backwards range included."""
+    out = set()
+    for part in str(cpus).replace(" ", "").split(","):
+        lo, sep, hi = part.partition("-")
+        if not lo.isdigit() or (sep and not hi.isdigit()):
+            raise ValueError(f"cpus must be a core list like '0', '0-3' or '0,2-3', got {cpus!r}")
+        a, b = int(lo), int(hi) if sep else int(lo)
+        if b < a:
+            raise ValueError(f"cpus: range {part!r} runs backwards")
+        out.update(range(a, b + 1))
+    return sorted(out)

@@ -88,7 +88,8 @@ def test_simulator_reproduces_calibrated_formulas():
 
 
 def test_core_lists_and_cpu_flags(tmp_path):
-    from dlmix.sim.calibrate import _flags_text, cpu_flags, parse_cpus
+    from dlmix.net import parse_cpus
+    from dlmix.sim.calibrate import _flags_text, cpu_flags
 
     assert parse_cpus("0") == [0] and parse_cpus("0-1") == [0, 1] and parse_cpus("3, 0-1,1") == [0, 1, 3]
     for bad in ("", "a", "1-", "2-1", "0;1"):

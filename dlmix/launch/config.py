@@ -28,7 +28,6 @@ Unknown keys are errors (a typo never falls back to a default). See ``examples/*
 """
 from __future__ import annotations
 
-import re
 from pathlib import Path
 from typing import Any, Dict, List, Literal, Optional, Tuple
 
@@ -36,7 +35,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from dlmix.errors import ConfigError as _BaseConfigError
-from dlmix.net import url_host
+from dlmix.net import parse_cpus, url_host
 
 __all__ = ["ConfigError", "Deployment", "Instance", "KVSettings", "RouterSettings", "ConnectorSettings",
            "RestartPolicy", "K8sSettings", "K8sInstanceSettings", "DEVICE_VISIBILITY_ENV", "parse_deployment"]
@@ -53,7 +52,6 @@ DEVICE_VISIBILITY_ENV = {
     "maca": "CUDA_VISIBLE_DEVICES",
 }
 DEVICES = ("cpu",) + tuple(DEVICE_VISIBILITY_ENV)
-_CPUS_RE = re.compile(r"^\s*\d+(\s*-\s*\d+)?(\s*,\s*\d+(\s*-\s*\d+)?)*\s*$")
 
 
 class ConfigError(_BaseConfigError):
@@ -241,8 +239,8 @@ class Instance(_Strict):
     @field_validator("cpus")
     @classmethod
     def _cpus(cls, v: Optional[str]) -> Optional[str]:
-        if v is not None and not _CPUS_RE.match(str(v)):
-            raise ValueError(f"cpus must be a core list like '0', '0-3' or '0,2-3', got {v!r}")
+        if v is not None:
+            parse_cpus(v)  # ValueError names the accepted forms
         return None if v is None else str(v).replace(" ", "")
 
     @field_validator("extra_args", mode="before")

@@ -46,6 +46,7 @@ from typing import Dict, List, Optional
 import yaml
 
 from dlmix.launch.config import DEVICE_VISIBILITY_ENV, ConfigError, ConnectorSettings, Deployment
+from dlmix.net import parse_cpus
 
 __all__ = ["Manifests", "build_manifests", "emit_k8s", "dns_name", "SIDE_CHANNEL_PORT"]
 
@@ -78,14 +79,7 @@ class Manifests:
 
 
 def _cpu_count(cpus: Optional[str]) -> int:
-    n = 0
-    for part in (cpus or "").split(","):
-        if "-" in part:
-            a, b = part.split("-")
-            n += int(b) - int(a) + 1
-        elif part:
-            n += 1
-    return n
+    return len(parse_cpus(cpus)) if cpus else 0
 
 
 def _http_probe(path: str, port: int, period: int, failures: int, timeout: int = 5) -> dict:

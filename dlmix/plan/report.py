@@ -32,7 +32,8 @@ def launch_deployment(pl: Planner, c: Candidate, model_ref: Optional[str] = None
     """``c`` as a ``dlmix launch`` mapping (:func:`dlmix.launch.config.parse_deployment` schema): one instance per
     engine, named ``HOST-CHIP-ROLE-K``, ``devices`` numbered per host (a CPU instance of size ``t``: one engine
     pinned to ``t`` cores, ``cpus``), ports from 8100, the engine settings the plan simulated
-    (``--max-num-batched-tokens``, ``--max-num-seqs`` in ``extra_args``), the router with the plan's policy. ``dlmix launch`` starts processes on one host: instances of other hosts need their ``host`` set there."""
+    (``--max-num-batched-tokens``, ``--max-num-seqs`` in ``extra_args``), the router with the plan's policy.
+    ``dlmix launch`` starts processes on one host: instances of other hosts need their ``host`` set there."""
     model = model_ref or HUB_IDS.get(pl.model.name, pl.model.name or "model")
     insts: List[dict] = []
     max_len = int(max(pl.wl.input_len + pl.wl.output_len))

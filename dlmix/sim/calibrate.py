@@ -39,7 +39,7 @@ from typing import Dict, List, Sequence, Tuple
 
 import numpy as np
 
-from dlmix.net import iter_sse_lines
+from dlmix.net import iter_sse_lines, parse_cpus
 
 PREFILL_NS = (32, 128, 256, 512, 768, 1024, 1536, 1920)
 DECODE_BS = ((1, 64), (2, 64), (4, 64), (8, 64), (1, 1024), (4, 512), (8, 256))
@@ -176,22 +176,6 @@ def measure_decode(url: str, model: str, points: Sequence[Tuple[int, int]], toke
             raise RuntimeError(f"decode point B={b} N={n}: streams returned too few tokens")
         out.append((int(b), int(b * (n + tokens // 2)), float(statistics.median(per))))
     return out
-
-
-def parse_cpus(cpus: str) -> List[int]:
-    """Core ids of a core list (``"0"``, ``"0-3"``, ``"0,2-3"``), sorted, without repeats.
-
-    Raises ValueError for anything else (the syntax of ``cpus:`` in a ``dlmix launch`` file)."""
-    out = set()
-    for part in str(cpus).replace(" ", "").split(","):
-        lo, sep, hi = part.partition("-")
-        if not lo.isdigit() or (sep and not hi.isdigit()):
-            raise ValueError(f"cpus must be a core list like '0', '0-3' or '0,2-3', got {cpus!r}")
-        a, b = int(lo), int(hi) if sep else int(lo)
-        if b < a:
-            raise ValueError(f"cpus: range {part!r} runs backwards")
-        out.update(range(a, b + 1))
-    return sorted(out)
 
 
 def cpu_flags(path: str = "/proc/cpuinfo") -> Dict[str, object]:
