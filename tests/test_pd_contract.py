@@ -145,7 +145,7 @@ def test_pair_check_reasons():
     assert len(r) == 1 and "fingerprint" in r[0]
     assert check_pair(a, _layout(fp="sha256:bb"), verify_weights=False) == []
     assert any("layers" in x for x in check_pair(a, _layout(layers=4)))
-    assert any("TP size differs" in x for x in check_pair(a, _layout(tp=2)))
+    assert check_pair(a, _layout(tp=2)) == []  # each consumer rank reads its heads from the producer ranks holding them
     assert check_pair({"nonsense": 1}, a)[0].startswith("malformed layout descriptor")
     assert check_pair(a, None)[0].startswith("malformed layout descriptor")  # type: ignore[arg-type]
 

@@ -72,7 +72,7 @@ def test_fuzz_10000_cases_refused_no_crash_no_block_held(rig):
     cons_bad0 = ep.stats["bad_messages"]
     refusals: list = []
     orig_deliver = ep._slots.deliver
-    ep._slots.deliver = lambda m: refusals.append(m) or orig_deliver(m)  # answers reaching the consumer
+    ep._slots.deliver = lambda peer, m: refusals.append(m) or orig_deliver(peer, m)  # answers reaching the consumer
     by_layer: Counter = Counter()
 
     # ---- consumer: parameters

@@ -23,7 +23,7 @@ from typing import Any, Callable
 from dlmix.kv.layout import KVLayout
 
 from .contract import ContractError, Extend, TransferParams, Want, decode_params, encode
-from .engine import plane_count, plane_page_bytes, region_names
+from .engine import head_subset, page_runs, plane_count, plane_page_bytes, region_names
 from .pair import check_pair, layout_of
 
 log = logging.getLogger("dlmix.pd.consumer")
@@ -109,9 +109,9 @@ def claim(params: Any, layout: KVLayout, num_prompt_tokens: int, local_hit_token
     reasons = _cached_pair(p.layout, layout, verify_weights)
     if reasons:
         return Claim(refused="; ".join(reasons), params=p)
-    if tp_rank >= len(p.transports):
-        return Claim(refused=f"producer has {len(p.transports)} TP rank(s), consumer rank {tp_rank} has none",
-                     params=p)
+    src_tp = layout_of(p.layout).tp_size
+    if len(p.transports) != src_tp:
+        return Claim(refused=f"producer sent {len(p.transports)} transport(s) for its {src_tp} TP rank(s)", params=p)
     if p.digest is not None and prompt_token_ids is not None:
         from .contract import prompt_digest
 
@@ -154,63 +154,107 @@ class Consumer:
         self.verify_weights = verify_weights
         self._pull_lock = threading.Lock()  # one pull at a time uses the staging region
 
-    def release(self, remote: dict[str, Any], remote_req_id: str, consumed: bool) -> None:
-        """Tell producer ``remote`` (transport descriptor) it may free ``remote_req_id``'s blocks.
-        Raises the transport's error when the producer is unreachable (its hold timeout frees them then)."""
+    def _targets(self, remote: Any) -> tuple[dict[int, dict[str, Any]], int]:
+        """Producer ranks this rank may read or must release, and the ``ranks`` count to state to each.
+
+        ``remote``: one transport descriptor (the producer rank paired with this rank: equal TP sizes) or the list
+        of every producer rank's descriptor in rank order. Equal TP sizes: rank ``r`` deals with producer rank ``r``
+        only. Different TP sizes: every rank of this instance releases every producer rank (so a producer rank that
+        no one reads, a replica of a head, is released too), hence ``ranks`` = this instance's TP size."""
+        if isinstance(remote, dict):
+            return {self.layout.tp_rank: remote}, 1
+        remotes = list(remote)
+        if not remotes:
+            raise ValueError("no producer transports given")
+        if len(remotes) == self.layout.tp_size:
+            return {self.layout.tp_rank: remotes[self.layout.tp_rank]}, 1
+        return dict(enumerate(remotes)), self.layout.tp_size
+
+    def release(self, remote: dict[str, Any] | list[dict[str, Any]], remote_req_id: str, consumed: bool) -> None:
+        """Tell the producer (``remote``: see :meth:`_targets`) it may free ``remote_req_id``'s blocks: every
+        producer rank this rank deals with. Raises the transport's error when a producer rank is unreachable (its
+        hold timeout frees the blocks then), after notifying the others."""
         from .contract import Abort, Consumed
 
-        peer = self.t.connect(remote, timeout_s=self.io_timeout_s)
-        msg = Consumed(req=remote_req_id) if consumed else Abort(req=remote_req_id)
-        self.t.notify(peer, encode(msg))
+        targets, ranks = self._targets(remote)
+        msg = Consumed(req=remote_req_id, ranks=ranks) if consumed else Abort(req=remote_req_id, ranks=ranks)
+        err: Exception | None = None
+        for desc in targets.values():
+            try:
+                peer = self.t.connect(desc, timeout_s=self.io_timeout_s)
+                self.t.notify(peer, encode(msg))
+            except Exception as e:
+                err = e
+        if err is not None:
+            raise err
 
-    def pull(self, remote: dict[str, Any], remote_req_id: str, remote_block_ids: list[int], start: int, end: int,
-             local_block_ids: list[int], cancelled: Callable[[], bool] = lambda: False, *,
+    def pull(self, remote: dict[str, Any] | list[dict[str, Any]], remote_req_id: str, remote_block_ids: list[int],
+             start: int, end: int, local_block_ids: list[int], cancelled: Callable[[], bool] = lambda: False, *,
              src_layout: KVLayout | dict[str, Any] | None = None, digest: str | None = None,
              dst_layers: list[Any] | None = None) -> PullResult:
         """Load tokens ``[start, end)`` of the producer's request into this rank's blocks ``local_block_ids`` (the
-        request's block table in token order). ``src_layout``: the producer's layout from the parameters (None:
-        ask the producer for it once, in the ``blocks_ready`` answer). ``digest``: this request's prompt digest
-        (the producer refuses a mismatch). ``dst_layers``: other caches of this rank's layout to load into instead
-        of its own (a receive buffer an engine re-encodes afterwards, e.g. into an int8 cache). Never raises (see
+        request's block table in token order).
+
+        ``remote``: the producer rank's transport descriptor, or every producer rank's in rank order (see
+        :meth:`_targets`). When the TP sizes differ, :func:`dlmix.kv.plan_heads` picks which producer rank provides
+        which of this rank's KV heads (a replicated head is read once), each is asked for a grant, and only the
+        bytes of those heads are read when the producer's arrangement allows (:func:`dlmix.pd.engine.page_runs`;
+        else whole pages), then :func:`dlmix.kv.ops.convert_from_ranks` assembles this rank's blocks.
+        ``src_layout``: the producer's layout from the parameters (None: ask the producer for it once, in the
+        ``blocks_ready`` answer; one producer rank only). ``digest``: this request's prompt digest (the producer
+        refuses a mismatch). ``dst_layers``: other caches of this rank's layout to load into instead of its own (a
+        receive buffer an engine re-encodes afterwards, e.g. into an int8 cache). Never raises (see
         :class:`PullResult`)."""
         t0 = time.perf_counter()
         res = PullResult(loaded_upto=start)
         try:
             if self.staging is None:
                 raise RuntimeError("this endpoint has no staging region (not a consumer)")
+            targets, ranks = self._targets(remote)
             src = None
             if src_layout is not None:
-                src = layout_of(src_layout).with_rank(self.layout.tp_rank)
+                src = layout_of(src_layout)
                 reasons = check_pair(src, self.layout, verify_weights=self.verify_weights)
                 if reasons:
                     raise PermissionError("incompatible prefill/decode pair: " + "; ".join(reasons))
-            peer = self.t.connect(remote, timeout_s=self.io_timeout_s)
-            ev, box = self.slots.open(remote_req_id)
+            elif len(targets) > 1:
+                raise ValueError("pulling from several producer ranks needs the producer's layout")
+            plan = self._plan(src, targets)
+            peers: dict[int, str] = {p: self.t.connect(targets[p], timeout_s=self.io_timeout_s) for p, _ in plan}
+            slots = {p: (peers[p], self.slots.open(peers[p], remote_req_id)) for p, _ in plan}
             try:
-                self.t.notify(peer, encode(Want(req=remote_req_id, block_ids=[int(b) for b in remote_block_ids],
-                                                layout=self.layout.to_dict(), digest=digest,
-                                                send_layout=src is None)))
+                for p, _ in plan:
+                    self.t.notify(peers[p], encode(Want(req=remote_req_id, block_ids=[int(b) for b in remote_block_ids],
+                                                        layout=self.layout.to_dict(), digest=digest,
+                                                        send_layout=src is None, ranks=ranks)))
                 deadline = time.monotonic() + self.registration_wait_s + self.io_timeout_s
-                while not ev.wait(0.1):
-                    # A producer killed just before (its socket not yet seen closed when we notified) drops out of
-                    # the live peers within a moment: fail fast instead of waiting for the timeout.
-                    if peer not in self.t.peers():
-                        raise ConnectionError(f"prefill {peer} disconnected before answering for {remote_req_id}")
-                    if time.monotonic() > deadline:
-                        raise TimeoutError(f"no answer from prefill {peer} for {remote_req_id}")
+                for p, (peer, (ev, _box)) in slots.items():
+                    while not ev.wait(0.1):
+                        # A producer killed just before (its socket not yet seen closed when we notified) drops out
+                        # of the live peers within a moment: fail fast instead of waiting for the timeout.
+                        if peer not in self.t.peers():
+                            raise ConnectionError(f"prefill {peer} disconnected before answering for {remote_req_id}")
+                        if time.monotonic() > deadline:
+                            raise TimeoutError(f"no answer from prefill {peer} for {remote_req_id}")
             finally:
-                self.slots.close(remote_req_id, (ev, box))
-            reply = box[0]
-            if reply.__class__.__name__ == "Refuse":
-                raise PermissionError("prefill refused: " + "; ".join(reply.reasons))
-            if src is None:
-                if reply.layout is None:
-                    raise RuntimeError("producer sent no layout and none came with the parameters")
-                src = layout_of(reply.layout)
-                reasons = check_pair(src, self.layout, verify_weights=self.verify_weights)
-                if reasons:
-                    raise PermissionError("incompatible prefill/decode pair: " + "; ".join(reasons))
-            self._rounds(peer, remote_req_id, src, [int(b) for b in remote_block_ids], start, end,
+                for peer, slot in slots.values():
+                    self.slots.close(peer, remote_req_id, slot)
+            tids: dict[int, str] = {}
+            for p, (_peer, (_ev, box)) in slots.items():
+                reply = box[0]
+                if reply.__class__.__name__ == "Refuse":
+                    raise PermissionError("prefill refused: " + "; ".join(reply.reasons))
+                tids[p] = reply.tid or remote_req_id
+                if src is None:
+                    if reply.layout is None:
+                        raise RuntimeError("producer sent no layout and none came with the parameters")
+                    src = layout_of(reply.layout)
+                    reasons = check_pair(src, self.layout, verify_weights=self.verify_weights)
+                    if reasons:
+                        raise PermissionError("incompatible prefill/decode pair: " + "; ".join(reasons))
+                    plan = self._plan(src, targets)
+            sources = [(peers[p], tids[p], src.with_rank(p), heads) for p, heads in plan]
+            self._rounds(remote_req_id, sources, [int(b) for b in remote_block_ids], start, end,
                          list(local_block_ids), res, cancelled, self.layers if dst_layers is None else dst_layers)
         except Exception as e:
             res.error = f"{type(e).__name__}: {e}"
@@ -218,27 +262,50 @@ class Consumer:
         res.seconds = time.perf_counter() - t0
         return res
 
+    def _plan(self, src: KVLayout | None, targets: dict[int, dict[str, Any]]) -> list[tuple[int, tuple[int, ...]]]:
+        """``[(producer rank, KV heads it provides to this rank)]``; before the layout is known, the one target."""
+        if src is None:
+            (p,) = targets
+            return [(p, tuple(self.layout.heads_for_rank()))]
+        if any(not 0 <= p < src.tp_size for p in targets) or (len(targets) == 1 and src.tp_size > 1
+                                                               and src.tp_size != self.layout.tp_size):
+            raise ValueError(f"producer has TP {src.tp_size} and this consumer TP {self.layout.tp_size} (rank "
+                             f"{self.layout.tp_rank}): the pull needs every producer rank's transport, in rank order")
+        ranks = sorted(targets)
+        from dlmix.kv.ops import plan_heads
+
+        return [(ranks[i], heads) for i, heads in plan_heads([src.with_rank(p) for p in ranks], self.layout)]
+
     def pull_params(self, params: TransferParams, start: int, end: int, local_block_ids: list[int],
                     cancelled: Callable[[], bool] = lambda: False, *, digest: str | None = None) -> PullResult:
-        """:meth:`pull` driven by decoded parameters (this rank's transport, the layout that came with them)."""
-        try:
-            remote = params.transport_for_rank(self.layout.tp_rank)
-        except ContractError as e:
-            return PullResult(loaded_upto=start, error=f"ContractError: {e.reason}",
-                              failed_block_ids=failed_blocks(self.layout.block_size, local_block_ids, start, end))
-        return self.pull(remote, params.request_id, params.block_ids, start, end, local_block_ids, cancelled,
-                         src_layout=params.layout, digest=digest)
+        """:meth:`pull` driven by decoded parameters (every producer rank's transport, the layout that came with
+        them)."""
+        return self.pull(list(params.transports), params.request_id, params.block_ids, start, end, local_block_ids,
+                         cancelled, src_layout=params.layout, digest=digest)
 
-    def _rounds(self, peer: str, rid: str, src: KVLayout, rblocks: list[int], start: int, end: int,
-                lblocks: list[int], res: PullResult, cancelled: Callable[[], bool], dst_layers: list[Any]) -> None:
+    def _rounds(self, rid: str, sources: list[tuple[str, str, KVLayout, tuple[int, ...]]], rblocks: list[int],
+                start: int, end: int, lblocks: list[int], res: PullResult, cancelled: Callable[[], bool],
+                dst_layers: list[Any]) -> None:
+        """Read and convert in staging rounds. ``sources``: ``(peer, transfer id, producer rank layout, heads)``
+        per producer rank read. Staging per round: source by source, layer by layer, plane by plane, block by
+        block, each block holding the source's heads for this rank (a :func:`head_subset` page)."""
         from dlmix.kv.ops import convert as kv_convert
-        from dlmix.kv.ops import torch_dtype
+        from dlmix.kv.ops import convert_from_ranks, torch_dtype
 
-        L = src.model.num_layers
-        P = plane_count(src)
-        pp = plane_page_bytes(src)
-        ns = src.block_size
-        per_block = L * P * pp  # staging bytes per producer block (all layers and planes)
+        src0 = sources[0][2]
+        L = src0.model.num_layers
+        P = plane_count(src0)
+        ns = src0.block_size
+        names = region_names(src0)
+        sdt = torch_dtype(src0)
+        spec = []  # (peer, tid, staged layout, runs per plane, staged bytes per plane page, source page bytes)
+        for peer, tid, lay, heads in sources:
+            runs = page_runs(lay, heads)
+            sub = head_subset(lay, heads) if runs is not None else lay
+            if runs is None:
+                runs = [[(0, plane_page_bytes(lay))] for _ in range(P)]
+            spec.append((peer, tid, sub, runs, plane_page_bytes(sub), plane_page_bytes(lay)))
+        per_block = sum(L * P * sp for *_, sp, _pp in spec)  # staging bytes per producer block
         cap = self.staging.numel() // per_block
         if cap < 1:
             raise ValueError(f"staging region of {self.staging.numel()} B cannot hold one prefill block "
@@ -246,44 +313,61 @@ class Consumer:
         b0, b1 = start // ns, (end + ns - 1) // ns
         if b1 > len(rblocks):
             raise ValueError(f"remote has {len(rblocks)} blocks, tokens up to {end} need {b1}")
-        sdt = torch_dtype(src)
-        names = region_names(src)
         with self._pull_lock:
             c0 = b0
             while c0 < b1:
                 if cancelled():
                     raise RuntimeError("cancelled: the decode request finished before its KV arrived")
-                if c0 > b0:  # a long transfer: keep the prefill hold (and grant) alive for the next round
-                    self.t.notify(peer, encode(Extend(req=rid)))
+                if c0 > b0:  # a long transfer: keep the prefill holds (and grants) alive for the next round
+                    for peer, *_ in spec:
+                        self.t.notify(peer, encode(Extend(req=rid)))
                 c1 = min(b1, c0 + cap)
                 n = c1 - c0
-                segs = []
-                for layer in range(L):
-                    for pl in range(P):
-                        base = (layer * P + pl) * n * pp
-                        i = 0
-                        while i < n:  # merge runs of consecutive remote blocks into one segment
-                            j = i + 1
-                            while j < n and rblocks[c0 + j] == rblocks[c0 + j - 1] + 1:
-                                j += 1
-                            segs.append(("staging", base + i * pp, names[layer][pl], rblocks[c0 + i] * pp,
-                                         (j - i) * pp))
-                            i = j
-                h = self.t.read(peer, segs, transfer_id=rid, timeout_s=self.io_timeout_s)
-                res.bytes_received += h.result(timeout=self.io_timeout_s + 5)
-                res.peak_staging_bytes = max(res.peak_staging_bytes, L * P * n * pp)
+                handles, areas, base = [], [], 0
+                for peer, tid, sub, runs, sp, pp in spec:
+                    segs = []
+                    for layer in range(L):
+                        for pl in range(P):
+                            at = base + (layer * P + pl) * n * sp
+                            if len(runs[pl]) == 1:  # the whole page or one run of it: merge consecutive blocks
+                                off0, ln = runs[pl][0]
+                                i = 0
+                                while i < n:
+                                    j = i + 1
+                                    while ln == pp and j < n and rblocks[c0 + j] == rblocks[c0 + j - 1] + 1:
+                                        j += 1
+                                    segs.append(("staging", at + i * sp, names[layer][pl],
+                                                 rblocks[c0 + i] * pp + off0, (j - i) * ln))
+                                    i = j
+                            else:
+                                for i in range(n):
+                                    o = at + i * sp
+                                    for off, ln in runs[pl]:
+                                        segs.append(("staging", o, names[layer][pl], rblocks[c0 + i] * pp + off, ln))
+                                        o += ln
+                    handles.append(self.t.read(peer, segs, transfer_id=tid, timeout_s=self.io_timeout_s))
+                    areas.append((base, sub, sp))
+                    base += L * P * n * sp
+                for h in handles:
+                    res.bytes_received += h.result(timeout=self.io_timeout_s + 5)
+                res.peak_staging_bytes = max(res.peak_staging_bytes, base)
                 res.rounds += 1
                 # convert tokens [t0, t1) from the staged producer pages into our blocks
                 t0, t1 = max(start, c0 * ns), min(end, c1 * ns)
-                src_caches = [self._staged_layer(src, sdt, layer, n, P, pp) for layer in range(L)]
                 src_table = [0] * c0 + list(range(n))
-                kv_convert(src, src_caches, src_table, self.layout, dst_layers, lblocks, t1, t0,
-                           relax_fingerprint=not self.verify_weights)
+                staged = [(sub, [self._staged_layer(sub, sdt, at, layer, n, P, sp) for layer in range(L)], src_table)
+                          for at, sub, sp in areas]
+                if len(staged) == 1:
+                    kv_convert(staged[0][0], staged[0][1], src_table, self.layout, dst_layers, lblocks, t1, t0,
+                               relax_fingerprint=not self.verify_weights)
+                else:
+                    convert_from_ranks(staged, self.layout, dst_layers, lblocks, t1, t0,
+                                       relax_fingerprint=not self.verify_weights)
                 res.loaded_upto = t1
                 c0 = c1
 
-    def _staged_layer(self, src: KVLayout, sdt: Any, layer: int, n: int, P: int, pp: int) -> Any:
-        area = self.staging[layer * P * n * pp:(layer + 1) * P * n * pp]
+    def _staged_layer(self, src: KVLayout, sdt: Any, at: int, layer: int, n: int, P: int, pp: int) -> Any:
+        area = self.staging[at + layer * P * n * pp:at + (layer + 1) * P * n * pp]
         shape = src.layer_shape(n)
         if src.separate_kv:
             return tuple(area[i * n * pp:(i + 1) * n * pp].view(sdt).view(shape[i]) for i in range(2))

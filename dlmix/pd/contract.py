@@ -84,6 +84,8 @@ _INT32_MIN, _INT32_MAX = -(2 ** 31), 2 ** 31 - 1
 NonNegInt = Annotated[int, msgspec.Meta(ge=0)]
 Port = Annotated[int, msgspec.Meta(ge=0, le=65535)]
 Ident = Annotated[str, msgspec.Meta(min_length=1, max_length=512)]
+#: TP ranks of one instance (the bound of :class:`TransferParams` ``transports``)
+Ranks = Annotated[int, msgspec.Meta(ge=1, le=1024)]
 
 
 class ContractError(ValueError):
@@ -287,12 +289,16 @@ class Want(_Msg, tag="want"):
     ``layout``: the consumer's KVLayout dict (the producer's security gate checks the pair with it).
     ``digest``: the consumer's prompt digest (optional; the producer refuses a mismatch with its hold's digest).
     ``send_layout``: ask the producer to include its layout in :class:`Ready` (only for callers that have no
-    :class:`TransferParams`; the engine path never sets it)."""
+    :class:`TransferParams`; the engine path never sets it).
+    ``ranks``: how many ranks of the consumer's decode instance will read or release this producer rank (its TP
+    size when the two sides' TP sizes differ; 1 otherwise): each may be granted, and the hold waits for a
+    ``blocks_consumed``/``abort`` from each."""
 
     block_ids: Annotated[list[NonNegInt], msgspec.Meta(max_length=1 << 22)]
     layout: dict[str, Any]
     digest: str | None = None
     send_layout: bool = False
+    ranks: Ranks = 1
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -302,9 +308,11 @@ class Want(_Msg, tag="want"):
 
 class Ready(_Msg, tag="blocks_ready"):
     """Producer -> consumer: the grant for ``req`` is in place. ``layout``: the producer's layout, only when the
-    Want asked for it (``send_layout``)."""
+    Want asked for it (``send_layout``). ``tid``: the transfer id the grant was made under, when it is not ``req``
+    (a second rank of the same decode instance reading this producer rank gets a grant of its own)."""
 
     layout: dict[str, Any] | None = None
+    tid: Annotated[str, msgspec.Meta(min_length=1, max_length=520)] | None = None
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -324,11 +332,17 @@ class Extend(_Msg, tag="extend"):
 
 
 class Consumed(_Msg, tag="blocks_consumed"):
-    """Consumer -> producer: ``req``'s blocks were read; release the hold."""
+    """Consumer -> producer: ``req``'s blocks were read; release the hold once each of the ``ranks`` consumer ranks
+    (see :class:`Want`) has said so."""
+
+    ranks: Ranks = 1
 
 
 class Abort(_Msg, tag="abort"):
-    """Consumer -> producer: ``req``'s blocks will not be read (refused, failed, aborted); release the hold."""
+    """Consumer -> producer: ``req``'s blocks will not be read (refused, failed, aborted); release the hold once each
+    of the ``ranks`` consumer ranks has released it."""
+
+    ranks: Ranks = 1
 
 
 #: Any control message.

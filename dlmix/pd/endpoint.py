@@ -30,22 +30,23 @@ DEFAULT_LOOPBACK_SECRET = "dlmix-loopback-only"
 
 
 class _Slots:
-    """Answers (``blocks_ready``/``refused``) awaited by pulls, by request id. Several pulls of one remote request
-    (the ``n`` choices of one prefill) wait in the order they asked; the producer answers one peer's wants in order,
-    so each answer goes to the oldest pull still waiting."""
+    """Answers (``blocks_ready``/``refused``) awaited by pulls, by producer peer and request id. Several pulls of one
+    remote request (the ``n`` choices of one prefill) wait in the order they asked; the producer answers one peer's
+    wants in order, so each answer goes to the oldest pull still waiting."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._slots: dict[str, list[tuple[threading.Event, list]]] = {}
+        self._slots: dict[tuple[str, str], list[tuple[threading.Event, list]]] = {}
 
-    def open(self, req: str) -> tuple[threading.Event, list]:
+    def open(self, peer: str, req: str) -> tuple[threading.Event, list]:
         slot = (threading.Event(), [])
         with self._lock:
-            self._slots.setdefault(req, []).append(slot)
+            self._slots.setdefault((peer, req), []).append(slot)
         return slot
 
-    def close(self, req: str, slot: tuple[threading.Event, list] | None = None) -> None:
-        """Stop waiting: ``slot`` (from :meth:`open`) or, when None, every pull of ``req``."""
+    def close(self, peer: str, req: str, slot: tuple[threading.Event, list] | None = None) -> None:
+        """Stop waiting: ``slot`` (from :meth:`open`) or, when None, every pull of ``req`` from ``peer``."""
+        req = (peer, req)
         with self._lock:
             waiting = self._slots.get(req)
             if waiting is None:
@@ -57,9 +58,9 @@ class _Slots:
             if not waiting:
                 del self._slots[req]
 
-    def deliver(self, msg: Ready | Refuse) -> bool:
+    def deliver(self, peer: str, msg: Ready | Refuse) -> bool:
         with self._lock:
-            waiting = self._slots.get(msg.req)
+            waiting = self._slots.get((peer, msg.req))
             slot = next((s for s in waiting if not s[0].is_set()), None) if waiting else None
             if slot is None:
                 return False
@@ -146,7 +147,7 @@ class KVEndpoint:
             self._work.put((n.peer, n.msg, e))
             return
         if isinstance(msg, (Ready, Refuse)):
-            if not self._slots.deliver(msg):
+            if not self._slots.deliver(n.peer, msg):
                 log.debug("dlmix.pd: unexpected %s for %s from %s", type(msg).__name__, msg.req, n.peer)
             return
         self._work.put((n.peer, msg, None))

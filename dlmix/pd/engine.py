@@ -19,12 +19,14 @@ transfer parameters), so nothing else is exchanged.
 """
 from __future__ import annotations
 
+import functools
+from dataclasses import replace
 from typing import Any, Protocol, Sequence, runtime_checkable
 
 from dlmix.kv.layout import KVLayout
 
 __all__ = ["EngineKV", "LifecycleHooks", "plane_count", "plane_page_bytes", "region_names", "layer_planes",
-           "check_caches"]
+           "check_caches", "head_subset", "page_runs"]
 
 _TWO_PLANE_SINGLE = ("vllm_flash_nhd", "vllm_flash_hnd")
 
@@ -117,3 +119,78 @@ def check_caches(layout: KVLayout, layers: Sequence[Any]) -> int:
             raise ValueError(f"layer {i}: {n} blocks, layer 0 has {nb}")
         nb = n
     return int(nb or 0)
+
+
+def head_subset(layout: KVLayout, heads: Sequence[int]) -> KVLayout:
+    """The layout of a rank that holds exactly the KV heads ``heads`` (global ids, consecutive ascending) in
+    ``layout``'s arrangement, block size and dtype: ``layout`` re-ranked to the equal split of the model's heads
+    whose rank ``heads`` is. The intersection of two ranks of equal splits (prefill and decode TP) is always such a
+    run. Raises ValueError when ``heads`` is not a rank of an equal split or ``layout`` does not hold it."""
+    heads = tuple(int(h) for h in heads)
+    have = layout.heads_for_rank()
+    if heads == tuple(have):
+        return layout
+    if not heads or not set(heads) <= set(have):
+        raise ValueError(f"rank {layout.tp_rank} of TP {layout.tp_size} holds KV heads {list(have)}, not "
+                         f"{list(heads)}")
+    H, n = layout.model.num_kv_heads, len(heads)
+    if H % n or heads[0] % n:
+        raise ValueError(f"KV heads {list(heads)} are not one rank of an equal split of {H} heads")
+    sub = replace(layout, tp_size=H // n, tp_rank=heads[0] // n)
+    if tuple(sub.heads_for_rank()) != heads:
+        raise ValueError(f"KV heads {list(heads)} are not one rank of an equal split of {H} heads")
+    return sub
+
+
+def page_runs(layout: KVLayout, heads: Sequence[int]) -> list[list[tuple[int, int]]] | None:
+    """Byte runs ``(offset, length)`` inside one block of each region plane (:func:`region_names` order) that hold
+    the KV heads ``heads`` of ``layout``'s rank, such that the runs read in order and laid end to end form one block
+    of :func:`head_subset` ``(layout, heads)``'s planes. A consumer rank reads exactly these runs, so it receives
+    only the heads it owns. None when the arrangement interleaves heads so that no such reading exists (then the
+    whole block is read and the heads are picked out during conversion). All heads: one run per plane, the page."""
+    return _page_runs(layout.to_json(), tuple(int(h) for h in heads))
+
+
+@functools.lru_cache(maxsize=256)
+def _page_runs(layout_json: str, heads: tuple[int, ...]) -> list[list[tuple[int, int]]] | None:
+    import torch
+
+    src = KVLayout.from_json(layout_json)
+    sub = head_subset(src, heads)
+    P = plane_count(src)
+    if sub is src:
+        return [[(0, plane_page_bytes(src))] for _ in range(P)]
+
+    def element_views(lay: KVLayout) -> list[list[torch.Tensor]]:
+        """Per region plane: the ``[N, H, D]`` views (K and/or V) of one block whose values are element offsets
+        inside that plane's page."""
+        shape = lay.layer_shape(1)
+        cache: Any = tuple(torch.empty(s, dtype=torch.int64) for s in shape) if lay.separate_kv \
+            else torch.empty(shape, dtype=torch.int64)
+        planes = layer_planes(lay, cache)
+        for pl in planes:
+            pl.view(-1).copy_(torch.arange(pl.numel()))
+        views = lay.arrangement_spec.plane_views(cache, lay.block_size, lay.num_local_heads, lay.model.head_size)
+        if len(planes) == 1:
+            return [[v[0] for v in views]]
+        return [[v[0]] for v in views]  # two planes: K in the first, V in the second
+
+    src_views, sub_views = element_views(src), element_views(sub)
+    local = src.heads_for_rank()
+    h0 = local.index(heads[0])
+    item = src.itemsize
+    out: list[list[tuple[int, int]]] = []
+    for sv, dv in zip(src_views, sub_views):
+        picked = [v[:, h0:h0 + len(heads), :].reshape(-1) for v in sv]
+        allsel, _ = torch.sort(torch.cat(picked))
+        for p, d in zip(picked, dv):  # the n-th selected element (in page order) must be the sub page's element n
+            if not torch.equal(torch.searchsorted(allsel, p), d.reshape(-1)):
+                return None
+        runs: list[tuple[int, int]] = []
+        for off in allsel.tolist():
+            if runs and runs[-1][0] + runs[-1][1] == off:
+                runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+            else:
+                runs.append((off, 1))
+        out.append([(o * item, n * item) for o, n in runs])
+    return out

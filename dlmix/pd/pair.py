@@ -27,10 +27,10 @@ def check_pair(src: dict[str, Any] | KVLayout, dst: dict[str, Any] | KVLayout, *
     """Reasons why KV produced under ``src`` (producer/prefill) cannot be loaded under ``dst`` (consumer/decode);
     ``[]`` = compatible. Never raises.
 
-    Block size, dtype (incl. fp8 scales) and arrangement may differ: the pull path converts with
-    :func:`dlmix.kv.convert`. Required: :func:`dlmix.kv.check_compat` (architecture, layers, attention kind, KV
-    heads, head size, MLA dims, weights fingerprint unless ``verify_weights`` is False) and the pull path's limit:
-    equal TP sizes (consumer rank ``r`` reads producer rank ``r``; resharding is not done on the pull path).
+    Block size, dtype (incl. fp8 scales), arrangement and TP size may differ: the pull path converts with
+    :func:`dlmix.kv.convert`, and with different TP sizes each consumer rank reads its KV heads from the producer
+    ranks that hold them (:func:`dlmix.kv.plan_heads`). Required: :func:`dlmix.kv.check_compat` (architecture,
+    layers, attention kind, KV heads, head size, MLA dims, weights fingerprint unless ``verify_weights`` is False).
     A malformed descriptor gives one reason starting with ``malformed layout descriptor``.
     """
     try:
@@ -39,7 +39,4 @@ def check_pair(src: dict[str, Any] | KVLayout, dst: dict[str, Any] | KVLayout, *
         return [f"malformed layout descriptor: {e}"]
     reasons = list(check_compat(s, d, relax_fingerprint=not verify_weights, src_name=src_name,
                                 dst_name=dst_name).reasons)
-    if s.tp_size != d.tp_size:
-        reasons.append(f"TP size differs ({src_name} {s.tp_size}, {dst_name} {d.tp_size}): the pull path reads "
-                       "rank r from rank r and does not reshard")
     return reasons

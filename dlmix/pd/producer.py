@@ -29,7 +29,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from dlmix.kv.layout import KVLayout
@@ -51,8 +51,11 @@ MAX_CONSUMERS = 256
 class Hold:
     """A request whose blocks the engine keeps for a consumer. ``expiry``: ``time.monotonic()`` deadline (s);
     ``done``: released (consumed, aborted, expired) and waiting for the engine to take it; ``why``: the reason;
-    ``granted_to``: the peer holding the read grant; ``free_after``: engine-aborted with a grant: not before;
-    ``consumers``: consumed/abort notices still expected before the hold is released (>= 1)."""
+    ``peers``: consumer peer -> the transfer id its read grant was made under (one peer, unless the decode's TP
+    size differs and several of its ranks read this rank); ``free_after``: engine-aborted with a grant: not before;
+    ``consumers``: pulls per consumer rank (the ``n`` of a request whose decode fans out into ``n`` choices);
+    ``ranks``: consumer ranks that read or release this rank (the largest ``ranks`` a consumer stated);
+    ``released``: consumed/abort notices received (the hold is released at ``consumers * ranks``)."""
 
     req_id: str
     block_ids: list[int]
@@ -61,18 +64,24 @@ class Hold:
     digest: str | None = None
     done: bool = False
     why: str = ""
-    granted_to: str | None = None
     free_after: float = 0.0
     grants: int = 0
     consumers: int = 1
     alias: str = ""
-    grant_id: str = ""
+    peers: dict[str, str] = field(default_factory=dict)
+    ranks: int = 1
+    released: int = 0
+
+    @property
+    def granted_to(self) -> str | None:
+        """The first peer granted (None: never granted)."""
+        return next(iter(self.peers), None)
 
     def revoke(self, transport: Any) -> None:
-        """Revoke the read grant under both names it may have been made under."""
+        """Revoke every read grant of this hold (under each transfer id it was made under)."""
+        for tid in set(self.peers.values()):
+            transport.revoke(tid)
         transport.revoke(self.req_id)
-        if self.grant_id and self.grant_id != self.req_id:
-            transport.revoke(self.grant_id)
 
 
 def block_ranges(layout: KVLayout, block_ids: list[int]) -> list[tuple[str, int, int]]:
@@ -213,18 +222,19 @@ class Producer:
         elif isinstance(msg, Extend):
             with self.cv:
                 h = self._hold(msg.req)
-                if h is not None and not h.done and not h.free_after and h.granted_to == peer \
-                        and h.grant_id == msg.req:
+                tid = h.peers.get(peer) if h is not None else None
+                if tid is not None and not h.done and not h.free_after and _named(h, tid, msg.req):
                     h.expiry = max(h.expiry, time.monotonic() + self.io_timeout_s)
-                    self.t.grant(peer, msg.req, [], mode="r", expires_s=max(1.0, h.expiry - time.monotonic()))
+                    self.t.grant(peer, tid, [], mode="r", expires_s=max(1.0, h.expiry - time.monotonic()))
         elif isinstance(msg, (Consumed, Abort)):
             with self.cv:
                 h = self._hold(msg.req)
                 if h is not None and not h.done:
                     consumed = isinstance(msg, Consumed)
                     self.stats["consumed" if consumed else "aborted"] += 1
-                    h.consumers -= 1
-                    if h.consumers <= 0:
+                    h.ranks = max(h.ranks, msg.ranks)
+                    h.released += 1
+                    if h.released >= h.consumers * h.ranks:
                         self._release(h, "consumed" if consumed else "aborted")
         else:
             self.stats["bad_messages"] += 1
@@ -262,13 +272,20 @@ class Producer:
                 if msg.digest is not None and h.digest is not None and msg.digest != h.digest:
                     reasons.append(f"prompt of {rid} differs (consumer digest {msg.digest[:19]}..., held "
                                    f"{h.digest[:19]}...)")
-                if h.granted_to is not None and (h.granted_to != peer or h.grant_id != rid):
+                tid = h.peers.get(peer)
+                if tid is None and h.peers and (len(h.peers) >= max(h.ranks, msg.ranks)
+                                                 or not _named(h, next(iter(h.peers.values())), rid)):
                     reasons.append(f"request {rid} is already granted to another consumer")
+                elif tid is not None and not _named(h, tid, rid):
+                    reasons.append(f"request {rid} is already granted to another consumer (under another name)")
             if not reasons:
+                h.ranks = max(h.ranks, msg.ranks)
+                if tid is None:  # the first grantee reads under the name it used; a further rank gets its own id
+                    tid = rid if not h.peers else f"{rid}~{len(h.peers)}"
+                    h.peers[peer] = tid
                 h.expiry = max(h.expiry, time.monotonic() + self.io_timeout_s)
                 ranges = block_ranges(self.layout, h.block_ids)
-                self.t.grant(peer, rid, ranges, mode="r", expires_s=max(1.0, h.expiry - time.monotonic()))
-                h.granted_to, h.grant_id = peer, rid
+                self.t.grant(peer, tid, ranges, mode="r", expires_s=max(1.0, h.expiry - time.monotonic()))
                 h.grants += 1
                 self.stats["grants"] += 1
                 self.stats["bytes_granted"] += sum(r[2] for r in ranges)
@@ -277,7 +294,14 @@ class Producer:
             log.warning("dlmix.pd: refusing KV of %s to %s: %s", rid, peer, "; ".join(reasons))
             self._notify(peer, Refuse(req=rid, reasons=reasons))
         else:
-            self._notify(peer, Ready(req=rid, layout=self.layout.to_dict() if msg.send_layout else None))
+            self._notify(peer, Ready(req=rid, layout=self.layout.to_dict() if msg.send_layout else None,
+                                     tid=None if tid == rid else tid))
+
+
+def _named(h: Hold, tid: str, name: str) -> bool:
+    """Whether grant id ``tid`` of ``h`` belongs to the name ``name`` a consumer used (its request id or its block
+    alias; a further rank's id is that name with ``~k``)."""
+    return tid == name or tid.startswith(name + "~")
 
 
 def register_regions(transport: Any, layout: KVLayout, layers: list[Any]) -> None:

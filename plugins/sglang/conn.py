@@ -368,8 +368,8 @@ class DLMixKVManager(CommonKVManager):
 
     def _release(self, params: Any, room: int, consumed: bool) -> None:
         try:
-            remote = params.transport_for_rank(self.dlmix_tp_rank)
-            self.endpoint.release(remote, str(room), consumed)
+            # every prefill rank: with unequal TP sizes each decode rank releases each prefill rank (dlmix.pd.consumer)
+            self.endpoint.release(list(params.transports), str(room), consumed)
         except Exception as e:  # the prefill's hold timeout frees its pages then
             log.warning("dlmix transfer backend: cannot release room %s on prefill: %s", room, e)
 

@@ -183,9 +183,10 @@ def _post(client: httpx.Client, url: str, body: dict) -> dict:
 
 
 def request_body(kind: str, prompt: Any, max_tokens: int, *, stream: bool = False, logprobs: int = 2,
-                 ktp: dict | None = None) -> tuple[str, dict]:
+                 ktp: dict | None = None, extra: dict | None = None) -> tuple[str, dict]:
     """(path, body) of a greedy completion (``kind='completion'``, prompt = token ids or text) or chat request
-    (``kind='chat'``, prompt = user message text), asking for generated token ids and top-``logprobs``."""
+    (``kind='chat'``, prompt = user message text), asking for generated token ids and top-``logprobs``; ``extra``:
+    more body fields (e.g. ``{"ignore_eos": True}``)."""
     if kind == "chat":
         path = "/v1/chat/completions"
         body: dict[str, Any] = {"model": "smollm2", "messages": [{"role": "user", "content": prompt}],
@@ -200,6 +201,7 @@ def request_body(kind: str, prompt: Any, max_tokens: int, *, stream: bool = Fals
         body["stream"] = True
     if ktp is not None:
         body["kv_transfer_params"] = ktp
+    body.update(extra or {})
     return path, body
 
 
@@ -219,14 +221,14 @@ def result_tokens(resp: dict) -> tuple[list[int], list[float]]:
 
 
 def two_step(prefill_url: str, decode_url: str, kind: str, prompt: Any, max_tokens: int, *, stream: bool = False,
-             timeout_s: float = 300.0, between=None) -> dict[str, Any]:
+             timeout_s: float = 300.0, between=None, extra: dict | None = None) -> dict[str, Any]:
     """The PD client: prefill with ``max_tokens=1`` and ``{"do_remote_decode": true}``, then decode with the returned
     ``kv_transfer_params``. ``between(params)`` runs between the steps (e.g. kill the prefill). Returns
     ``{"prefill": resp, "decode": resp, "params": ktp, "ttft_s", "total_s"}`` (TTFT = prefill time + decode
     time-to-first-chunk for streams, else whole decode time)."""
     with httpx.Client(timeout=timeout_s) as c:
         t0 = time.perf_counter()
-        path, body = request_body(kind, prompt, 1, ktp={"do_remote_decode": True})
+        path, body = request_body(kind, prompt, 1, ktp={"do_remote_decode": True}, extra=extra)
         p = _post(c, prefill_url + path, body)
         params = p.get("kv_transfer_params")
         if not params:
@@ -234,17 +236,17 @@ def two_step(prefill_url: str, decode_url: str, kind: str, prompt: Any, max_toke
         if between is not None:
             between(params)
         t1 = time.perf_counter()
-        path, body = request_body(kind, prompt, max_tokens, stream=stream, ktp=params)
+        path, body = request_body(kind, prompt, max_tokens, stream=stream, ktp=params, extra=extra)
         d = _post(c, decode_url + path, body)
         t2 = time.perf_counter()
     return {"prefill": p, "decode": d, "params": params, "prefill_s": t1 - t0, "total_s": t2 - t0}
 
 
 def single(url: str, kind: str, prompt: Any, max_tokens: int, *, stream: bool = False,
-           timeout_s: float = 300.0) -> dict:
-    """One plain request (no kv_transfer_params)."""
+           timeout_s: float = 300.0, extra: dict | None = None) -> dict:
+    """One plain request (no kv_transfer_params); ``extra``: more body fields."""
     with httpx.Client(timeout=timeout_s) as c:
-        path, body = request_body(kind, prompt, max_tokens, stream=stream)
+        path, body = request_body(kind, prompt, max_tokens, stream=stream, extra=extra)
         return _post(c, url + path, body)
 
 

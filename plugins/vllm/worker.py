@@ -85,11 +85,6 @@ class DLMixConnectorWorker:
             return None
         return DLMixHandshake(transport=self.endpoint.descriptor(), layout=self.layout.to_dict())
 
-    def _remote_for_rank(self, transports: list[dict[str, Any]]) -> dict[str, Any]:
-        if self.tp_rank >= len(transports):
-            raise ValueError(f"prefill has {len(transports)} TP ranks, this worker is rank {self.tp_rank}")
-        return transports[self.tp_rank]
-
     def bind_connector_metadata(self, meta: Any) -> None:
         if not isinstance(meta, DLMixConnectorMetadata) or self.endpoint is None:
             return
@@ -108,7 +103,7 @@ class DLMixConnectorWorker:
 
     def _release(self, rel: ReleaseJob) -> None:
         try:
-            self.endpoint.release(self._remote_for_rank(rel.remote_transports), rel.remote_req_id, rel.consumed)
+            self.endpoint.release(list(rel.remote_transports), rel.remote_req_id, rel.consumed)
         except Exception as e:  # P may be gone: its hold timeout frees the blocks
             log.warning("DLMixConnector: release of %s failed: %s", rel.remote_req_id, e)
 
@@ -117,7 +112,7 @@ class DLMixConnectorWorker:
         bad: list[int] = []
         rec: dict[str, Any] = {}
         try:
-            remote = self._remote_for_rank(job.remote_transports)
+            remote = list(job.remote_transports)  # every prefill rank: the core picks the ranks this one reads
             res = self.endpoint.pull(remote, job.remote_req_id, job.remote_block_ids, job.start, job.end,
                                      job.local_block_ids, cancelled=cancel.is_set,
                                      src_layout=getattr(job, "src_layout", None), digest=getattr(job, "digest", None))

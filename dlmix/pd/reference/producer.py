@@ -19,7 +19,6 @@ from __future__ import annotations
 import logging
 import os
 import threading
-import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
