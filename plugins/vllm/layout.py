@@ -23,6 +23,9 @@ from dlmix.pd.pair import check_pair, layout_of
 
 __all__ = [
     "ARRANGEMENT",
+    "arrangement_for",
+    "attention_backend_name",
+    "physical_layers",
     "pin_cpu_attn_isa",
     "describe_engine",
     "weights_fingerprint",
@@ -35,10 +38,84 @@ ARRANGEMENT = "vllm_cpu"
 _DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 
-def describe_engine(vllm_config: Any, kv_cache_config: Any = None, *, tp_rank: int = 0) -> KVLayout:
+#: vLLM 0.32 per-layer caches: a logical ``[B, H, N, C]`` view per layer (``vllm/v1/kv_cache_interface.py``
+#: ``create_kv_cache_views``) whose physical axis order is the resolved ``KVCacheLayout`` (``vllm/v1/kv_cache_layout.py``:
+#: ``LBHNC`` = ``[B, H, N, C]``, ``LBNHC`` = ``[B, N, H, C]`` per layer; the layouts with ``B`` or ``H`` outside ``L``
+#: interleave layers or heads over blocks and give no block-major per-layer tensor). What ``C`` holds is the
+#: attention backend's: FlashAttention and Triton split it into K ``[:D]`` and V ``[D:]`` (``flash_attn.py`` and
+#: ``triton_attn.py``: ``kv_cache.transpose(1, 2).split(head_size, dim=-1)``), vLLM CPU stores each (block, head)
+#: page as K transposed then V (``cpu_attn.py``; arrangement ``vllm_cpu``).
+_BACKEND_ARRANGEMENTS = {
+    ("CPU_ATTN", "BHNC"): "vllm_cpu",
+    ("FLASH_ATTN", "BHNC"): "vllm_lbhnc",
+    ("FLASH_ATTN", "BNHC"): "vllm_lbnhc",
+    ("TRITON_ATTN", "BHNC"): "vllm_lbhnc",
+    ("TRITON_ATTN", "BNHC"): "vllm_lbnhc",
+}
+
+
+def arrangement_for(backend: str, physical_order: str) -> str:
+    """The dlmix arrangement of vLLM per-layer caches written by attention backend ``backend`` (its ``get_name()``,
+    e.g. ``CPU_ATTN``, ``FLASH_ATTN``) with the per-layer physical axis order ``physical_order`` (``"BHNC"`` or
+    ``"BNHC"``, from :func:`physical_layers`). Raises ValueError naming the backend and order when dlmix does not
+    describe that combination (an unknown backend is refused, never assumed)."""
+    arr = _BACKEND_ARRANGEMENTS.get((str(backend).upper(), physical_order))
+    if arr is None:
+        known = sorted({b for b, _ in _BACKEND_ARRANGEMENTS})
+        raise ValueError(f"DLMixConnector does not describe the KV cache of attention backend {backend!r} with "
+                         f"per-layer axis order {physical_order} (described: "
+                         f"{', '.join(f'{b} {o}' for b, o in sorted(_BACKEND_ARRANGEMENTS))}; backends {known})")
+    return arr
+
+
+def physical_layers(layers: list[torch.Tensor]) -> tuple[str, list[torch.Tensor]]:
+    """The per-layer caches vLLM registered (logical ``[B, H, N, C]`` views) as dense tensors in their physical axis
+    order, and that order: ``("BHNC", layers)`` or ``("BNHC", [t.transpose(1, 2) ...])``. Reads the strides, assumes
+    nothing. Raises ValueError when a layer is not 4-D or not one dense block-major tensor in either order (vLLM's
+    layer- or head-interleaved ``KVCacheLayout`` s)."""
+    orders = {"BHNC": (0, 1, 2, 3), "BNHC": (0, 2, 1, 3)}
+    found: str | None = None
+    out = []
+    for i, t in enumerate(layers):
+        if t.dim() != 4:
+            raise ValueError(f"KV cache layer {i} has shape {tuple(t.shape)}; expected vLLM's [B, H, N, C] view")
+        name = next((n for n, o in orders.items() if t.permute(*o).is_contiguous()), None)
+        if name is None:
+            raise ValueError(f"KV cache layer {i} (shape {tuple(t.shape)}, strides {tuple(t.stride())}) is not a dense "
+                             "block-major tensor in [B, H, N, C] or [B, N, H, C] order (a layer- or head-interleaved "
+                             "vLLM KV cache layout, which DLMixConnector does not describe)")
+        if found is not None and name != found:
+            raise ValueError(f"KV cache layer {i} is {name}, layer 0 {found}")
+        found = name
+        out.append(t.permute(*orders[name]))
+    return found or "BHNC", out
+
+
+def attention_backend_name(vllm_config: Any, layer_names: list[str]) -> str:
+    """The ``get_name()`` of the attention backend vLLM selected for the KV cache layers ``layer_names`` (read from
+    the model's attention layers, ``vllm.config.get_layers_from_vllm_config``; ``CPU_ATTN``, vLLM CPU's only one,
+    when no model layer is registered). Raises ValueError when the layers use several backends or none is found."""
+    from vllm.config import get_layers_from_vllm_config
+    from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
+
+    layers = get_layers_from_vllm_config(vllm_config, AttentionLayerBase, layer_names)
+    names = {layer.get_attn_backend().get_name() for layer in layers.values()}
+    if not names:  # caches registered outside a model (tests): vLLM CPU has one attention backend
+        from vllm.platforms import current_platform
+
+        if current_platform.is_cpu():
+            return "CPU_ATTN"
+    if len(names) != 1:
+        raise ValueError(f"KV cache layers use attention backends {sorted(names)}; DLMixConnector needs exactly one")
+    return names.pop()
+
+
+def describe_engine(vllm_config: Any, kv_cache_config: Any = None, *, tp_rank: int = 0,
+                    arrangement: str = ARRANGEMENT) -> KVLayout:
     """This engine's KV layout from its config (no tensors needed, so the scheduler side can build it too):
-    block size (tokens, from the KV cache spec when given), cache dtype, arrangement ``vllm_cpu``, TP rank/size and
-    the model identity (architecture, layers, total KV heads, head size, weights fingerprint).
+    block size (tokens, from the KV cache spec when given), cache dtype, ``arrangement`` (the workers' from
+    :func:`arrangement_for`; ``vllm_cpu`` until they report it), TP rank/size and the model identity (architecture,
+    layers, total KV heads, head size, weights fingerprint).
 
     Raises ValueError for KV cache dtypes the connector does not handle (fp8 caches: not verified on CPU).
     """
@@ -68,7 +145,7 @@ def describe_engine(vllm_config: Any, kv_cache_config: Any = None, *, tp_rank: i
         attention="mha" if total_heads == int(getattr(mc.hf_text_config, "num_attention_heads", -1)) else "gqa",
         weights_fingerprint=weights_fingerprint(str(mc.model)),
     )
-    return KVLayout(model=ident, block_size=int(block_size), dtype=dtype, arrangement=ARRANGEMENT,
+    return KVLayout(model=ident, block_size=int(block_size), dtype=dtype, arrangement=arrangement,
                     tp_size=int(pc.tensor_parallel_size), tp_rank=int(tp_rank),
                     engine=f"vllm-cpu {vllm.__version__} {mc.model}")
 

@@ -17,7 +17,7 @@ from dlmix.pd.contract import ContractError, TransferParams, decode_params, prom
 from dlmix.pd.producer import MAX_CONSUMERS
 
 from .config import DLMixSettings
-from .layout import describe_engine
+from .layout import describe_engine, layout_of
 from .metadata import DLMixConnectorMetadata, DLMixHandshake, DLMixWorkerMetadata, RecvJob, ReleaseJob
 
 if TYPE_CHECKING:
@@ -93,8 +93,25 @@ class DLMixConnectorScheduler:
         for rank, m in metadata.items():
             if isinstance(m, DLMixHandshake):
                 self._transports[int(rank)] = dict(m.transport)
+                if int(rank) == 0 and m.layout:
+                    self._adopt_worker_layout(m.layout)
         log.info("DLMixConnector: worker transports %s",
                  {r: f"{d.get('kind')}://{d.get('host')}:{d.get('port')}" for r, d in self._transports.items()})
+
+    def _adopt_worker_layout(self, d: dict[str, Any]) -> None:
+        """Take the arrangement rank 0's worker read from its registered tensors (the scheduler side cannot see
+        them); the parameters and the router registration then name the cache as it really is. Everything else
+        was derived from the same config on both sides."""
+        try:
+            worker = layout_of(d).with_rank(0)
+        except ValueError as e:
+            log.error("DLMixConnector: worker sent a malformed layout: %s", e)
+            return
+        if worker.arrangement != self.layout.arrangement:
+            log.info("DLMixConnector: KV cache arrangement %s (from the workers' tensors)", worker.arrangement)
+            self.layout = worker
+            self.layout_dict.clear()
+            self.layout_dict.update(worker.to_dict())  # shared with the router client
 
     def _load_snapshot(self) -> dict[str, Any]:
         usage = None
