@@ -25,6 +25,7 @@ __all__ = [
     "ARRANGEMENT",
     "arrangement_for",
     "attention_backend_name",
+    "kv_scales",
     "physical_layers",
     "pin_cpu_attn_isa",
     "describe_engine",
@@ -110,14 +111,36 @@ def attention_backend_name(vllm_config: Any, layer_names: list[str]) -> str:
     return names.pop()
 
 
+def kv_scales(vllm_config: Any, layer_names: list[str]) -> tuple[float, float]:
+    """The per-tensor fp8 KV scales ``(k_scale, v_scale)`` of the attention layers ``layer_names`` (vLLM's
+    ``layer._k_scale_float``/``_v_scale_float``: 1.0 unless the checkpoint calibrated them; the cache holds
+    ``fp8(x / scale)``). ``(1.0, 1.0)`` when no model layer is registered. Raises ValueError when layers differ (one
+    scale pair per cache is what :class:`dlmix.kv.KVLayout` describes)."""
+    from vllm.config import get_layers_from_vllm_config
+    from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
+
+    layers = get_layers_from_vllm_config(vllm_config, AttentionLayerBase, layer_names)
+    pairs = {(float(getattr(layer, "_k_scale_float", 1.0)), float(getattr(layer, "_v_scale_float", 1.0)))
+             for layer in layers.values()}
+    if len(pairs) > 1:
+        raise ValueError(f"KV cache layers have different fp8 scales {sorted(pairs)[:4]}; DLMixConnector describes "
+                         "one (k_scale, v_scale) per cache")
+    return pairs.pop() if pairs else (1.0, 1.0)
+
+
+_FP8_NAMES = {"fp8": "fp8_e4m3", "fp8_e4m3": "fp8_e4m3", "fp8_e5m2": "fp8_e5m2"}
+
+
 def describe_engine(vllm_config: Any, kv_cache_config: Any = None, *, tp_rank: int = 0,
-                    arrangement: str = ARRANGEMENT) -> KVLayout:
+                    arrangement: str = ARRANGEMENT, scales: tuple[float, float] = (1.0, 1.0)) -> KVLayout:
     """This engine's KV layout from its config (no tensors needed, so the scheduler side can build it too):
     block size (tokens, from the KV cache spec when given), cache dtype, ``arrangement`` (the workers' from
     :func:`arrangement_for`; ``vllm_cpu`` until they report it), TP rank/size and the model identity (architecture,
     layers, total KV heads, head size, weights fingerprint).
 
-    Raises ValueError for KV cache dtypes the connector does not handle (fp8 caches: not verified on CPU).
+    ``scales``: the fp8 ``(k_scale, v_scale)`` (:func:`kv_scales`; ignored for other dtypes). Raises ValueError for
+    KV cache dtypes the connector does not handle (``--kv-cache-dtype`` other than auto, fp32/bf16/fp16 and
+    ``fp8``/``fp8_e4m3``/``fp8_e5m2``).
     """
     import vllm
 
@@ -133,8 +156,10 @@ def describe_engine(vllm_config: Any, kv_cache_config: Any = None, *, tp_rank: i
         dtype = _DTYPE_NAMES[mc.dtype]
     elif cc.cache_dtype in ("float32", "bfloat16", "float16", "fp32", "bf16", "fp16"):
         dtype = str(cc.cache_dtype)
+    elif cc.cache_dtype in _FP8_NAMES:
+        dtype = _FP8_NAMES[cc.cache_dtype]
     else:
-        raise ValueError(f"KV cache dtype {cc.cache_dtype!r} is not supported by DLMixConnector (use auto)")
+        raise ValueError(f"KV cache dtype {cc.cache_dtype!r} is not supported by DLMixConnector (use auto or fp8)")
     archs = list(getattr(mc.hf_config, "architectures", None) or [])
     total_heads = int(mc.get_total_num_kv_heads())
     ident = ModelIdentity(
@@ -145,7 +170,9 @@ def describe_engine(vllm_config: Any, kv_cache_config: Any = None, *, tp_rank: i
         attention="mha" if total_heads == int(getattr(mc.hf_text_config, "num_attention_heads", -1)) else "gqa",
         weights_fingerprint=weights_fingerprint(str(mc.model)),
     )
+    k_scale, v_scale = scales if dtype.startswith("fp8") else (1.0, 1.0)
     return KVLayout(model=ident, block_size=int(block_size), dtype=dtype, arrangement=arrangement,
+                    k_scale=k_scale, v_scale=v_scale,
                     tp_size=int(pc.tensor_parallel_size), tp_rank=int(tp_rank),
                     engine=f"vllm-cpu {vllm.__version__} {mc.model}")
 

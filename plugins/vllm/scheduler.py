@@ -99,16 +99,17 @@ class DLMixConnectorScheduler:
                  {r: f"{d.get('kind')}://{d.get('host')}:{d.get('port')}" for r, d in self._transports.items()})
 
     def _adopt_worker_layout(self, d: dict[str, Any]) -> None:
-        """Take the arrangement rank 0's worker read from its registered tensors (the scheduler side cannot see
-        them); the parameters and the router registration then name the cache as it really is. Everything else
-        was derived from the same config on both sides."""
+        """Take the layout rank 0's worker read from its registered tensors and attention layers (arrangement, fp8
+        scales: the scheduler side sees neither); the parameters and the router registration then name the cache as
+        it really is."""
         try:
             worker = layout_of(d).with_rank(0)
         except ValueError as e:
             log.error("DLMixConnector: worker sent a malformed layout: %s", e)
             return
-        if worker.arrangement != self.layout.arrangement:
-            log.info("DLMixConnector: KV cache arrangement %s (from the workers' tensors)", worker.arrangement)
+        if worker != self.layout:
+            log.info("DLMixConnector: KV cache arrangement %s, fp8 scales %s/%s (from the workers)", worker.arrangement,
+                     worker.k_scale, worker.v_scale)
             self.layout = worker
             self.layout_dict.clear()
             self.layout_dict.update(worker.to_dict())  # shared with the router client

@@ -17,7 +17,8 @@ from dlmix.pd.consumer import failed_blocks
 from dlmix.pd.endpoint import DEFAULT_LOOPBACK_SECRET, KVEndpoint
 
 from .config import DLMixSettings
-from .layout import arrangement_for, attention_backend_name, describe_engine, ordered_layers, physical_layers
+from .layout import (arrangement_for, attention_backend_name, describe_engine, kv_scales, ordered_layers,
+                     physical_layers)
 from .metadata import DLMixConnectorMetadata, DLMixHandshake, DLMixWorkerMetadata, RecvJob, ReleaseJob
 
 log = logging.getLogger("dlmix_vllm.worker")
@@ -69,7 +70,7 @@ class DLMixConnectorWorker:
         order, self.layers = physical_layers([t for _, t in ordered_layers(kv_caches)])
         arrangement = arrangement_for(attention_backend_name(self.vllm_config, list(kv_caches)), order)
         self.layout = describe_engine(self.vllm_config, self.kv_cache_config, tp_rank=self.tp_rank,
-                                      arrangement=arrangement)
+                                      arrangement=arrangement, scales=kv_scales(self.vllm_config, list(kv_caches)))
         port = self.base_port + self.tp_rank if self.base_port else 0
         s = self.settings
         self.endpoint = KVEndpoint(
