@@ -136,9 +136,6 @@ def bandwidth(sa: str, da: str, device: torch.device, mib: int, repeats: int) ->
     for _ in range(repeats):
         t_copy.append(timed(lambda: b.copy_(a)))
         t_conv.append(timed(lambda: convert(src, sc, sb, dst, dc, db, n)))
-    del sc, dc, a, b
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
     return round(min(t_copy) / min(t_conv), 3)
 
 
@@ -169,6 +166,8 @@ def main() -> None:
                 elif r.startswith("skip"):
                     skipped[f"{sa}->{da} {case}"] = r[6:200]
             ratio = None if args.no_bandwidth else bandwidth(sa, da, device, mib, repeats)
+            if device.type == "cuda":
+                torch.cuda.empty_cache()  # the run's caches are gone with bandwidth()'s frame
             if ratio is not None:
                 ratios[f"{sa}->{da}"] = ratio
             print(f"{sa:>20s} -> {da:<20s} " + " ".join(f"{c}={r[:8]}" for c, r in res.items())
