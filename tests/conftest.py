@@ -195,10 +195,18 @@ class CliLaunch:
 
         wait_until(lambda: self.seen(text), timeout_s, what, interval_s=0.2)
 
-    def interrupt(self, timeout_s: float = 240.0) -> str:
+    def interrupt(self, timeout_s: float = 240.0, again_after: bytes | None = None) -> str:
         """SIGINT to the CLI, wait for it to exit (a clean stop takes seconds; at a load average of 8 on 2 cores it
-        took over 60 s, so the bound is generous), return its whole output as text."""
+        took over 60 s, so the bound is generous), return its whole output as text. ``again_after``: once the
+        output shows this text, SIGINT once more (a second Ctrl-C while the CLI stops)."""
         os.kill(self.proc.pid, signal.SIGINT)
+        if again_after is not None:
+            from dlmix.testing import wait_until
+
+            wait_until(lambda: self.proc.poll() is not None or self.seen(again_after), timeout_s,
+                       "the CLI to start stopping", interval_s=0.05)
+            if self.proc.poll() is None:
+                os.kill(self.proc.pid, signal.SIGINT)
         self.proc.wait(timeout_s)
         os.set_blocking(self.proc.stdout.fileno(), True)
         self.out += self.proc.stdout.read() or b""

@@ -15,7 +15,8 @@ from dlmix.launch import Deployment, PortInUseError, ProcessFailedError, launch
 from dlmix.testing import wait_until
 
 
-def _deployment(tmp_path: Path, *, router: bool = True, fail_b: bool = False, port_b: int | None = None) -> Path:
+def _deployment(tmp_path: Path, *, router: bool = True, fail_b: bool = False, port_b: int | None = None,
+                a_args: str = "") -> Path:
     # three distinct ports: two free_port() calls can return the same just-released port
     pa = free_port_block(1)
     pb = port_b or free_port_block(1, taken=(pa,))
@@ -25,7 +26,7 @@ def _deployment(tmp_path: Path, *, router: bool = True, fail_b: bool = False, po
     if router:
         text += f"router: {{port: {pr}, policy: round_robin, ready_timeout_s: 60}}\n"
     text += ("instances:\n"
-             f"  - {{name: a, engine: mock, port: {pa}, extra_args: [\"--spawn-child\", \"--ttft-ms\", \"1\"]}}\n"
+             f"  - {{name: a, engine: mock, port: {pa}, extra_args: [\"--spawn-child\", \"--ttft-ms\", \"1\"{a_args}]}}\n"
              f"  - {{name: b, engine: mock, port: {pb}, extra_args: {b_args}}}\n")
     f = tmp_path / "dep.yaml"
     f.write_text(text)
@@ -101,6 +102,22 @@ def test_cli_sigint_stops_every_child(tmp_path, orphans, cli_launch):
     text = cli.interrupt()
     assert cli.proc.returncode == 130, text
     assert "stopping every process" in text and "stopped." in text
+    orphans.assert_gone()
+
+
+def test_cli_second_sigint_while_stopping_still_stops_every_child(tmp_path, orphans, cli_launch):
+    """A second Ctrl-C while the CLI stops (engine a takes 3 s to stop) must not abort the stop half-way: before
+    the fix it raised inside the stop and the CLI exited with the router and engines still running."""
+    f = _deployment(tmp_path, a_args=', \"--stop-delay-s\", \"3\"')
+    logs = tmp_path / "logs"
+    cli = cli_launch(f, logs, columns=200)
+    cli.wait_for(b"Ctrl-C stops everything", 180, "the deployment to be ready")
+    children = orphans.logged_pids(logs) | orphans.cmdline_pids(str(logs))
+    assert len(children) >= 5
+    orphans.track(pids=children, logs=logs)
+    text = cli.interrupt(again_after=b"stopping every process")
+    assert cli.proc.returncode == 130, text
+    assert "stopped." in text
     orphans.assert_gone()
 
 

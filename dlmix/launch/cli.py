@@ -11,8 +11,26 @@ import typer
 __all__ = ["launch_cmd"]
 
 
+_STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
 def _raise_interrupt(signum, frame):  # SIGINT/SIGTERM/SIGHUP -> the same clean stop as Ctrl-C
+    # one-shot: a second signal (a second Ctrl-C, SIGTERM right behind SIGINT) must not abort the stop half-way and
+    # leave engines running; the stop is bounded anyway (--grace seconds, then SIGKILL)
+    _hold_signals()
     raise KeyboardInterrupt
+
+
+def _hold_signals() -> None:
+    for s in _STOP_SIGNALS:
+        signal.signal(s, signal.SIG_IGN)
+
+
+def _stop(running, grace: float) -> None:
+    """Stop the deployment with the stop signals held off (see :func:`_raise_interrupt`)."""
+    if running is not None:
+        _hold_signals()
+        running.stop(grace)
 
 
 def launch_cmd(
@@ -73,7 +91,7 @@ def launch_cmd(
         return
     # SIGINT too: a process started with SIGINT ignored (a background job of a non-interactive shell) gets no
     # KeyboardInterrupt from Python, and its children would inherit the ignored SIGINT; an explicit handler fixes both
-    old = {s: signal.signal(s, _raise_interrupt) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+    old = {s: signal.signal(s, _raise_interrupt) for s in _STOP_SIGNALS}
     running = None
     try:
         running = start(dep, log_dir=log_dir, console=console, follow_logs=follow_logs, grace_s=grace)
@@ -91,19 +109,16 @@ def launch_cmd(
         running.wait()
     except KeyboardInterrupt:
         console.print("\n[yellow]stopping every process...[/]")
-        if running is not None:
-            running.stop(grace)
+        _stop(running, grace)
         console.print("stopped.")
         raise typer.Exit(130)
     except LaunchError as e:
-        if running is not None:
-            running.stop(grace)
+        _stop(running, grace)
         console.print(f"[red]launch failed:[/] {e}\nEvery process that was started has been stopped.",
                       highlight=False)
         raise typer.Exit(1)
     except Exception as e:  # model preparation and other failures
-        if running is not None:
-            running.stop(grace)
+        _stop(running, grace)
         console.print(f"[red]launch failed:[/] {type(e).__name__}: {e}", highlight=False)
         raise typer.Exit(1)
     finally:

@@ -437,6 +437,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--startup-s", type=float, default=0.0, help="sleep before listening (a slow engine)")
     ap.add_argument("--fail-after", type=float, default=None)
     ap.add_argument("--spawn-child", action="store_true")
+    ap.add_argument("--stop-delay-s", type=float, default=0.0,
+                    help="keep serving this long after SIGINT/SIGTERM (an engine slow to stop)")
     a, unknown = ap.parse_known_args(argv)
     ports = [int(p) for p in a.ports.split(",")] if a.ports else [a.port if a.port is not None else 0]
     print(f"mock engine pid {os.getpid()} args {sys.argv[1:]} ignored {unknown}", flush=True)
@@ -468,6 +470,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
         await stop.wait()
+        await asyncio.sleep(a.stop_delay_s)
         for e in engines:
             await e.stop()
 
