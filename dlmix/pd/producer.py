@@ -14,7 +14,8 @@ Rules:
 * ``extend`` (from the grantee): deadline and grant pushed to ``io_timeout_s`` from now.
 * ``blocks_consumed`` / ``abort``: one of the hold's ``consumers`` is done; when all are (1 unless the engine said
   more: a request with ``n > 1`` choices whose decode fans out into ``n`` pulls of the one prefill), the grant is
-  revoked and the hold released. Several consumers must be the same peer (one decode instance).
+  revoked and the hold released. With different TP sizes each decode rank is a consumer peer of its own (``want``
+  states how many, ``ranks``), gets its own grant, and the hold waits for ``consumers * ranks`` notices.
 * deadline passed (``hold_timeout_s`` after the hold began, or ``io_timeout_s`` after the last want/extend):
   revoked and released (``expired``); a later read fails and the consumer recomputes.
 * every message may name a hold by its request id or by :func:`dlmix.pd.contract.block_ids_transfer_id` of its
@@ -223,7 +224,7 @@ class Producer:
             with self.cv:
                 h = self._hold(msg.req)
                 tid = h.peers.get(peer) if h is not None else None
-                if tid is not None and not h.done and not h.free_after and _named(h, tid, msg.req):
+                if tid is not None and not h.done and not h.free_after and _named(tid, msg.req):
                     h.expiry = max(h.expiry, time.monotonic() + self.io_timeout_s)
                     self.t.grant(peer, tid, [], mode="r", expires_s=max(1.0, h.expiry - time.monotonic()))
         elif isinstance(msg, (Consumed, Abort)):
@@ -274,9 +275,9 @@ class Producer:
                                    f"{h.digest[:19]}...)")
                 tid = h.peers.get(peer)
                 if tid is None and h.peers and (len(h.peers) >= max(h.ranks, msg.ranks)
-                                                 or not _named(h, next(iter(h.peers.values())), rid)):
+                                                 or not _named(next(iter(h.peers.values())), rid)):
                     reasons.append(f"request {rid} is already granted to another consumer")
-                elif tid is not None and not _named(h, tid, rid):
+                elif tid is not None and not _named(tid, rid):
                     reasons.append(f"request {rid} is already granted to another consumer (under another name)")
             if not reasons:
                 h.ranks = max(h.ranks, msg.ranks)
@@ -298,8 +299,8 @@ class Producer:
                                      tid=None if tid == rid else tid))
 
 
-def _named(h: Hold, tid: str, name: str) -> bool:
-    """Whether grant id ``tid`` of ``h`` belongs to the name ``name`` a consumer used (its request id or its block
+def _named(tid: str, name: str) -> bool:
+    """Whether grant id ``tid`` belongs to the name ``name`` a consumer used (its request id or its block
     alias; a further rank's id is that name with ``~k``)."""
     return tid == name or tid.startswith(name + "~")
 

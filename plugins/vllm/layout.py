@@ -24,8 +24,7 @@ from dlmix.pd.pair import check_pair, layout_of
 __all__ = [
     "ARRANGEMENT",
     "arrangement_for",
-    "attention_backend_name",
-    "kv_scales",
+    "attention_info",
     "physical_layers",
     "pin_cpu_attn_isa",
     "describe_engine",
@@ -92,40 +91,32 @@ def physical_layers(layers: list[torch.Tensor]) -> tuple[str, list[torch.Tensor]
     return found or "BHNC", out
 
 
-def attention_backend_name(vllm_config: Any, layer_names: list[str]) -> str:
-    """The ``get_name()`` of the attention backend vLLM selected for the KV cache layers ``layer_names`` (read from
-    the model's attention layers, ``vllm.config.get_layers_from_vllm_config``; ``CPU_ATTN``, vLLM CPU's only one,
-    when no model layer is registered). Raises ValueError when the layers use several backends or none is found."""
+def attention_info(vllm_config: Any, layer_names: list[str]) -> tuple[str, tuple[float, float]]:
+    """What the model's attention layers for the KV cache layers ``layer_names`` say about the cache (read once,
+    ``vllm.config.get_layers_from_vllm_config``): the ``get_name()`` of the attention backend vLLM selected, and
+    the per-tensor fp8 KV scales ``(k_scale, v_scale)`` (``layer._k_scale_float``/``_v_scale_float``: 1.0 unless
+    the checkpoint calibrated them; the cache holds ``fp8(x / scale)``). With no model layer registered (caches
+    registered outside a model, in tests): ``CPU_ATTN``, vLLM CPU's only backend, and ``(1.0, 1.0)``.
+    Raises ValueError when the layers use several backends (or none, off CPU) or different scales (one scale pair
+    per cache is what :class:`dlmix.kv.KVLayout` describes)."""
     from vllm.config import get_layers_from_vllm_config
     from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
 
-    layers = get_layers_from_vllm_config(vllm_config, AttentionLayerBase, layer_names)
-    names = {layer.get_attn_backend().get_name() for layer in layers.values()}
-    if not names:  # caches registered outside a model (tests): vLLM CPU has one attention backend
+    layers = get_layers_from_vllm_config(vllm_config, AttentionLayerBase, layer_names).values()
+    names = {layer.get_attn_backend().get_name() for layer in layers}
+    if not names:
         from vllm.platforms import current_platform
 
         if current_platform.is_cpu():
-            return "CPU_ATTN"
+            names = {"CPU_ATTN"}
     if len(names) != 1:
         raise ValueError(f"KV cache layers use attention backends {sorted(names)}; DLMixConnector needs exactly one")
-    return names.pop()
-
-
-def kv_scales(vllm_config: Any, layer_names: list[str]) -> tuple[float, float]:
-    """The per-tensor fp8 KV scales ``(k_scale, v_scale)`` of the attention layers ``layer_names`` (vLLM's
-    ``layer._k_scale_float``/``_v_scale_float``: 1.0 unless the checkpoint calibrated them; the cache holds
-    ``fp8(x / scale)``). ``(1.0, 1.0)`` when no model layer is registered. Raises ValueError when layers differ (one
-    scale pair per cache is what :class:`dlmix.kv.KVLayout` describes)."""
-    from vllm.config import get_layers_from_vllm_config
-    from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
-
-    layers = get_layers_from_vllm_config(vllm_config, AttentionLayerBase, layer_names)
     pairs = {(float(getattr(layer, "_k_scale_float", 1.0)), float(getattr(layer, "_v_scale_float", 1.0)))
-             for layer in layers.values()}
+             for layer in layers}
     if len(pairs) > 1:
         raise ValueError(f"KV cache layers have different fp8 scales {sorted(pairs)[:4]}; DLMixConnector describes "
                          "one (k_scale, v_scale) per cache")
-    return pairs.pop() if pairs else (1.0, 1.0)
+    return names.pop(), (pairs.pop() if pairs else (1.0, 1.0))
 
 
 _FP8_NAMES = {"fp8": "fp8_e4m3", "fp8_e4m3": "fp8_e4m3", "fp8_e5m2": "fp8_e5m2"}
@@ -138,7 +129,7 @@ def describe_engine(vllm_config: Any, kv_cache_config: Any = None, *, tp_rank: i
     :func:`arrangement_for`; ``vllm_cpu`` until they report it), TP rank/size and the model identity (architecture,
     layers, total KV heads, head size, weights fingerprint).
 
-    ``scales``: the fp8 ``(k_scale, v_scale)`` (:func:`kv_scales`; ignored for other dtypes). Raises ValueError for
+    ``scales``: the fp8 ``(k_scale, v_scale)`` (:func:`attention_info`; ignored for other dtypes). Raises ValueError for
     KV cache dtypes the connector does not handle (``--kv-cache-dtype`` other than auto, fp32/bf16/fp16 and
     ``fp8``/``fp8_e4m3``/``fp8_e5m2``).
     """

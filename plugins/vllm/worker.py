@@ -17,8 +17,7 @@ from dlmix.pd.consumer import failed_blocks
 from dlmix.pd.endpoint import DEFAULT_LOOPBACK_SECRET, KVEndpoint
 
 from .config import DLMixSettings
-from .layout import (arrangement_for, attention_backend_name, describe_engine, kv_scales, ordered_layers,
-                     physical_layers)
+from .layout import arrangement_for, attention_info, describe_engine, ordered_layers, physical_layers
 from .metadata import DLMixConnectorMetadata, DLMixHandshake, DLMixWorkerMetadata, RecvJob, ReleaseJob
 
 log = logging.getLogger("dlmix_vllm.worker")
@@ -68,9 +67,9 @@ class DLMixConnectorWorker:
         except Exception:
             self.tp_rank = 0
         order, self.layers = physical_layers([t for _, t in ordered_layers(kv_caches)])
-        arrangement = arrangement_for(attention_backend_name(self.vllm_config, list(kv_caches)), order)
+        backend, scales = attention_info(self.vllm_config, list(kv_caches))
         self.layout = describe_engine(self.vllm_config, self.kv_cache_config, tp_rank=self.tp_rank,
-                                      arrangement=arrangement, scales=kv_scales(self.vllm_config, list(kv_caches)))
+                                      arrangement=arrangement_for(backend, order), scales=scales)
         port = self.base_port + self.tp_rank if self.base_port else 0
         s = self.settings
         self.endpoint = KVEndpoint(
