@@ -176,7 +176,13 @@ def test_sglang_config_errors():
     two = ("model: m\nrouter: {port: 18000}\ninstances:\n"
            "  - {name: p, engine: sglang, role: prefill, port: 18100}\n"
            "  - {name: d, engine: %s, role: decode, port: 18200%s}\n")
-    assert "PD flows differ" in _err(two % ("vllm", ""))
+    # an SGLang prefill feeds a vLLM decode (the room hand-off); nothing feeds an SGLang decode from vLLM
+    dep = Deployment.from_yaml(two % ("vllm", ""), "dep.yaml")
+    assert [(i.engine, i.role) for i in dep.instances] == [("sglang", "prefill"), ("vllm", "decode")]
+    rev = ("model: m\nrouter: {port: 18000}\ninstances:\n"
+           "  - {name: p, engine: vllm, role: prefill, port: 18100}\n"
+           "  - {name: d, engine: sglang, role: decode, port: 18200}\n")
+    assert "PD flows differ" in _err(rev)
     assert "SGLang sizes its KV pool in tokens" in _err(two % ("sglang", ", kv: {cache_bytes: 1048576}"))
     assert "needs an SGLang prefill" in _err("model: m\nrouter: {port: 18000}\ninstances:\n"
                                              "  - {engine: sglang, role: decode, port: 18200}\n"

@@ -24,8 +24,8 @@ def test_which_engines_pair():
     vllm, sglang, lmdeploy = (get_engine(n) for n in ("vllm", "sglang", "lmdeploy"))
     assert can_pair(vllm, vllm) and can_pair(sglang, sglang) and can_pair(lmdeploy, lmdeploy)
     assert can_pair(lmdeploy, vllm) and can_pair(vllm, lmdeploy)  # the bridges
-    assert not can_pair(vllm, sglang) and not can_pair(sglang, vllm)
-    assert not can_pair(lmdeploy, sglang) and not can_pair(sglang, lmdeploy)
+    assert can_pair(sglang, vllm) and can_pair(sglang, lmdeploy)  # an SGLang prefill's room hand-off
+    assert not can_pair(vllm, sglang) and not can_pair(lmdeploy, sglang)  # nothing feeds an SGLang decode yet
 
 
 def test_block_ids_transfer_id():

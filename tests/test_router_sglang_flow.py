@@ -289,3 +289,102 @@ def test_registration_checks(lt):
             assert [i["id"] for i in h.get(adm).json()["instances"]] == ["d"]
     finally:
         c.close()
+
+
+class _HandoffStandIn:
+    """The ``POST /dlmix/handoff`` route of an SGLang prefill's bootstrap server (``plugins/sglang/handoff.py``):
+    answers each room after ``delay`` s with transfer parameters naming the room (``status`` other than 200: that
+    status and a reason, as for a room the prefill failed)."""
+
+    def __init__(self, delay: float = 0.2, status: int = 200):
+        from dlmix.kv import KVLayout, ModelIdentity
+        from dlmix.pd.contract import TransferParams
+        from dlmix.testing import JsonStandIn
+
+        lay = KVLayout(model=ModelIdentity("LlamaForCausalLM", 2, 2, 16, "gqa"), block_size=16, dtype="fp32",
+                       arrangement="sglang_nhd")
+        tr = {"kind": "tcp", "proto": "dlmix-kv/1", "name": "sglang-p", "host": "127.0.0.1", "port": 1, "regions": {}}
+
+        def route(method, path, body):
+            time.sleep(delay)
+            if status != 200:
+                return status, {"error": f"the SGLang prefill failed room {body['room']}: test"}
+            p = TransferParams.make(engine="sglang", instance_id="sglang-1", transports=[tr],
+                                    request_id=str(body["room"]), block_ids=[0, 1], num_tokens=20, layout=lay)
+            return 200, {"params": p.to_dict(), "first_token_id": 9}
+
+        self.s = JsonStandIn(route)
+        self.port = int(self.s.url.rsplit(":", 1)[1])
+
+    def close(self):
+        self.s.close()
+
+
+def _bridged(lt, hand: _HandoffStandIn, **cfg):
+    """An SGLang prefill mock (its bootstrap port: ``hand``) and a vLLM decode mock behind a router."""
+    p = MockEngine(name="p", role="prefill", engine="sglang", bootstrap_port=hand.port, ttft=0.5)
+    d = MockEngine(name="d", role="decode", engine="vllm")
+    ref = MockEngine(name="ref")
+    for e in (p, d, ref):
+        lt.run(e.start())
+    insts = [{"url": p.url, "model": "mock", "role": "prefill", "id": "p", "chip": "H100", "engine": "sglang",
+              "bootstrap_port": hand.port},
+             {"url": d.url, "model": "mock", "role": "decode", "id": "d", "chip": "H20", "engine": "vllm"}]
+    cfg = RouterConfig(port=0, instances=insts, health_interval_s=0.2, **{**PD, **cfg})
+    router = Router(cfg)
+    lt.run(router.start())
+    return p, d, ref, router, f"http://127.0.0.1:{cfg.port}"
+
+
+def test_an_sglang_prefill_feeds_a_vllm_decode_through_the_room_hand_off(lt):
+    """SGLang prefill -> vLLM decode (:func:`dlmix.router.engines.bridges.sglang_to_vllm`): the prefill leg (with a
+    room) and the hand-off request go out together; the decode leg carries the room's transfer parameters as
+    ``kv_transfer_params`` before the prefill leg has answered; the client's answer is the decode's, unchanged."""
+    hand = _HandoffStandIn()
+    p, d, ref, router, base = _bridged(lt, hand)
+    try:
+        with httpx.Client(timeout=30) as h:
+            for stream in (False, True):
+                body = dict(BODY, stream=stream)
+                via = h.post(base + "/v1/completions", json=body)
+                direct = h.post(ref.url + "/v1/completions", json=body)
+                assert via.status_code == 200, via.text
+                assert (_sse(via.text) == _sse(direct.text)) if stream else (via.json() == direct.json())
+            # the prefill legs run on in the background (a real SGLang prefill answers once the decode has read
+            # the KV) and end while the client's connection is open (a client that goes away cancels them)
+            assert poll(lambda: p.prefill_legs == 2, 10)
+        assert len(p.rooms) == 2 and len(d.remote_prefills) == 2
+        for room, kvp in zip(p.rooms, d.remote_prefills):
+            assert room[:2] == ("127.0.0.1", hand.port)
+            assert kvp["do_remote_prefill"] is True and kvp["remote_request_id"] == str(room[2])
+            assert kvp["remote_engine"] == "sglang" and kvp["contract_version"] == 1
+        assert [c[1]["room"] for c in hand.s.calls] == [r[2] for r in p.rooms]
+        assert router.metrics.registry.get_sample_value("dlmix_router_prefill_responses_total",
+                                                        {"instance": "p", "status": "2xx"}) == 2.0
+    finally:
+        lt.run(router.stop())
+        for e in (p, d, ref):
+            lt.run(e.stop())
+        hand.close()
+
+
+def test_a_room_the_sglang_prefill_failed_is_computed_by_the_vllm_decode(lt):
+    """The hand-off answers 502 (the prefill failed the room): the prefill leg is cancelled, the router places the
+    prefill again and, with no other prefill instance, the vLLM decode computes the prompt itself (the client gets
+    the full answer, no ``kv_transfer_params`` reach the decode)."""
+    hand = _HandoffStandIn(delay=0.0, status=502)
+    p, d, ref, router, base = _bridged(lt, hand)
+    try:
+        with httpx.Client(timeout=30) as h:
+            via = h.post(base + "/v1/completions", json=BODY)
+            direct = h.post(ref.url + "/v1/completions", json=BODY)
+        assert via.status_code == 200 and via.json() == direct.json(), via.text
+        assert len(hand.s.calls) == 1 and d.remote_prefills == []
+        assert poll(lambda: p.inflight == 0, 10)  # the cancelled prefill leg is gone
+        assert router.metrics.registry.get_sample_value("dlmix_router_retries_total",
+                                                        {"kind": "prefill_local"}) == 1.0
+    finally:
+        lt.run(router.stop())
+        for e in (p, d, ref):
+            lt.run(e.stop())
+        hand.close()

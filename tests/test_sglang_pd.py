@@ -151,6 +151,16 @@ def test_behind_sglangs_own_router(servers, prompts, refs):
     r = T.start_sglang_router(servers["P1"], servers["D"], T.free_port(), servers["_dir"] / "router.log")
     try:
         r.wait_ready(timeout_s=180)
+        # sglang-router answers its health check before it has registered its workers (in the background): wait
+        # until a request finds them
+        deadline = time.monotonic() + 120
+        while True:
+            st, body = T.post_json(r.url + "/generate", {"input_ids": prompts[0][:8], "sampling_params": {
+                "temperature": 0, "max_new_tokens": 1}})
+            if st != 503 or time.monotonic() > deadline:
+                break
+            time.sleep(1)
+        assert st == 200, f"{body}\n{r.log_tail()}"
         got = []
         for ids in prompts[:6]:
             st, body = T.post_json(r.url + "/generate", {"input_ids": ids, "sampling_params": {

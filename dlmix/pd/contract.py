@@ -64,6 +64,9 @@ __all__ = [
     "decode_message",
     "encode",
     "ENVELOPE_KEYS",
+    "RoomHandoffRequest",
+    "RoomHandoff",
+    "decode_room_handoff",
 ]
 
 #: Version of this contract. Both sides must speak the same one.
@@ -413,3 +416,38 @@ def decode_message(obj: Any) -> ControlMessage:
 def encode(msg: ControlMessage | TransferParams) -> dict[str, Any]:
     """JSON-able dict of a control message (with its ``type`` tag) or of parameters (wire names)."""
     return msgspec.to_builtins(msg)
+
+
+# ---------------------------------------------------------------------------------------------------- room hand-off
+class RoomHandoffRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """A consumer of another engine asks a concurrent-flow prefill for the hand-off of bootstrap room ``room`` (a
+    non-negative 63-bit integer), waiting at most ``timeout_s`` seconds for the prefill to compute the prompt.
+    Answered with a :class:`RoomHandoff`."""
+
+    room: Annotated[int, msgspec.Meta(ge=0, le=(1 << 63) - 1)]
+    timeout_s: Annotated[float, msgspec.Meta(gt=0, le=86400)] = 600.0
+
+class RoomHandoff(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """What a concurrent-flow prefill (SGLang: the producer learns of its consumer through a bootstrap *room*) answers
+    a consumer of another engine that asks for a room's hand-off: the :class:`TransferParams` of the room's hold (one
+    transport per producer TP rank) and the id of the first token the prefill generated (the decode of an engine
+    that continues from the prefill's token needs it; None when the producer could not read it).
+
+    Sent as JSON by the SGLang adapter's bootstrap route ``POST /dlmix/handoff`` (``plugins/sglang/handoff.py``);
+    decoded by :func:`decode_room_handoff`.
+    """
+
+    params: dict[str, Any]
+    first_token_id: Annotated[int, msgspec.Meta(ge=0, lt=1 << 31)] | None = None
+
+
+def decode_room_handoff(raw: bytes) -> tuple[TransferParams, int | None]:
+    """Validate a :class:`RoomHandoff` JSON answer. Returns ``(parameters, first token id or None)``. Raises
+    ContractError with the reason (not JSON, a missing or unknown field, invalid parameters)."""
+    try:
+        h = msgspec.json.decode(raw, type=RoomHandoff)
+    except msgspec.ValidationError as e:
+        raise ContractError(f"invalid room hand-off: {_reason(e)}") from None
+    except (msgspec.DecodeError, RecursionError) as e:
+        raise ContractError(f"room hand-off is not JSON: {e}") from None
+    return decode_params(h.params), h.first_token_id

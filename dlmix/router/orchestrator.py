@@ -17,6 +17,7 @@ instance is tried next, its choice of no prefill instance (or no choice at all) 
 from __future__ import annotations
 
 import asyncio
+import logging
 from typing import Callable, NamedTuple, Optional
 
 import msgspec
@@ -27,6 +28,8 @@ from dlmix.routing.policies import prefill_work
 from dlmix.routing.state import Decision, InstanceState, NoInstanceError, RouteRequest
 
 __all__ = ["PDOrchestrator", "Handoff", "SENT"]
+
+log = logging.getLogger("dlmix.router.pd")
 
 #: returned by :meth:`PDOrchestrator.prefill` when the prefill instance's 4xx answer was sent to the client
 SENT = object()
@@ -249,6 +252,99 @@ class PDOrchestrator:
             self.move(dec, rr, alt.prefill, alt.hit_tokens, alt.predicted_ttft)
             if m:
                 m.retry("prefill")
+
+    async def bridged(self, conn, req, d: dict, rr: RouteRequest, dec: Decision, chat: bool, fwd: bytes):
+        """The prefill leg of ``dec`` when a concurrent-flow prefill (SGLang) feeds a sequential-flow decode of
+        another engine (vLLM, LMDeploy) through a bridge (:mod:`dlmix.router.engines.bridges`): the prefill leg
+        (with a fresh bootstrap room) and the bridge (which waits for the room's transfer parameters) start
+        together; the prefill's own answer comes only after the decode has read the KV, so the leg keeps running in
+        the background (its end is counted in the metrics; a prefill that fails then is the decode leg's problem,
+        which falls back to computing the prompt).
+
+        Returns a :class:`Handoff` whose ``abort`` cancels the prefill leg (SGLang then aborts the request and its
+        dlmix backend frees the hold once no read can touch it); None when the prefill moved to the decode
+        instance; :data:`SENT` when the prefill instance's 4xx answer went to the client. A failed leg or bridge
+        (connection error, timeout after ``prefill_timeout_s``, 5xx, the prefill failed the room, the pair was
+        refused) is placed again by the policy, as in :meth:`prefill`. Raises BackendError only when the client
+        went away."""
+        m = self.metrics
+        tried: set = set()
+        while True:
+            p = dec.prefill
+            tried.add(p.id)
+            pb = self.registry.backends.get(p.id)
+            db = self.registry.backends.get(dec.decode.id)
+            if pb is not None and pb.engine.PD_FLOW != "concurrent":  # re-placed on a sequential-flow prefill
+                return await self.prefill(conn, req, d, rr, dec, chat, fwd)
+            if pb is not None and db is not None and pb.bootstrap is not None:
+                kvp = pb.engine.handoff(*pb.bootstrap)
+                praw = build_request(b"POST", req.url, pb.hostport, pb.auth + fwd, pb.engine.prefill_body(d, chat, kvp))
+                bridge = get_bridge(pb.engine.NAME, db.engine.NAME) or _no_bridge
+                ptask = asyncio.ensure_future(request(pb.pool, praw, None, conn, self.cfg.prefill_timeout_s))
+                htask = asyncio.ensure_future(bridge(pb.state.url, db.state.url,
+                                                     {**kvp, "timeout_s": self.cfg.prefill_timeout_s}, b""))
+                try:
+                    await asyncio.wait((ptask, htask), return_when=asyncio.FIRST_COMPLETED)
+                except BaseException:
+                    ptask.cancel()
+                    htask.cancel()
+                    raise
+                if htask.done() and not htask.cancelled() and htask.exception() is None:
+                    out = htask.result()
+                    ptask.add_done_callback(lambda t, b=pb, k=out: self._leg_ended(b, t, k))
+                    return Handoff(out, ptask.cancel)
+                if not htask.done():  # the prefill leg ended first: it never held the room's KV
+                    await asyncio.wait((ptask,))
+                    htask.cancel()
+                else:
+                    ptask.cancel()
+                    await asyncio.wait((ptask,))
+                self._retrieve(ptask, htask)
+                perr = None if ptask.cancelled() else ptask.exception()
+                pstatus = None if ptask.cancelled() or perr is not None else ptask.result().status
+                if m:
+                    m.prefill_leg(pb, pstatus or 0)
+                if pstatus is not None and 400 <= pstatus < 500:
+                    status, hdrs, rbody = ptask.result().collected()
+                    ctype = next((v for k, v in hdrs if k == b"content-type"), b"application/json")
+                    if m:
+                        m.answer(status)
+                    conn.send(status, rbody, ctype)
+                    return SENT
+                if conn.closed:
+                    raise perr or BackendError("client went away")
+                if perr is not None or (pstatus or 0) >= 500:  # a refused pair is not the prefill's fault
+                    self.registry.fail(pb, perr)
+                herr = None if htask.cancelled() else htask.exception()
+                if herr is not None:
+                    log.warning("prefill %s -> decode %s: %s", p.id, dec.decode.id, herr)
+            alt = self.replace(rr, dec, tried) if len(tried) <= self.cfg.retries else None
+            if alt is None:
+                self.move(dec, rr, None)
+                if m:
+                    m.retry("prefill_local")
+                return None
+            self.move(dec, rr, alt.prefill, alt.hit_tokens, alt.predicted_ttft)
+            if m:
+                m.retry("prefill")
+
+    def _leg_ended(self, b, task: asyncio.Future, kvp: dict) -> None:
+        """A bridged prefill leg that ran on in the background ended: count it (its exception retrieved), with the
+        blocks ``kvp`` (the hand-off the decode got) names as handed off when it succeeded."""
+        if task.cancelled():
+            status = 0
+        else:
+            status = 0 if task.exception() is not None else task.result().status
+        if self.metrics:
+            self.metrics.prefill_leg(b, status, kvp if status == 200 else None)
+        if status == 200:
+            b.fails = 0
+
+    @staticmethod
+    def _retrieve(*tasks: asyncio.Future) -> None:
+        for t in tasks:
+            if t.done() and not t.cancelled():
+                t.exception()  # retrieved: no "never retrieved" warning
 
     def replace(self, rr: RouteRequest, dec: Decision, tried: set) -> Optional[Decision]:
         """Ask the policy where the prefill of ``rr`` goes now: it chooses over the untried prefill-role instances

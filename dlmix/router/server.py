@@ -474,14 +474,21 @@ class Router:
             if db is not None and not db.engine.BOTH_TAKES_PD:
                 self.pd.move(dec, rr, None)  # serves whole requests only: it prefills this one itself
         pb = self.rt.get(dec.prefill.id) if dec.prefill is not None else None
+        bridged = False
         if pb is not None and pb.engine.PD_FLOW == "concurrent":
-            if m:
-                self._pd_metrics(view, rr, dec)
-            return await self.pd.concurrent(conn, req, d, rr, dec, chat, fwd, first)
+            db = self.rt.get(dec.decode.id)
+            if db is None or db.engine.PD_FLOW == "concurrent":
+                if m:
+                    self._pd_metrics(view, rr, dec)
+                return await self.pd.concurrent(conn, req, d, rr, dec, chat, fwd, first)
+            bridged = True  # a concurrent-flow prefill feeding a decode of another engine, through a bridge
         data = req.body
         abort = None
         if dec.prefill is not None:
-            handoff = await self.pd.prefill(conn, req, d, rr, dec, chat, fwd)
+            if bridged:
+                handoff = await self.pd.bridged(conn, req, d, rr, dec, chat, fwd)
+            else:
+                handoff = await self.pd.prefill(conn, req, d, rr, dec, chat, fwd)
             if handoff is SENT:
                 return SENT
             if handoff is not None:  # else: fell back to prefill on D (dec.prefill is None now)

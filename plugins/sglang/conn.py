@@ -62,15 +62,15 @@ from dlmix.pd.endpoint import DEFAULT_LOOPBACK_SECRET, KVEndpoint
 from dlmix.pd.pair import check_pair, layout_of
 
 from .config import load_settings
+from .frames import META, READY, REG, STATUS_TAG, TAG
+from .handoff import HandoffRelay
 from .layout import describe_pool, kv_dtype_name, model_config, pool_layers
 
 log = logging.getLogger("dlmix_sglang.conn")
 
 __all__ = ["DLMixKVManager", "DLMixKVSender", "DLMixKVReceiver", "DLMixKVBootstrapServer", "TAG"]
 
-#: First frame of every dlmix control message on SGLang's ZMQ channels.
-TAG = b"DLMIX"
-_REG, _META, _READY = b"REG", b"META", b"READY"
+_REG, _META, _READY = REG, META, READY
 
 
 @dataclasses.dataclass
@@ -96,7 +96,7 @@ class DLMixKVManager(CommonKVManager):
     ``KVArgs``; raises ValueError for pools this backend does not move and
     :class:`dlmix_sglang.config.DLMixSGLangConfigError` for bad settings."""
 
-    kv_status_msg_tag = b"DLMIX_STATUS"
+    kv_status_msg_tag = STATUS_TAG
     kv_status_msg_carries_reason = True
     reports_transfer_latency = True
 
@@ -509,16 +509,23 @@ class DLMixKVReceiver(CommonKVReceiver):
 
 class DLMixKVBootstrapServer(CommonKVBootstrapServer):
     """SGLang's bootstrap server plus ``GET /dlmix/layout`` (each prefill rank's dlmix layout, from its
-    registration). Its summary states no page size or KV dtype: dlmix converts them, and the decode checks the pair
+    registration) and ``POST /dlmix/handoff`` (a room's transfer parameters for a decode of another engine,
+    :mod:`dlmix_sglang.handoff`). Its summary states no page size or KV dtype: dlmix converts them, and the decode checks the pair
     with the layouts instead."""
 
     def __init__(self, host: str, port: int):
         self.dlmix_layouts: dict[tuple[int, int, int, int], dict] = {}
+        self.dlmix_relay = HandoffRelay()
         super().__init__(host, port)
 
     def _setup_routes(self) -> None:
         super()._setup_routes()
         self.app.router.add_get("/dlmix/layout", self._handle_dlmix_layout)
+        self.app.router.add_post("/dlmix/handoff", self._handle_dlmix_handoff)
+
+    async def _handle_dlmix_handoff(self, request: web.Request):
+        """A decode of another engine asks for a room's transfer parameters (:mod:`dlmix_sglang.handoff`)."""
+        return await self.dlmix_relay.handle(self, request)
 
     async def _handle_route_put(self, request: web.Request):
         data = await request.json()

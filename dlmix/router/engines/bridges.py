@@ -30,6 +30,17 @@ Bridges:
   and builds LMDeploy's ``migration_request`` (the prefill's block ids and first token). The LMDeploy decode pulls
   the hold under :func:`dlmix.pd.contract.block_ids_transfer_id` of those blocks, a name every dlmix producer
   answers to (:mod:`dlmix.pd.producer`), with its own prompt's digest, and continues from the prefill's token.
+* ``sglang -> vllm`` (:func:`sglang_to_vllm`) and ``sglang -> lmdeploy`` (:func:`sglang_to_lmdeploy`): SGLang's
+  flow is concurrent (the prefill runs a room only once a decode waits for it, and answers only after the decode
+  has read the KV), so the router sends the prefill leg with the bootstrap fields and, at the same time, asks the
+  prefill's bootstrap server for the room's hand-off (:func:`room_handoff`, ``POST /dlmix/handoff``: the dlmix
+  SGLang backend stands in for the decode's side of the room and answers with the
+  :class:`~dlmix.pd.contract.TransferParams` and the first token once the KV is held). The bridge's ``kvp`` is the
+  SGLang hand-off plus ``timeout_s``; ``resp_body`` is unused. The decode pulls, its ``blocks_consumed`` marks the
+  room a success on the prefill, and SGLang then finishes the prefill leg
+  (:meth:`dlmix.router.orchestrator.PDOrchestrator.bridged`).
+
+No bridge feeds an SGLang decode yet: it learns of its KV only through SGLang's own bootstrap from an SGLang prefill.
 """
 from __future__ import annotations
 
@@ -41,7 +52,8 @@ import msgspec
 
 from dlmix.pd.contract import ContractError, TransferParams, block_ids_transfer_id, decode_params
 
-__all__ = ["BRIDGES", "Bridge", "get_bridge", "lmdeploy_to_vllm", "vllm_to_lmdeploy", "forget"]
+__all__ = ["BRIDGES", "Bridge", "get_bridge", "lmdeploy_to_vllm", "vllm_to_lmdeploy", "sglang_to_vllm",
+           "sglang_to_lmdeploy", "room_handoff", "forget"]
 
 Bridge = Callable[[str, str, dict, bytes], Awaitable[dict]]
 
@@ -178,6 +190,25 @@ async def _connect_lmdeploy_decode(prefill_url: str, decode_url: str, info: dict
             "remote_kvtransfer_endpoint_info": [{"protocol": PROTOCOL_TCP, "endpoint_info": json.dumps(info)}]})
 
 
+async def _to_lmdeploy(prefill_url: str, decode_url: str, p: TransferParams, tok: int) -> dict:
+    """LMDeploy's ``migration_request`` for an LMDeploy decode that continues from token ``tok`` after pulling the
+    hold ``p`` describes (connecting the decode to that prefill endpoint once). Raises ValueError."""
+    if len(p.transports) != 1:
+        raise ValueError(f"the prefill has {len(p.transports)} TP ranks; an LMDeploy decode takes TP size 1")
+    info = {"dlmix": 1, "role": "Prefill", "transport": p.transports[0], "layout": p.layout}
+    key = (prefill_url, decode_url, json.dumps(p.transports[0], sort_keys=True))
+    fut = _links.get(key)
+    if fut is None or (fut.done() and fut.exception() is not None):
+        for old in [k for k in _links if k[:2] == key[:2]]:  # a restarted prefill: connect its new endpoint
+            del _links[old]
+        fut = _links[key] = asyncio.ensure_future(_connect_lmdeploy_decode(prefill_url, decode_url, info))
+    await asyncio.shield(fut)
+    from dlmix.router.engines.lmdeploy import PROTOCOL_TCP
+
+    return {"protocol": PROTOCOL_TCP, "remote_engine_id": prefill_url, "remote_session_id": 0,
+            "remote_token_id": int(tok), "remote_block_ids": list(p.block_ids), "is_dummy_prefill": False}
+
+
 async def vllm_to_lmdeploy(prefill_url: str, decode_url: str, kvp: dict, resp_body: bytes) -> dict:
     """LMDeploy's ``migration_request`` for an LMDeploy decode from a vLLM prefill's answer (module doc).
 
@@ -200,22 +231,66 @@ async def vllm_to_lmdeploy(prefill_url: str, decode_url: str, kvp: dict, resp_bo
     except (msgspec.DecodeError, msgspec.ValidationError, IndexError, TypeError, ValueError) as ex:
         raise ValueError(f"vLLM prefill answer has no choices[0].token_ids ({ex}); the router's prefill leg asks "
                          "for return_token_ids (vLLM >= 0.10.2)") from None
-    info = {"dlmix": 1, "role": "Prefill", "transport": p.transports[0], "layout": p.layout}
-    key = (prefill_url, decode_url, json.dumps(p.transports[0], sort_keys=True))
-    fut = _links.get(key)
-    if fut is None or (fut.done() and fut.exception() is not None):
-        for old in [k for k in _links if k[:2] == key[:2]]:  # a restarted prefill: connect its new endpoint
-            del _links[old]
-        fut = _links[key] = asyncio.ensure_future(_connect_lmdeploy_decode(prefill_url, decode_url, info))
-    await asyncio.shield(fut)
-    from dlmix.router.engines.lmdeploy import PROTOCOL_TCP
+    return await _to_lmdeploy(prefill_url, decode_url, p, tok)
 
-    return {"protocol": PROTOCOL_TCP, "remote_engine_id": prefill_url, "remote_session_id": 0,
-            "remote_token_id": tok, "remote_block_ids": list(p.block_ids), "is_dummy_prefill": False}
+
+async def room_handoff(kvp: dict) -> tuple[TransferParams, Optional[int]]:
+    """Ask an SGLang prefill's bootstrap server for the hand-off of a room (``POST /dlmix/handoff``, answered once
+    the prefill holds the room's KV; ``plugins/sglang/handoff.py``).
+
+    Args: kvp: the SGLang hand-off (``bootstrap_host``, ``bootstrap_port``, ``bootstrap_room``) plus
+    ``timeout_s``, how long the prefill may take (seconds).
+    Returns ``(transfer parameters, first token id or None)``. Raises ValueError with the prefill's reason (the room
+    failed there, timed out, the prefill does not run the dlmix backend, an invalid answer).
+    """
+    import httpx
+
+    from dlmix.pd.contract import decode_room_handoff
+
+    timeout = float(kvp.get("timeout_s") or INFO_TIMEOUT_S)
+    host = str(kvp["bootstrap_host"])
+    url = f"http://{'[' + host + ']' if ':' in host else host}:{int(kvp['bootstrap_port'])}/dlmix/handoff"
+    try:
+        async with httpx.AsyncClient(timeout=timeout + 10, trust_env=False) as client:
+            r = await client.post(url, json={"room": int(kvp["bootstrap_room"]), "timeout_s": timeout})
+    except httpx.HTTPError as ex:
+        raise ValueError(f"POST {url}: {type(ex).__name__}: {ex}") from None
+    if r.status_code == 404:
+        raise ValueError(f"{url} not found: the SGLang prefill does not run the dlmix transfer backend "
+                         "(--disaggregation-transfer-backend dlmix)")
+    if r.status_code != 200:
+        raise ValueError(f"SGLang prefill hand-off answered {r.status_code}: {r.text[:500]}")
+    try:
+        return decode_room_handoff(r.content)
+    except ContractError as ex:
+        raise ValueError(f"SGLang prefill hand-off: {ex.reason}") from None
+
+
+async def sglang_to_vllm(prefill_url: str, decode_url: str, kvp: dict, resp_body: bytes) -> dict:
+    """vLLM ``kv_transfer_params`` for a vLLM decode from an SGLang prefill (concurrent flow; module doc of
+    ``plugins/sglang/handoff.py``): the room's transfer parameters, waited for while the prefill leg runs.
+
+    Args: kvp: the SGLang hand-off plus ``timeout_s`` (:func:`room_handoff`); resp_body: unused (the prefill's
+    answer comes only after the decode has read the KV).
+    Returns ``{"do_remote_prefill": True, "do_remote_decode": False, **TransferParams}``. Raises ValueError.
+    """
+    p, _ = await room_handoff(kvp)
+    return {"do_remote_prefill": True, "do_remote_decode": False, **p.to_dict()}
+
+
+async def sglang_to_lmdeploy(prefill_url: str, decode_url: str, kvp: dict, resp_body: bytes) -> dict:
+    """LMDeploy's ``migration_request`` for an LMDeploy decode from an SGLang prefill (as :func:`sglang_to_vllm`;
+    the decode continues from the prefill's first token, read from its metadata row). Raises ValueError."""
+    p, tok = await room_handoff(kvp)
+    if tok is None:
+        raise ValueError("the SGLang prefill's hand-off carries no first token")
+    return await _to_lmdeploy(prefill_url, decode_url, p, tok)
 
 
 #: ``(prefill engine, decode engine) -> bridge``
-BRIDGES: Dict[Tuple[str, str], Bridge] = {("lmdeploy", "vllm"): lmdeploy_to_vllm, ("vllm", "lmdeploy"): vllm_to_lmdeploy}
+BRIDGES: Dict[Tuple[str, str], Bridge] = {("lmdeploy", "vllm"): lmdeploy_to_vllm, ("vllm", "lmdeploy"): vllm_to_lmdeploy,
+                                          ("sglang", "vllm"): sglang_to_vllm,
+                                          ("sglang", "lmdeploy"): sglang_to_lmdeploy}
 
 
 def get_bridge(prefill_engine: str, decode_engine: str) -> Optional[Bridge]:

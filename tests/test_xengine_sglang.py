@@ -1,0 +1,151 @@
+"""PD across engines with an SGLang prefill, end to end: a real SGLang 0.5.23 prefill
+(``--disaggregation-transfer-backend dlmix``) feeds a real vLLM CPU decode (``DLMixConnector``) and a real LMDeploy
+0.18 decode (``--migration-backend DLMix``) behind the dlmix router, with the real SmolLM2, through the room
+hand-off (``plugins/sglang/handoff.py``, :func:`dlmix.router.engines.bridges.sglang_to_vllm` /
+``sglang_to_lmdeploy``). Marked slow; skipped with the reason without the SGLang venv
+(``scripts/setup_sglang.sh``); the LMDeploy test also without the LMDeploy venv.
+
+Servers (started once for this module):
+  P       SGLang ``--disaggregation-mode prefill``, fp32, page 16, a pool of 2,048 tokens (the prompts below add up
+          to several times that: a room whose pages were never freed shows within the test)
+  D       vLLM ``kv_consumer``, fp32, block 128, vLLM CPU's cache (another engine, block size and arrangement)
+  D2, R   LMDeploy ``--role Decode`` and a Hybrid reference in D2's configuration, fp16, block 64
+  router  the dlmix router with P and D; router2 with P and D2 (``prefix`` policy: always PD)
+
+References: D itself without a prefill; R for D2. Greedy tokens must be equal, or differ first at a near-tie of
+the reference (SGLang's and vLLM's CPU kernels round differently; fp32 -> fp16 for LMDeploy).
+"""
+from __future__ import annotations
+
+import httpx
+import pytest
+
+pytestmark = pytest.mark.slow
+
+from dlmix_sglang import testing as T  # noqa: E402
+
+if T.sglang_python() is None:
+    pytest.skip("no SGLang venv (run scripts/setup_sglang.sh, or set DLMIX_SGLANG_VENV)", allow_module_level=True)
+
+from dlmix_lmdeploy import testing as L  # noqa: E402
+from dlmix_vllm import testing as V  # noqa: E402
+
+from dlmix.testing import compare_greedy  # noqa: E402
+
+MAX_TOKENS = 16
+#: nats (as tests/test_xengine_pd.py)
+NEAR_TIE = 0.5
+#: engines sharing two cores: unpinned, one OpenMP thread each, passive waits (a pinned engine spinning next to a
+#: KV transfer starved it)
+ENV = {"OMP_NUM_THREADS": "1", "OMP_WAIT_POLICY": "PASSIVE"}
+
+
+@pytest.fixture(scope="module")
+def servers(smollm2_dir, tmp_path_factory):
+    from dlmix.router.config import RouterConfig
+    from dlmix.testing import RouterThread
+
+    wd = tmp_path_factory.mktemp("xengine-sglang")
+    m = str(smollm2_dir)
+    started, routers, out = [], [], {"model": m}
+    try:
+        d = V.launch("D", m, wd, role="kv_consumer", cpu="nobind", block_size=128, kv_bytes=256 << 20, env=ENV,
+                     extra={"io_timeout_s": 30})
+        started.append(d)
+        p = T.start_server(m, T.free_port(), wd / "P.log", mode="prefill", page_size=16, dtype="float32",
+                           max_total_tokens=2048)
+        started.append(p)
+        if L.lmdeploy_python() is not None:
+            for name, extra, kw in (("D2", [], dict(role="Decode", num_blocks=32)),
+                                    ("R", ["--logprobs-mode", "raw_logprobs"], dict(role="Hybrid", num_blocks=64))):
+                out[name] = L.start_ready(m, wd, started, env={"OMP_NUM_THREADS": "1"}, dtype="float16",
+                                          block_size=64, extra=extra + ["--model-name", "smollm2"], **kw)
+        p.wait_ready()
+        V.wait_ready([d], timeout_s=400)
+        pairs = [(d, "vllm")] + ([(out["D2"], "lmdeploy")] if "D2" in out else [])
+        for dec, engine in pairs:
+            r_ = RouterThread(RouterConfig(host="127.0.0.1", port=0, policy="prefix", model_spec=m))
+            routers.append(r_)
+            with httpx.Client(base_url=r_.url, timeout=30) as c:
+                r = c.post("/admin/instances", json={"url": p.url, "role": "prefill", "engine": "sglang",
+                                                     "model": "smollm2", "bootstrap_port": p.bootstrap_port,
+                                                     "heartbeat_ttl_s": 0})
+                assert r.status_code in (200, 201), r.text
+                r = c.post("/admin/instances", json={"url": dec.url, "role": "decode", "engine": engine,
+                                                     "model": "smollm2", "heartbeat_ttl_s": 0})
+                assert r.status_code in (200, 201), r.text
+        yield {**out, "P": p, "D": d, "router": routers[0], "router2": routers[1] if len(routers) > 1 else None}
+    finally:
+        for s in reversed(started):
+            s.stop()
+        for r_ in routers:
+            r_.close()
+
+
+@pytest.fixture(scope="module")
+def tok(smollm2_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(smollm2_dir))
+
+
+def test_sglang_prefill_feeds_vllm_decode_through_the_router(servers, tok):
+    """12 prompts of 10..600 tokens, completions and chats, half streamed, through the router: the vLLM decode loads
+    the whole prompt from SGLang's pages (page 16, SGLang's per-layer NHD pool -> block 128, vLLM CPU's cache) and
+    its greedy tokens equal D alone (near-ties counted). The prompts need about 3,700 tokens of the prefill's
+    2,048-token pool over the test: every room's pages were freed after the decode read them."""
+    D, rt = servers["D"], servers["router"]
+    items = []
+    for p in V.prompt_set(tok, [10 + 590 * i // 11 for i in range(12)], kinds=("completion", "chat"), seed=11):
+        if p["kind"] == "completion" and not isinstance(p["prompt"], str):
+            p = dict(p, prompt=tok.decode(p["prompt"]))
+        items.append(p)
+    V.reset_prefix_cache(D.url)
+    got, refs, loaded = {}, {}, 0
+    for p in items:
+        path, body = V.request_body(p["kind"], p["prompt"], MAX_TOKENS, stream=p["stream"])
+        with httpx.Client(timeout=300) as c:
+            resp = V._post(c, rt.url + path, body)  # a stream folded into one answer; raises on a non-200
+        got[p["i"]] = V.result_tokens(resp)[0]
+        if not p["stream"]:
+            info = resp["kv_transfer_params"]["dlmix"]
+            assert info["error"] is None and info["local_hit_tokens"] == 0, info
+            assert info["loaded_tokens"] == resp["usage"]["prompt_tokens"] and info["bytes_received"] > 0, info
+            loaded += 1
+        V.reset_prefix_cache(D.url)
+    assert loaded == 6
+    for p in items:
+        refs[p["i"]] = V.result_tokens(V.single(D.url, p["kind"], p["prompt"], MAX_TOKENS))
+        V.reset_prefix_cache(D.url)
+    same, ties = compare_greedy("sglang fp32/16 -> vllm fp32/128", got, refs, NEAR_TIE, MAX_TOKENS)
+    assert same >= len(items) - 3, (same, ties)
+    log = servers["P"].log_path.read_text(errors="replace")
+    assert "KV hold of room" not in log and "failed on prefill" not in log, log[-3000:]
+
+
+def test_sglang_prefill_feeds_lmdeploy_decode_through_the_router(servers, tok):
+    """8 prompts of 10..600 tokens, completions and chats, streamed or not, through the router: the LMDeploy decode
+    (fp16, block 64, packed pool) pulls SGLang's pages (fp32, page 16) under the blocks' name and continues from
+    SGLang's first token (read from the prefill's metadata row); greedy text equals R except near-ties. A
+    Decode-role LMDeploy engine cannot compute a prompt itself, so every answer is decoded from SGLang's KV."""
+    if servers.get("D2") is None:
+        pytest.skip("no LMDeploy venv (run scripts/setup_lmdeploy.sh)")
+    rt, m = servers["router2"], "smollm2"
+    rng = __import__("random").Random(6)
+    kinds = ["completion", "chat", "completion-stream", "chat-stream"]
+    lengths = [10, 600] + [rng.randint(10, 600) for _ in range(6)]
+    ties = 0
+    for i, n in enumerate(lengths):
+        words = " ".join(rng.choice(V.PROSE_WORDS) for _ in range(n))
+        prompt = tok.decode(tok.encode(words)[:n])
+        kind = kinds[i % 4]
+        got = L.router_request(rt.url, m, kind, prompt, MAX_TOKENS)
+        if kind.startswith("chat"):
+            ref = L.reference_chat(servers["R"].url, m, prompt, tok, MAX_TOKENS)
+        else:
+            ref = L.reference(servers["R"].url, prompt, tok, MAX_TOKENS)
+        ties += L.near_tie(f"sglang fp32/16 -> lmdeploy fp16/64, {kind} {n} tokens", got, ref, NEAR_TIE)
+    print(f"SGLang prefill -> LMDeploy decode: identical {len(lengths) - ties}/{len(lengths)}, near-ties {ties}")
+    assert ties <= len(lengths) // 2
+    log = servers["D2"].log_path.read_text(errors="replace")
+    assert "not migrated" not in log, log[-3000:]
