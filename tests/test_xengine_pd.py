@@ -103,18 +103,9 @@ def test_lmdeploy_prefill_feeds_vllm_decode_through_the_router(servers, tok):
     also show that every hold is freed after the decode read it."""
     D, rt = servers["D"], servers["router"]
     items = [_text(p, tok) for p in _prompts(tok, 12, seed=7, lo=10, hi=600)]
-    V.reset_prefix_cache(D.url)
-    got, refs = {}, {}
-    for p in items:
-        path, body = V.request_body(p["kind"], p["prompt"], MAX_TOKENS, stream=p["stream"])
-        with httpx.Client(timeout=300) as c:
-            resp = V._post(c, rt.url + path, body)  # a stream folded into one answer; raises on a non-200
-        got[p["i"]] = V.result_tokens(resp)[0]
-        if not p["stream"]:
-            info = resp["kv_transfer_params"]["dlmix"]
-            assert info["error"] is None and info["local_hit_tokens"] == 0, info
-            assert info["loaded_tokens"] == resp["usage"]["prompt_tokens"] and info["bytes_received"] > 0, info
-    V.reset_prefix_cache(D.url)
+    got, loaded = V.through_router(rt.url, D.url, items, MAX_TOKENS)
+    assert loaded == 6
+    refs = {}
     for p in items:
         refs[p["i"]] = V.result_tokens(V.single(D.url, p["kind"], p["prompt"], MAX_TOKENS))
         V.reset_prefix_cache(D.url)
@@ -165,23 +156,11 @@ def test_vllm_prefill_feeds_lmdeploy_decode_through_the_router(servers, tok):
     configuration) except near-ties. A Decode-role LMDeploy engine cannot compute a prompt itself (a failed pull is
     an HTTP 500), so every answer is decoded from vLLM's KV. Afterwards vLLM's prefill holds no blocks (its own
     KV usage gauge) and D2's 32-block pool has served more blocks than it has."""
-    rt, m = servers["router2"], "smollm2"
     rng = __import__("random").Random(5)
-    kinds = ["completion", "chat", "completion-stream", "chat-stream"]
     lengths = [10, 600] + [rng.randint(10, 600) for _ in range(6)]
-    ties, blocks = 0, 0
-    for i, n in enumerate(lengths):
-        words = " ".join(rng.choice(V.PROSE_WORDS) for _ in range(n))
-        prompt = tok.decode(tok.encode(words)[:n])
-        kind = kinds[i % 4]
-        got = L.router_request(rt.url, m, kind, prompt, MAX_TOKENS)
-        if kind.startswith("chat"):
-            ref = L.reference_chat(servers["R"].url, m, prompt, tok, MAX_TOKENS)
-        else:
-            ref = L.reference(servers["R"].url, prompt, tok, MAX_TOKENS)
-        ties += L.near_tie(f"vllm fp32/32 -> lmdeploy fp16/64, {kind} {n} tokens", got, ref, NEAR_TIE)
-        blocks += -(-(n + MAX_TOKENS) // 64)
-    print(f"vLLM prefill -> LMDeploy decode: identical {len(lengths) - ties}/{len(lengths)}, near-ties {ties}")
+    ties = L.router_against_reference(servers["router2"].url, servers["R"].url, "smollm2", tok, V.PROSE_WORDS,
+                                      lengths, rng, "vllm fp32/32 -> lmdeploy fp16/64", NEAR_TIE, MAX_TOKENS)
+    blocks = sum(-(-(n + MAX_TOKENS) // 64) for n in lengths)
     assert ties <= len(lengths) // 2
     assert blocks > 32
     assert poll(lambda: V.kv_usage(servers["P2"].url) == 0.0, 20), V.kv_usage(servers["P2"].url)

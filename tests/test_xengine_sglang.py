@@ -100,19 +100,8 @@ def test_sglang_prefill_feeds_vllm_decode_through_the_router(servers, tok):
         if p["kind"] == "completion" and not isinstance(p["prompt"], str):
             p = dict(p, prompt=tok.decode(p["prompt"]))
         items.append(p)
-    V.reset_prefix_cache(D.url)
-    got, refs, loaded = {}, {}, 0
-    for p in items:
-        path, body = V.request_body(p["kind"], p["prompt"], MAX_TOKENS, stream=p["stream"])
-        with httpx.Client(timeout=300) as c:
-            resp = V._post(c, rt.url + path, body)  # a stream folded into one answer; raises on a non-200
-        got[p["i"]] = V.result_tokens(resp)[0]
-        if not p["stream"]:
-            info = resp["kv_transfer_params"]["dlmix"]
-            assert info["error"] is None and info["local_hit_tokens"] == 0, info
-            assert info["loaded_tokens"] == resp["usage"]["prompt_tokens"] and info["bytes_received"] > 0, info
-            loaded += 1
-        V.reset_prefix_cache(D.url)
+    got, loaded = V.through_router(rt.url, D.url, items, MAX_TOKENS)
+    refs = {}
     assert loaded == 6
     for p in items:
         refs[p["i"]] = V.result_tokens(V.single(D.url, p["kind"], p["prompt"], MAX_TOKENS))
@@ -130,22 +119,10 @@ def test_sglang_prefill_feeds_lmdeploy_decode_through_the_router(servers, tok):
     Decode-role LMDeploy engine cannot compute a prompt itself, so every answer is decoded from SGLang's KV."""
     if servers.get("D2") is None:
         pytest.skip("no LMDeploy venv (run scripts/setup_lmdeploy.sh)")
-    rt, m = servers["router2"], "smollm2"
     rng = __import__("random").Random(6)
-    kinds = ["completion", "chat", "completion-stream", "chat-stream"]
     lengths = [10, 600] + [rng.randint(10, 600) for _ in range(6)]
-    ties = 0
-    for i, n in enumerate(lengths):
-        words = " ".join(rng.choice(V.PROSE_WORDS) for _ in range(n))
-        prompt = tok.decode(tok.encode(words)[:n])
-        kind = kinds[i % 4]
-        got = L.router_request(rt.url, m, kind, prompt, MAX_TOKENS)
-        if kind.startswith("chat"):
-            ref = L.reference_chat(servers["R"].url, m, prompt, tok, MAX_TOKENS)
-        else:
-            ref = L.reference(servers["R"].url, prompt, tok, MAX_TOKENS)
-        ties += L.near_tie(f"sglang fp32/16 -> lmdeploy fp16/64, {kind} {n} tokens", got, ref, NEAR_TIE)
-    print(f"SGLang prefill -> LMDeploy decode: identical {len(lengths) - ties}/{len(lengths)}, near-ties {ties}")
+    ties = L.router_against_reference(servers["router2"].url, servers["R"].url, "smollm2", tok, V.PROSE_WORDS,
+                                      lengths, rng, "sglang fp32/16 -> lmdeploy fp16/64", NEAR_TIE, MAX_TOKENS)
     assert ties <= len(lengths) // 2
     log = servers["D2"].log_path.read_text(errors="replace")
     assert "not migrated" not in log, log[-3000:]

@@ -96,11 +96,7 @@ class PDOrchestrator:
                     if m:
                         m.prefill_leg(b, status)
                     if 400 <= status < 500:
-                        ctype = next((v for k, v in hdrs if k == b"content-type"), b"application/json")
-                        if m:
-                            m.answer(status)
-                        conn.send(status, rbody, ctype)
-                        return SENT
+                        return self._client_error(conn, c)
                     self.registry.fail(b)
                 except BackendError as ex:
                     if m:
@@ -112,17 +108,19 @@ class PDOrchestrator:
                     if m:
                         m.prefill_leg(b)
                     self.registry.fail(b)
-            alt = self.replace(rr, dec, tried) if len(tried) <= self.cfg.retries else None
-            if alt is None:
-                self.move(dec, rr, None)
-                if m:
-                    m.retry("prefill_local")
+            if not self._place_again(rr, dec, tried):
                 return None
-            self.move(dec, rr, alt.prefill, alt.hit_tokens, alt.predicted_ttft)
-            p = alt.prefill
+            p = dec.prefill
             tried.add(p.id)
-            if m:
-                m.retry("prefill")
+
+    def _client_error(self, conn, c):
+        """Send a prefill instance's 4xx answer ``c`` (the client's error) to the client as it is; :data:`SENT`."""
+        status, hdrs, rbody = c.collected()
+        ctype = next((v for k, v in hdrs if k == b"content-type"), b"application/json")
+        if self.metrics:
+            self.metrics.answer(status)
+        conn.send(status, rbody, ctype)
+        return SENT
 
     def handoff_abort(self, b, kvp: dict):
         """A callable that tells prefill backend ``b`` to free the KV it holds for this request (its engine
@@ -229,12 +227,7 @@ class PDOrchestrator:
                         return db, c
                     dtask.cancel()
                     if pstatus is not None and 400 <= pstatus < 500:
-                        status, hdrs, rbody = ptask.result().collected()
-                        ctype = next((v for k, v in hdrs if k == b"content-type"), b"application/json")
-                        if m:
-                            m.answer(status)
-                        conn.send(status, rbody, ctype)
-                        return SENT
+                        return self._client_error(conn, ptask.result())
                     if conn.closed:
                         raise perr or BackendError("client went away")
                     self.registry.fail(pb, perr)
@@ -305,12 +298,7 @@ class PDOrchestrator:
                 if m:
                     m.prefill_leg(pb, pstatus or 0)
                 if pstatus is not None and 400 <= pstatus < 500:
-                    status, hdrs, rbody = ptask.result().collected()
-                    ctype = next((v for k, v in hdrs if k == b"content-type"), b"application/json")
-                    if m:
-                        m.answer(status)
-                    conn.send(status, rbody, ctype)
-                    return SENT
+                    return self._client_error(conn, ptask.result())
                 if conn.closed:
                     raise perr or BackendError("client went away")
                 if perr is not None or (pstatus or 0) >= 500:  # a refused pair is not the prefill's fault
@@ -318,15 +306,23 @@ class PDOrchestrator:
                 herr = None if htask.cancelled() else htask.exception()
                 if herr is not None:
                     log.warning("prefill %s -> decode %s: %s", p.id, dec.decode.id, herr)
-            alt = self.replace(rr, dec, tried) if len(tried) <= self.cfg.retries else None
-            if alt is None:
-                self.move(dec, rr, None)
-                if m:
-                    m.retry("prefill_local")
+            if not self._place_again(rr, dec, tried):
                 return None
-            self.move(dec, rr, alt.prefill, alt.hit_tokens, alt.predicted_ttft)
-            if m:
-                m.retry("prefill")
+
+    def _place_again(self, rr: RouteRequest, dec: Decision, tried: set) -> bool:
+        """After a failed prefill leg of ``dec``: the policy's next prefill instance (:meth:`replace`, at most
+        ``retries`` tried) takes it, or, with none, the decode instance prefills itself. Returns False in that last
+        case. Counts the retry."""
+        alt = self.replace(rr, dec, tried) if len(tried) <= self.cfg.retries else None
+        if alt is None:
+            self.move(dec, rr, None)
+            if self.metrics:
+                self.metrics.retry("prefill_local")
+            return False
+        self.move(dec, rr, alt.prefill, alt.hit_tokens, alt.predicted_ttft)
+        if self.metrics:
+            self.metrics.retry("prefill")
+        return True
 
     def _leg_ended(self, b, task: asyncio.Future, kvp: dict) -> None:
         """A bridged prefill leg that ran on in the background ended: count it (its exception retrieved), with the

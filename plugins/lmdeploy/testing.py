@@ -357,3 +357,26 @@ class RoutedPair:
 
     def __exit__(self, *exc: Any) -> None:
         self.stop()
+
+
+def router_against_reference(router_url: str, ref_url: str, model: str, tokenizer: Any, words: list[str],
+                             lengths: list[int], rng: Any, label: str, threshold: float, max_tokens: int) -> int:
+    """Greedy requests through ``router_url`` (a PD pair whose decode is LMDeploy) against ``ref_url`` (an LMDeploy
+    instance in the decode's configuration, ``--logprobs-mode raw_logprobs``): one prompt of random ``words`` per
+    entry of ``lengths`` (tokens), kinds cycling completion, chat, streamed completion, streamed chat. Each answer
+    must equal the reference's text or part from it at a near-tie (:func:`near_tie`, which asserts otherwise).
+    Returns the number of near-ties (printed with ``label``)."""
+    kinds = ["completion", "chat", "completion-stream", "chat-stream"]
+    ties = 0
+    for i, n in enumerate(lengths):
+        text = " ".join(rng.choice(words) for _ in range(n))
+        prompt = tokenizer.decode(tokenizer.encode(text)[:n])
+        kind = kinds[i % 4]
+        got = router_request(router_url, model, kind, prompt, max_tokens)
+        if kind.startswith("chat"):
+            ref = reference_chat(ref_url, model, prompt, tokenizer, max_tokens)
+        else:
+            ref = reference(ref_url, prompt, tokenizer, max_tokens)
+        ties += near_tie(f"{label}, {kind} {n} tokens", got, ref, threshold)
+    print(f"{label}: identical {len(lengths) - ties}/{len(lengths)}, near-ties {ties}")
+    return ties

@@ -277,3 +277,25 @@ def metric_sum(url: str, name: str) -> float:
         if line.startswith(name + "{") or line.startswith(name + " "):
             total += float(line.rsplit(" ", 1)[1])
     return total
+
+
+def through_router(router_url: str, decode_url: str, items: list[dict], max_tokens: int) -> tuple[dict, int]:
+    """Send each prompt of ``items`` (:func:`prompt_set` entries) through a dlmix router whose PD decode is the vLLM
+    instance at ``decode_url`` (its prefix cache reset before each, so every prompt is loaded whole from the
+    prefill). Each non-streamed answer's ``kv_transfer_params.dlmix`` must report no error, no local hit, all
+    prompt tokens loaded and bytes received (asserted). Returns ``({i: greedy token ids}, number of answers
+    checked so)``."""
+    got, loaded = {}, 0
+    reset_prefix_cache(decode_url)
+    for p in items:
+        path, body = request_body(p["kind"], p["prompt"], max_tokens, stream=p["stream"])
+        with httpx.Client(timeout=300) as c:
+            resp = _post(c, router_url + path, body)  # a stream folded into one answer; raises on a non-200
+        got[p["i"]] = result_tokens(resp)[0]
+        if not p["stream"]:
+            info = resp["kv_transfer_params"]["dlmix"]
+            assert info["error"] is None and info["local_hit_tokens"] == 0, info
+            assert info["loaded_tokens"] == resp["usage"]["prompt_tokens"] and info["bytes_received"] > 0, info
+            loaded += 1
+        reset_prefix_cache(decode_url)
+    return got, loaded
