@@ -320,9 +320,9 @@ class _HandoffStandIn:
         self.s.close()
 
 
-def _bridged(lt, hand: _HandoffStandIn, **cfg):
+def _bridged(lt, hand: _HandoffStandIn, ttft: float = 0.5, **cfg):
     """An SGLang prefill mock (its bootstrap port: ``hand``) and a vLLM decode mock behind a router."""
-    p = MockEngine(name="p", role="prefill", engine="sglang", bootstrap_port=hand.port, ttft=0.5)
+    p = MockEngine(name="p", role="prefill", engine="sglang", bootstrap_port=hand.port, ttft=ttft)
     d = MockEngine(name="d", role="decode", engine="vllm")
     ref = MockEngine(name="ref")
     for e in (p, d, ref):
@@ -383,6 +383,27 @@ def test_a_room_the_sglang_prefill_failed_is_computed_by_the_vllm_decode(lt):
         assert poll(lambda: p.inflight == 0, 10)  # the cancelled prefill leg is gone
         assert router.metrics.registry.get_sample_value("dlmix_router_retries_total",
                                                         {"kind": "prefill_local"}) == 1.0
+    finally:
+        lt.run(router.stop())
+        for e in (p, d, ref):
+            lt.run(e.stop())
+        hand.close()
+
+
+def test_an_sglang_prefill_leg_that_ends_before_its_hand_off_is_computed_by_the_vllm_decode(lt):
+    """The prefill leg answers before the room's hand-off (a real SGLang prefill answers only after the decode read
+    the KV, so it never held the room): the hand-off is cancelled and the vLLM decode computes the prompt itself."""
+    hand = _HandoffStandIn(delay=3.0)
+    p, d, ref, router, base = _bridged(lt, hand, ttft=0.0)
+    try:
+        with httpx.Client(timeout=30) as h:
+            via = h.post(base + "/v1/completions", json=BODY)
+            direct = h.post(ref.url + "/v1/completions", json=BODY)
+        assert via.status_code == 200 and via.json() == direct.json(), via.text
+        assert p.prefill_legs == 1 and d.remote_prefills == []
+        reg = router.metrics.registry
+        assert reg.get_sample_value("dlmix_router_retries_total", {"kind": "prefill_local"}) == 1.0
+        assert reg.get_sample_value("dlmix_router_prefill_responses_total", {"instance": "p", "status": "2xx"}) == 1.0
     finally:
         lt.run(router.stop())
         for e in (p, d, ref):

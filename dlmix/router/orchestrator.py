@@ -287,8 +287,8 @@ class PDOrchestrator:
                     ptask.add_done_callback(lambda t, b=pb, k=out: self._leg_ended(b, t, k))
                     return Handoff(out, ptask.cancel)
                 if not htask.done():  # the prefill leg ended first: it never held the room's KV
-                    await asyncio.wait((ptask,))
                     htask.cancel()
+                    await asyncio.wait((htask,))
                 else:
                     ptask.cancel()
                     await asyncio.wait((ptask,))
