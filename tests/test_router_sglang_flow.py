@@ -5,6 +5,7 @@ a failed prefill is placed again by the policy, registration checks. The same fl
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 
@@ -320,8 +321,10 @@ class _HandoffStandIn:
         self.s.close()
 
 
+@contextlib.contextmanager
 def _bridged(lt, hand: _HandoffStandIn, ttft: float = 0.5, **cfg):
-    """An SGLang prefill mock (its bootstrap port: ``hand``) and a vLLM decode mock behind a router."""
+    """An SGLang prefill mock (its bootstrap port: ``hand``) and a vLLM decode mock behind a router; yields
+    ``(prefill, decode, reference engine, router, router URL)`` and stops all of them (and ``hand``) afterwards."""
     p = MockEngine(name="p", role="prefill", engine="sglang", bootstrap_port=hand.port, ttft=ttft)
     d = MockEngine(name="d", role="decode", engine="vllm")
     ref = MockEngine(name="ref")
@@ -333,7 +336,13 @@ def _bridged(lt, hand: _HandoffStandIn, ttft: float = 0.5, **cfg):
     cfg = RouterConfig(port=0, instances=insts, health_interval_s=0.2, **{**PD, **cfg})
     router = Router(cfg)
     lt.run(router.start())
-    return p, d, ref, router, f"http://127.0.0.1:{cfg.port}"
+    try:
+        yield p, d, ref, router, f"http://127.0.0.1:{cfg.port}"
+    finally:
+        lt.run(router.stop())
+        for e in (p, d, ref):
+            lt.run(e.stop())
+        hand.close()
 
 
 def test_an_sglang_prefill_feeds_a_vllm_decode_through_the_room_hand_off(lt):
@@ -341,8 +350,7 @@ def test_an_sglang_prefill_feeds_a_vllm_decode_through_the_room_hand_off(lt):
     room) and the hand-off request go out together; the decode leg carries the room's transfer parameters as
     ``kv_transfer_params`` before the prefill leg has answered; the client's answer is the decode's, unchanged."""
     hand = _HandoffStandIn()
-    p, d, ref, router, base = _bridged(lt, hand)
-    try:
+    with _bridged(lt, hand) as (p, d, ref, router, base):
         with httpx.Client(timeout=30) as h:
             for stream in (False, True):
                 body = dict(BODY, stream=stream)
@@ -361,11 +369,6 @@ def test_an_sglang_prefill_feeds_a_vllm_decode_through_the_room_hand_off(lt):
         assert [c[1]["room"] for c in hand.s.calls] == [r[2] for r in p.rooms]
         assert router.metrics.registry.get_sample_value("dlmix_router_prefill_responses_total",
                                                         {"instance": "p", "status": "2xx"}) == 2.0
-    finally:
-        lt.run(router.stop())
-        for e in (p, d, ref):
-            lt.run(e.stop())
-        hand.close()
 
 
 def test_a_room_the_sglang_prefill_failed_is_computed_by_the_vllm_decode(lt):
@@ -373,8 +376,7 @@ def test_a_room_the_sglang_prefill_failed_is_computed_by_the_vllm_decode(lt):
     prefill again and, with no other prefill instance, the vLLM decode computes the prompt itself (the client gets
     the full answer, no ``kv_transfer_params`` reach the decode)."""
     hand = _HandoffStandIn(delay=0.0, status=502)
-    p, d, ref, router, base = _bridged(lt, hand)
-    try:
+    with _bridged(lt, hand) as (p, d, ref, router, base):
         with httpx.Client(timeout=30) as h:
             via = h.post(base + "/v1/completions", json=BODY)
             direct = h.post(ref.url + "/v1/completions", json=BODY)
@@ -383,19 +385,13 @@ def test_a_room_the_sglang_prefill_failed_is_computed_by_the_vllm_decode(lt):
         assert poll(lambda: p.inflight == 0, 10)  # the cancelled prefill leg is gone
         assert router.metrics.registry.get_sample_value("dlmix_router_retries_total",
                                                         {"kind": "prefill_local"}) == 1.0
-    finally:
-        lt.run(router.stop())
-        for e in (p, d, ref):
-            lt.run(e.stop())
-        hand.close()
 
 
 def test_an_sglang_prefill_leg_that_ends_before_its_hand_off_is_computed_by_the_vllm_decode(lt):
     """The prefill leg answers before the room's hand-off (a real SGLang prefill answers only after the decode read
     the KV, so it never held the room): the hand-off is cancelled and the vLLM decode computes the prompt itself."""
     hand = _HandoffStandIn(delay=3.0)
-    p, d, ref, router, base = _bridged(lt, hand, ttft=0.0)
-    try:
+    with _bridged(lt, hand, ttft=0.0) as (p, d, ref, router, base):
         with httpx.Client(timeout=30) as h:
             via = h.post(base + "/v1/completions", json=BODY)
             direct = h.post(ref.url + "/v1/completions", json=BODY)
@@ -404,8 +400,3 @@ def test_an_sglang_prefill_leg_that_ends_before_its_hand_off_is_computed_by_the_
         reg = router.metrics.registry
         assert reg.get_sample_value("dlmix_router_retries_total", {"kind": "prefill_local"}) == 1.0
         assert reg.get_sample_value("dlmix_router_prefill_responses_total", {"instance": "p", "status": "2xx"}) == 1.0
-    finally:
-        lt.run(router.stop())
-        for e in (p, d, ref):
-            lt.run(e.stop())
-        hand.close()
