@@ -359,7 +359,7 @@ def test_an_sglang_prefill_feeds_a_vllm_decode_through_the_room_hand_off(lt):
                 assert via.status_code == 200, via.text
                 assert (_sse(via.text) == _sse(direct.text)) if stream else (via.json() == direct.json())
             # the prefill legs run on in the background (a real SGLang prefill answers once the decode has read
-            # the KV) and end while the client's connection is open (a client that goes away cancels them)
+            # the KV)
             assert poll(lambda: p.prefill_legs == 2, 10)
         assert len(p.rooms) == 2 and len(d.remote_prefills) == 2
         for room, kvp in zip(p.rooms, d.remote_prefills):
@@ -400,3 +400,36 @@ def test_an_sglang_prefill_leg_that_ends_before_its_hand_off_is_computed_by_the_
         reg = router.metrics.registry
         assert reg.get_sample_value("dlmix_router_retries_total", {"kind": "prefill_local"}) == 1.0
         assert reg.get_sample_value("dlmix_router_prefill_responses_total", {"instance": "p", "status": "2xx"}) == 1.0
+
+
+def test_a_client_gone_after_its_answer_leaves_the_background_prefill_leg_running(lt):
+    """The client closes its connection as soon as it has the decode's answer, while the prefill leg still waits
+    for the prefill's own (late) answer: that leg is not cancelled; it ends normally and is counted as a 2xx."""
+    hand = _HandoffStandIn(delay=0.1)
+    with _bridged(lt, hand, ttft=1.5) as (p, d, ref, router, base):
+        with httpx.Client(timeout=30) as h:
+            via = h.post(base + "/v1/completions", json=BODY)
+        assert via.status_code == 200, via.text
+        assert p.prefill_legs == 0  # the answer came before the prefill leg's end, and the client is gone
+        assert poll(lambda: p.prefill_legs == 1, 10)
+        assert p.cancelled == 0
+        reg = router.metrics.registry
+        assert poll(lambda: reg.get_sample_value("dlmix_router_prefill_responses_total",
+                                                 {"instance": "p", "status": "2xx"}) == 1.0, 5)
+        assert reg.get_sample_value("dlmix_router_prefill_responses_total", {"instance": "p", "status": "error"}) == 0
+
+
+def test_a_client_gone_during_the_decode_leg_cancels_the_bridged_prefill_leg(lt):
+    """The client goes away while the decode streams: the decode leg and the prefill leg (which still holds the
+    room's KV) are both cancelled, and no load stays counted."""
+    hand = _HandoffStandIn(delay=0.1)
+    with _bridged(lt, hand, ttft=30.0) as (p, d, ref, router, base):
+        d.itl = 3.0
+        with pytest.raises(httpx.ReadTimeout):
+            with httpx.Client(timeout=httpx.Timeout(10, read=1.0)) as h:
+                with h.stream("POST", base + "/v1/completions", json=dict(BODY, stream=True)) as r:
+                    for _ in r.iter_bytes():
+                        pass
+        assert poll(lambda: p.cancelled == 1 and d.cancelled == 1, 10)
+        assert len(d.remote_prefills) == 1
+        assert poll(lambda: all(i.load.inflight == 0 for i in router.instances), 10)

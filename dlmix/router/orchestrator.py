@@ -204,7 +204,10 @@ class PDOrchestrator:
                 def on_first(_s=started):
                     _s[0] = True
                     first()
-                ptask = asyncio.ensure_future(request(pb.pool, praw, None, conn, self.cfg.prefill_timeout_s))
+                # not registered on the client's connection: the leg outlives the client's answer (SGLang answers
+                # it once the decode has read the KV); a client gone before that cancels it here or through
+                # Handoff.abort, never after the answer
+                ptask = asyncio.ensure_future(request(pb.pool, praw, None, None, self.cfg.prefill_timeout_s))
                 dtask = asyncio.ensure_future(request(db.pool, draw, conn.transport, conn, None, on_first))
                 try:
                     await asyncio.wait((ptask, dtask), return_when=asyncio.FIRST_COMPLETED)
@@ -273,7 +276,10 @@ class PDOrchestrator:
                 kvp = pb.engine.handoff(*pb.bootstrap)
                 praw = build_request(b"POST", req.url, pb.hostport, pb.auth + fwd, pb.engine.prefill_body(d, chat, kvp))
                 bridge = get_bridge(pb.engine.NAME, db.engine.NAME) or _no_bridge
-                ptask = asyncio.ensure_future(request(pb.pool, praw, None, conn, self.cfg.prefill_timeout_s))
+                # not registered on the client's connection: the leg outlives the client's answer (SGLang answers
+                # it once the decode has read the KV); a client gone before that cancels it here or through
+                # Handoff.abort, never after the answer
+                ptask = asyncio.ensure_future(request(pb.pool, praw, None, None, self.cfg.prefill_timeout_s))
                 htask = asyncio.ensure_future(bridge(pb.state.url, db.state.url,
                                                      {**kvp, "timeout_s": self.cfg.prefill_timeout_s}, b""))
                 try:

@@ -169,7 +169,8 @@ class Registry:
         metrics: a :class:`~dlmix.router.metrics.Metrics` or None.
     """
 
-    def __init__(self, cfg, catalog, index, approx, on_remove: Callable[[InstanceState], None], metrics=None):
+    def __init__(self, cfg, catalog, index, approx, on_remove: Callable[[InstanceState], None], metrics=None,
+                 hasher: Optional[BlockHasher] = None):
         self.cfg = cfg
         self.catalog = catalog
         self.index = index
@@ -194,8 +195,8 @@ class Registry:
         self._models: Dict[tuple, int] = {}
         self._groups: Dict[Tuple[str, str], Dict[str, set]] = {}
         self._layouts: Dict[str, dict] = {}
-        #: the router's block hasher (stateful KV-event decoders re-hash token ids with it; set by the router)
-        self.hasher = None
+        #: the router's block hasher (stateful KV-event decoders re-hash token ids with it)
+        self.hasher = hasher or BlockHasher(cfg.hash_algo, cfg.hash_seed)
         #: decode-role instances that cannot serve a request without a prefill instance (engine adapter's
         #: ``DECODE_NEEDS_PREFILL``)
         self.decode_needs_prefill = 0
@@ -576,8 +577,6 @@ class Registry:
     def _subscribe(self, b: Backend) -> None:
         st = b.state
         err = self.metrics.kv_event_error if self.metrics else None
-        if self.hasher is None:
-            self.hasher = BlockHasher(self.cfg.hash_algo, self.cfg.hash_seed)
         dec = kv_events.decode_fn(st.engine, self.hasher, st.block_size)
         b.ev_task = asyncio.get_event_loop().create_task(kv_events.subscribe(
             st.kv_events, self.index, lambda: st.slot, err, decoder=dec))

@@ -104,8 +104,8 @@ class Router:
         self.approx = ApproxIndex(cfg.approx_index_capacity)
         self.extractor = PromptExtractor(cfg.tokenizer)
         self.hasher = BlockHasher(cfg.hash_algo, cfg.hash_seed)
-        self.registry = Registry(cfg, self.catalog, self.index, self.approx, self.policy.on_remove)
-        self.registry.hasher = self.hasher
+        self.registry = Registry(cfg, self.catalog, self.index, self.approx, self.policy.on_remove,
+                                 hasher=self.hasher)
         self.metrics = Metrics(self) if cfg.metrics else None
         self.registry.metrics = self.metrics
         self.registry.on_change = self._update_flags
