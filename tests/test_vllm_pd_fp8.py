@@ -11,8 +11,6 @@ The descriptors both sides exchange name the dtype and scales (``remote_layout``
 """
 from __future__ import annotations
 
-import random
-
 import pytest
 import torch
 
@@ -29,12 +27,6 @@ MAX_TOKENS = 12
 NO_EOS = {"ignore_eos": True}
 NEAR_TIE = 0.05
 ENV = {"OMP_NUM_THREADS": "1", "OMP_WAIT_POLICY": "PASSIVE"}
-
-
-def _prompts(n: int) -> list[dict]:
-    rng = random.Random(99)
-    return [{"i": i, "kind": "completion", "prompt": [rng.randrange(3, 250) for _ in range(10 + i * 400 // (n - 1))],
-             "stream": i % 2 == 1} for i in range(n)]
 
 
 def _launch(name, model, wd, role, bs, fp8):
@@ -58,11 +50,7 @@ def _through(P, D, items) -> tuple[dict, list[dict]]:
 
 
 def _refs(url, items) -> dict:
-    T.reset_prefix_cache(url)
-    out = {p["i"]: T.result_tokens(T.single(url, p["kind"], p["prompt"], MAX_TOKENS, stream=p["stream"],
-                                            extra=NO_EOS)) for p in items}
-    T.reset_prefix_cache(url)
-    return out
+    return T.single_references(url, items, MAX_TOKENS, extra=NO_EOS)
 
 
 def test_fp8_prefill_to_fp8_and_fp32_decode(tiny_model_dir, tmp_path):
@@ -72,7 +60,7 @@ def test_fp8_prefill_to_fp8_and_fp32_decode(tiny_model_dir, tmp_path):
     D32 = _launch("D32", m, tmp_path, "kv_consumer", 64, False)
     try:
         T.wait_ready([P, D8, D32], timeout_s=600)
-        items = _prompts(12)
+        items = T.id_prompts(12, seed=99, max_len=410)
         refs8 = _refs(D8.url, items)
         got, infos = _through(P, D8, items)
         # fp8 KV per token: 2 layers x 2 heads x 32 x (K+V) x 1 B; the pull reads whole prefill blocks of 32 tokens

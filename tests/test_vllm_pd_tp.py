@@ -15,7 +15,6 @@ the bytes it received for a request must equal exactly its KV heads over the pre
 from __future__ import annotations
 
 import json
-import random
 
 import pytest
 
@@ -37,13 +36,6 @@ P_BLOCK, D_BLOCK = 32, 64
 ENV = {"OMP_NUM_THREADS": "1", "OMP_WAIT_POLICY": "PASSIVE"}
 
 
-def _prompts(n: int = 20) -> list[dict]:
-    """``n`` prompts of 10..600 random token ids of the tiny vocabulary (no shared prefixes), half streamed."""
-    rng = random.Random(4321)
-    return [{"i": i, "kind": "completion", "prompt": [rng.randrange(3, 250) for _ in range(10 + i * 590 // (n - 1))],
-             "stream": i % 2 == 1} for i in range(n)]
-
-
 def _launch(name: str, model: str, wd, tp: int, role: str, extra: dict):
     return T.launch(name, model, wd, role=role, cpu="nobind", env=ENV, block_size=P_BLOCK if role == "kv_producer" else D_BLOCK,
                     extra=extra, kv_bytes=32 << 20,
@@ -57,13 +49,8 @@ def test_tp_mismatch_identical_to_single_decode_instance(tiny_model_dir, tmp_pat
     D = _launch("D", str(tiny_model_dir), tmp_path, dtp, "kv_consumer", {"io_timeout_s": 30, "stats_dir": str(stats)})
     try:
         T.wait_ready([P, D], timeout_s=600)
-        items = _prompts()
-        refs = {}
-        T.reset_prefix_cache(D.url)
-        for p in items:
-            refs[p["i"]] = T.result_tokens(T.single(D.url, p["kind"], p["prompt"], MAX_TOKENS, stream=p["stream"],
-                                                  extra=NO_EOS))
-        T.reset_prefix_cache(D.url)
+        items = T.id_prompts(20, seed=4321, max_len=600)  # the tiny vocabulary, 10..600 tokens
+        refs = T.single_references(D.url, items, MAX_TOKENS, extra=NO_EOS)
         got, loaded = {}, {}
         for p in items:
             r = T.two_step(P.url, D.url, p["kind"], p["prompt"], MAX_TOKENS, stream=p["stream"], extra=NO_EOS)

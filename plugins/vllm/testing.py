@@ -250,6 +250,28 @@ def single(url: str, kind: str, prompt: Any, max_tokens: int, *, stream: bool = 
         return _post(c, url + path, body)
 
 
+def id_prompts(n: int, seed: int, max_len: int, vocab: tuple[int, int] = (3, 250)) -> list[dict]:
+    """``n`` completion prompts of random token ids in ``range(*vocab)`` (no shared prefixes), lengths spread evenly
+    from 10 to ``max_len`` tokens, every second one streamed: ``[{"i", "kind", "prompt", "stream"}]``."""
+    import random
+
+    rng = random.Random(seed)
+    return [{"i": i, "kind": "completion", "prompt": [rng.randrange(*vocab) for _ in range(10 + i * (max_len - 10)
+                                                                                          // max(1, n - 1))],
+             "stream": i % 2 == 1} for i in range(n)]
+
+
+def single_references(url: str, items: list[dict], max_tokens: int, extra: dict | None = None
+                      ) -> dict[int, tuple[list[int], list[float]]]:
+    """The single-instance answer of the server at ``url`` to each of ``items`` (as :func:`id_prompts`), its prefix
+    cache reset before and after so that nothing is a prefix hit: ``{i: (token ids, top-1/top-2 gaps)}``."""
+    reset_prefix_cache(url)
+    out = {p["i"]: result_tokens(single(url, p["kind"], p["prompt"], max_tokens, stream=p["stream"], extra=extra))
+           for p in items}
+    reset_prefix_cache(url)
+    return out
+
+
 def reset_prefix_cache(url: str) -> None:
     """POST /reset_prefix_cache (needs VLLM_SERVER_DEV_MODE=1, set by :func:`launch`)."""
     r = httpx.post(url + "/reset_prefix_cache", timeout=30)
