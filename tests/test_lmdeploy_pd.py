@@ -43,7 +43,7 @@ def servers(smollm2_dir, tmp_path_factory):
         proxy = T.start_proxy(logs)
         started.append(proxy)
         proxy.wait_ready(timeout_s=120, path="/nodes/status")
-        # one at a time, each retried once on LMDeploy 0.18's start-up race (dlmix_lmdeploy.testing.start_ready)
+        # started together, each retried once on LMDeploy 0.18's start-up race (dlmix_lmdeploy.testing)
         rt = RouterThread(RouterConfig(host="127.0.0.1", port=0, policy="cost", model_spec=str(smollm2_dir)))
         routers.append(rt)
         specs = {"P": dict(role="Prefill", dtype="bfloat16", block_size=16, num_blocks=48, proxy_url=proxy.url),
@@ -54,7 +54,7 @@ def servers(smollm2_dir, tmp_path_factory):
                  "D2": dict(role="Decode", dtype="float16", block_size=64, num_blocks=64, proxy_url=rt.url),
                  "R": dict(role="Hybrid", dtype="float16", block_size=64, num_blocks=64,
                            extra=["--logprobs-mode", "raw_logprobs"])}
-        servers = {name: T.start_ready(str(smollm2_dir), logs, started, **kw) for name, kw in specs.items()}
+        servers = dict(zip(specs, T.start_all_ready(str(smollm2_dir), logs, started, list(specs.values()))))
         yield {**servers, "proxy": proxy, "router": rt, "model": str(smollm2_dir)}
     finally:
         for s in reversed(started):
@@ -260,12 +260,11 @@ def test_quantized_kv_on_either_side(servers, tmp_path, bits):
     q = ["--quant-policy", str(bits)]
     started, routers = [], []
     try:
-        dq = T.start_ready(m, tmp_path, started, role="Decode", dtype="float16", block_size=64, num_blocks=64,
-                           extra=q)
-        rq = T.start_ready(m, tmp_path, started, role="Hybrid", dtype="float16", block_size=64, num_blocks=64,
-                           extra=q + ["--logprobs-mode", "raw_logprobs"])
-        pq = T.start_ready(m, tmp_path, started, role="Prefill", dtype="float16", block_size=16, num_blocks=128,
-                           extra=q)
+        dq, rq, pq = T.start_all_ready(m, tmp_path, started, [
+            dict(role="Decode", dtype="float16", block_size=64, num_blocks=64, extra=q),
+            dict(role="Hybrid", dtype="float16", block_size=64, num_blocks=64,
+                 extra=q + ["--logprobs-mode", "raw_logprobs"]),
+            dict(role="Prefill", dtype="float16", block_size=16, num_blocks=128, extra=q)])
         control = "The capital of France is"
         got_q, fp = (T.reference(rq.url, control, tokenizer, MAX_TOKENS),
                      T.reference(servers["R"].url, control, tokenizer, MAX_TOKENS))

@@ -15,7 +15,7 @@ from typing import Any
 
 from dlmix.engine_process import LMDEPLOY_ROLES, LMDeployServerSpec, ServerChild, free_port
 
-__all__ = ["lmdeploy_python", "LMDeployServer", "start_proxy", "start_api_server", "post_json", "free_port",
+__all__ = ["lmdeploy_python", "LMDeployServer", "start_proxy", "start_api_server", "start_all_ready", "post_json", "free_port",
            "reference", "reference_chat", "first_divergence", "near_tie", "RoutedPair"]
 
 
@@ -108,6 +108,34 @@ def start_ready(model: str, log_dir: Path, started: list | None = None, **kw: An
             if attempt == 2 or "not alive" not in s.log_tail(200):
                 raise
     raise AssertionError("unreachable")
+
+
+def start_all_ready(model: str, log_dir: Path, started: list, specs: list[dict[str, Any]]) -> list[LMDeployServer]:
+    """One server per keyword set in ``specs`` (as :func:`start_api_server`), all spawned at once (their start-ups
+    overlap) and then waited for in order; a server that hit the start-up race :func:`start_ready` describes is
+    started again alone on its port. Every server started is appended to ``started``. Returns them in ``specs``
+    order. Raises RuntimeError with the log tail of a server that did not come up."""
+    ports: set[int] = set()
+    spawned = []
+    for kw in specs:
+        kw = dict(kw)
+        while not kw.get("port") or kw["port"] in ports:
+            kw["port"] = free_port()
+        ports.add(kw["port"])
+        s = start_api_server(model, log_dir, **kw)
+        started.append(s)
+        spawned.append((s, kw))
+    out = []
+    for s, kw in spawned:
+        try:
+            s.wait_ready()
+            out.append(s)
+        except RuntimeError:
+            s.stop()
+            if "not alive" not in s.log_tail(200):
+                raise
+            out.append(start_ready(model, log_dir, started, **kw))
+    return out
 
 
 def router_request(url: str, model: str, kind: str, prompt: str, max_tokens: int) -> str:
