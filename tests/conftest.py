@@ -57,6 +57,32 @@ def tiny_model_dir():
     return prepare("tiny-llama")
 
 
+@pytest.fixture(scope="session")
+def tiny_model_1kv_dir(tiny_model_dir, tmp_path_factory):
+    """The tiny Llama cut to one KV head (multi-query: the first KV head's rows of every ``k_proj``/``v_proj``,
+    ``num_key_value_heads`` 1), for TP sizes above the KV head count (vLLM then replicates the head on every rank)
+    with two TP ranks instead of four."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    out = tmp_path_factory.mktemp("tiny-llama-1kv")
+    cfg = json.loads((Path(tiny_model_dir) / "config.json").read_text())
+    head = cfg["head_dim"]
+    for f in Path(tiny_model_dir).iterdir():
+        if f.suffix == ".safetensors":
+            w = load_file(str(f))
+            w = {k: (v[:head].contiguous() if k.endswith(("k_proj.weight", "v_proj.weight")) else v)
+                 for k, v in w.items()}
+            save_file(w, str(out / f.name), metadata={"format": "pt"})
+        elif f.is_file() and f.name != "config.json":
+            shutil.copy(f, out / f.name)
+    cfg["num_key_value_heads"] = 1
+    (out / "config.json").write_text(json.dumps(cfg, indent=2))
+    return out
+
+
 class ProcessWatch:
     """The processes a test started (process groups, pids, and every process whose pid is logged in, or whose
     command line names, a log folder): counted while they run, and checked gone afterwards. The one clean-up check
