@@ -13,7 +13,7 @@ import torch
 
 from dlmix.kv import KVLayout, ModelIdentity
 from dlmix.kv.ops import allocate, read_kv, torch_dtype, write_kv
-from dlmix.pd.contract import Abort, Consumed, TransferParams, Want, prompt_digest
+from dlmix.pd.contract import Abort, Consumed, ContractError, TransferParams, Want, decode_message, prompt_digest
 from dlmix.pd.endpoint import KVEndpoint
 from dlmix.pd.producer import MAX_CONSUMERS, Producer
 from dlmix.router.engines import vllm as vllm_adapter
@@ -28,13 +28,15 @@ def _layout(bs: int = 32, dtype: str = "bf16") -> KVLayout:
 
 
 # ------------------------------------------------------------------------------------------------ PD with n > 1
-def test_prefill_body_prefills_once_and_names_the_consumers():
+def test_prefill_body_prefills_once():
+    """The prefill leg of an ``n > 1`` request asks for one choice and names no consumer count: the decode leg does
+    (a decode of another engine may pull once; a count named here would keep that hold until its timeout)."""
     one = msgspec.json.decode(vllm_adapter.prefill_body({"prompt": "hi", "n": 1}, False))
     assert one["n"] == 1 and "dlmix_consumers" not in one["kv_transfer_params"]
     assert one["return_token_ids"] is True  # the first token's id, for a decode of another engine
     three = msgspec.json.decode(vllm_adapter.prefill_body({"prompt": "hi", "n": 3, "stream": True}, False))
     assert three["n"] == 1 and three["max_tokens"] == 1 and three["stream"] is False
-    assert three["kv_transfer_params"] == {**vllm_adapter.PREFILL_KV_PARAMS, "dlmix_consumers": 3}
+    assert three["kv_transfer_params"] == vllm_adapter.PREFILL_KV_PARAMS
     # a bad n is left for the engine to reject with its own 400
     bad = msgspec.json.decode(vllm_adapter.prefill_body({"prompt": "hi", "n": "2"}, False))
     assert bad["n"] == "2" and "dlmix_consumers" not in bad["kv_transfer_params"]
@@ -42,7 +44,7 @@ def test_prefill_body_prefills_once_and_names_the_consumers():
 
 def test_router_prefills_an_n2_request_once_on_mock_engines():
     """Through the router (cost policy forced to disaggregate): the prefill leg of an ``n=2`` request asks for one
-    choice and names 2 consumers; the decode leg keeps the client's ``n``."""
+    choice; the decode leg keeps the client's ``n`` and names 2 consumers."""
     import json
 
     import httpx
@@ -64,9 +66,10 @@ def test_router_prefills_an_n2_request_once_on_mock_engines():
         r = httpx.post(f"http://127.0.0.1:{router.cfg.port}/v1/completions", json=body, timeout=30)
         assert r.status_code == 200, r.text
         leg = json.loads(p.received[0])
-        assert p.prefill_legs == 1 and leg["n"] == 1 and leg["kv_transfer_params"]["dlmix_consumers"] == 2
+        assert p.prefill_legs == 1 and leg["n"] == 1 and "dlmix_consumers" not in leg["kv_transfer_params"]
         dec = json.loads(d.received[0])
         assert dec["n"] == 2 and dec["kv_transfer_params"]["remote_engine_id"] == "p"
+        assert dec["kv_transfer_params"]["dlmix_consumers"] == 2  # for a producer that could not know n
     finally:
         lt.run(router.stop())
         for e in (p, d):
@@ -105,6 +108,42 @@ def test_hold_with_n_consumers_is_released_after_the_last():
     for bad in (0, -1, MAX_CONSUMERS + 1, 1.5, True, "2"):
         with pytest.raises(ValueError, match="consumers"):
             p.add_hold("x", [1], 5, consumers=bad)
+
+
+def test_decode_body_names_the_consumers_only_for_n_above_one():
+    kvp = {"remote_engine_id": "p", "contract_version": 1}
+    for n, want in ((None, None), (1, None), (3, 3), ("2", None), (True, None)):
+        body = {"prompt": "hi"} if n is None else {"prompt": "hi", "n": n}
+        raw = msgspec.json.encode(body)
+        got = msgspec.json.decode(vllm_adapter.decode_body(raw, kvp, body))["kv_transfer_params"]
+        assert got.get("dlmix_consumers") == want and got["remote_engine_id"] == "p", (n, got)
+    assert kvp == {"remote_engine_id": "p", "contract_version": 1}  # not modified
+
+
+def test_a_want_naming_n_consumers_keeps_a_one_consumer_hold_for_all_of_them():
+    """A hold its producer took for one consumer (a bridged LMDeploy or SGLang prefill knows no ``n``): the decode's
+    wants say 2, so the first ``blocks_consumed`` does not free it and the second choice is granted, not refused.
+    Out-of-range counts are refused by the contract with the reason."""
+    t = _T()
+    p = Producer(t, _layout(), 16, registration_wait_s=0.0)
+    p.add_hold("r", [3, 4], 20)
+    want = Want(req="r", block_ids=[3, 4], layout=_layout().to_dict(), consumers=2)
+    p.handle("d", want)
+    p.handle("d", Consumed(req="r"))
+    assert "r" in t.grants and p.take_finished() == set() and p.is_held("r")
+    p.handle("d", want)
+    assert [m["type"] for _, m in t.sent] == ["blocks_ready"] * 2 and p.stats["refused"] == 0
+    p.handle("d", Consumed(req="r"))
+    assert "r" not in t.grants and p.take_finished() == {"r"} and p.held_count() == 0
+    # without the count, the same hold is freed by the first notice (the behaviour a one-choice request keeps)
+    p.add_hold("s", [5], 10)
+    p.handle("d", Want(req="s", block_ids=[5], layout=_layout().to_dict()))
+    p.handle("d", Consumed(req="s"))
+    assert p.take_finished() == {"s"}
+    for bad in (0, MAX_CONSUMERS + 1, "2", True, 1.5):
+        with pytest.raises(ContractError, match="consumers"):
+            decode_message({"type": "want", "v": 1, "req": "r", "block_ids": [3], "layout": _layout().to_dict(),
+                            "consumers": bad})
 
 
 def test_n_concurrent_pulls_of_one_hold_over_tcp_read_exact_values():

@@ -149,6 +149,35 @@ def test_a_prompt_that_differs_from_the_held_one_is_refused_by_the_prefill_and_c
         assert r.json()["kv_transfer_params"]["dlmix"]["loaded_tokens"] == r.json()["usage"]["prompt_tokens"]
 
 
+def test_n2_from_an_lmdeploy_prefill_pulls_its_one_hold_for_both_choices(servers):
+    """``n=2`` through the router from the LMDeploy prefill to the vLLM decode: the prefill runs once (LMDeploy
+    knows no ``n``), the router's decode leg names 2 consumers, vLLM's two choices each pull the one hold (or find
+    the prompt its sibling loaded), the prefill refuses none of them, and both greedy (``top_k=1``) choices equal
+    the same request's ``n=1`` answer through the same path. Before, the first choice's ``blocks_consumed`` freed
+    the hold and the second choice's pull was refused ("not held here") and recomputed."""
+    P, D, rt = servers["P"], servers["D"], servers["router"]
+    prompt = "harbor lantern violet orbit " * 60
+    base = {"model": "smollm2", "prompt": prompt, "max_tokens": 8, "return_token_ids": True}
+    with httpx.Client(timeout=300) as c:
+        V.reset_prefix_cache(D.url)
+        one = c.post(rt.url + "/v1/completions", json=dict(base, temperature=0))
+        assert one.status_code == 200, one.text[:500]
+        ref = one.json()["choices"][0]["token_ids"]
+        V.reset_prefix_cache(D.url)
+        failed0 = V.metric_sum(D.url, "vllm:dlmix_kv_failed_transfers_total")
+        pulls0 = V.metric_sum(D.url, "vllm:dlmix_kv_transfers_total")
+        # vLLM refuses n > 1 with temperature 0; top_k=1 samples the argmax
+        r = c.post(rt.url + "/v1/completions", json=dict(base, temperature=1.0, top_k=1, n=2))
+        assert r.status_code == 200, r.text[:500]
+        got = {ch["index"]: ch["token_ids"] for ch in r.json()["choices"]}
+    assert got == {0: ref, 1: ref}
+    pulls = V.metric_sum(D.url, "vllm:dlmix_kv_transfers_total") - pulls0
+    assert 1 <= pulls <= 2  # a choice scheduled after its sibling's load may find the prompt cached locally
+    assert V.metric_sum(D.url, "vllm:dlmix_kv_failed_transfers_total") - failed0 == 0
+    assert "not held here" not in P.log_path.read_text(errors="replace")
+    assert poll(lambda: V.kv_usage(D.url) == 0.0, timeout_s=60)
+
+
 def test_vllm_prefill_feeds_lmdeploy_decode_through_the_router(servers, tok):
     """8 prompts of 10..600 tokens, completions and chats, streamed or not, through the router: vLLM's prefill
     (fp32, block 32, vLLM CPU's cache) holds the prompt, LMDeploy's decode (fp16, block 64, packed pool) pulls it

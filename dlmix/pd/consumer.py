@@ -191,7 +191,7 @@ class Consumer:
     def pull(self, remote: dict[str, Any] | list[dict[str, Any]], remote_req_id: str, remote_block_ids: list[int],
              start: int, end: int, local_block_ids: list[int], cancelled: Callable[[], bool] = lambda: False, *,
              src_layout: KVLayout | dict[str, Any] | None = None, digest: str | None = None,
-             dst_layers: list[Any] | None = None) -> PullResult:
+             dst_layers: list[Any] | None = None, consumers: int = 1) -> PullResult:
         """Load tokens ``[start, end)`` of the producer's request into this rank's blocks ``local_block_ids`` (the
         request's block table in token order).
 
@@ -203,7 +203,8 @@ class Consumer:
         ``src_layout``: the producer's layout from the parameters (None: ask the producer for it once, in the
         ``blocks_ready`` answer; one producer rank only). ``digest``: this request's prompt digest (the producer
         refuses a mismatch). ``dst_layers``: other caches of this rank's layout to load into instead of its own (a
-        receive buffer an engine re-encodes afterwards, e.g. into an int8 cache). Never raises (see
+        receive buffer an engine re-encodes afterwards, e.g. into an int8 cache). ``consumers``: pulls of this
+        hold this rank's instance makes (``n`` choices; :class:`dlmix.pd.contract.Want`). Never raises (see
         :class:`PullResult`)."""
         t0 = time.perf_counter()
         res = PullResult(loaded_upto=start)
@@ -226,7 +227,8 @@ class Consumer:
                 for p, _ in plan:
                     self.t.notify(peers[p], encode(Want(req=remote_req_id, block_ids=[int(b) for b in remote_block_ids],
                                                         layout=self.layout.to_dict(), digest=digest,
-                                                        send_layout=src is None, ranks=ranks)))
+                                                        send_layout=src is None, ranks=ranks,
+                                                        consumers=consumers)))
                 deadline = time.monotonic() + self.registration_wait_s + self.io_timeout_s
                 for p, (peer, (ev, _box)) in slots.items():
                     while not ev.wait(0.1):

@@ -64,6 +64,7 @@ __all__ = [
     "decode_message",
     "encode",
     "ENVELOPE_KEYS",
+    "MAX_CONSUMERS",
     "RoomHandoffRequest",
     "RoomHandoff",
     "decode_room_handoff",
@@ -79,7 +80,10 @@ TRANSFER_MODE = "dlmix-pull"
 #: :func:`decode_params`: vLLM's own flags, ``remote_prefill_cached_tokens`` (added by vLLM's scheduler to the
 #: params a producer returns, ``vllm/v1/core/sched/scheduler.py``), and the consumer's private marker.
 ENVELOPE_KEYS = frozenset({"do_remote_prefill", "do_remote_decode", "remote_prefill_cached_tokens",
-                           "_dlmix_consumer"})
+                           "_dlmix_consumer", "dlmix_consumers"})
+
+#: most consumers one hold may wait for (vLLM caps ``n`` far lower in practice; a bound keeps a bad value harmless)
+MAX_CONSUMERS = 256
 
 _DIGEST_RE = re.compile(r"^sha256:[0-9a-f]{64}$")
 _INT32_MIN, _INT32_MAX = -(2 ** 31), 2 ** 31 - 1
@@ -89,6 +93,7 @@ Port = Annotated[int, msgspec.Meta(ge=0, le=65535)]
 Ident = Annotated[str, msgspec.Meta(min_length=1, max_length=512)]
 #: TP ranks of one instance (the bound of :class:`TransferParams` ``transports``)
 Ranks = Annotated[int, msgspec.Meta(ge=1, le=1024)]
+Consumers = Annotated[int, msgspec.Meta(ge=1, le=MAX_CONSUMERS)]
 
 
 class ContractError(ValueError):
@@ -295,13 +300,18 @@ class Want(_Msg, tag="want"):
     :class:`TransferParams`; the engine path never sets it).
     ``ranks``: how many ranks of the consumer's decode instance will read or release this producer rank (its TP
     size when the two sides' TP sizes differ; 1 otherwise): each may be granted, and the hold waits for a
-    ``blocks_consumed``/``abort`` from each."""
+    ``blocks_consumed``/``abort`` from each.
+    ``consumers``: pulls each of those ranks will make of the hold (the ``n`` of a request the decode fans out into
+    ``n`` choices), for a producer that could not know it (a hold a router's bridge handed across engines: the
+    router names ``n`` in the decode's parameters as ``dlmix_consumers``); the hold then waits for that many notices
+    per rank (the larger of the producer's and this count, 1..:data:`MAX_CONSUMERS`)."""
 
     block_ids: Annotated[list[NonNegInt], msgspec.Meta(max_length=1 << 22)]
     layout: dict[str, Any]
     digest: str | None = None
     send_layout: bool = False
     ranks: Ranks = 1
+    consumers: Consumers = 1
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -203,10 +203,10 @@ class KVEndpoint:
     def pull(self, remote: dict[str, Any], remote_req_id: str, remote_block_ids: list[int], start: int, end: int,
              local_block_ids: list[int], cancelled: Callable[[], bool] = lambda: False, *,
              src_layout: KVLayout | dict[str, Any] | None = None, digest: str | None = None,
-             dst_layers: list[Any] | None = None) -> PullResult:
+             dst_layers: list[Any] | None = None, consumers: int = 1) -> PullResult:
         """See :meth:`dlmix.pd.consumer.Consumer.pull`. Never raises."""
         return self.consumer.pull(remote, remote_req_id, remote_block_ids, start, end, local_block_ids, cancelled,
-                                  src_layout=src_layout, digest=digest, dst_layers=dst_layers)
+                                  src_layout=src_layout, digest=digest, dst_layers=dst_layers, consumers=consumers)
 
     def pull_params(self, params: Any, start: int, end: int, local_block_ids: list[int],
                     cancelled: Callable[[], bool] = lambda: False, *, digest: str | None = None) -> PullResult:

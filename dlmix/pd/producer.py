@@ -12,8 +12,8 @@ Rules:
   granted read-only to the asking peer for transfer id = request id, the deadline becomes at least
   ``io_timeout_s`` from now, and ``blocks_ready`` is sent; otherwise ``refused`` with the reasons.
 * ``extend`` (from the grantee): deadline and grant pushed to ``io_timeout_s`` from now.
-* ``blocks_consumed`` / ``abort``: one of the hold's ``consumers`` is done; when all are (1 unless the engine said
-  more: a request with ``n > 1`` choices whose decode fans out into ``n`` pulls of the one prefill), the grant is
+* ``blocks_consumed`` / ``abort``: one of the hold's ``consumers`` is done; when all are (1 unless the engine or a
+  ``want`` said more: a request with ``n > 1`` choices whose decode fans out into ``n`` pulls of the one prefill), the grant is
   revoked and the hold released. With different TP sizes each decode rank is a consumer peer of its own (``want``
   states how many, ``ranks``), gets its own grant, and the hold waits for ``consumers * ranks`` notices.
 * deadline passed (``hold_timeout_s`` after the hold began, or ``io_timeout_s`` after the last want/extend):
@@ -35,7 +35,7 @@ from typing import Any, Callable
 
 from dlmix.kv.layout import KVLayout
 
-from .contract import (Abort, Consumed, ContractError, ControlMessage, Extend, Ready, Refuse, Want,
+from .contract import (MAX_CONSUMERS, Abort, Consumed, ContractError, ControlMessage, Extend, Ready, Refuse, Want,
                        block_ids_transfer_id, encode)
 from .engine import layer_planes, plane_page_bytes, region_names
 from .pair import check_pair
@@ -44,8 +44,6 @@ log = logging.getLogger("dlmix.pd.producer")
 
 __all__ = ["Hold", "Producer", "block_ranges", "MAX_CONSUMERS"]
 
-#: most consumers one hold may wait for (vLLM caps ``n`` far lower in practice; a bound keeps a bad value harmless)
-MAX_CONSUMERS = 256
 
 
 @dataclass
@@ -281,6 +279,7 @@ class Producer:
                     reasons.append(f"request {rid} is already granted to another consumer (under another name)")
             if not reasons:
                 h.ranks = max(h.ranks, msg.ranks)
+                h.consumers = max(h.consumers, msg.consumers)
                 if tid is None:  # the first grantee reads under the name it used; a further rank gets its own id
                     tid = rid if not h.peers else f"{rid}~{len(h.peers)}"
                     h.peers[peer] = tid

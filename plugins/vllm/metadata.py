@@ -27,7 +27,8 @@ class DLMixHandshake(KVConnectorHandshakeMetadata):
 class RecvJob:
     """Decode-side load of tokens ``[start, end)`` of a remote request into local blocks (token order).
     ``src_layout``: the producer's layout from the transfer parameters (None: asked once from the producer);
-    ``digest``: this request's prompt digest (checked by the producer too)."""
+    ``digest``: this request's prompt digest (checked by the producer too); ``consumers``: pulls of the remote hold
+    this instance makes (the request's ``n`` choices, each a request of its own here)."""
 
     req_id: str
     local_block_ids: list[int]
@@ -38,6 +39,7 @@ class RecvJob:
     remote_block_ids: list[int]
     src_layout: dict[str, Any] | None = None
     digest: str | None = None
+    consumers: int = 1
 
 
 @dataclass

@@ -32,10 +32,11 @@ ENGINE = "vllm"
 
 
 def consumers_of(params: dict[str, Any]) -> int:
-    """Pulls a producer hold must wait for: the prefill request's ``kv_transfer_params["dlmix_consumers"]`` (the
-    router sets it to the client's ``n`` and prefills once with ``n=1``; the decode fans out into ``n`` choices,
-    each pulling the one hold). 1 when absent; a value that is not an integer 1..MAX_CONSUMERS is ignored (1) with a
-    warning, so the hold is released after the first pull, as before."""
+    """Pulls a producer hold must wait for: ``kv_transfer_params["dlmix_consumers"]`` of a decode request (the
+    router's decode leg sets it to the client's ``n``: vLLM fans the request out into ``n`` choices, each pulling
+    the one hold, and each ``want`` carries the count to the producer, which may be of another engine and know no
+    ``n``) or of a prefill request (a client that asks a producer for it directly). 1 when absent; a value that is
+    not an integer 1..MAX_CONSUMERS is ignored (1) with a warning, so the hold is released after the first pull."""
     v = params.get("dlmix_consumers", 1)
     if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= MAX_CONSUMERS:
         log.warning("DLMixConnector: ignoring dlmix_consumers=%r (want an integer 1..%d)", v, MAX_CONSUMERS)
@@ -181,8 +182,10 @@ class DLMixConnectorScheduler:
         # (a router that built them from another engine's answer cannot know the producer's token ids)
         ids = _token_ids(request, p.num_tokens)
         mine = prompt_digest(ids) if ids is not None and len(ids) == p.num_tokens else p.digest
+        # n choices of one request each pull the one hold: the router names n (dlmix_consumers) when the producer
+        # could not know it (a hold handed across engines), and the want tells the producer
         job = RecvJob(rid, list(blocks.get_block_ids()[0]), start, end, list(p.transports), p.request_id,
-                      list(p.block_ids), src_layout=p.layout, digest=mine)
+                      list(p.block_ids), src_layout=p.layout, digest=mine, consumers=consumers_of(params))
         with self._lock:
             self._meta.recvs.append(job)
 

@@ -117,7 +117,8 @@ class DLMixConnectorWorker:
             remote = list(job.remote_transports)  # every prefill rank: the core picks the ranks this one reads
             res = self.endpoint.pull(remote, job.remote_req_id, job.remote_block_ids, job.start, job.end,
                                      job.local_block_ids, cancelled=cancel.is_set,
-                                     src_layout=getattr(job, "src_layout", None), digest=getattr(job, "digest", None))
+                                     src_layout=getattr(job, "src_layout", None), digest=getattr(job, "digest", None),
+                                     consumers=getattr(job, "consumers", 1))
             loaded, bad = res.loaded_upto, res.failed_block_ids
             rec = {"bytes_received": res.bytes_received, "transfer_s": round(res.seconds, 6), "rounds": res.rounds,
                    "peak_staging_bytes": res.peak_staging_bytes, "error": res.error}

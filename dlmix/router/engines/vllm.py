@@ -10,10 +10,13 @@ the router unchanged; the decode side validates them).
   "remote_block_ids": null, "remote_host": null, "remote_port": null}``, and ``return_token_ids`` (the answer names
   its one token's id, which an LMDeploy decode continues from: :mod:`dlmix.router.engines.bridges`; vLLM before
   0.10.2 ignores the field). A request for ``n > 1`` choices is
-  prefilled once (``n=1``) and the prefill is told how many pulls to wait for (``"dlmix_consumers": n``): vLLM's
-  decode fans the request out into ``n`` child requests (``vllm/v1/engine/parallel_sampling.py``), each of which
-  pulls the one held prompt KV; the hold is released after the last of them.
-* Decode leg: the client's original bytes with the prefill response's top-level ``kv_transfer_params`` added.
+  prefilled once (``n=1``).
+* Decode leg: the client's original bytes with the prefill response's top-level ``kv_transfer_params`` added, and
+  for ``n > 1`` ``"dlmix_consumers": n`` in them: vLLM's decode fans the request out into ``n`` child requests
+  (``vllm/v1/engine/parallel_sampling.py``), each of which pulls the one held prompt KV and tells the producer (in
+  its ``want``) how many pulls to wait for; the hold is released after the last of them. The decode side says it,
+  not the prefill leg: a prefill of another engine knows no ``n``, and a decode of another engine (LMDeploy, which
+  ignores ``n``) pulls once, so a count named at the prefill would keep that hold until its timeout.
 """
 from __future__ import annotations
 
@@ -54,19 +57,21 @@ def prefill_body(body: dict, chat: bool, kvp: dict | None = None) -> bytes:
     b["return_token_ids"] = True
     n = b.get("n")
     if isinstance(n, int) and not isinstance(n, bool) and n > 1:
-        b["n"] = 1
-        b["kv_transfer_params"] = {**PREFILL_KV_PARAMS, "dlmix_consumers": n}
-    else:
-        b["kv_transfer_params"] = PREFILL_KV_PARAMS
+        b["n"] = 1  # one prefill; the decode leg names the n pulls of its hold (decode_body)
+    b["kv_transfer_params"] = PREFILL_KV_PARAMS
     return _enc.encode(b)
 
 
 def decode_body(raw: bytes, kvp: dict, parsed: dict | None = None) -> bytes:
-    """The client's original bytes with ``"kv_transfer_params": kvp`` added as a last top-level key.
+    """The client's original bytes with ``"kv_transfer_params": kvp`` added as a last top-level key (with
+    ``"dlmix_consumers": n`` when ``parsed`` asks for ``n > 1`` choices; ``kvp`` is not modified).
 
     The bytes are spliced (no re-encoding) unless the client already sent ``kv_transfer_params`` (then ``parsed`` or
     a fresh decode is re-encoded with the key replaced). Raises ValueError if ``raw`` is not a JSON object.
     """
+    n = parsed.get("n") if isinstance(parsed, dict) else None
+    if isinstance(n, int) and not isinstance(n, bool) and n > 1:
+        kvp = {**kvp, "dlmix_consumers": n}
     return add_keys(raw, {"kv_transfer_params": kvp}, parsed)
 
 
