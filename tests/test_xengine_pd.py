@@ -195,3 +195,16 @@ def test_vllm_prefill_feeds_lmdeploy_decode_through_the_router(servers, tok):
     assert poll(lambda: V.kv_usage(servers["P2"].url) == 0.0, 20), V.kv_usage(servers["P2"].url)
     log = servers["D2"].log_path.read_text(errors="replace")
     assert "not migrated" not in log, log[-3000:]
+
+
+def test_n2_from_a_vllm_prefill_to_an_lmdeploy_decode_frees_the_hold_after_its_one_pull(servers):
+    """``n=2`` through the router from the vLLM prefill to the LMDeploy decode: LMDeploy ignores ``n`` (one choice,
+    one pull), and the vLLM prefill's hold is freed right after that pull. Before, the prefill leg told the prefill
+    to wait for 2 pulls, and the blocks stayed held until its 120 s hold timeout."""
+    with httpx.Client(timeout=300) as c:
+        r = c.post(servers["router2"].url + "/v1/completions",
+                   json={"model": "smollm2", "prompt": "copper meadow signal " * 80, "max_tokens": 4,
+                         "temperature": 1.0, "top_k": 1, "n": 2})
+    assert r.status_code == 200, r.text[:500]
+    assert len(r.json()["choices"]) == 1  # LMDeploy 0.18 answers one choice whatever n is
+    assert poll(lambda: V.kv_usage(servers["P2"].url) == 0.0, 20), V.kv_usage(servers["P2"].url)
