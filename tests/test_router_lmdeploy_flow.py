@@ -25,6 +25,20 @@ def test_prefill_leg_keeps_the_cache_and_answers_one_token():
     assert body["max_tokens"] == 50 and body["stream"] is True  # the client's body is not modified
 
 
+def test_prefill_leg_of_n_choices_prefills_once_and_chat_n_is_refused_in_pd():
+    """LMDeploy refuses ``n > 1`` with ``with_cache``: the prefill leg asks for one choice (a vLLM decode fans out
+    into the ``n``); an LMDeploy decode would refuse a chat ``n > 1`` (cache migration), a completion's ``n`` it
+    ignores."""
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5, "n": 3}
+    assert json.loads(lmd.prefill_body(body, chat=True))["n"] == 1 and body["n"] == 3
+    assert json.loads(lmd.prefill_body(dict(body, n=1), chat=True))["n"] == 1
+    assert "n" not in json.loads(lmd.prefill_body({"model": "m", "prompt": "hi"}, chat=False))
+    assert "n > 1" in lmd.pd_refusal(body, chat=True)
+    for b, chat in ((dict(body, n=1), True), ({"model": "m", "prompt": "hi", "n": 3}, False),
+                    (dict(body, n="3"), True), (dict(body, n=True), True)):
+        assert lmd.pd_refusal(b, chat) is None, b
+
+
 def test_migration_request_from_the_prefill_answer():
     resp = {"id": "7", "choices": [{"text": " Paris"}], "cache_block_ids": [4, 9, 2], "remote_token_ids": [3, 12]}
     kvp = lmd.kv_transfer_params(json.dumps(resp).encode())
@@ -120,8 +134,10 @@ class _FakeEngine(JsonStandIn):
 
     def __init__(self, role: str, decode_status: int = 200):
         self.freed: list[dict] = []
+        self.calls: list[str] = []
 
         def route(method, path, body):
+            self.calls.append(path)
             if method == "GET":
                 return 200, {"data": [{"id": "m"}]} if path == "/v1/models" else {}
             if path == "/distserve/free_cache":
@@ -165,6 +181,30 @@ def test_prefill_hold_is_freed_when_the_decode_leg_does_not_take_it(decode_statu
             alias = block_ids_session_alias([7, 3, 11])
             assert poll(lambda: p.freed, 10) == [{"remote_engine_id": p.url, "remote_session_id": alias}]
             assert alias <= -2 and not d.freed
+    finally:
+        rt.close()
+        p.close()
+        d.close()
+
+
+def test_chat_n2_for_an_lmdeploy_decode_is_refused_before_either_leg():
+    """A chat request for 2 choices placed on an LMDeploy prefill/decode pair: 400 naming ``n > 1`` at once, no
+    prefill leg (so nothing is held for a decode that refuses), no decode leg; the same request for one choice
+    goes through."""
+    p, d = _FakeEngine("prefill"), _FakeEngine("decode")
+    rt = RouterThread(RouterConfig(host="127.0.0.1", port=0, policy="round_robin", retries=0))
+    try:
+        with httpx.Client(base_url=rt.url, timeout=30) as c:
+            for url, role in ((p.url, 2), (d.url, 3)):
+                r = c.post("/nodes/add", json={"url": url, "status": {"models": ["m"], "role": role}})
+                assert r.status_code in (200, 201), r.text
+            body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "n": 2}
+            r = c.post("/v1/chat/completions", json=body)
+            assert r.status_code == 400 and "n > 1" in r.json()["error"]["message"], r.text
+            assert "/v1/chat/completions" not in p.calls + d.calls
+            r = c.post("/v1/chat/completions", json=dict(body, n=1))
+            assert r.status_code == 200, r.text
+            assert p.calls.count("/v1/chat/completions") == 1 and d.calls.count("/v1/chat/completions") == 1
     finally:
         rt.close()
         p.close()

@@ -154,7 +154,9 @@ def test_n2_from_an_lmdeploy_prefill_pulls_its_one_hold_for_both_choices(servers
     knows no ``n``), the router's decode leg names 2 consumers, vLLM's two choices each pull the one hold (or find
     the prompt its sibling loaded), the prefill refuses none of them, and both greedy (``top_k=1``) choices equal
     the same request's ``n=1`` answer through the same path. Before, the first choice's ``blocks_consumed`` freed
-    the hold and the second choice's pull was refused ("not held here") and recomputed."""
+    the hold and the second choice's pull was refused ("not held here") and recomputed. A chat request for 2
+    choices works the same way (its prefill leg asks LMDeploy for one: LMDeploy refuses ``n > 1`` with
+    ``with_cache``)."""
     P, D, rt = servers["P"], servers["D"], servers["router"]
     prompt = "harbor lantern violet orbit " * 60
     base = {"model": "smollm2", "prompt": prompt, "max_tokens": 8, "return_token_ids": True}
@@ -173,6 +175,16 @@ def test_n2_from_an_lmdeploy_prefill_pulls_its_one_hold_for_both_choices(servers
     assert got == {0: ref, 1: ref}
     pulls = V.metric_sum(D.url, "vllm:dlmix_kv_transfers_total") - pulls0
     assert 1 <= pulls <= 2  # a choice scheduled after its sibling's load may find the prompt cached locally
+    chat = {"model": "smollm2", "messages": [{"role": "user", "content": prompt}], "max_tokens": 8}
+    with httpx.Client(timeout=300) as c:
+        V.reset_prefix_cache(D.url)
+        one = c.post(rt.url + "/v1/chat/completions", json=dict(chat, temperature=0))
+        assert one.status_code == 200, one.text[:500]
+        V.reset_prefix_cache(D.url)
+        r = c.post(rt.url + "/v1/chat/completions", json=dict(chat, temperature=1.0, top_k=1, n=2))
+        assert r.status_code == 200, r.text[:500]
+    texts = [ch["message"]["content"] for ch in sorted(r.json()["choices"], key=lambda ch: ch["index"])]
+    assert texts == [one.json()["choices"][0]["message"]["content"]] * 2
     assert V.metric_sum(D.url, "vllm:dlmix_kv_failed_transfers_total") - failed0 == 0
     assert "not held here" not in P.log_path.read_text(errors="replace")
     assert poll(lambda: V.kv_usage(D.url) == 0.0, timeout_s=60)
@@ -200,11 +212,22 @@ def test_vllm_prefill_feeds_lmdeploy_decode_through_the_router(servers, tok):
 def test_n2_from_a_vllm_prefill_to_an_lmdeploy_decode_frees_the_hold_after_its_one_pull(servers):
     """``n=2`` through the router from the vLLM prefill to the LMDeploy decode: LMDeploy ignores ``n`` (one choice,
     one pull), and the vLLM prefill's hold is freed right after that pull. Before, the prefill leg told the prefill
-    to wait for 2 pulls, and the blocks stayed held until its 120 s hold timeout."""
+    to wait for 2 pulls, and the blocks stayed held until its 120 s hold timeout. A chat request for 2 choices is
+    refused (400) before either leg: LMDeploy's decode refuses ``n > 1`` with cache migration."""
     with httpx.Client(timeout=300) as c:
         r = c.post(servers["router2"].url + "/v1/completions",
                    json={"model": "smollm2", "prompt": "copper meadow signal " * 80, "max_tokens": 4,
                          "temperature": 1.0, "top_k": 1, "n": 2})
     assert r.status_code == 200, r.text[:500]
-    assert len(r.json()["choices"]) == 1  # LMDeploy 0.18 answers one choice whatever n is
+    assert len(r.json()["choices"]) == 1  # LMDeploy 0.18 answers one completion choice whatever n is
     assert poll(lambda: V.kv_usage(servers["P2"].url) == 0.0, 20), V.kv_usage(servers["P2"].url)
+    # a chat request for 2 choices: LMDeploy's decode would refuse it after the prefill (cache migration), so the
+    # router refuses it before either leg, and the prefill holds nothing for it
+    prefills = V.metric_sum(servers["P2"].url, "vllm:request_success_total")
+    with httpx.Client(timeout=300) as c:
+        r = c.post(servers["router2"].url + "/v1/chat/completions",
+                   json={"model": "smollm2", "messages": [{"role": "user", "content": "copper meadow"}],
+                         "max_tokens": 4, "n": 2})
+    assert r.status_code == 400 and "n > 1" in r.text, r.text[:500]
+    assert V.metric_sum(servers["P2"].url, "vllm:request_success_total") == prefills
+    assert V.kv_usage(servers["P2"].url) == 0.0

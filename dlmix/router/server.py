@@ -467,12 +467,20 @@ class Router:
         """The backend legs of one placement: the PD prefill leg (sequential or concurrent, by the prefill instance's
         engine adapter) if any, and the decode (or whole-request) leg streaming to the client. Returns
         ``(decode backend, BackendConn)``, or :data:`SENT` when the answer was already sent (a prefill instance's
-        4xx; 503 when a decode-only instance has no prefill instance). Raises BackendError."""
+        4xx; 400 when the decode instance's engine refuses the request in PD, its adapter's ``pd_refusal``; 503 when
+        a decode-only instance has no prefill instance). Raises BackendError."""
         m = self.metrics
         if dec.prefill is not None and dec.decode.role == "both":
             db = self.rt.get(dec.decode.id)
             if db is not None and not db.engine.BOTH_TAKES_PD:
                 self.pd.move(dec, rr, None)  # serves whole requests only: it prefills this one itself
+        if dec.prefill is not None:
+            db = self.rt.get(dec.decode.id)
+            refusal = getattr(db.engine, "pd_refusal", None) if db is not None else None
+            why = refusal(d, chat) if refusal is not None and isinstance(d, dict) else None
+            if why:  # before either leg: no prefill holds KV for a decode that refuses the request
+                self._send(conn, 400, _bad_request(why))
+                return SENT
         pb = self.rt.get(dec.prefill.id) if dec.prefill is not None else None
         bridged = False
         if pb is not None and pb.engine.PD_FLOW == "concurrent":
