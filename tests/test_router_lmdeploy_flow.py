@@ -2,6 +2,7 @@
 LMDeploy servers is in ``tests/test_lmdeploy_pd.py``)."""
 from __future__ import annotations
 
+import contextlib
 import json
 
 import httpx
@@ -158,6 +159,24 @@ class _FakeEngine(JsonStandIn):
         lmd.forget(self.url)
 
 
+@contextlib.contextmanager
+def _pair(decode_status: int = 200):
+    """A fake LMDeploy prefill and decode registered through ``/nodes/add`` on a router (round robin, no retries):
+    yields ``(prefill, decode, client of the router)``."""
+    p, d = _FakeEngine("prefill"), _FakeEngine("decode", decode_status)
+    rt = RouterThread(RouterConfig(host="127.0.0.1", port=0, policy="round_robin", retries=0))
+    try:
+        with httpx.Client(base_url=rt.url, timeout=30) as c:
+            for url, role in ((p.url, 2), (d.url, 3)):
+                r = c.post("/nodes/add", json={"url": url, "status": {"models": ["m"], "role": role}})
+                assert r.status_code in (200, 201), r.text
+            yield p, d, c
+    finally:
+        rt.close()
+        p.close()
+        d.close()
+
+
 @pytest.mark.parametrize("decode_status", [500, 200])
 def test_prefill_hold_is_freed_when_the_decode_leg_does_not_take_it(decode_status):
     """A decode leg that fails (HTTP 500) makes the router ask the prefill to free what it holds for that request
@@ -166,46 +185,26 @@ def test_prefill_hold_is_freed_when_the_decode_leg_does_not_take_it(decode_statu
     from dlmix.pd.contract import block_ids_session_alias
     from dlmix.testing import poll
 
-    p, d = _FakeEngine("prefill"), _FakeEngine("decode", decode_status)
-    rt = RouterThread(RouterConfig(host="127.0.0.1", port=0, policy="round_robin", retries=0))
-    try:
-        with httpx.Client(base_url=rt.url, timeout=30) as c:
-            for url, role in ((p.url, 2), (d.url, 3)):
-                r = c.post("/nodes/add", json={"url": url, "status": {"models": ["m"], "role": role}})
-                assert r.status_code in (200, 201), r.text
-            r = c.post("/v1/completions", json={"model": "m", "prompt": "hello", "max_tokens": 4})
-            assert r.status_code == decode_status, r.text
+    with _pair(decode_status) as (p, d, c):
+        r = c.post("/v1/completions", json={"model": "m", "prompt": "hello", "max_tokens": 4})
+        assert r.status_code == decode_status, r.text
         if decode_status == 200:
             assert not poll(lambda: p.freed, 1.0) and not d.freed
         else:
             alias = block_ids_session_alias([7, 3, 11])
             assert poll(lambda: p.freed, 10) == [{"remote_engine_id": p.url, "remote_session_id": alias}]
             assert alias <= -2 and not d.freed
-    finally:
-        rt.close()
-        p.close()
-        d.close()
 
 
 def test_chat_n2_for_an_lmdeploy_decode_is_refused_before_either_leg():
     """A chat request for 2 choices placed on an LMDeploy prefill/decode pair: 400 naming ``n > 1`` at once, no
     prefill leg (so nothing is held for a decode that refuses), no decode leg; the same request for one choice
     goes through."""
-    p, d = _FakeEngine("prefill"), _FakeEngine("decode")
-    rt = RouterThread(RouterConfig(host="127.0.0.1", port=0, policy="round_robin", retries=0))
-    try:
-        with httpx.Client(base_url=rt.url, timeout=30) as c:
-            for url, role in ((p.url, 2), (d.url, 3)):
-                r = c.post("/nodes/add", json={"url": url, "status": {"models": ["m"], "role": role}})
-                assert r.status_code in (200, 201), r.text
-            body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "n": 2}
-            r = c.post("/v1/chat/completions", json=body)
-            assert r.status_code == 400 and "n > 1" in r.json()["error"]["message"], r.text
-            assert "/v1/chat/completions" not in p.calls + d.calls
-            r = c.post("/v1/chat/completions", json=dict(body, n=1))
-            assert r.status_code == 200, r.text
-            assert p.calls.count("/v1/chat/completions") == 1 and d.calls.count("/v1/chat/completions") == 1
-    finally:
-        rt.close()
-        p.close()
-        d.close()
+    with _pair() as (p, d, c):
+        body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "n": 2}
+        r = c.post("/v1/chat/completions", json=body)
+        assert r.status_code == 400 and "n > 1" in r.json()["error"]["message"], r.text
+        assert "/v1/chat/completions" not in p.calls + d.calls
+        r = c.post("/v1/chat/completions", json=dict(body, n=1))
+        assert r.status_code == 200, r.text
+        assert p.calls.count("/v1/chat/completions") == 1 and d.calls.count("/v1/chat/completions") == 1
