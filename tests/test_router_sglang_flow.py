@@ -433,3 +433,21 @@ def test_a_client_gone_during_the_decode_leg_cancels_the_bridged_prefill_leg(lt)
         assert poll(lambda: p.cancelled == 1 and d.cancelled == 1, 10)
         assert len(d.remote_prefills) == 1
         assert poll(lambda: all(i.load.inflight == 0 for i in router.instances), 10)
+
+
+def test_an_n2_request_prefills_one_sglang_room_for_the_vllm_decode(lt):
+    """``n=2`` from an SGLang prefill to a vLLM decode: the prefill leg asks for one choice (SGLang would give a
+    second choice a room of its own, ``room + 1``, whose hand-off no one asks for, and that prefill would wait for
+    a decode until its timeout); the decode leg keeps the client's ``n`` and names 2 consumers of the one room's
+    hold."""
+    hand = _HandoffStandIn()
+    with _bridged(lt, hand) as (p, d, ref, router, base):
+        with httpx.Client(timeout=30) as h:
+            r = h.post(base + "/v1/completions", json=dict(BODY, n=2))
+            assert r.status_code == 200, r.text
+            assert poll(lambda: p.prefill_legs == 1, 10)
+        (leg,), (dec,) = p.bodies, d.bodies
+        assert leg["n"] == 1 and leg["bootstrap_room"] == p.rooms[0][2]
+        assert dec["n"] == 2 and dec["kv_transfer_params"]["dlmix_consumers"] == 2
+        assert dec["kv_transfer_params"]["remote_request_id"] == str(p.rooms[0][2])
+        assert [c[1]["room"] for c in hand.s.calls] == [p.rooms[0][2]]

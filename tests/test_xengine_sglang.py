@@ -30,7 +30,7 @@ if T.sglang_python() is None:
 from dlmix_lmdeploy import testing as L  # noqa: E402
 from dlmix_vllm import testing as V  # noqa: E402
 
-from dlmix.testing import compare_greedy  # noqa: E402
+from dlmix.testing import compare_greedy, poll  # noqa: E402
 
 MAX_TOKENS = 16
 #: nats (as tests/test_xengine_pd.py)
@@ -110,6 +110,42 @@ def test_sglang_prefill_feeds_vllm_decode_through_the_router(servers, tok):
     assert same >= len(items) - 3, (same, ties)
     log = servers["P"].log_path.read_text(errors="replace")
     assert "KV hold of room" not in log and "failed on prefill" not in log, log[-3000:]
+
+
+def test_n2_from_an_sglang_prefill_pulls_its_one_room_for_both_choices(servers):
+    """``n=2`` through the router from the SGLang prefill to the vLLM decode: one room is prefilled (the leg asks
+    for one choice; SGLang would give a second choice a room of its own that no decode reads), vLLM's two choices
+    each pull its hold (or find the prompt its sibling loaded), no pull fails, both greedy (``top_k=1``) choices
+    equal the same request's ``n=1`` answer through the same path, and SGLang answers the prefill leg (before, the
+    leg asked for 2 choices and its second room waited for a decode that never came)."""
+    P, D, rt = servers["P"], servers["D"], servers["router"]
+    base = {"model": "smollm2", "prompt": "harbor lantern violet orbit " * 60, "max_tokens": 8,
+            "return_token_ids": True}
+    with httpx.Client(timeout=300) as c:
+        V.reset_prefix_cache(D.url)
+        one = c.post(rt.url + "/v1/completions", json=dict(base, temperature=0))
+        assert one.status_code == 200, one.text[:500]
+        ref = one.json()["choices"][0]["token_ids"]
+        V.reset_prefix_cache(D.url)
+        failed0 = V.metric_sum(D.url, "vllm:dlmix_kv_failed_transfers_total")
+        pulls0 = V.metric_sum(D.url, "vllm:dlmix_kv_transfers_total")
+        assert poll(lambda: _prefill_answers(rt.url) >= 1, 60)  # the n=1 request's leg, answered in the background
+        legs0 = _prefill_answers(rt.url)
+        r = c.post(rt.url + "/v1/completions", json=dict(base, temperature=1.0, top_k=1, n=2))
+        assert r.status_code == 200, r.text[:500]
+    assert {ch["index"]: ch["token_ids"] for ch in r.json()["choices"]} == {0: ref, 1: ref}
+    assert 1 <= V.metric_sum(D.url, "vllm:dlmix_kv_transfers_total") - pulls0 <= 2
+    assert V.metric_sum(D.url, "vllm:dlmix_kv_failed_transfers_total") - failed0 == 0
+    assert poll(lambda: _prefill_answers(rt.url) == legs0 + 1, 60), _prefill_answers(rt.url) - legs0
+    log = P.log_path.read_text(errors="replace")
+    assert "KV hold of room" not in log and "failed on prefill" not in log, log[-3000:]
+
+
+def _prefill_answers(router_url: str) -> float:
+    """Prefill legs the router saw answered 2xx (``dlmix_router_prefill_responses_total``, every instance)."""
+    text = httpx.get(router_url + "/metrics", timeout=30).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("dlmix_router_prefill_responses_total{") and 'status="2xx"' in line)
 
 
 def test_sglang_prefill_feeds_lmdeploy_decode_through_the_router(servers, tok):

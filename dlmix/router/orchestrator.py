@@ -262,9 +262,16 @@ class PDOrchestrator:
         instance; :data:`SENT` when the prefill instance's 4xx answer went to the client. A failed leg or bridge
         (connection error, timeout after ``prefill_timeout_s``, 5xx, the prefill failed the room, the pair was
         refused) is placed again by the policy, as in :meth:`prefill`. Raises BackendError only when the client
-        went away."""
+        went away.
+
+        A request for ``n > 1`` choices has its prefill leg sent with ``n=1``: SGLang gives each of ``n`` choices a
+        room of its own (``bootstrap_room + i``, ``sglang/srt/managers/io_struct.py``), and only the first room's
+        hand-off is asked for; the decode engine fans out into the ``n`` choices, each pulling the one hold."""
         m = self.metrics
         tried: set = set()
+        n = d.get("n") if isinstance(d, dict) else None
+        if isinstance(n, int) and not isinstance(n, bool) and n > 1:
+            d = {**d, "n": 1}  # the prefill leg's body only; the decode leg keeps the client's bytes
         while True:
             p = dec.prefill
             tried.add(p.id)
