@@ -159,23 +159,13 @@ def test_n2_from_an_lmdeploy_prefill_pulls_its_one_hold_for_both_choices(servers
     ``with_cache``)."""
     P, D, rt = servers["P"], servers["D"], servers["router"]
     prompt = "harbor lantern violet orbit " * 60
-    base = {"model": "smollm2", "prompt": prompt, "max_tokens": 8, "return_token_ids": True}
-    with httpx.Client(timeout=300) as c:
-        V.reset_prefix_cache(D.url)
-        one = c.post(rt.url + "/v1/completions", json=dict(base, temperature=0))
-        assert one.status_code == 200, one.text[:500]
-        ref = one.json()["choices"][0]["token_ids"]
-        V.reset_prefix_cache(D.url)
-        failed0 = V.metric_sum(D.url, "vllm:dlmix_kv_failed_transfers_total")
-        pulls0 = V.metric_sum(D.url, "vllm:dlmix_kv_transfers_total")
-        # vLLM refuses n > 1 with temperature 0; top_k=1 samples the argmax
-        r = c.post(rt.url + "/v1/completions", json=dict(base, temperature=1.0, top_k=1, n=2))
-        assert r.status_code == 200, r.text[:500]
-        got = {ch["index"]: ch["token_ids"] for ch in r.json()["choices"]}
-    assert got == {0: ref, 1: ref}
-    pulls = V.metric_sum(D.url, "vllm:dlmix_kv_transfers_total") - pulls0
-    assert 1 <= pulls <= 2  # a choice scheduled after its sibling's load may find the prompt cached locally
+    out = V.n_choices_through_router(rt.url, D.url, {"model": "smollm2", "prompt": prompt, "max_tokens": 8,
+                                                     "return_token_ids": True})
+    assert out["choices"] == {0: out["one"], 1: out["one"]}
+    assert 1 <= out["pulls"] <= 2  # a choice scheduled after its sibling's load may find the prompt cached locally
+    assert out["failed_pulls"] == 0
     chat = {"model": "smollm2", "messages": [{"role": "user", "content": prompt}], "max_tokens": 8}
+    failed0 = V.metric_sum(D.url, "vllm:dlmix_kv_failed_transfers_total")
     with httpx.Client(timeout=300) as c:
         V.reset_prefix_cache(D.url)
         one = c.post(rt.url + "/v1/chat/completions", json=dict(chat, temperature=0))

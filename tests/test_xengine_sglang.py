@@ -119,24 +119,17 @@ def test_n2_from_an_sglang_prefill_pulls_its_one_room_for_both_choices(servers):
     equal the same request's ``n=1`` answer through the same path, and SGLang answers the prefill leg (before, the
     leg asked for 2 choices and its second room waited for a decode that never came)."""
     P, D, rt = servers["P"], servers["D"], servers["router"]
-    base = {"model": "smollm2", "prompt": "harbor lantern violet orbit " * 60, "max_tokens": 8,
-            "return_token_ids": True}
-    with httpx.Client(timeout=300) as c:
-        V.reset_prefix_cache(D.url)
-        one = c.post(rt.url + "/v1/completions", json=dict(base, temperature=0))
-        assert one.status_code == 200, one.text[:500]
-        ref = one.json()["choices"][0]["token_ids"]
-        V.reset_prefix_cache(D.url)
-        failed0 = V.metric_sum(D.url, "vllm:dlmix_kv_failed_transfers_total")
-        pulls0 = V.metric_sum(D.url, "vllm:dlmix_kv_transfers_total")
-        assert poll(lambda: _prefill_answers(rt.url) >= 1, 60)  # the n=1 request's leg, answered in the background
-        legs0 = _prefill_answers(rt.url)
-        r = c.post(rt.url + "/v1/completions", json=dict(base, temperature=1.0, top_k=1, n=2))
-        assert r.status_code == 200, r.text[:500]
-    assert {ch["index"]: ch["token_ids"] for ch in r.json()["choices"]} == {0: ref, 1: ref}
-    assert 1 <= V.metric_sum(D.url, "vllm:dlmix_kv_transfers_total") - pulls0 <= 2
-    assert V.metric_sum(D.url, "vllm:dlmix_kv_failed_transfers_total") - failed0 == 0
-    assert poll(lambda: _prefill_answers(rt.url) == legs0 + 1, 60), _prefill_answers(rt.url) - legs0
+    legs = []
+
+    def one_leg_answered():  # the one-choice request's prefill leg, answered in the background
+        assert poll(lambda: _prefill_answers(rt.url) >= 1, 60)
+        legs.append(_prefill_answers(rt.url))
+    out = V.n_choices_through_router(rt.url, D.url, {"model": "smollm2", "prompt": "harbor lantern violet orbit " * 60,
+                                                     "max_tokens": 8, "return_token_ids": True},
+                                     between=one_leg_answered)
+    assert out["choices"] == {0: out["one"], 1: out["one"]}
+    assert 1 <= out["pulls"] <= 2 and out["failed_pulls"] == 0
+    assert poll(lambda: _prefill_answers(rt.url) == legs[0] + 1, 60), _prefill_answers(rt.url) - legs[0]
     log = P.log_path.read_text(errors="replace")
     assert "KV hold of room" not in log and "failed on prefill" not in log, log[-3000:]
 

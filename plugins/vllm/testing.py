@@ -13,7 +13,7 @@ import subprocess
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import httpx
 
@@ -21,7 +21,7 @@ from dlmix.engine_process import free_port, pd_test_spec  # the one port helper 
 from dlmix.testing import compare_greedy, output_logprobs  # engine-neutral; compare_greedy re-exported here
 
 __all__ = ["free_port", "VllmServer", "launch", "wait_ready", "two_step", "single", "kv_usage", "metric_sum",
-           "parse_sse", "prose", "prompt_set", "PROSE_WORDS", "compare_greedy"]
+           "parse_sse", "prose", "prompt_set", "PROSE_WORDS", "compare_greedy", "n_choices_through_router"]
 
 #: Vocabulary of :func:`prose` (40 plain English words, each one or two tokens in Llama-style tokenizers).
 PROSE_WORDS = tuple(("river mountain quiet engine market yellow window garden silver theory station winter bridge "
@@ -299,6 +299,33 @@ def metric_sum(url: str, name: str) -> float:
         if line.startswith(name + "{") or line.startswith(name + " "):
             total += float(line.rsplit(" ", 1)[1])
     return total
+
+
+def n_choices_through_router(router_url: str, decode_url: str, body: dict, n: int = 2,
+                             between: Callable[[], None] | None = None) -> dict[str, Any]:
+    """The completion ``body`` (with ``return_token_ids``) through the dlmix router to a vLLM decode at
+    ``decode_url``: once greedy with one choice, then with ``n`` choices sampled at ``top_k=1`` (the argmax; vLLM
+    refuses ``n > 1`` at temperature 0), the decode's prefix cache reset before each; ``between`` runs after the
+    first answer.
+
+    Returns ``{"one": token ids of the one-choice answer, "choices": {index: token ids}, "pulls": the decode's
+    completed KV pulls during the n-choice request, "failed_pulls": its failed ones}``. Raises AssertionError on a
+    non-200 answer."""
+    with httpx.Client(timeout=300) as c:
+        reset_prefix_cache(decode_url)
+        one = c.post(router_url + "/v1/completions", json=dict(body, temperature=0))
+        assert one.status_code == 200, one.text[:500]
+        if between is not None:
+            between()
+        reset_prefix_cache(decode_url)
+        failed0 = metric_sum(decode_url, "vllm:dlmix_kv_failed_transfers_total")
+        pulls0 = metric_sum(decode_url, "vllm:dlmix_kv_transfers_total")
+        r = c.post(router_url + "/v1/completions", json=dict(body, temperature=1.0, top_k=1, n=n))
+        assert r.status_code == 200, r.text[:500]
+    return {"one": one.json()["choices"][0]["token_ids"],
+            "choices": {ch["index"]: ch["token_ids"] for ch in r.json()["choices"]},
+            "pulls": metric_sum(decode_url, "vllm:dlmix_kv_transfers_total") - pulls0,
+            "failed_pulls": metric_sum(decode_url, "vllm:dlmix_kv_failed_transfers_total") - failed0}
 
 
 def through_router(router_url: str, decode_url: str, items: list[dict], max_tokens: int) -> tuple[dict, int]:
