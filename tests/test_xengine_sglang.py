@@ -136,9 +136,7 @@ def test_n2_from_an_sglang_prefill_pulls_its_one_room_for_both_choices(servers):
 
 def _prefill_answers(router_url: str) -> float:
     """Prefill legs the router saw answered 2xx (``dlmix_router_prefill_responses_total``, every instance)."""
-    text = httpx.get(router_url + "/metrics", timeout=30).text
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith("dlmix_router_prefill_responses_total{") and 'status="2xx"' in line)
+    return V.metric_sum(router_url, "dlmix_router_prefill_responses_total", 'status="2xx"')
 
 
 def test_sglang_prefill_feeds_lmdeploy_decode_through_the_router(servers, tok):

@@ -12,7 +12,7 @@ from typing import Any, Dict, List, Optional, Union
 
 import msgspec
 
-__all__ = ["BadRequest", "check", "decode", "add_keys", "one_token_leg"]
+__all__ = ["BadRequest", "check", "decode", "add_keys", "one_token_leg", "n_choices"]
 
 
 class BadRequest(ValueError):
@@ -106,11 +106,21 @@ def add_keys(raw: bytes, extra: Dict[str, Any], parsed: Optional[dict] = None) -
     return head + sep + _enc_keys.encode(extra)[1:]
 
 
+def n_choices(body: Any) -> int:
+    """The choices a parsed client ``body`` asks for: its ``n`` when that is an integer above 1, else 1 (a
+    malformed ``n`` is left for the engine to refuse with its own 400)."""
+    n = body.get("n") if isinstance(body, dict) else None
+    return n if isinstance(n, int) and not isinstance(n, bool) and n > 1 else 1
+
+
 def one_token_leg(body: dict, chat: bool) -> dict:
     """A copy of the client's parsed ``body`` as a sequential PD flow's prefill leg: one output token
-    (``max_tokens=1``, and ``max_completion_tokens=1`` for chat), not streamed, no ``stream_options``. The engine
+    (``max_tokens=1``, and ``max_completion_tokens=1`` for chat), one choice (``n=1`` for a request of ``n > 1``
+    choices: the prompt is prefilled once and the decode fans out), not streamed, no ``stream_options``. The engine
     adapter adds its own fields. ``body`` is not modified."""
     b = dict(body)
+    if n_choices(b) > 1:
+        b["n"] = 1
     b["max_tokens"] = 1
     if chat:
         b["max_completion_tokens"] = 1

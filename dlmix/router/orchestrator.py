@@ -22,6 +22,7 @@ from typing import Callable, NamedTuple, Optional
 
 import msgspec
 
+from dlmix.router.bodies import n_choices
 from dlmix.router.engines.bridges import get_bridge
 from dlmix.router.proxy import BackendError, build_request, request
 from dlmix.routing.policies import prefill_work
@@ -269,8 +270,7 @@ class PDOrchestrator:
         hand-off is asked for; the decode engine fans out into the ``n`` choices, each pulling the one hold."""
         m = self.metrics
         tried: set = set()
-        n = d.get("n") if isinstance(d, dict) else None
-        if isinstance(n, int) and not isinstance(n, bool) and n > 1:
+        if n_choices(d) > 1:
             d = {**d, "n": 1}  # the prefill leg's body only; the decode leg keeps the client's bytes
         while True:
             p = dec.prefill

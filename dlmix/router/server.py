@@ -470,12 +470,11 @@ class Router:
         4xx; 400 when the decode instance's engine refuses the request in PD, its adapter's ``pd_refusal``; 503 when
         a decode-only instance has no prefill instance). Raises BackendError."""
         m = self.metrics
+        db = self.rt.get(dec.decode.id)
         if dec.prefill is not None and dec.decode.role == "both":
-            db = self.rt.get(dec.decode.id)
             if db is not None and not db.engine.BOTH_TAKES_PD:
                 self.pd.move(dec, rr, None)  # serves whole requests only: it prefills this one itself
         if dec.prefill is not None:
-            db = self.rt.get(dec.decode.id)
             refusal = getattr(db.engine, "pd_refusal", None) if db is not None else None
             why = refusal(d, chat) if refusal is not None and isinstance(d, dict) else None
             if why:  # before either leg: no prefill holds KV for a decode that refuses the request
@@ -484,7 +483,6 @@ class Router:
         pb = self.rt.get(dec.prefill.id) if dec.prefill is not None else None
         bridged = False
         if pb is not None and pb.engine.PD_FLOW == "concurrent":
-            db = self.rt.get(dec.decode.id)
             if db is None or db.engine.PD_FLOW == "concurrent":
                 if m:
                     self._pd_metrics(view, rr, dec)

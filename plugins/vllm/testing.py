@@ -290,12 +290,14 @@ def kv_usage(url: str) -> float:
     return total
 
 
-def metric_sum(url: str, name: str) -> float:
-    """Sum of all samples of Prometheus metric ``name`` (exact sample name, e.g. ``..._total``) at ``url/metrics``;
-    0.0 when absent."""
+def metric_sum(url: str, name: str, label: str | None = None) -> float:
+    """Sum of all samples of Prometheus metric ``name`` (exact sample name, e.g. ``..._total``) at ``url/metrics``,
+    only those whose labels include ``label`` (e.g. ``'status="2xx"'``) when given; 0.0 when absent."""
     text = httpx.get(url + "/metrics", timeout=10).text
     total = 0.0
     for line in text.splitlines():
+        if label is not None and label not in line.split(" ", 1)[0]:
+            continue
         if line.startswith(name + "{") or line.startswith(name + " "):
             total += float(line.rsplit(" ", 1)[1])
     return total

@@ -28,7 +28,7 @@ from typing import Any
 
 import msgspec
 
-from dlmix.router.bodies import add_keys, one_token_leg
+from dlmix.router.bodies import add_keys, n_choices, one_token_leg
 
 NAME = "lmdeploy"
 HEALTH_PATH = b"/health"
@@ -61,14 +61,12 @@ _dec_prefill = msgspec.json.Decoder(_PrefillResp)
 
 def prefill_body(body: dict, chat: bool, kvp: Any = None) -> bytes:
     """JSON bytes of the prefill leg built from the client's parsed ``body`` (not modified). A request for ``n > 1``
-    choices is prefilled once (``n=1``: LMDeploy refuses ``n > 1`` with ``with_cache``); a vLLM decode fans it out
-    into ``n`` choices, each pulling the one hold."""
+    choices is prefilled once (``n=1``, :func:`dlmix.router.bodies.one_token_leg`: LMDeploy refuses ``n > 1`` with
+    ``with_cache``); a vLLM decode fans it out into ``n`` choices, each pulling the one hold."""
     b = one_token_leg(body, chat)
     # the leg's one token is not the client's answer; LMDeploy refuses logprobs unless started with --logprobs-mode
     b.pop("logprobs", None)
     b.pop("top_logprobs", None)
-    if _many(b.get("n")):
-        b["n"] = 1
     b["with_cache"] = True
     b["preserve_cache"] = True
     return _enc.encode(b)
@@ -79,14 +77,10 @@ def pd_refusal(body: dict, chat: bool) -> str | None:
     fans a chat request's ``n > 1`` out into ``n`` generations, but not with cache migration
     (``serve/openai/chat_completions/validation.py``), and its own proxy refuses ``n > 1`` in DistServe mode. A
     completion's ``n`` is not refused (LMDeploy answers one choice)."""
-    if chat and _many(body.get("n")):
+    if chat and n_choices(body) > 1:
         return ("n > 1 is not supported by an LMDeploy decode instance (LMDeploy refuses n > 1 with cache "
                 "migration); ask for one choice, or send the request to an instance that serves whole requests")
     return None
-
-
-def _many(n: Any) -> bool:
-    return isinstance(n, int) and not isinstance(n, bool) and n > 1
 
 
 def kv_transfer_params(resp_body: bytes) -> dict:

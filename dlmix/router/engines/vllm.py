@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import msgspec
 
-from dlmix.router.bodies import add_keys, one_token_leg
+from dlmix.router.bodies import add_keys, n_choices, one_token_leg
 
 NAME = "vllm"
 HEALTH_PATH = b"/health"
@@ -55,10 +55,7 @@ def prefill_body(body: dict, chat: bool, kvp: dict | None = None) -> bytes:
     b = one_token_leg(body, chat)
     b.pop("min_tokens", None)
     b["return_token_ids"] = True
-    n = b.get("n")
-    if isinstance(n, int) and not isinstance(n, bool) and n > 1:
-        b["n"] = 1  # one prefill; the decode leg names the n pulls of its hold (decode_body)
-    b["kv_transfer_params"] = PREFILL_KV_PARAMS
+    b["kv_transfer_params"] = PREFILL_KV_PARAMS  # n > 1: one prefill (one_token_leg); decode_body names the n pulls
     return _enc.encode(b)
 
 
@@ -69,8 +66,8 @@ def decode_body(raw: bytes, kvp: dict, parsed: dict | None = None) -> bytes:
     The bytes are spliced (no re-encoding) unless the client already sent ``kv_transfer_params`` (then ``parsed`` or
     a fresh decode is re-encoded with the key replaced). Raises ValueError if ``raw`` is not a JSON object.
     """
-    n = parsed.get("n") if isinstance(parsed, dict) else None
-    if isinstance(n, int) and not isinstance(n, bool) and n > 1:
+    n = n_choices(parsed)
+    if n > 1:
         kvp = {**kvp, "dlmix_consumers": n}
     return add_keys(raw, {"kv_transfer_params": kvp}, parsed)
 
