@@ -172,16 +172,21 @@ def test_sglang_pd_plan_builds_sglangs_own_flags_and_registers_the_bootstrap_por
     assert [i.engine for i in r.instances] == ["sglang", "sglang"]
 
 
-def test_sglang_config_errors():
+def test_sglang_config_errors(monkeypatch):
     two = ("model: m\nrouter: {port: 18000}\ninstances:\n"
            "  - {name: p, engine: sglang, role: prefill, port: 18100}\n"
            "  - {name: d, engine: %s, role: decode, port: 18200%s}\n")
-    # an SGLang prefill feeds a vLLM decode (the room hand-off); nothing feeds an SGLang decode from vLLM
+    # an SGLang prefill feeds a vLLM decode (its room hand-off), a vLLM prefill an SGLang decode (the router's rooms)
     dep = Deployment.from_yaml(two % ("vllm", ""), "dep.yaml")
     assert [(i.engine, i.role) for i in dep.instances] == [("sglang", "prefill"), ("vllm", "decode")]
     rev = ("model: m\nrouter: {port: 18000}\ninstances:\n"
            "  - {name: p, engine: vllm, role: prefill, port: 18100}\n"
            "  - {name: d, engine: sglang, role: decode, port: 18200}\n")
+    dep = Deployment.from_yaml(rev, "dep.yaml")
+    assert [(i.engine, i.role) for i in dep.instances] == [("vllm", "prefill"), ("sglang", "decode")]
+    from dlmix.router.engines import bridges
+
+    monkeypatch.delitem(bridges.BRIDGES, ("vllm", "sglang"))  # a pair without a bridge is refused with the reason
     assert "PD flows differ" in _err(rev)
     assert "SGLang sizes its KV pool in tokens" in _err(two % ("sglang", ", kv: {cache_bytes: 1048576}"))
     assert "needs an SGLang prefill" in _err("model: m\nrouter: {port: 18000}\ninstances:\n"
@@ -252,14 +257,18 @@ def test_wildcard_and_ipv6_binds_give_urls_that_reach_them(tmp_path, router_host
     assert dep.entry_url() == router_url and plans["prefill"].url == public_url
 
 
-def test_lmdeploy_config_errors():
+def test_lmdeploy_config_errors(monkeypatch):
     two = ("model: m\nrouter: {port: 18000}\ninstances:\n"
            "  - {name: p, engine: lmdeploy, role: prefill, port: 18100}\n"
            "  - {name: d, engine: %s, role: decode, port: 18200%s}\n")
-    # bridges join LMDeploy and vLLM both ways; an SGLang decode takes neither
+    # bridges join LMDeploy and vLLM both ways, and LMDeploy into an SGLang decode
     assert Deployment.from_yaml(two % ("vllm", ""), "dep.yaml").instances[1].engine == "vllm"
     vp = two.replace("engine: lmdeploy, role: prefill", "engine: vllm, role: prefill")
     assert Deployment.from_yaml(vp % ("lmdeploy", ""), "dep.yaml").instances[1].engine == "lmdeploy"
+    assert Deployment.from_yaml(two % ("sglang", ""), "dep.yaml").instances[1].engine == "sglang"
+    from dlmix.router.engines import bridges
+
+    monkeypatch.delitem(bridges.BRIDGES, ("lmdeploy", "sglang"))
     err = _err(two % ("sglang", ""))
     assert "a lmdeploy prefill cannot feed a sglang decode" in err and "PD flows differ" in err
     assert "LMDeploy's KV dtype follows --dtype" in _err(two % ("lmdeploy", ", kv: {cache_dtype: fp8}"))

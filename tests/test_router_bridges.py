@@ -1,6 +1,7 @@
 """PD across engines in the router (:mod:`dlmix.router.engines.bridges`) without engines: which engines pair, the
-block-id transfer id, and the LMDeploy -> vLLM bridge against a stand-in for LMDeploy's DistServe routes (the same
-pair on real servers is in ``tests/test_xengine_pd.py``)."""
+block-id transfer id, the LMDeploy -> vLLM bridge against a stand-in for LMDeploy's DistServe routes (the same
+pair on real servers is in ``tests/test_xengine_pd.py``), and the bridges into an SGLang decode with the router's
+room table (:mod:`dlmix.router.rooms`; real servers in ``tests/test_xengine_to_sglang.py``)."""
 from __future__ import annotations
 
 import asyncio
@@ -25,7 +26,7 @@ def test_which_engines_pair():
     assert can_pair(vllm, vllm) and can_pair(sglang, sglang) and can_pair(lmdeploy, lmdeploy)
     assert can_pair(lmdeploy, vllm) and can_pair(vllm, lmdeploy)  # the bridges
     assert can_pair(sglang, vllm) and can_pair(sglang, lmdeploy)  # an SGLang prefill's room hand-off
-    assert not can_pair(vllm, sglang) and not can_pair(lmdeploy, sglang)  # nothing feeds an SGLang decode yet
+    assert can_pair(vllm, sglang) and can_pair(lmdeploy, sglang)  # the router's rooms (dlmix.router.rooms)
 
 
 def test_block_ids_transfer_id():
@@ -251,3 +252,81 @@ def test_an_lmdeploy_prefill_hold_is_freed_when_a_vllm_decode_does_not_take_it(c
         p.close()
         d.close()
         bridges.forget(p.url)
+
+
+class _Cfg:
+    host, port, handoff_host = "127.0.0.1", 8123, None
+
+
+def test_vllm_and_lmdeploy_answers_become_an_sglang_room_filed_with_the_router():
+    from dlmix.router.rooms import RoomTable
+
+    rooms = RoomTable(_Cfg())
+    out = asyncio.run(bridges.vllm_to_sglang("http://p:1", "http://d:2", _vllm_params(), VLLM_ANSWER, rooms=rooms))
+    assert set(out) == {"bootstrap_host", "bootstrap_port", "bootstrap_room"}
+    assert (out["bootstrap_host"], out["bootstrap_port"]) == ("127.0.0.1", 8123)
+    h = rooms.get(out["bootstrap_room"])
+    assert h.first_token_id == 271 and decode_params(h.params) == decode_params(_vllm_params())
+    assert len(rooms) == 1
+    out2 = asyncio.run(bridges.vllm_to_sglang("http://p:1", "http://d:2", _vllm_params(), VLLM_ANSWER, rooms=rooms))
+    assert out2["bootstrap_room"] != out["bootstrap_room"] and len(rooms) == 2
+    with pytest.raises(ValueError, match="room table"):
+        asyncio.run(bridges.vllm_to_sglang("http://p:1", "http://d:2", _vllm_params(), VLLM_ANSWER))
+    with pytest.raises(ValueError, match="no choices\\[0\\].token_ids"):
+        asyncio.run(bridges.vllm_to_sglang("http://p:1", "http://d:2", _vllm_params(), b'{"choices": []}',
+                                           rooms=rooms))
+    fake = _FakeLMDeploy()
+    try:
+        out = asyncio.run(bridges.lmdeploy_to_sglang(fake.url, "http://d:2", _kvp(), ANSWER, rooms=rooms))
+        h = rooms.get(out["bootstrap_room"])
+        p = decode_params(h.params)
+        assert h.first_token_id == 42 and p.block_ids == [7, 3, 11] and p.num_tokens == 40
+        assert p.request_id == block_ids_transfer_id([7, 3, 11]) and p.transports == [TRANSPORT]
+    finally:
+        fake.close()
+
+
+def test_room_table_expiry_capacity_and_address():
+    from dlmix.pd.contract import RoomHandoff
+    from dlmix.router.rooms import RoomTable
+
+    h = RoomHandoff(params={"x": 1}, first_token_id=1)
+    t = RoomTable(_Cfg(), ttl_s=10, capacity=3)
+    a = t.put(h, now=0.0)
+    assert 0 < a < 1 << 63 and t.get(a, now=9.9) is h and t.get(a, now=10.0) is None and len(t) == 0
+    rooms = [t.put(h, now=20.0) for _ in range(4)]  # capacity 3: the oldest goes
+    assert t.get(rooms[0], now=20.0) is None and all(t.get(r, now=20.0) is h for r in rooms[1:])
+    cfg = _Cfg()
+    assert RoomTable(cfg).address("http://10.1.2.3:8000") == ("127.0.0.1", 8123)
+    cfg.host = "0.0.0.0"
+    assert RoomTable(cfg).address("http://127.0.0.1:8000") == ("127.0.0.1", 8123)  # the route to the decode
+    cfg.handoff_host = "router.example"
+    assert RoomTable(cfg).address("http://127.0.0.1:8000") == ("router.example", 8123)
+
+
+def test_router_answers_an_sglang_decode_for_its_rooms():
+    """``GET /dlmix/layout`` marks the router as a room source; ``POST /dlmix/handoff`` answers a filed room, 404
+    for another, 400 for a malformed body; no client key needed (the room is the capability)."""
+    import httpx
+
+    from dlmix.pd.contract import RoomHandoff, decode_room_handoff
+    from dlmix.router.config import RouterConfig
+    from dlmix.testing import RouterThread
+
+    rt = RouterThread(RouterConfig(host="127.0.0.1", port=0, api_keys=["k"]))
+    try:
+        room = rt.router.rooms.put(RoomHandoff(params=_vllm_params(), first_token_id=271))
+        with httpx.Client(base_url=rt.url, timeout=10, trust_env=False) as c:
+            assert c.get("/dlmix/layout").json() == {"dlmix_router": True, "layouts": []}
+            r = c.post("/dlmix/handoff", json={"room": room, "timeout_s": 5})
+            assert r.status_code == 200
+            p, tok = decode_room_handoff(r.content)
+            assert tok == 271 and p == decode_params(_vllm_params())
+            r = c.post("/dlmix/handoff", json={"room": room + 1})
+            assert r.status_code == 404 and "unknown" in r.json()["error"]
+            for bad in (b"{", b'{"room": -1}', b'{"room": 1, "extra": 2}'):
+                r = c.post("/dlmix/handoff", content=bad)
+                assert r.status_code == 400 and "invalid hand-off request" in r.json()["error"]
+            assert c.post("/v1/completions", json={"model": "m", "prompt": "x"}).status_code == 401
+    finally:
+        rt.close()

@@ -102,11 +102,13 @@ def test_cost_policy_disaggregates_short_prompts_for_a_decode_that_cannot_prefil
     assert needy.prefill is not None and needy.prefill.id == "i0" and needy.reason == "cost:pd"
 
 
-def test_lmdeploy_pairs_with_vllm_both_ways_but_never_with_sglang():
+def test_lmdeploy_pairs_with_vllm_both_ways_and_feeds_sglang():
     """vLLM and LMDeploy both run a sequential flow, but their decode legs carry different things
     (``kv_transfer_params`` vs ``migration_request``): bridges join them in both directions
-    (:mod:`dlmix.router.engines.bridges`). SGLang's concurrent bootstrap flow has no bridge: an SGLang decode next to
-    an LMDeploy prefill of the same model is refused (409) with the reason."""
+    (:mod:`dlmix.router.engines.bridges`), and an SGLang decode through the router's rooms. Without that bridge an
+    SGLang decode next to an LMDeploy prefill of the same model is refused (409) with the reason."""
+    from dlmix.router.engines import bridges
+
     rt = RouterThread(RouterConfig(host="127.0.0.1", port=0))
     try:
         with httpx.Client(base_url=rt.url, timeout=10) as c:
@@ -122,9 +124,14 @@ def test_lmdeploy_pairs_with_vllm_both_ways_but_never_with_sglang():
             assert r.status_code in (200, 201), r.text
             assert sorted((i["engine"], i["role"]) for i in c.get("/admin/instances").json()["instances"]) == [
                 ("lmdeploy", "decode"), ("lmdeploy", "prefill"), ("vllm", "decode"), ("vllm", "prefill")]
-            r = add(13, "decode", "sglang")
+            saved = bridges.BRIDGES.pop(("lmdeploy", "sglang"))
+            try:
+                r = add(13, "decode", "sglang")
+            finally:
+                bridges.BRIDGES[("lmdeploy", "sglang")] = saved
             assert r.status_code == 409, r.text
             assert "concurrent/bootstrap" in r.text and "lmdeploy (sequential/migration_request)" in r.text
+            assert add(13, "decode", "sglang").status_code in (200, 201)
     finally:
         rt.close()
 

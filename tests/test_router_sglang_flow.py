@@ -283,11 +283,21 @@ def test_registration_checks(lt):
             r = h.post(adm, json={"url": "http://127.0.0.1:9", "role": "prefill", "engine": "sglang", "model": "mock",
                                   "bootstrap_port": 70000})
             assert r.status_code == 400 and "bootstrap_port" in r.json()["error"]
-            # a vLLM prefill cannot feed an SGLang decode through the router's flows
-            r = h.post(adm, json={"url": "http://127.0.0.1:9", "role": "prefill", "engine": "vllm", "model": "mock"})
+            # a pair of engines no flow or bridge joins is refused with the reason (every pair of the three engines
+            # has one now: take the vLLM -> SGLang bridge away)
+            from dlmix.router.engines import bridges
+
+            saved = bridges.BRIDGES.pop(("vllm", "sglang"))
+            try:
+                r = h.post(adm, json={"url": "http://127.0.0.1:9", "role": "prefill", "engine": "vllm",
+                                      "model": "mock"})
+            finally:
+                bridges.BRIDGES[("vllm", "sglang")] = saved
             assert r.status_code == 409, r.text
             assert any("PD flow" in x for x in r.json()["reasons"]), r.text
             assert [i["id"] for i in h.get(adm).json()["instances"]] == ["d"]
+            r = h.post(adm, json={"url": "http://127.0.0.1:9", "role": "prefill", "engine": "vllm", "model": "mock"})
+            assert r.status_code == 201, r.text  # with the bridge: the router's rooms (dlmix.router.rooms)
     finally:
         c.close()
 

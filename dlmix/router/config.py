@@ -15,6 +15,8 @@ Example::
     api_keys: []                     # client keys (empty = open)
     admin_key: null                  # admin/registration key (null = admin API from loopback only)
     allow_open: false                # serve a non-loopback host without api_keys (refused otherwise)
+    handoff_host: null               # the address SGLang decodes reach this router at for rooms of another engine's
+                                     # prefill (dlmix.router.rooms); null = host, or the route to the decode if 0.0.0.0
     metrics_instance_series: 32      # instances (by slot) with their own /metrics series; the rest: instance="_other"
     etcd_endpoints: []               # router replicas: the fleet's shared state in etcd (dlmix.router.shared);
                                      # empty = this router's memory only. Flag: --etcd http://127.0.0.1:2379
@@ -79,6 +81,7 @@ class RouterConfig:
     metrics_instance_series: int = 32
     fast_path: bool = True
     allow_open: bool = False
+    handoff_host: Optional[str] = None
     # client-side HTTP limits and timeouts (nginx-like defaults; dlmix.router.proxy.Limits)
     max_body_mb: float = 64.0
     max_url_bytes: int = 8192

@@ -58,14 +58,17 @@ class PDOrchestrator:
         cfg: router config (``prefill_timeout_s``, ``retries``).
         metrics: :class:`~dlmix.router.metrics.Metrics` or None.
         make_view: ``instances -> ClusterView`` (the router's indexes and cost model).
+        rooms: the router's :class:`~dlmix.router.rooms.RoomTable` (bridges to an SGLang decode file their
+            hand-offs there); None: such bridges answer 502.
     """
 
-    def __init__(self, registry, policy, cfg, metrics, make_view: Callable):
+    def __init__(self, registry, policy, cfg, metrics, make_view: Callable, rooms=None):
         self.registry = registry
         self.policy = policy
         self.cfg = cfg
         self.metrics = metrics
         self.make_view = make_view
+        self.rooms = rooms
         self._aborts: set = set()  # running abort_handoff tasks (kept referenced until done)
 
     async def prefill(self, conn, req, d: dict, rr: RouteRequest, dec: Decision, chat: bool, fwd: bytes):
@@ -142,7 +145,7 @@ class PDOrchestrator:
 
     async def _pair_ready(self, conn, b, dec: Decision, kvp: dict, rbody: bytes):
         """Make the prefill's hand-off fit the decode instance before the decode leg: across engines, the bridge
-        between them (:mod:`dlmix.router.engines.bridges`); otherwise the engine adapter's optional ``pair_ready``
+        between them (:mod:`dlmix.router.engines.bridges`, given the router's room table); otherwise the engine adapter's optional ``pair_ready``
         (e.g. LMDeploy's connection handshake). Returns the :class:`Handoff`, or :data:`SENT` after answering 502
         with the reason when the pair cannot work (the prefill's hold is freed then)."""
         abort = self.handoff_abort(b, kvp)
@@ -153,7 +156,7 @@ class PDOrchestrator:
             ready = get_bridge(b.engine.NAME, db.engine.NAME)
             if ready is None:  # registration refuses such pairs; a guard, not a path
                 ready = _no_bridge
-            call = ready(b.state.url, db.state.url, kvp, rbody)
+            call = ready(b.state.url, db.state.url, kvp, rbody, rooms=self.rooms)
         else:
             ready = getattr(b.engine, "pair_ready", None)
             if ready is None:

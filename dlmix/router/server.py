@@ -2,7 +2,9 @@
 
 Client API: ``POST /v1/chat/completions``, ``POST /v1/completions`` (streaming SSE or not; bodies and SSE chunks are
 passed through byte for byte), ``GET /v1/models`` (union of the instances' lists), ``GET /health``, ``GET /metrics``
-(Prometheus). Client keys (``api_keys``) are optional: ``Authorization: Bearer KEY``. Client-side limits and
+(Prometheus); ``GET /dlmix/layout`` and ``POST /dlmix/handoff``, the bootstrap side of the rooms the router hands to
+SGLang decodes fed by another engine's prefill (:mod:`dlmix.router.rooms`; a room is the capability, no key).
+Client keys (``api_keys``) are optional: ``Authorization: Bearer KEY``. Client-side limits and
 timeouts (414/431/413/408, connection cap 503, backend 502/504) are config keys, enforced by
 :class:`~dlmix.router.proxy.Limits` (table in ``dlmix/router/README.md``); malformed generation bodies get 400 naming
 the problem (:mod:`~dlmix.router.bodies`), a model no instance serves 404.
@@ -64,6 +66,7 @@ from dlmix.router.metrics import Metrics
 from dlmix.router.orchestrator import SENT, PDOrchestrator
 from dlmix.router.proxy import BackendError, build_request, forward_headers, request
 from dlmix.router.registry import Backend, RegistrationError, Registry, Runtime  # noqa: F401 - re-exported
+from dlmix.router.rooms import RoomTable
 from dlmix.router.routes import Route, RouteTable
 from dlmix.router.tokenize import PromptExtractor, lora_of, prefix_keys
 from dlmix.routing.hashing import BlockHasher
@@ -109,7 +112,9 @@ class Router:
         self.metrics = Metrics(self) if cfg.metrics else None
         self.registry.metrics = self.metrics
         self.registry.on_change = self._update_flags
-        self.pd = PDOrchestrator(self.registry, self.policy, cfg, self.metrics, self._view)
+        #: hand-offs of bootstrap rooms for SGLang decodes fed by another engine's prefill (dlmix.router.rooms)
+        self.rooms = RoomTable(cfg, ttl_s=max(600.0, float(cfg.prefill_timeout_s)))
+        self.pd = PDOrchestrator(self.registry, self.policy, cfg, self.metrics, self._view, self.rooms)
         #: router replicas: the fleet's shared state in etcd (None: this router's memory only)
         self.shared = None
         if cfg.etcd_endpoints:
@@ -132,6 +137,8 @@ class Router:
             Route("GET", "/v1/models", self._models),
             Route("GET", "/health", self._health),
             Route("GET", "/metrics", self._metrics),
+            Route("GET", "/dlmix/layout", self._dlmix_layout),
+            Route("POST", "/dlmix/handoff", self._dlmix_handoff),
         ])
         self._client_auth = {b"Bearer " + k.encode() for k in cfg.api_keys}
         self._server = None
@@ -258,6 +265,26 @@ class Router:
 
     def _client_ok(self, req) -> bool:
         return not self._client_auth or req.header(b"authorization") in self._client_auth
+
+    def _dlmix_layout(self, conn, req) -> None:
+        """``GET /dlmix/layout``: tells an SGLang decode's dlmix backend that this bootstrap address is a dlmix router
+        (its rooms are answered by ``POST /dlmix/handoff``), not an SGLang prefill's bootstrap server."""
+        self._send(conn, 200, b'{"dlmix_router":true,"layouts":[]}')
+
+    def _dlmix_handoff(self, conn, req) -> None:
+        """``POST /dlmix/handoff`` ``{"room": R}`` (:class:`dlmix.pd.contract.RoomHandoffRequest`): the
+        :class:`dlmix.pd.contract.RoomHandoff` a bridge filed under room R (:mod:`dlmix.router.rooms`); 400 for a
+        malformed body, 404 for a room unknown or expired."""
+        from dlmix.pd.contract import RoomHandoffRequest
+
+        try:
+            ask = msgspec.json.decode(req.body, type=RoomHandoffRequest)
+        except (msgspec.ValidationError, msgspec.DecodeError) as ex:
+            return self._send(conn, 400, _json.encode({"error": f"invalid hand-off request: {ex}"}))
+        h = self.rooms.get(ask.room)
+        if h is None:
+            return self._send(conn, 404, _json.encode({"error": f"room {ask.room} is unknown here or expired"}))
+        self._send(conn, 200, _json.encode(h))
 
     def _health(self, conn, req) -> None:
         """200 when an instance is available, else 503; the body names this router (loop detection)."""

@@ -24,6 +24,14 @@ decode (:class:`DLMixKVManager` in decode mode, :class:`DLMixKVReceiver`)
     reads in bounded rounds, converted into this pool's page size, dtype and arrangement), writes the aux row,
     sets ``Success`` and releases the prefill's hold (``Failed`` with the reason on any error, hold aborted).
 
+decode fed by another engine's prefill (vLLM, LMDeploy) through the dlmix router (:mod:`dlmix.router.rooms`)
+  * the bootstrap address is the router's: its ``GET /dlmix/layout`` answers ``{"dlmix_router": true}``; the
+    address then stands for a one-rank prefill of this side's attention-TP size (no SGLang topology is asked);
+  * ``send_metadata`` records the destination and a worker thread asks the router for the room
+    (``POST /dlmix/handoff``, :class:`dlmix.pd.contract.RoomHandoff`: the hold's transfer parameters and the first
+    token), pulls as above, and writes the metadata row itself: the first token in ``output_ids`` and the room in
+    ``bootstrap_room`` (SGLang checks it), zeros elsewhere (no first-token logprobs or cached-token count).
+
 Limits (refused with a reason): MLA pools, draft-model KV, extra state pools (Mamba/SWA/DSA), host destinations,
 decode prefix reuse (run decode with ``--disable-radix-cache``), pools outside host memory. Equal attention TP on both
 sides (the core's pull path).
@@ -52,12 +60,13 @@ from sglang.srt.disaggregation.common.conn import (
     CommonKVManager,
     CommonKVReceiver,
     CommonKVSender,
+    PrefillServerInfo,
 )
 from sglang.srt.disaggregation.utils import DisaggregationMode
-from sglang.srt.runtime_context import get_parallel
+from sglang.srt.runtime_context import get_disagg, get_parallel
 
 from dlmix.pd.consumer import claim
-from dlmix.pd.contract import ContractError, TransferParams
+from dlmix.pd.contract import ContractError, TransferParams, decode_room_handoff
 from dlmix.pd.endpoint import DEFAULT_LOOPBACK_SECRET, KVEndpoint
 from dlmix.pd.pair import check_pair, layout_of
 
@@ -129,6 +138,11 @@ class DLMixKVManager(CommonKVManager):
         self._pending: dict[int, _Pending] = {}
         self._dst: dict[int, tuple[list[int], Optional[int]]] = {}
         self.incompatible: dict[str, str] = {}
+        #: bootstrap addresses that are dlmix routers handing off rooms of another engine's prefill
+        self.handoff_sources: set[str] = set()
+        # SGLang's MetadataBuffers.get_buf_infos order: bootstrap_room is the last buffer, before kv_checksum if on
+        self._room_aux = len(args.aux_item_lens) - (
+            2 if getattr(get_disagg(), "disaggregation_enable_kv_checksum", False) else 1)
         self.early_aborts: dict[int, str] = {}
         self.transfer_stats: list[dict[str, Any]] = []
         self._ctl = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dlmix-sglang-ctl")
@@ -314,7 +328,10 @@ class DLMixKVManager(CommonKVManager):
             elif r.status_code != 200:
                 return False
             else:
-                layouts = r.json().get("layouts") or []
+                body = r.json()
+                if body.get("dlmix_router") is True:
+                    return self._router_source(bootstrap_addr)
+                layouts = body.get("layouts") or []
                 src = next((x for x in layouts if x.get("tp_rank") == self.dlmix_tp_rank), None)
                 if src is None:
                     reason = (f"prefill at {bootstrap_addr} has no attention-TP rank {self.dlmix_tp_rank} "
@@ -333,6 +350,48 @@ class DLMixKVManager(CommonKVManager):
             log.warning("dlmix transfer backend: refusing prefill %s: %s", bootstrap_addr, reason)
             self.incompatible[bootstrap_addr] = reason
         return super().try_ensure_parallel_info(bootstrap_addr)
+
+    def _router_source(self, bootstrap_addr: str) -> bool:
+        """A dlmix router at ``bootstrap_addr`` hands off rooms of another engine's prefill (module doc): it stands
+        for a one-rank prefill of this side's attention-TP size, each decode rank reading its own share."""
+        info = PrefillServerInfo(attn_tp_size=self.attn_tp_size, attn_cp_size=1, dp_size=1, pp_size=1,
+                                 page_size=None, kv_cache_dtype=None, follow_bootstrap_room=True,
+                                 decode_allocation_policy=get_disagg().disaggregation_decode_allocation_policy)
+        self._resolve_rank_mapping(info)
+        self.handoff_sources.add(bootstrap_addr)
+        self.prefill_info_table[bootstrap_addr] = info
+        return True
+
+    def fetch_and_pull(self, bootstrap_addr: str, room: int) -> None:
+        """Decode side, a room of a router source: ask the router for the room's hand-off, then pull (worker
+        thread)."""
+        self._pulls.submit(self._fetch_and_pull, bootstrap_addr, int(room))
+
+    def _fetch_and_pull(self, bootstrap_addr: str, room: int) -> None:
+        try:
+            r = requests.post(f"http://{bootstrap_addr}/dlmix/handoff",
+                              json={"room": room, "timeout_s": self.settings.io_timeout_s},
+                              timeout=self.settings.io_timeout_s + 5)
+        except requests.RequestException as e:
+            self._fail(room, f"dlmix: router {bootstrap_addr} unreachable for room {room}: {e}")
+            return
+        if r.status_code != 200:
+            self._fail(room, f"dlmix: router {bootstrap_addr} answered {r.status_code} for room {room}: "
+                             f"{r.text[:300]}")
+            return
+        try:
+            params, tok = decode_room_handoff(r.content)
+        except ContractError as e:
+            self._fail(room, f"dlmix: router {bootstrap_addr}: {e.reason}")
+            return
+        if tok is None:
+            self._fail(room, f"dlmix: router {bootstrap_addr} sent no first token for room {room}")
+            return
+        lens = [int(n) for n in self.kv_args.aux_item_lens]
+        aux = [bytearray(n) for n in lens]
+        aux[0][:4] = int(tok).to_bytes(4, "little", signed=True)  # output_ids[0], int32
+        aux[self._room_aux][:8] = int(room).to_bytes(8, "little")  # bootstrap_room[0], uint64
+        self._pull(room, json.dumps(params.to_dict()).encode(), [bytes(a) for a in aux], whole_prompt=True)
 
     def register_destination(self, room: int, pages: Any, aux_index: Optional[int]) -> None:
         """Decode side: the pages (ids, token order) and aux row a room's KV and metadata go to."""
@@ -368,13 +427,16 @@ class DLMixKVManager(CommonKVManager):
 
     def _release(self, params: Any, room: int, consumed: bool) -> None:
         try:
-            # every prefill rank: with unequal TP sizes each decode rank releases each prefill rank (dlmix.pd.consumer)
-            self.endpoint.release(list(params.transports), str(room), consumed)
+            # every prefill rank: with unequal TP sizes each decode rank releases each prefill rank (dlmix.pd.consumer);
+            # the hold's own name (str(room) on an SGLang prefill, the request's on another engine's)
+            self.endpoint.release(list(params.transports), params.request_id, consumed)
         except Exception as e:  # the prefill's hold timeout frees its pages then
             log.warning("dlmix transfer backend: cannot release room %s on prefill: %s", room, e)
 
-    def _pull(self, room: int, raw_params: bytes, aux: list[bytes]) -> None:
-        """Load one room's KV into its decode pages, then its aux row; Success or Failed (with the reason)."""
+    def _pull(self, room: int, raw_params: bytes, aux: list[bytes], whole_prompt: bool = False) -> None:
+        """Load one room's KV into its decode pages, then its aux row; Success or Failed (with the reason).
+        ``whole_prompt``: the hold must cover the prompt this side allocated pages for (up to its last page: a hold
+        of another engine's prefill tokenized the prompt itself)."""
         t0 = time.perf_counter()
         dst = self._dst.get(room)
         try:
@@ -398,6 +460,11 @@ class DLMixKVManager(CommonKVManager):
         if c.end > cap:
             self._fail(room, f"dlmix: prefill holds {c.end} tokens, decode allocated {len(pages)} pages "
                              f"({cap} tokens)")
+            self._release(c.params, room, consumed=False)
+            return
+        if whole_prompt and c.end <= cap - self.layout.block_size:
+            self._fail(room, f"dlmix: prefill holds {c.end} tokens, decode's prompt fills {len(pages)} pages of "
+                             f"{self.layout.block_size} (the two engines tokenized the prompt differently?)")
             self._release(c.params, room, consumed=False)
             return
         res = self.endpoint.pull_params(c.params, c.start, c.end, pages, cancelled=lambda: room not in self._dst)
@@ -483,6 +550,18 @@ class DLMixKVReceiver(CommonKVReceiver):
     incompatible prefill (with the reasons) at bootstrap."""
 
     def init(self, prefill_dp_rank: int) -> None:
+        info = self.kv_mgr.prefill_info_table.get(self.bootstrap_addr)
+        if (self.bootstrap_addr in self.kv_mgr.handoff_sources and info is not None
+                and self.conclude_state != KVPoll.Failed):  # a router's room: nothing to bootstrap (module doc)
+            self.prefill_info, self.prefill_dp_rank = info, prefill_dp_rank
+            self.target_tp_rank, self.target_tp_ranks = info.target_tp_rank, info.target_tp_ranks
+            self.target_cp_ranks, self.target_pp_ranks = info.target_cp_ranks, info.target_pp_ranks
+            self.required_dst_info_num = info.required_dst_info_num
+            self.required_prefill_response_num = info.required_prefill_response_num
+            self.kv_mgr.required_prefill_response_num_table[self.bootstrap_room] = info.required_prefill_response_num
+            self.bootstrap_infos = []
+            self.kv_mgr.update_status(self.bootstrap_room, KVPoll.WaitingForInput)
+            return
         super().init(prefill_dp_rank)
         reason = self.kv_mgr.incompatible.get(self.bootstrap_addr)
         if reason is not None and self.conclude_state != KVPoll.Failed:
@@ -497,6 +576,12 @@ class DLMixKVReceiver(CommonKVReceiver):
             return
         self.kv_mgr.register_destination(self.bootstrap_room, kv_indices, aux_index)
         super().send_metadata(kv_indices, aux_index, state_indices, decode_prefix_len, *args, **kwargs)
+        if self.bootstrap_addr in self.kv_mgr.handoff_sources:
+            if decode_prefix_len:
+                self.kv_mgr._fail(self.bootstrap_room, "dlmix: decode reuses a cached prefix, which the dlmix "
+                                  "transfer backend does not support (start decode with --disable-radix-cache)")
+                return
+            self.kv_mgr.fetch_and_pull(self.bootstrap_addr, self.bootstrap_room)
 
     def _clear(self) -> None:
         self.kv_mgr.drop_destination(self.bootstrap_room)

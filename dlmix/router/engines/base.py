@@ -32,7 +32,8 @@ The router only calls these names on an instance's adapter (``get_engine(state.e
   ``kv_transfer_params`` of the prefill's answer, also when a bridge handed the decode another engine's. Best
   effort, never raises; freeing KV the decode already took must be harmless.
 * optional ``pd_refusal(body, chat) -> str | None``: the reason this engine, as the decode side of a PD pair, would
-  refuse the client's parsed ``body`` (LMDeploy: a chat request with ``n > 1``, which its cache migration refuses);
+  refuse the client's parsed ``body`` (LMDeploy: a chat request with ``n > 1``, which its cache migration refuses;
+  SGLang: any ``n > 1``, whose choices share one bootstrap room);
   the router then answers 400 with it before either leg runs, so no prefill holds KV for a decode that refuses.
 * optional ``forget(url)``: drop what the adapter remembers about the instance at ``url`` (LMDeploy: the pairs it
   connected); the registry calls it whenever an instance registers (a restarted engine may have another transport

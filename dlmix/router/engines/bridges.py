@@ -40,7 +40,14 @@ Bridges:
   room a success on the prefill, and SGLang then finishes the prefill leg
   (:meth:`dlmix.router.orchestrator.PDOrchestrator.bridged`).
 
-No bridge feeds an SGLang decode yet: it learns of its KV only through SGLang's own bootstrap from an SGLang prefill.
+* ``vllm -> sglang`` (:func:`vllm_to_sglang`) and ``lmdeploy -> sglang`` (:func:`lmdeploy_to_sglang`): an SGLang
+  decode learns of its KV only through a bootstrap room, so the router stands in for the prefill's bootstrap side
+  (:mod:`dlmix.router.rooms`): the bridge files the prefill's :class:`~dlmix.pd.contract.TransferParams` and first
+  token under a fresh room and answers the bootstrap fields naming this router. The decode's dlmix backend asks the router for the room (``POST /dlmix/handoff``),
+  pulls, and continues from the prefill's token.
+
+Every bridge takes the keyword ``rooms`` besides, the router's :class:`~dlmix.router.rooms.RoomTable` (used by the
+bridges to SGLang).
 """
 from __future__ import annotations
 
@@ -53,9 +60,10 @@ import msgspec
 from dlmix.pd.contract import ContractError, TransferParams, block_ids_transfer_id, decode_params
 
 __all__ = ["BRIDGES", "Bridge", "get_bridge", "lmdeploy_to_vllm", "vllm_to_lmdeploy", "sglang_to_vllm",
-           "sglang_to_lmdeploy", "room_handoff", "forget"]
+           "sglang_to_lmdeploy", "vllm_to_sglang", "lmdeploy_to_sglang", "room_handoff", "forget"]
 
-Bridge = Callable[[str, str, dict, bytes], Awaitable[dict]]
+#: ``bridge(prefill_url, decode_url, kvp, resp_body, *, rooms=None)``
+Bridge = Callable[..., Awaitable[dict]]
 
 #: seconds for each call to a prefill engine while the bridge learns its endpoint
 INFO_TIMEOUT_S = 60.0
@@ -144,7 +152,7 @@ async def _ask_lmdeploy(prefill_url: str, decode_url: str) -> dict:
     return info
 
 
-async def lmdeploy_to_vllm(prefill_url: str, decode_url: str, kvp: dict, resp_body: bytes) -> dict:
+async def lmdeploy_to_vllm(prefill_url: str, decode_url: str, kvp: dict, resp_body: bytes, **_: Any) -> dict:
     """vLLM ``kv_transfer_params`` for a vLLM decode from an LMDeploy prefill's answer (module doc).
 
     Args: prefill_url/decode_url: the instances' base URLs; kvp: :func:`dlmix.router.engines.lmdeploy.
@@ -152,6 +160,13 @@ async def lmdeploy_to_vllm(prefill_url: str, decode_url: str, kvp: dict, resp_bo
     is the number of tokens the held blocks cover).
     Returns ``{"do_remote_prefill": True, "do_remote_decode": False, **TransferParams}``. Raises ValueError.
     """
+    tp = await _lmdeploy_params(prefill_url, decode_url, kvp, resp_body)
+    return {"do_remote_prefill": True, "do_remote_decode": False, **tp.to_dict()}
+
+
+async def _lmdeploy_params(prefill_url: str, decode_url: str, kvp: dict, resp_body: bytes) -> TransferParams:
+    """The :class:`~dlmix.pd.contract.TransferParams` of an LMDeploy prefill's hold, from its answer (see
+    :func:`lmdeploy_to_vllm`). Raises ValueError."""
     try:
         ans = _dec_answer.decode(resp_body)
     except (msgspec.DecodeError, msgspec.ValidationError) as ex:
@@ -161,12 +176,11 @@ async def lmdeploy_to_vllm(prefill_url: str, decode_url: str, kvp: dict, resp_bo
     info = await _lmdeploy_endpoint(prefill_url, decode_url)
     blocks = [int(b) for b in kvp["remote_block_ids"]]
     try:
-        tp = TransferParams.make(engine="lmdeploy", instance_id=prefill_url, transports=[info["transport"]],
-                                 request_id=block_ids_transfer_id(blocks), block_ids=blocks,
-                                 num_tokens=ans.usage.prompt_tokens, layout=info["layout"])
+        return TransferParams.make(engine="lmdeploy", instance_id=prefill_url, transports=[info["transport"]],
+                                   request_id=block_ids_transfer_id(blocks), block_ids=blocks,
+                                   num_tokens=ans.usage.prompt_tokens, layout=info["layout"])
     except ContractError as ex:
         raise ValueError(f"LMDeploy prefill answer does not make transfer parameters: {ex.reason}") from None
-    return {"do_remote_prefill": True, "do_remote_decode": False, **tp.to_dict()}
 
 
 async def _connect_lmdeploy_decode(prefill_url: str, decode_url: str, info: dict) -> None:
@@ -209,7 +223,7 @@ async def _to_lmdeploy(prefill_url: str, decode_url: str, p: TransferParams, tok
             "remote_token_id": int(tok), "remote_block_ids": list(p.block_ids), "is_dummy_prefill": False}
 
 
-async def vllm_to_lmdeploy(prefill_url: str, decode_url: str, kvp: dict, resp_body: bytes) -> dict:
+async def vllm_to_lmdeploy(prefill_url: str, decode_url: str, kvp: dict, resp_body: bytes, **_: Any) -> dict:
     """LMDeploy's ``migration_request`` for an LMDeploy decode from a vLLM prefill's answer (module doc).
 
     Args: prefill_url/decode_url: the instances' base URLs; kvp: the prefill's ``kv_transfer_params``
@@ -219,19 +233,26 @@ async def vllm_to_lmdeploy(prefill_url: str, decode_url: str, kvp: dict, resp_bo
     "remote_block_ids", "is_dummy_prefill": False}``. Raises ValueError (the decode refused the pair, the prefill's
     parameters are not dlmix's, the answer has no token id, the prefill has more than one TP rank).
     """
+    p, tok = _vllm_params_and_token(kvp, resp_body)
+    if len(p.transports) != 1:
+        raise ValueError(f"vLLM prefill has {len(p.transports)} TP ranks; an LMDeploy decode takes TP size 1")
+    return await _to_lmdeploy(prefill_url, decode_url, p, tok)
+
+
+def _vllm_params_and_token(kvp: dict, resp_body: bytes) -> tuple[TransferParams, int]:
+    """A vLLM prefill's :class:`~dlmix.pd.contract.TransferParams` and the id of its one token (see
+    :func:`vllm_to_lmdeploy`). Raises ValueError."""
     try:
         p = decode_params(kvp)
     except ContractError as ex:
         raise ValueError(f"vLLM prefill's kv_transfer_params: {ex.reason} (is it DLMixConnector?)") from None
-    if len(p.transports) != 1:
-        raise ValueError(f"vLLM prefill has {len(p.transports)} TP ranks; an LMDeploy decode takes TP size 1")
     try:
         ans = _dec_vllm.decode(resp_body)
         tok = int(ans.choices[0].token_ids[0])  # type: ignore[index]
     except (msgspec.DecodeError, msgspec.ValidationError, IndexError, TypeError, ValueError) as ex:
         raise ValueError(f"vLLM prefill answer has no choices[0].token_ids ({ex}); the router's prefill leg asks "
                          "for return_token_ids (vLLM >= 0.10.2)") from None
-    return await _to_lmdeploy(prefill_url, decode_url, p, tok)
+    return p, tok
 
 
 async def room_handoff(kvp: dict) -> tuple[TransferParams, Optional[int]]:
@@ -266,7 +287,7 @@ async def room_handoff(kvp: dict) -> tuple[TransferParams, Optional[int]]:
         raise ValueError(f"SGLang prefill hand-off: {ex.reason}") from None
 
 
-async def sglang_to_vllm(prefill_url: str, decode_url: str, kvp: dict, resp_body: bytes) -> dict:
+async def sglang_to_vllm(prefill_url: str, decode_url: str, kvp: dict, resp_body: bytes, **_: Any) -> dict:
     """vLLM ``kv_transfer_params`` for a vLLM decode from an SGLang prefill (concurrent flow; module doc of
     ``plugins/sglang/handoff.py``): the room's transfer parameters, waited for while the prefill leg runs.
 
@@ -278,7 +299,7 @@ async def sglang_to_vllm(prefill_url: str, decode_url: str, kvp: dict, resp_body
     return {"do_remote_prefill": True, "do_remote_decode": False, **p.to_dict()}
 
 
-async def sglang_to_lmdeploy(prefill_url: str, decode_url: str, kvp: dict, resp_body: bytes) -> dict:
+async def sglang_to_lmdeploy(prefill_url: str, decode_url: str, kvp: dict, resp_body: bytes, **_: Any) -> dict:
     """LMDeploy's ``migration_request`` for an LMDeploy decode from an SGLang prefill (as :func:`sglang_to_vllm`;
     the decode continues from the prefill's first token, read from its metadata row). Raises ValueError."""
     p, tok = await room_handoff(kvp)
@@ -287,10 +308,50 @@ async def sglang_to_lmdeploy(prefill_url: str, decode_url: str, kvp: dict, resp_
     return await _to_lmdeploy(prefill_url, decode_url, p, tok)
 
 
+def _to_sglang(decode_url: str, p: TransferParams, tok: int, rooms: Any) -> dict:
+    """The bootstrap fields of an SGLang decode leg fed by the hold ``p`` (first token ``tok``): the hand-off filed
+    in the router's room table ``rooms`` under a fresh room, and this router's address (:mod:`dlmix.router.rooms`).
+    Raises ValueError."""
+    from dlmix.pd.contract import RoomHandoff
+
+    if rooms is None:
+        raise ValueError("a bridge to an SGLang decode needs the router's room table")
+    host, port = rooms.address(decode_url)
+    room = rooms.put(RoomHandoff(params=p.to_dict(), first_token_id=int(tok)))
+    return {"bootstrap_host": host, "bootstrap_port": port, "bootstrap_room": room}
+
+
+async def vllm_to_sglang(prefill_url: str, decode_url: str, kvp: dict, resp_body: bytes, *, rooms: Any = None,
+                         **_: Any) -> dict:
+    """SGLang's bootstrap fields for an SGLang decode from a vLLM prefill's answer (module doc;
+    :mod:`dlmix.router.rooms`).
+
+    Args: kvp: the prefill's ``kv_transfer_params`` (:class:`~dlmix.pd.contract.TransferParams`); resp_body: the
+    answer (its one token's id in ``choices[0].token_ids``); rooms: the router's room table.
+    Returns ``{"bootstrap_host", "bootstrap_port", "bootstrap_room"}`` (this router). Raises ValueError.
+    """
+    p, tok = _vllm_params_and_token(kvp, resp_body)
+    return _to_sglang(decode_url, p, tok, rooms)
+
+
+async def lmdeploy_to_sglang(prefill_url: str, decode_url: str, kvp: dict, resp_body: bytes, *, rooms: Any = None,
+                             **_: Any) -> dict:
+    """SGLang's bootstrap fields for an SGLang decode from an LMDeploy prefill's answer (as :func:`vllm_to_sglang`;
+    the parameters as :func:`lmdeploy_to_vllm` builds them, the first token from ``remote_token_id``). Raises
+    ValueError."""
+    p = await _lmdeploy_params(prefill_url, decode_url, kvp, resp_body)
+    try:
+        tok = int(kvp["remote_token_id"])
+    except (KeyError, TypeError, ValueError):
+        raise ValueError("LMDeploy prefill answer has no first token (remote_token_ids)") from None
+    return _to_sglang(decode_url, p, tok, rooms)
+
+
 #: ``(prefill engine, decode engine) -> bridge``
 BRIDGES: Dict[Tuple[str, str], Bridge] = {("lmdeploy", "vllm"): lmdeploy_to_vllm, ("vllm", "lmdeploy"): vllm_to_lmdeploy,
                                           ("sglang", "vllm"): sglang_to_vllm,
-                                          ("sglang", "lmdeploy"): sglang_to_lmdeploy}
+                                          ("sglang", "lmdeploy"): sglang_to_lmdeploy,
+                                          ("vllm", "sglang"): vllm_to_sglang, ("lmdeploy", "sglang"): lmdeploy_to_sglang}
 
 
 def get_bridge(prefill_engine: str, decode_engine: str) -> Optional[Bridge]:
