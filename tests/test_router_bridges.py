@@ -306,7 +306,8 @@ def test_room_table_expiry_capacity_and_address():
 
 def test_router_answers_an_sglang_decode_for_its_rooms():
     """``GET /dlmix/layout`` marks the router as a room source; ``POST /dlmix/handoff`` answers a filed room, 404
-    for another, 400 for a malformed body; no client key needed (the room is the capability)."""
+    for another, 400 for a malformed body; it takes the admin key (not a client key), and from a loopback peer
+    nothing while no admin key is set."""
     import httpx
 
     from dlmix.pd.contract import RoomHandoff, decode_room_handoff
@@ -328,5 +329,16 @@ def test_router_answers_an_sglang_decode_for_its_rooms():
                 r = c.post("/dlmix/handoff", content=bad)
                 assert r.status_code == 400 and "invalid hand-off request" in r.json()["error"]
             assert c.post("/v1/completions", json={"model": "m", "prompt": "x"}).status_code == 401
+    finally:
+        rt.close()
+    rt = RouterThread(RouterConfig(host="127.0.0.1", port=0, admin_key="adm"))
+    try:
+        room = rt.router.rooms.put(RoomHandoff(params=_vllm_params(), first_token_id=271))
+        with httpx.Client(base_url=rt.url, timeout=10, trust_env=False) as c:
+            for hdr in ({}, {"Authorization": "Bearer other"}):
+                r = c.post("/dlmix/handoff", json={"room": room}, headers=hdr)
+                assert r.status_code == 401 and "admin key" in r.text
+            r = c.post("/dlmix/handoff", json={"room": room}, headers={"Authorization": "Bearer adm"})
+            assert r.status_code == 200 and r.json()["first_token_id"] == 271
     finally:
         rt.close()

@@ -3,7 +3,8 @@
 Client API: ``POST /v1/chat/completions``, ``POST /v1/completions`` (streaming SSE or not; bodies and SSE chunks are
 passed through byte for byte), ``GET /v1/models`` (union of the instances' lists), ``GET /health``, ``GET /metrics``
 (Prometheus); ``GET /dlmix/layout`` and ``POST /dlmix/handoff``, the bootstrap side of the rooms the router hands to
-SGLang decodes fed by another engine's prefill (:mod:`dlmix.router.rooms`; a room is the capability, no key).
+SGLang decodes fed by another engine's prefill (:mod:`dlmix.router.rooms`; the hand-off needs the admin key, as
+registration).
 Client keys (``api_keys``) are optional: ``Authorization: Bearer KEY``. Client-side limits and
 timeouts (414/431/413/408, connection cap 503, backend 502/504) are config keys, enforced by
 :class:`~dlmix.router.proxy.Limits` (table in ``dlmix/router/README.md``); malformed generation bodies get 400 naming
@@ -273,10 +274,13 @@ class Router:
 
     def _dlmix_handoff(self, conn, req) -> None:
         """``POST /dlmix/handoff`` ``{"room": R}`` (:class:`dlmix.pd.contract.RoomHandoffRequest`): the
-        :class:`dlmix.pd.contract.RoomHandoff` a bridge filed under room R (:mod:`dlmix.router.rooms`); 400 for a
-        malformed body, 404 for a room unknown or expired."""
+        :class:`dlmix.pd.contract.RoomHandoff` a bridge filed under room R (:mod:`dlmix.router.rooms`); 401 without
+        the admin key (an instance-facing route, as registration: loopback peers need none while no ``admin_key`` is
+        set), 400 for a malformed body, 404 for a room unknown or expired."""
         from dlmix.pd.contract import RoomHandoffRequest
 
+        if not self.admin.allowed(conn, req):
+            return self._send(conn, 401, b'{"error":"admin key required"}')
         try:
             ask = msgspec.json.decode(req.body, type=RoomHandoffRequest)
         except (msgspec.ValidationError, msgspec.DecodeError) as ex:

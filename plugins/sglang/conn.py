@@ -28,8 +28,8 @@ decode fed by another engine's prefill (vLLM, LMDeploy) through the dlmix router
   * the bootstrap address is the router's: its ``GET /dlmix/layout`` answers ``{"dlmix_router": true}``; the
     address then stands for a one-rank prefill of this side's attention-TP size (no SGLang topology is asked);
   * ``send_metadata`` records the destination and a worker thread asks the router for the room
-    (``POST /dlmix/handoff``, :class:`dlmix.pd.contract.RoomHandoff`: the hold's transfer parameters and the first
-    token), pulls as above, and writes the metadata row itself: the first token in ``output_ids`` and the room in
+    (``POST /dlmix/handoff`` with the ``router_admin_key`` if set, :class:`dlmix.pd.contract.RoomHandoff`: the hold's
+    transfer parameters and the first token), pulls as above, and writes the metadata row itself: the first token in ``output_ids`` and the room in
     ``bootstrap_room`` (SGLang checks it), zeros elsewhere (no first-token logprobs or cached-token count).
 
 Limits (refused with a reason): MLA pools, draft-model KV, extra state pools (Mamba/SWA/DSA), host destinations,
@@ -369,8 +369,10 @@ class DLMixKVManager(CommonKVManager):
 
     def _fetch_and_pull(self, bootstrap_addr: str, room: int) -> None:
         try:
+            key = self.settings.router_admin_key  # the route is the router's instance-facing API
             r = requests.post(f"http://{bootstrap_addr}/dlmix/handoff",
                               json={"room": room, "timeout_s": self.settings.io_timeout_s},
+                              headers={"Authorization": f"Bearer {key}"} if key else None,
                               timeout=self.settings.io_timeout_s + 5)
         except requests.RequestException as e:
             self._fail(room, f"dlmix: router {bootstrap_addr} unreachable for room {room}: {e}")
