@@ -81,9 +81,9 @@ class _Rank:
 class _Bootstrap:
     """The relay on an aiohttp app, with the rank table SGLang's bootstrap server keeps."""
 
-    def __init__(self, lt: LoopThread, ranks: list[_Rank], ready: bool = True):
+    def __init__(self, lt: LoopThread, ranks: list[_Rank], ready: bool = True, key: str | None = None):
         self.lt = lt
-        self.relay = HandoffRelay()
+        self.relay = HandoffRelay(key)
         info = lambda r: SimpleNamespace(rank_ip="127.0.0.1", rank_port=r.port)  # noqa: E731
         self.server = SimpleNamespace(attn_tp_size=len(ranks), _is_ready=lambda: ready,
                                       prefill_port_table={0: {0: {i: {0: info(r)} for i, r in enumerate(ranks)}}})
@@ -202,6 +202,25 @@ def test_the_routers_bridges_use_the_hand_off(lt):
         # an LMDeploy decode takes TP size 1 only: refused with the reason, before any call to the decode
         with pytest.raises(ValueError, match="2 TP ranks"):
             asyncio.run(bridges.sglang_to_lmdeploy("http://p", "http://d", dict(kvp, bootstrap_room=6), b""))
+    finally:
+        bs.close()
+        for rk in ranks:
+            rk.close()
+
+
+def test_a_prefill_with_a_router_key_answers_only_that_key(lt):
+    """With ``router_admin_key`` set on the prefill the route answers 401 without that bearer key; the router's
+    bridge sends its ``admin_key`` and gets the hand-off."""
+    ranks = [_Rank(0, first_token=11), _Rank(1, first_token=11)]
+    bs = _Bootstrap(lt, ranks, key="adm")
+    kvp = {"bootstrap_host": "127.0.0.1", "bootstrap_port": bs.port, "bootstrap_room": 7, "timeout_s": 10}
+    try:
+        r = bs.post({"room": 7, "timeout_s": 1})
+        assert r.status_code == 401 and "admin key" in r.text
+        with pytest.raises(ValueError, match="answered 401"):
+            asyncio.run(bridges.room_handoff(dict(kvp, admin_key="other")))
+        p, tok = asyncio.run(bridges.room_handoff(dict(kvp, admin_key="adm")))
+        assert tok == 11 and p.request_id == "7"
     finally:
         bs.close()
         for rk in ranks:

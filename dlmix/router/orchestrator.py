@@ -291,7 +291,8 @@ class PDOrchestrator:
                 # Handoff.abort, never after the answer
                 ptask = asyncio.ensure_future(request(pb.pool, praw, None, None, self.cfg.prefill_timeout_s))
                 htask = asyncio.ensure_future(bridge(pb.state.url, db.state.url,
-                                                     {**kvp, "timeout_s": self.cfg.prefill_timeout_s}, b""))
+                                                     {**kvp, "timeout_s": self.cfg.prefill_timeout_s,
+                                                      "admin_key": self.cfg.admin_key}, b"", rooms=self.rooms))
                 try:
                     await asyncio.wait((ptask, htask), return_when=asyncio.FIRST_COMPLETED)
                 except BaseException:

@@ -602,7 +602,7 @@ class DLMixKVBootstrapServer(CommonKVBootstrapServer):
 
     def __init__(self, host: str, port: int):
         self.dlmix_layouts: dict[tuple[int, int, int, int], dict] = {}
-        self.dlmix_relay = HandoffRelay()
+        self.dlmix_relay = HandoffRelay(key=load_settings().router_admin_key)
         super().__init__(host, port)
 
     def _setup_routes(self) -> None:

@@ -20,12 +20,15 @@ stands in for the decode's bootstrap side of such a room:
 
 A room that fails on the prefill (its status message, ``Failed``) answers 502 with SGLang's reason; no ``READY``
 within ``timeout_s`` answers 504 (the router then cancels the prefill leg, and SGLang's abort frees the hold). A
-second request for a room already waited on answers 409. The route moves no KV and grants nothing: reading the
-held pages still needs the transport's shared secret (:mod:`dlmix.pd.endpoint`).
+second request for a room already waited on answers 409. With ``router_admin_key`` in the prefill's settings the
+route needs that key as a bearer token (the dlmix router sends its ``admin_key``; 401 otherwise); without one it is
+open, as SGLang's own bootstrap routes are. The route moves no KV and grants nothing: reading the held pages still
+needs the transport's shared secret (:mod:`dlmix.pd.endpoint`).
 """
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import logging
 import threading
@@ -80,7 +83,10 @@ class HandoffRelay:
     server; its ZMQ PULL socket is bound on first use, on the address rank 0 registered (the bootstrap server runs
     on rank 0's node)."""
 
-    def __init__(self) -> None:
+    def __init__(self, key: Optional[str] = None) -> None:
+        #: bearer key the route requires (the prefill's ``router_admin_key``: the dlmix router sends its admin key);
+        #: None: open, as SGLang's own bootstrap routes
+        self.key = key
         self._lock = threading.Lock()
         self._pull: Optional[zmq.Socket] = None
         self._addr: Optional[tuple[str, int]] = None
@@ -145,7 +151,10 @@ class HandoffRelay:
     # ------------------------------------------------------------------ route
     async def handle(self, server: Any, request: web.Request) -> web.Response:
         """``POST /dlmix/handoff`` on ``server`` (a :class:`dlmix_sglang.conn.DLMixKVBootstrapServer`); see the
-        module doc for the answers."""
+        module doc for the answers (and 401 without the bearer ``key`` when one is set)."""
+        if self.key and not hmac.compare_digest(request.headers.get("Authorization", "").encode(),
+                                                f"Bearer {self.key}".encode()):
+            return web.json_response({"error": "the dlmix router's admin key is required"}, status=401)
         try:
             ask = msgspec.json.decode(await request.read(), type=RoomHandoffRequest)
         except (msgspec.ValidationError, msgspec.DecodeError) as e:

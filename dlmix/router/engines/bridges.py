@@ -260,7 +260,8 @@ async def room_handoff(kvp: dict) -> tuple[TransferParams, Optional[int]]:
     the prefill holds the room's KV; ``plugins/sglang/handoff.py``).
 
     Args: kvp: the SGLang hand-off (``bootstrap_host``, ``bootstrap_port``, ``bootstrap_room``) plus
-    ``timeout_s``, how long the prefill may take (seconds).
+    ``timeout_s``, how long the prefill may take (seconds), and ``admin_key``, the router's (sent as a bearer token:
+    a prefill with ``router_admin_key`` set requires it).
     Returns ``(transfer parameters, first token id or None)``. Raises ValueError with the prefill's reason (the room
     failed there, timed out, the prefill does not run the dlmix backend, an invalid answer).
     """
@@ -273,7 +274,9 @@ async def room_handoff(kvp: dict) -> tuple[TransferParams, Optional[int]]:
     url = f"http://{'[' + host + ']' if ':' in host else host}:{int(kvp['bootstrap_port'])}/dlmix/handoff"
     try:
         async with httpx.AsyncClient(timeout=timeout + 10, trust_env=False) as client:
-            r = await client.post(url, json={"room": int(kvp["bootstrap_room"]), "timeout_s": timeout})
+            key = kvp.get("admin_key")
+            r = await client.post(url, json={"room": int(kvp["bootstrap_room"]), "timeout_s": timeout},
+                                  headers={"Authorization": f"Bearer {key}"} if key else None)
     except httpx.HTTPError as ex:
         raise ValueError(f"POST {url}: {type(ex).__name__}: {ex}") from None
     if r.status_code == 404:
