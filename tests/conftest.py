@@ -29,6 +29,14 @@ def smollm2_dir():
 
 
 @pytest.fixture(scope="session")
+def tok(smollm2_dir):
+    """SmolLM2's Hugging Face tokenizer (the engines' own)."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(smollm2_dir))
+
+
+@pytest.fixture(scope="session")
 def perturbed_dir(smollm2_dir, tmp_path_factory):
     """A copy of SmolLM2 whose every weight is scaled by ``1 + 0.2 * N(0, 1)`` (seed 0): same shapes and tokenizer,
     other weights, so its weights fingerprint differs (the negative control of the PD pair checks)."""

@@ -26,8 +26,7 @@ pytestmark = pytest.mark.slow
 from dlmix_sglang import testing as T  # noqa: E402
 from dlmix.testing import compare_greedy  # noqa: E402
 
-if T.sglang_python() is None:
-    pytest.skip("no SGLang venv (run scripts/setup_sglang.sh, or set DLMIX_SGLANG_VENV)", allow_module_level=True)
+T.require_venv()
 
 MAX_TOKENS = 16
 #: top-1/top-2 gap (nats) under which a first divergence counts as a near-tie: bf16 KV carries bf16 rounding.

@@ -40,13 +40,6 @@ KV_BYTES = 256 << 20  # fp32 at the token capacity that 128 MiB gave bf16 (45 bl
 
 
 @pytest.fixture(scope="module")
-def tok(smollm2_dir):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(str(smollm2_dir))
-
-
-@pytest.fixture(scope="module")
 def prompts(tok):
     """20 prompts, 10..1000 tokens: completions get exact token-id lists, chats get text; half stream."""
     return T.prompt_set(tok, [10 + round(i * 990 / 19) for i in range(20)], seed=1234)

@@ -20,13 +20,15 @@ vllm = pytest.importorskip("vllm")
 
 from dlmix_vllm import testing as T  # noqa: E402
 
+from dlmix.testing import SHARED_CORES_ENV  # noqa: E402
+
 if not torch.cpu._is_avx512_supported():
     pytest.skip("vLLM CPU's fp8 KV cache needs AVX-512 (cpu_attn._get_attn_isa)", allow_module_level=True)
 
 MAX_TOKENS = 12
 NO_EOS = {"ignore_eos": True}
 NEAR_TIE = 0.05
-ENV = {"OMP_NUM_THREADS": "1", "OMP_WAIT_POLICY": "PASSIVE"}
+ENV = SHARED_CORES_ENV
 
 
 def _launch(name, model, wd, role, bs, fp8):

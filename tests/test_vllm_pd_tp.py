@@ -25,7 +25,7 @@ pytestmark = pytest.mark.slow
 
 vllm = pytest.importorskip("vllm")
 
-from dlmix.testing import poll  # noqa: E402
+from dlmix.testing import SHARED_CORES_ENV, poll  # noqa: E402
 from dlmix_vllm import testing as T  # noqa: E402
 
 MAX_TOKENS = 12
@@ -36,7 +36,7 @@ P_BLOCK, D_BLOCK = 32, 64
 #: Unpinned, one OpenMP thread per rank, passive OpenMP waits: three or five engine processes share two cores here.
 #: Pinned (``VLLM_CPU_OMP_THREADS_BIND``), a prefill rank and the decode on one core, both stepping while a transfer
 #: is pending, starved each other's KV threads for tens of seconds (pulls timed out).
-ENV = {"OMP_NUM_THREADS": "1", "OMP_WAIT_POLICY": "PASSIVE"}
+ENV = SHARED_CORES_ENV
 
 
 def _launch(name: str, model: str, wd, tp: int, role: str, extra: dict):

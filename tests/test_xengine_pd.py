@@ -32,7 +32,7 @@ L.require_venv()
 
 from dlmix_vllm import testing as V  # noqa: E402
 
-from dlmix.testing import compare_greedy, poll  # noqa: E402
+from dlmix.testing import compare_greedy, pd_router, poll  # noqa: E402
 
 MAX_TOKENS = 16
 #: nats; the prefill's KV is bf16, the reference's fp32 (tests/test_vllm_pd.py uses the same for bf16 -> fp32)
@@ -41,9 +41,6 @@ NEAR_TIE = 0.5
 
 @pytest.fixture(scope="module")
 def servers(smollm2_dir, tmp_path_factory):
-    from dlmix.router.config import RouterConfig
-    from dlmix.testing import RouterThread
-
     wd = tmp_path_factory.mktemp("xengine")
     m = str(smollm2_dir)
     started, routers = [], []
@@ -61,14 +58,9 @@ def servers(smollm2_dir, tmp_path_factory):
                                        ("R", ["--logprobs-mode", "raw_logprobs"], dict(role="Hybrid", num_blocks=64)))}
         V.wait_ready([d, p2], timeout_s=400)
         for pre, dec in ((p, d), (p2, lmd["D2"])):
-            r_ = RouterThread(RouterConfig(host="127.0.0.1", port=0, policy="prefix", model_spec=m))
-            routers.append(r_)
-            with httpx.Client(base_url=r_.url, timeout=30) as c:
-                for srv, role in ((pre, "prefill"), (dec, "decode")):
-                    engine = "vllm" if isinstance(srv, V.VllmServer) else "lmdeploy"
-                    r = c.post("/admin/instances", json={"url": srv.url, "role": role, "engine": engine,
-                                                         "model": "smollm2", "heartbeat_ttl_s": 0})
-                    assert r.status_code in (200, 201), r.text
+            engine = lambda srv: "vllm" if isinstance(srv, V.VllmServer) else "lmdeploy"  # noqa: E731
+            routers.append(pd_router(m, {"url": pre.url, "engine": engine(pre)}, {"url": dec.url,
+                                                                                "engine": engine(dec)}))
         yield {"P": p, "D": d, "router": routers[0], "P2": p2, "router2": routers[1], **lmd, "model": m}
     finally:
         for s in reversed(started):
@@ -80,13 +72,6 @@ def servers(smollm2_dir, tmp_path_factory):
 def _prompts(tok, n: int, seed: int, lo: int, hi: int) -> list[dict]:
     return V.prompt_set(tok, [lo + (hi - lo) * i // max(1, n - 1) for i in range(n)], kinds=("completion", "chat"),
                         seed=seed)
-
-
-@pytest.fixture(scope="module")
-def tok(smollm2_dir):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(str(smollm2_dir))
 
 
 def _text(p: dict, tok) -> dict:

@@ -17,34 +17,27 @@ the reference (SGLang's and vLLM's CPU kernels round differently; fp32 -> fp16 f
 """
 from __future__ import annotations
 
-import httpx
 import pytest
 
 pytestmark = pytest.mark.slow
 
 from dlmix_sglang import testing as T  # noqa: E402
 
-if T.sglang_python() is None:
-    pytest.skip("no SGLang venv (run scripts/setup_sglang.sh, or set DLMIX_SGLANG_VENV)", allow_module_level=True)
+T.require_venv()
 
 from dlmix_lmdeploy import testing as L  # noqa: E402
 from dlmix_vllm import testing as V  # noqa: E402
 
-from dlmix.testing import compare_greedy, poll  # noqa: E402
+from dlmix.testing import SHARED_CORES_ENV, compare_greedy, pd_router, poll  # noqa: E402
 
 MAX_TOKENS = 16
 #: nats (as tests/test_xengine_pd.py)
 NEAR_TIE = 0.5
-#: engines sharing two cores: unpinned, one OpenMP thread each, passive waits (a pinned engine spinning next to a
-#: KV transfer starved it)
-ENV = {"OMP_NUM_THREADS": "1", "OMP_WAIT_POLICY": "PASSIVE"}
+ENV = SHARED_CORES_ENV
 
 
 @pytest.fixture(scope="module")
 def servers(smollm2_dir, tmp_path_factory):
-    from dlmix.router.config import RouterConfig
-    from dlmix.testing import RouterThread
-
     wd = tmp_path_factory.mktemp("xengine-sglang")
     m = str(smollm2_dir)
     started, routers, out = [], [], {"model": m}
@@ -64,29 +57,14 @@ def servers(smollm2_dir, tmp_path_factory):
         V.wait_ready([d], timeout_s=400)
         pairs = [(d, "vllm")] + ([(out["D2"], "lmdeploy")] if "D2" in out else [])
         for dec, engine in pairs:
-            r_ = RouterThread(RouterConfig(host="127.0.0.1", port=0, policy="prefix", model_spec=m))
-            routers.append(r_)
-            with httpx.Client(base_url=r_.url, timeout=30) as c:
-                r = c.post("/admin/instances", json={"url": p.url, "role": "prefill", "engine": "sglang",
-                                                     "model": "smollm2", "bootstrap_port": p.bootstrap_port,
-                                                     "heartbeat_ttl_s": 0})
-                assert r.status_code in (200, 201), r.text
-                r = c.post("/admin/instances", json={"url": dec.url, "role": "decode", "engine": engine,
-                                                     "model": "smollm2", "heartbeat_ttl_s": 0})
-                assert r.status_code in (200, 201), r.text
+            routers.append(pd_router(m, {"url": p.url, "engine": "sglang", "bootstrap_port": p.bootstrap_port},
+                                     {"url": dec.url, "engine": engine}))
         yield {**out, "P": p, "D": d, "router": routers[0], "router2": routers[1] if len(routers) > 1 else None}
     finally:
         for s in reversed(started):
             s.stop()
         for r_ in routers:
             r_.close()
-
-
-@pytest.fixture(scope="module")
-def tok(smollm2_dir):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(str(smollm2_dir))
 
 
 def test_sglang_prefill_feeds_vllm_decode_through_the_router(servers, tok):

@@ -28,28 +28,23 @@ pytestmark = pytest.mark.slow
 
 from dlmix_sglang import testing as T  # noqa: E402
 
-if T.sglang_python() is None:
-    pytest.skip("no SGLang venv (run scripts/setup_sglang.sh, or set DLMIX_SGLANG_VENV)", allow_module_level=True)
+T.require_venv()
 
 from dlmix_lmdeploy import testing as L  # noqa: E402
 from dlmix_vllm import testing as V  # noqa: E402
 
-from dlmix.testing import compare_greedy  # noqa: E402
+from dlmix.testing import SHARED_CORES_ENV, compare_greedy, pd_router  # noqa: E402
 
 MAX_TOKENS = 16
 #: nats (as tests/test_xengine_pd.py)
 NEAR_TIE = 0.5
-#: engines sharing two cores: unpinned, one OpenMP thread each, passive waits
-ENV = {"OMP_NUM_THREADS": "1", "OMP_WAIT_POLICY": "PASSIVE"}
+ENV = SHARED_CORES_ENV
 _WORDS = ("river mountain quiet engine market yellow window garden silver theory station winter bridge signal "
           "harvest lantern ocean pocket rhythm castle meadow copper thunder village orbit canvas planet ribbon").split()
 
 
 @pytest.fixture(scope="module")
 def servers(smollm2_dir, tmp_path_factory):
-    from dlmix.router.config import RouterConfig
-    from dlmix.testing import RouterThread
-
     wd = tmp_path_factory.mktemp("xengine-to-sglang")
     m = str(smollm2_dir)
     started, routers, out = [], [], {"model": m}
@@ -67,15 +62,7 @@ def servers(smollm2_dir, tmp_path_factory):
         s.wait_ready()
         V.wait_ready([pv], timeout_s=400)
         for p, engine in [(pv, "vllm")] + ([(out["PL"], "lmdeploy")] if "PL" in out else []):
-            r_ = RouterThread(RouterConfig(host="127.0.0.1", port=0, policy="prefix", model_spec=m))
-            routers.append(r_)
-            with httpx.Client(base_url=r_.url, timeout=30) as c:
-                r = c.post("/admin/instances", json={"url": p.url, "role": "prefill", "engine": engine,
-                                                     "model": "smollm2", "heartbeat_ttl_s": 0})
-                assert r.status_code in (200, 201), r.text
-                r = c.post("/admin/instances", json={"url": d.url, "role": "decode", "engine": "sglang",
-                                                     "model": "smollm2", "heartbeat_ttl_s": 0})
-                assert r.status_code in (200, 201), r.text
+            routers.append(pd_router(m, {"url": p.url, "engine": engine}, {"url": d.url, "engine": "sglang"}))
         yield {**out, "PV": pv, "D": d, "S": s, "router": routers[0],
                "router2": routers[1] if len(routers) > 1 else None}
     finally:
@@ -83,13 +70,6 @@ def servers(smollm2_dir, tmp_path_factory):
             x.stop()
         for r_ in routers:
             r_.close()
-
-
-@pytest.fixture(scope="module")
-def tok(smollm2_dir):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(str(smollm2_dir))
 
 
 def _prompts(tok, lengths: list[int], seed: int) -> list[tuple[str, list[int]]]:

@@ -108,6 +108,32 @@ class JsonStandIn:
         self.srv.server_close()
 
 
+#: environment of engine servers sharing a few cores in tests: unpinned, one OpenMP thread each, passive waits (a
+#: pinned engine spinning next to a KV transfer starved it)
+SHARED_CORES_ENV = {"OMP_NUM_THREADS": "1", "OMP_WAIT_POLICY": "PASSIVE"}
+
+
+def pd_router(model_spec: str, prefill: dict, decode: dict, policy: str = "prefix") -> "RouterThread":
+    """A :class:`RouterThread` on a free loopback port with one prefill and one decode instance registered through
+    the admin API (``prefill``/``decode``: registration bodies without ``role``; ``model`` defaults to ``smollm2``,
+    ``heartbeat_ttl_s`` to 0). The ``prefix`` policy always disaggregates. Raises AssertionError when a
+    registration is refused (with the router's answer)."""
+    import httpx
+
+    from dlmix.router.config import RouterConfig
+
+    rt = RouterThread(RouterConfig(host="127.0.0.1", port=0, policy=policy, model_spec=model_spec))
+    try:
+        with httpx.Client(base_url=rt.url, timeout=30, trust_env=False) as c:
+            for role, body in (("prefill", prefill), ("decode", decode)):
+                r = c.post("/admin/instances", json={"model": "smollm2", "heartbeat_ttl_s": 0, **body, "role": role})
+                assert r.status_code in (200, 201), r.text
+    except BaseException:
+        rt.close()
+        raise
+    return rt
+
+
 class RouterThread:
     """A :class:`dlmix.router.server.Router` built from ``cfg`` (a ``RouterConfig``) and started on its own
     :class:`LoopThread`, for synchronous tests that also read the router's state. ``url`` is its base URL (the port

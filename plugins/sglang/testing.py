@@ -52,6 +52,14 @@ class SGLangServer(ServerChild):
         super().wait_ready(timeout_s, path, interval_s)
 
 
+def require_venv() -> None:
+    """Skip the calling test module, with the reason, when SGLang's venv is absent (call at module level)."""
+    if sglang_python() is None:
+        import pytest
+
+        pytest.skip("no SGLang venv (run scripts/setup_sglang.sh, or set DLMIX_SGLANG_VENV)", allow_module_level=True)
+
+
 def start_server(model: str, port: int, log_path: str | Path, *, mode: str | None = None,
                  backend: str = "dlmix", bootstrap_port: int | None = None, extra: list[str] | None = None,
                  env: dict[str, str] | None = None, dtype: str = "float32", page_size: int | None = None,
