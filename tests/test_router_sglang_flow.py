@@ -446,10 +446,9 @@ def test_a_client_gone_during_the_decode_leg_cancels_the_bridged_prefill_leg(lt)
 
 
 def test_an_n2_request_prefills_one_sglang_room_for_the_vllm_decode(lt):
-    """``n=2`` from an SGLang prefill to a vLLM decode: the prefill leg asks for one choice (SGLang would give a
-    second choice a room of its own, ``room + 1``, whose hand-off no one asks for, and that prefill would wait for
-    a decode until its timeout); the decode leg keeps the client's ``n`` and names 2 consumers of the one room's
-    hold."""
+    """``n=2`` from an SGLang prefill to a vLLM decode: the prefill leg asks for one choice (for ``n=2`` SGLang would
+    run a warm-up and two choices under the one room, handed off once, and the rest would wait for a decode until
+    its timeout); the decode leg keeps the client's ``n`` and names 2 consumers of the one room's hold."""
     hand = _HandoffStandIn()
     with _bridged(lt, hand) as (p, d, ref, router, base):
         with httpx.Client(timeout=30) as h:

@@ -92,10 +92,10 @@ def test_sglang_prefill_feeds_vllm_decode_through_the_router(servers, tok):
 
 def test_n2_from_an_sglang_prefill_pulls_its_one_room_for_both_choices(servers):
     """``n=2`` through the router from the SGLang prefill to the vLLM decode: one room is prefilled (the leg asks
-    for one choice; SGLang would give a second choice a room of its own that no decode reads), vLLM's two choices
+    for one choice; SGLang would run a warm-up and two choices under the room, handed off once), vLLM's two choices
     each pull its hold (or find the prompt its sibling loaded), no pull fails, both greedy (``top_k=1``) choices
     equal the same request's ``n=1`` answer through the same path, and SGLang answers the prefill leg (before, the
-    leg asked for 2 choices and its second room waited for a decode that never came)."""
+    leg asked for 2 choices, and SGLang's other requests in the room waited for a decode that never came)."""
     P, D, rt = servers["P"], servers["D"], servers["router"]
     legs = []
 

@@ -268,9 +268,10 @@ class PDOrchestrator:
         refused) is placed again by the policy, as in :meth:`prefill`. Raises BackendError only when the client
         went away.
 
-        A request for ``n > 1`` choices has its prefill leg sent with ``n=1``: SGLang gives each of ``n`` choices a
-        room of its own (``bootstrap_room + i``, ``sglang/srt/managers/io_struct.py``), and only the first room's
-        hand-off is asked for; the decode engine fans out into the ``n`` choices, each pulling the one hold."""
+        A request for ``n > 1`` choices has its prefill leg sent with ``n=1``: for ``n > 1`` SGLang runs a prefix
+        warm-up request and then the ``n`` choices, all under the request's one room
+        (``sglang/srt/managers/tokenizer_manager.py`` ``_handle_batch_request``), while one hand-off serves the room
+        once; the decode engine fans out into the ``n`` choices, each pulling the one hold."""
         m = self.metrics
         tried: set = set()
         if n_choices(d) > 1:
