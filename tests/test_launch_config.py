@@ -155,9 +155,12 @@ def test_sglang_pd_plan_builds_sglangs_own_flags_and_registers_the_bootstrap_por
     bp = int(pre[pre.index("--disaggregation-bootstrap-port") + 1])
     for p in plans.values():
         if p.kind == "engine":
-            assert json.loads(p.env["DLMIX_SGLANG_CONFIG"]) == {"shared_secret": "s3cret", "host": "127.0.0.1"}
+            # the launch's secret is the router's admin key too (its rooms and the prefill's hand-off route)
+            assert json.loads(p.env["DLMIX_SGLANG_CONFIG"]) == {"shared_secret": "s3cret", "host": "127.0.0.1",
+                                                                "router_admin_key": "s3cret"}
             assert p.env["SGLANG_USE_CPU_ENGINE"] == "1"
     cfg = yaml.safe_load((tmp_path / "router.yaml").read_text())
+    assert cfg["admin_key"] == "s3cret"
     regs = {i["id"]: i for i in cfg["instances"]}
     assert regs["prefill"]["engine"] == "sglang" and regs["prefill"]["bootstrap_port"] == bp
     assert "bootstrap_port" not in regs["decode"] and regs["decode"]["block_size"] == 64

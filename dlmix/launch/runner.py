@@ -194,8 +194,8 @@ def _vllm_spec(dep: Deployment, i: int, model: str, kv_transfer: Optional[dict],
 def _sglang_spec(dep: Deployment, i: int, model: str, secret: str, kv_events: Optional[str], taken: set
                  ) -> SGLangServerSpec:
     """The :class:`SGLangServerSpec` of instance ``i``: prefill/decode roles use the ``dlmix`` transfer backend
-    (authenticated with the launch's secret; a prefill gets a free bootstrap port unless ``extra_args`` name
-    one), KV pool ``--max-total-tokens 8192 --mem-fraction-static 0.25`` on CPU unless ``extra_args`` set them."""
+    (authenticated with the launch's secret, which is also the launched router's admin key, ``router_admin_key``; a
+    prefill gets a free bootstrap port unless ``extra_args`` name one), KV pool ``--max-total-tokens 8192 --mem-fraction-static 0.25`` on CPU unless ``extra_args`` set them."""
     inst = dep.instances[i]
     kv = inst.kv
     cpu = inst.device == "cpu"
@@ -218,7 +218,10 @@ def _sglang_spec(dep: Deployment, i: int, model: str, secret: str, kv_events: Op
         mem_fraction_static=(kv.gpu_memory_utilization if kv.gpu_memory_utilization is not None
                              else 0.25 if cpu and "--mem-fraction-static" not in args else None),
         device=inst.device, disaggregation_mode=mode, bootstrap_port=bp,
-        backend_config={"shared_secret": secret, "host": inst.host} if mode else None,
+        # the launched router's admin key too: its POST /dlmix/handoff (rooms of another engine's prefill for a
+        # decode) needs it, and a prefill's own hand-off route then answers only the router
+        backend_config=({"shared_secret": secret, "host": inst.host,
+                         **({"router_admin_key": secret} if dep.router_enabled() else {})} if mode else None),
         kv_events=kv_events, taskset_cpus=inst.cpus, extra_args=args, env=env,
         hub_offline=bool(model) and Path(model).is_dir())
 
