@@ -18,8 +18,9 @@ The same route and answer as an SGLang prefill's bootstrap server gives a decode
 (``plugins/sglang/handoff.py``), in the other direction. The route needs the router's admin key, as registration does
 (the decode's ``router_admin_key``; loopback peers need none while the router has no ``admin_key``). A room is a
 63-bit random number known only to the router and the decode leg, and the answer grants nothing by itself (reading
-the held blocks needs the transport's shared secret, :mod:`dlmix.pd.endpoint`). Entries expire after ``ttl_s`` seconds (the prefill's hold has expired by then anyway) and
-the table keeps at most ``capacity`` rooms (the oldest go first).
+the held blocks needs the transport's shared secret, :mod:`dlmix.pd.endpoint`). Entries expire after ``ttl_s``
+seconds (the prefill's hold has expired by then anyway) and the table keeps at most ``capacity`` rooms (the oldest go
+first).
 """
 from __future__ import annotations
 

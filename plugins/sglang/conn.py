@@ -29,8 +29,9 @@ decode fed by another engine's prefill (vLLM, LMDeploy) through the dlmix router
     address then stands for a one-rank prefill of this side's attention-TP size (no SGLang topology is asked);
   * ``send_metadata`` records the destination and a worker thread asks the router for the room
     (``POST /dlmix/handoff`` with the ``router_admin_key`` if set, :class:`dlmix.pd.contract.RoomHandoff`: the hold's
-    transfer parameters and the first token), pulls as above, and writes the metadata row itself: the first token in ``output_ids`` and the room in
-    ``bootstrap_room`` (SGLang checks it), zeros elsewhere (no first-token logprobs or cached-token count).
+    transfer parameters and the first token), pulls as above, and writes the metadata row itself: the first token
+    in ``output_ids`` and the room in ``bootstrap_room`` (SGLang checks it), zeros elsewhere (no first-token
+    logprobs or cached-token count).
 
 Limits (refused with a reason): MLA pools, draft-model KV, extra state pools (Mamba/SWA/DSA), host destinations,
 decode prefix reuse (run decode with ``--disable-radix-cache``), pools outside host memory. Equal attention TP on both

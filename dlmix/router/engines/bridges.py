@@ -351,10 +351,10 @@ async def lmdeploy_to_sglang(prefill_url: str, decode_url: str, kvp: dict, resp_
 
 
 #: ``(prefill engine, decode engine) -> bridge``
-BRIDGES: Dict[Tuple[str, str], Bridge] = {("lmdeploy", "vllm"): lmdeploy_to_vllm, ("vllm", "lmdeploy"): vllm_to_lmdeploy,
-                                          ("sglang", "vllm"): sglang_to_vllm,
-                                          ("sglang", "lmdeploy"): sglang_to_lmdeploy,
-                                          ("vllm", "sglang"): vllm_to_sglang, ("lmdeploy", "sglang"): lmdeploy_to_sglang}
+BRIDGES: Dict[Tuple[str, str], Bridge] = {
+    ("lmdeploy", "vllm"): lmdeploy_to_vllm, ("vllm", "lmdeploy"): vllm_to_lmdeploy,
+    ("sglang", "vllm"): sglang_to_vllm, ("sglang", "lmdeploy"): sglang_to_lmdeploy,
+    ("vllm", "sglang"): vllm_to_sglang, ("lmdeploy", "sglang"): lmdeploy_to_sglang}
 
 
 def get_bridge(prefill_engine: str, decode_engine: str) -> Optional[Bridge]:
