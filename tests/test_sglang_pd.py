@@ -296,3 +296,86 @@ def test_other_weights_refused_at_bootstrap_with_the_reason(servers, prompts, pe
         assert ds == 200 and not _aborted(db), db
     finally:
         p3.stop()
+
+
+def _held(rt) -> dict:
+    """``{url: (kv_usage, running, waiting)}`` of the instances that heartbeat ``rt`` (SGLang's own KV token usage
+    and queues, :mod:`dlmix_sglang.router_hook`)."""
+    import httpx
+
+    return {i["url"]: (i["load"]["kv_usage"], i["load"]["running"], i["load"]["waiting"])
+            for i in httpx.get(rt.url + "/admin/instances", timeout=5).json()["instances"]}
+
+
+def _all_free(rt, urls) -> None:
+    """Wait until every instance in ``urls`` heartbeats no KV tokens held and no request in its queues."""
+    from dlmix.testing import wait_until
+
+    wait_until(lambda: all(_held(rt).get(u) == (0.0, 0, 0) for u in urls), 120,
+               f"no KV held and no request queued on {urls} (now {_held(rt)})")
+
+
+def test_client_disconnects_and_a_killed_prefill_leave_no_pages_held(servers, prompts, smollm2_dir):
+    """Faults through the dlmix router, pages read from each server's own KV usage (heartbeats):
+
+    * clients that go away during the prefill and mid-stream: the router cancels both legs, SGLang aborts them, and
+      no page stays held on the prefill or the decode;
+    * a prefill killed while it holds a request (stopped, then SIGKILL): the router cancels the decode leg and the
+      client gets a clear error naming the prefill's failure (no other prefill is registered with that router); the
+      decode frees the room's pages and then serves the next request, whose answer equals the single server's."""
+    import os
+    import signal
+
+    import httpx
+
+    from dlmix.router.config import RouterConfig
+    from dlmix.testing import RouterThread
+
+    rt, d = servers["_router"], servers["D"]
+    pd_urls = [servers[n].url for n in ("P1", "P2", "D")]
+    _all_free(rt, pd_urls)
+    body = {"prompt": prompts[1], "max_tokens": 200, "temperature": 0, "stream": True, "ignore_eos": True}
+    for cut_after in (0, 2):  # chunks read before the client goes away (0: during the prefill)
+        with httpx.stream("POST", rt.url + "/v1/completions", json=body, timeout=300) as r:
+            assert r.status_code == 200
+            n = 0
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    n += 1
+                if n >= cut_after:
+                    break
+        _all_free(rt, pd_urls)
+    # a prefill that dies holding a request
+    p4 = T.start_server(str(smollm2_dir), T.free_port(), servers["_dir"] / "P4.log", mode="prefill", page_size=64)
+    rt4 = None
+    try:
+        p4.wait_ready()
+        rt4 = RouterThread(RouterConfig(host="127.0.0.1", port=0, policy="prefix", model_spec=str(smollm2_dir),
+                                        instances=[{"id": "P4", "url": p4.url, "role": "prefill", "engine": "sglang",
+                                                    "bootstrap_port": p4.bootstrap_port},
+                                                   {"id": "D", "url": d.url, "role": "decode", "engine": "sglang"}]))
+        os.killpg(p4.proc.pid, signal.SIGSTOP)
+        out = {}
+
+        def ask():
+            out["r"] = httpx.post(rt4.url + "/v1/completions", json=dict(body, stream=False, max_tokens=8),
+                                  timeout=300)
+        th = threading.Thread(target=ask)
+        th.start()
+        time.sleep(3)  # both legs sent; the decode waits for P4's bootstrap
+        os.killpg(p4.proc.pid, signal.SIGKILL)
+        th.join(300)
+        r = out["r"]
+        assert r.status_code >= 500 and "prefill" in r.text, (r.status_code, r.text)
+        _all_free(rt, [d.url])
+        # the decode keeps serving: the next request through the first router equals the single server's answer
+        ok = httpx.post(rt.url + "/v1/completions", json={"prompt": prompts[0], "max_tokens": MAX_TOKENS,
+                                                          "temperature": 0}, timeout=300)
+        ref = httpx.post(servers["S"].url + "/v1/completions", json={"prompt": prompts[0], "max_tokens": MAX_TOKENS,
+                                                                     "temperature": 0}, timeout=300)
+        assert ok.status_code == 200 and ok.json()["choices"][0]["text"] == ref.json()["choices"][0]["text"], ok.text
+        _all_free(rt, pd_urls)
+    finally:
+        if rt4 is not None:
+            rt4.close()
+        p4.stop()
