@@ -118,14 +118,14 @@ def _prefill_answers(router_url: str) -> float:
 
 
 def test_sglang_prefill_feeds_lmdeploy_decode_through_the_router(servers, tok):
-    """8 prompts of 10..600 tokens, completions and chats, streamed or not, through the router: the LMDeploy decode
+    """10 prompts of 10..600 tokens, completions and chats, streamed or not, through the router: the LMDeploy decode
     (fp16, block 64, packed pool) pulls SGLang's pages (fp32, page 16) under the blocks' name and continues from
     SGLang's first token (read from the prefill's metadata row); greedy text equals R except near-ties. A
     Decode-role LMDeploy engine cannot compute a prompt itself, so every answer is decoded from SGLang's KV."""
     if servers.get("D2") is None:
         pytest.skip("no LMDeploy venv (run scripts/setup_lmdeploy.sh)")
     rng = __import__("random").Random(6)
-    lengths = [10, 600] + [rng.randint(10, 600) for _ in range(6)]
+    lengths = [10, 600] + [rng.randint(10, 600) for _ in range(8)]
     ties = L.router_against_reference(servers["router2"].url, servers["R"].url, "smollm2", tok, V.PROSE_WORDS,
                                       lengths, rng, "sglang fp32/16 -> lmdeploy fp16/64", NEAR_TIE, MAX_TOKENS)
     assert ties <= len(lengths) // 2
