@@ -195,7 +195,8 @@ def _sglang_spec(dep: Deployment, i: int, model: str, secret: str, kv_events: Op
                  ) -> SGLangServerSpec:
     """The :class:`SGLangServerSpec` of instance ``i``: prefill/decode roles use the ``dlmix`` transfer backend
     (authenticated with the launch's secret, which is also the launched router's admin key, ``router_admin_key``; a
-    prefill gets a free bootstrap port unless ``extra_args`` name one), KV pool ``--max-total-tokens 8192 --mem-fraction-static 0.25`` on CPU unless ``extra_args`` set them."""
+    prefill gets a free bootstrap port unless ``extra_args`` name one), KV pool ``--max-total-tokens 8192
+    --mem-fraction-static 0.25`` on CPU unless ``extra_args`` set them."""
     inst = dep.instances[i]
     kv = inst.kv
     cpu = inst.device == "cpu"

@@ -145,9 +145,10 @@ class PDOrchestrator:
 
     async def _pair_ready(self, conn, b, dec: Decision, kvp: dict, rbody: bytes):
         """Make the prefill's hand-off fit the decode instance before the decode leg: across engines, the bridge
-        between them (:mod:`dlmix.router.engines.bridges`, given the router's room table); otherwise the engine adapter's optional ``pair_ready``
-        (e.g. LMDeploy's connection handshake). Returns the :class:`Handoff`, or :data:`SENT` after answering 502
-        with the reason when the pair cannot work (the prefill's hold is freed then)."""
+        between them (:mod:`dlmix.router.engines.bridges`, given the router's room table); otherwise the engine
+        adapter's optional ``pair_ready`` (e.g. LMDeploy's connection handshake). Returns the :class:`Handoff`, or
+        :data:`SENT` after answering 502 with the reason when the pair cannot work (the prefill's hold is freed
+        then)."""
         abort = self.handoff_abort(b, kvp)
         db = self.registry.backends.get(dec.decode.id)
         if db is None:

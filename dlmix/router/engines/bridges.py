@@ -43,8 +43,8 @@ Bridges:
 * ``vllm -> sglang`` (:func:`vllm_to_sglang`) and ``lmdeploy -> sglang`` (:func:`lmdeploy_to_sglang`): an SGLang
   decode learns of its KV only through a bootstrap room, so the router stands in for the prefill's bootstrap side
   (:mod:`dlmix.router.rooms`): the bridge files the prefill's :class:`~dlmix.pd.contract.TransferParams` and first
-  token under a fresh room and answers the bootstrap fields naming this router. The decode's dlmix backend asks the router for the room (``POST /dlmix/handoff``),
-  pulls, and continues from the prefill's token.
+  token under a fresh room and answers the bootstrap fields naming this router. The decode's dlmix backend asks the
+  router for the room (``POST /dlmix/handoff``), pulls, and continues from the prefill's token.
 
 Every bridge takes the keyword ``rooms`` besides, the router's :class:`~dlmix.router.rooms.RoomTable` (used by the
 bridges to SGLang).
