@@ -62,6 +62,21 @@ class PullResult:
     failed_block_ids: list[int] = field(default_factory=list)
 
 
+def _device_of(layers: list[Any]) -> Any:
+    """The device of the first plane of ``layers`` (a tensor or a tuple of tensors per layer)."""
+    first = layers[0]
+    return (first[0] if isinstance(first, (tuple, list)) else first).device
+
+
+def _synchronize(device: Any) -> None:
+    """Wait for the work queued on ``device`` (CUDA, or any torch device module with ``synchronize``)."""
+    import torch
+
+    mod = getattr(torch, device.type, None)
+    if mod is not None and hasattr(mod, "synchronize"):
+        mod.synchronize(device)
+
+
 def failed_blocks(block_size: int, local_block_ids: list[int], loaded_upto: int, end: int) -> list[int]:
     """Local blocks (of ``block_size`` tokens, table ``local_block_ids`` in token order) that hold any token of
     ``[loaded_upto, end)``: the blocks an engine must recompute after a partial load."""
@@ -242,11 +257,16 @@ class Consumer:
                 for peer, slot in slots.values():
                     self.slots.close(peer, remote_req_id, slot)
             tids: dict[int, str] = {}
+            wanted = [int(b) for b in remote_block_ids]
+            pages: dict[int, list[int]] = {}
             for p, (_peer, (_ev, box)) in slots.items():
                 reply = box[0]
                 if reply.__class__.__name__ == "Refuse":
                     raise PermissionError("prefill refused: " + "; ".join(reply.reasons))
                 tids[p] = reply.tid or remote_req_id
+                pages[p] = wanted if reply.pages is None else list(reply.pages)
+                if len(pages[p]) != len(wanted):
+                    raise RuntimeError(f"prefill named {len(pages[p])} pages for {len(wanted)} blocks")
                 if src is None:
                     if reply.layout is None:
                         raise RuntimeError("producer sent no layout and none came with the parameters")
@@ -255,9 +275,9 @@ class Consumer:
                     if reasons:
                         raise PermissionError("incompatible prefill/decode pair: " + "; ".join(reasons))
                     plan = self._plan(src, targets)
-            sources = [(peers[p], tids[p], src.with_rank(p), heads) for p, heads in plan]
-            self._rounds(remote_req_id, sources, [int(b) for b in remote_block_ids], start, end,
-                         list(local_block_ids), res, cancelled, self.layers if dst_layers is None else dst_layers)
+            sources = [(peers[p], tids[p], src.with_rank(p), heads, pages[p]) for p, heads in plan]
+            self._rounds(remote_req_id, sources, start, end, list(local_block_ids), res, cancelled,
+                         self.layers if dst_layers is None else dst_layers)
         except Exception as e:
             res.error = f"{type(e).__name__}: {e}"
         res.failed_block_ids = failed_blocks(self.layout.block_size, list(local_block_ids), res.loaded_upto, end)
@@ -285,12 +305,15 @@ class Consumer:
         return self.pull(list(params.transports), params.request_id, params.block_ids, start, end, local_block_ids,
                          cancelled, src_layout=params.layout, digest=digest)
 
-    def _rounds(self, rid: str, sources: list[tuple[str, str, KVLayout, tuple[int, ...]]], rblocks: list[int],
-                start: int, end: int, lblocks: list[int], res: PullResult, cancelled: Callable[[], bool],
+    def _rounds(self, rid: str, sources: list[tuple[str, str, KVLayout, tuple[int, ...], list[int]]], start: int,
+                end: int, lblocks: list[int], res: PullResult, cancelled: Callable[[], bool],
                 dst_layers: list[Any]) -> None:
-        """Read and convert in staging rounds. ``sources``: ``(peer, transfer id, producer rank layout, heads)``
-        per producer rank read. Staging per round: source by source, layer by layer, plane by plane, block by
-        block, each block holding the source's heads for this rank (a :func:`head_subset` page)."""
+        """Read and convert in staging rounds. ``sources``: ``(peer, transfer id, producer rank layout, heads,
+        pages)`` per producer rank read (``pages``: where the request's blocks are in that rank's regions, token
+        order). Staging per round: source by source, layer by layer, plane by plane, block by block, each block
+        holding the source's heads for this rank (a :func:`head_subset` page). When the destination cache is in
+        device memory and the staging region is not, each round's staged bytes are copied to the device in one
+        piece and converted there (the conversion runs where the destination lives)."""
         from dlmix.kv.ops import convert as kv_convert
         from dlmix.kv.ops import convert_from_ranks, torch_dtype
 
@@ -300,33 +323,35 @@ class Consumer:
         ns = src0.block_size
         names = region_names(src0)
         sdt = torch_dtype(src0)
-        spec = []  # (peer, tid, staged layout, runs per plane, staged bytes per plane page, source page bytes)
-        for peer, tid, lay, heads in sources:
+        spec = []  # (peer, tid, staged layout, runs per plane, staged bytes per plane page, source page bytes, pages)
+        for peer, tid, lay, heads, rblocks in sources:
             runs = page_runs(lay, heads)
             sub = head_subset(lay, heads) if runs is not None else lay
             if runs is None:
                 runs = [[(0, plane_page_bytes(lay))] for _ in range(P)]
-            spec.append((peer, tid, sub, runs, plane_page_bytes(sub), plane_page_bytes(lay)))
-        per_block = sum(L * P * sp for *_, sp, _pp in spec)  # staging bytes per producer block
+            spec.append((peer, tid, sub, runs, plane_page_bytes(sub), plane_page_bytes(lay), rblocks))
+        per_block = sum(L * P * s[4] for s in spec)  # staging bytes per producer block
         cap = self.staging.numel() // per_block
         if cap < 1:
             raise ValueError(f"staging region of {self.staging.numel()} B cannot hold one prefill block "
                              f"({per_block} B over {L} layers)")
         b0, b1 = start // ns, (end + ns - 1) // ns
-        if b1 > len(rblocks):
-            raise ValueError(f"remote has {len(rblocks)} blocks, tokens up to {end} need {b1}")
+        if b1 > len(spec[0][6]):
+            raise ValueError(f"remote has {len(spec[0][6])} blocks, tokens up to {end} need {b1}")
+        ddev = _device_of(dst_layers)
+        on_device = ddev != self.staging.device
         with self._pull_lock:
             c0 = b0
             while c0 < b1:
                 if cancelled():
                     raise RuntimeError("cancelled: the decode request finished before its KV arrived")
                 if c0 > b0:  # a long transfer: keep the prefill holds (and grants) alive for the next round
-                    for peer, *_ in spec:
+                    for peer, *_rest in spec:
                         self.t.notify(peer, encode(Extend(req=rid)))
                 c1 = min(b1, c0 + cap)
                 n = c1 - c0
                 handles, areas, base = [], [], 0
-                for peer, tid, sub, runs, sp, pp in spec:
+                for peer, tid, sub, runs, sp, pp, rblocks in spec:
                     segs = []
                     for layer in range(L):
                         for pl in range(P):
@@ -357,19 +382,35 @@ class Consumer:
                 # convert tokens [t0, t1) from the staged producer pages into our blocks
                 t0, t1 = max(start, c0 * ns), min(end, c1 * ns)
                 src_table = [0] * c0 + list(range(n))
-                staged = [(sub, [self._staged_layer(sub, sdt, at, layer, n, P, sp) for layer in range(L)], src_table)
-                          for at, sub, sp in areas]
+                buf = self.staging
+                if on_device:  # one host-to-device copy of the round, then convert on the destination's device
+                    buf = self._device_buffer(ddev)[:base]
+                    buf.copy_(self.staging[:base], non_blocking=self.staging.is_pinned())
+                staged = [(sub, [self._staged_layer(buf, sub, sdt, at, layer, n, P, sp) for layer in range(L)],
+                           src_table) for at, sub, sp in areas]
                 if len(staged) == 1:
                     kv_convert(staged[0][0], staged[0][1], src_table, self.layout, dst_layers, lblocks, t1, t0,
                                relax_fingerprint=not self.verify_weights)
                 else:
                     convert_from_ranks(staged, self.layout, dst_layers, lblocks, t1, t0,
                                        relax_fingerprint=not self.verify_weights)
+                if on_device:  # the next round overwrites the host staging; the engine reads the blocks next
+                    _synchronize(ddev)
                 res.loaded_upto = t1
                 c0 = c1
 
-    def _staged_layer(self, src: KVLayout, sdt: Any, at: int, layer: int, n: int, P: int, pp: int) -> Any:
-        area = self.staging[at + layer * P * n * pp:at + (layer + 1) * P * n * pp]
+    def _device_buffer(self, device: Any) -> Any:
+        """A device buffer the size of the staging region (allocated once per device)."""
+        import torch
+
+        bufs = self.__dict__.setdefault("_dev_bufs", {})
+        if device not in bufs:
+            bufs[device] = torch.empty(self.staging.numel(), dtype=torch.uint8, device=device)
+        return bufs[device]
+
+    @staticmethod
+    def _staged_layer(buf: Any, src: KVLayout, sdt: Any, at: int, layer: int, n: int, P: int, pp: int) -> Any:
+        area = buf[at + layer * P * n * pp:at + (layer + 1) * P * n * pp]
         shape = src.layer_shape(n)
         if src.separate_kv:
             return tuple(area[i * n * pp:(i + 1) * n * pp].view(sdt).view(shape[i]) for i in range(2))

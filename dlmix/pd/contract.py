@@ -322,10 +322,13 @@ class Want(_Msg, tag="want"):
 class Ready(_Msg, tag="blocks_ready"):
     """Producer -> consumer: the grant for ``req`` is in place. ``layout``: the producer's layout, only when the
     Want asked for it (``send_layout``). ``tid``: the transfer id the grant was made under, when it is not ``req``
-    (a second rank of the same decode instance reading this producer rank gets a grant of its own)."""
+    (a second rank of the same decode instance reading this producer rank gets a grant of its own). ``pages``: the
+    pages to read in this producer rank's regions, one per wanted block in the same order, when they are not the
+    wanted block ids (a device cache staged through a host outbox: :mod:`dlmix.pd.outbox`)."""
 
     layout: dict[str, Any] | None = None
     tid: Annotated[str, msgspec.Meta(min_length=1, max_length=520)] | None = None
+    pages: Annotated[list[NonNegInt], msgspec.Meta(max_length=1 << 22)] | None = None
 
     def __post_init__(self) -> None:
         super().__post_init__()

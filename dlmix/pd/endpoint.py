@@ -17,7 +17,8 @@ from dlmix.kv.layout import KVLayout
 
 from .consumer import Consumer, PullResult
 from .contract import ContractError, Ready, Refuse, decode_message
-from .engine import check_caches
+from .engine import check_caches, layer_planes
+from .outbox import HostOutbox, needs_outbox
 from .producer import Hold, Producer, register_regions
 
 log = logging.getLogger("dlmix.pd.endpoint")
@@ -77,7 +78,10 @@ class KVEndpoint:
       name: this endpoint's peer id (unique per worker).
       secret, host, port: transport authentication and listen address (port 0 = any free port).
       layout: this rank's KVLayout; layers: per-layer KV caches in model order (:mod:`dlmix.kv` form).
-      staging_bytes: consumer staging region size (bytes); 0 = producer only.
+      staging_bytes: consumer staging region size (bytes); 0 = producer only. Host memory (page-locked when the
+        cache is on a CUDA device); each pull round is copied to the cache's device and converted there.
+      outbox_bytes: host outbox size (bytes) when the cache is in device memory and the transport registers host
+        memory only (:mod:`dlmix.pd.outbox`; bounds the KV of the requests granted at one time); unused otherwise.
       hold_timeout_s, registration_wait_s, io_timeout_s, verify_weights: see :mod:`dlmix.pd.producer`.
       on_released: optional producer hook ``(request_id, why)``.
     Raises whatever the transport raises when it cannot start (e.g. port in use), and ValueError on caches that do
@@ -88,7 +92,7 @@ class KVEndpoint:
                  layers: list[Any], staging_bytes: int, *, hold_timeout_s: float = 120.0,
                  registration_wait_s: float = 10.0, io_timeout_s: float = 60.0, verify_weights: bool = True,
                  transport_cfg: dict[str, Any] | None = None,
-                 on_released: Callable[[str, str], None] | None = None):
+                 on_released: Callable[[str, str], None] | None = None, outbox_bytes: int = 256 << 20):
         import torch
         from dlmix_kv_connectors import make_transport
 
@@ -97,14 +101,21 @@ class KVEndpoint:
         num_blocks = check_caches(layout, layers)
         self.t = make_transport(kind, name=name, secret=secret, host=host, port=port, timeout_s=io_timeout_s,
                                 **(transport_cfg or {}))
-        register_regions(self.t, layout, layers)
+        self.outbox = None
+        if needs_outbox(self.t, layout, layers):
+            self.outbox = HostOutbox(layout, layers, outbox_bytes)
+            self.outbox.register(self.t)
+        else:
+            register_regions(self.t, layout, layers)
         self.staging = None
         if staging_bytes:
-            self.staging = torch.empty(int(staging_bytes), dtype=torch.uint8)
+            pin = torch.cuda.is_available() and any(
+                p.device.type == "cuda" for p in layer_planes(layout, layers[0]))
+            self.staging = torch.empty(int(staging_bytes), dtype=torch.uint8, pin_memory=pin)
             self.t.register("staging", self.staging)
         self.producer = Producer(self.t, layout, num_blocks, hold_timeout_s=hold_timeout_s,
                                  registration_wait_s=registration_wait_s, io_timeout_s=io_timeout_s,
-                                 verify_weights=verify_weights, on_released=on_released)
+                                 verify_weights=verify_weights, on_released=on_released, outbox=self.outbox)
         self._slots = _Slots()
         self.consumer = Consumer(self.t, layout, layers, self.staging, slots=self._slots, io_timeout_s=io_timeout_s,
                                  registration_wait_s=registration_wait_s, verify_weights=verify_weights)

@@ -70,6 +70,8 @@ class Hold:
     peers: dict[str, str] = field(default_factory=dict)
     ranks: int = 1
     released: int = 0
+    #: host outbox pages holding this hold's blocks (a device cache behind a host-only transport), once granted
+    pages: list[int] | None = None
 
     @property
     def granted_to(self) -> str | None:
@@ -107,12 +109,16 @@ class Producer:
       hold_timeout_s, registration_wait_s, io_timeout_s: seconds (see :class:`dlmix_vllm.config.DLMixSettings`).
       verify_weights: refuse consumers whose weights fingerprint differs.
       on_released: optional hook ``(request_id, why)`` called when a hold is released.
+      outbox: a :class:`dlmix.pd.outbox.HostOutbox` whose host planes are the registered regions (a device cache
+        behind a host-only transport): a grant first copies the held blocks into outbox pages and names them in
+        ``blocks_ready``; the pages are freed with the hold.
     """
 
     def __init__(self, transport: Any, layout: KVLayout, num_blocks: int, *, hold_timeout_s: float = 120.0,
                  registration_wait_s: float = 10.0, io_timeout_s: float = 60.0, verify_weights: bool = True,
-                 on_released: Callable[[str, str], None] | None = None):
+                 on_released: Callable[[str, str], None] | None = None, outbox: Any = None):
         self.t = transport
+        self.outbox = outbox
         self.layout = layout
         self.num_blocks = int(num_blocks)
         self.hold_timeout_s = hold_timeout_s
@@ -206,6 +212,9 @@ class Producer:
     def _release(self, h: Hold, why: str) -> None:  # under self.cv
         h.done, h.why, h.free_after = True, why, 0.0
         h.revoke(self.t)
+        if h.pages is not None and self.outbox is not None:
+            self.outbox.unstage(h.pages)
+            h.pages = None
         if self.on_released is not None:
             try:
                 self.on_released(h.req_id, why)
@@ -277,6 +286,11 @@ class Producer:
                     reasons.append(f"request {rid} is already granted to another consumer")
                 elif tid is not None and not _named(tid, rid):
                     reasons.append(f"request {rid} is already granted to another consumer (under another name)")
+            if not reasons and self.outbox is not None and h.pages is None:
+                try:
+                    h.pages = self.outbox.stage(h.block_ids)
+                except Exception as e:  # outbox full (MemoryError) or the device copy failed
+                    reasons.append(f"cannot stage {rid} for the transport: {e}")
             if not reasons:
                 h.ranks = max(h.ranks, msg.ranks)
                 h.consumers = max(h.consumers, msg.consumers)
@@ -284,7 +298,8 @@ class Producer:
                     tid = rid if not h.peers else f"{rid}~{len(h.peers)}"
                     h.peers[peer] = tid
                 h.expiry = max(h.expiry, time.monotonic() + self.io_timeout_s)
-                ranges = block_ranges(self.layout, h.block_ids)
+                pages = h.pages
+                ranges = block_ranges(self.layout, h.block_ids if pages is None else pages)
                 self.t.grant(peer, tid, ranges, mode="r", expires_s=max(1.0, h.expiry - time.monotonic()))
                 h.grants += 1
                 self.stats["grants"] += 1
@@ -295,7 +310,7 @@ class Producer:
             self._notify(peer, Refuse(req=rid, reasons=reasons))
         else:
             self._notify(peer, Ready(req=rid, layout=self.layout.to_dict() if msg.send_layout else None,
-                                     tid=None if tid == rid else tid))
+                                     tid=None if tid == rid else tid, pages=pages))
 
 
 def _named(tid: str, name: str) -> bool:
