@@ -22,9 +22,13 @@ Bandwidth, per pair (case ``same`` at block 32 -> 64): a cache of ``--mib`` MiB 
 layers, 8 KV heads, head size 128), shuffled block tables; best of ``--repeats`` of the conversion against best of
 ``--repeats`` of ``dst.copy_(src)`` over the same number of bytes on the device, measured alternately.
 ``conversion_vs_device_copy`` = copy time / conversion time (higher is better; 1.0 = as fast as a flat copy).
+``row_path_vs_chunked`` = time of the chunked path (``dlmix.kv.plan.ROWS_ON_DEVICE = False``, the path every
+device conversion took before the row path) / time of the default path, measured in the same run.
 
 Prints a table, then ONE JSON line last: ``conversion_vs_device_copy`` ({"SRC->DST": ratio}),
-``conversion_vs_device_copy_min``, ``mismatches`` (must be empty), ``pairs_checked``, ``skipped``, ``device``.
+``conversion_vs_device_copy_min``, ``conversion_gb_s`` (destination bytes written per second, per pair),
+``row_path_vs_chunked`` ({"SRC->DST": ratio}) and its minimum, ``mismatches`` (must be empty),
+``pairs_checked``, ``skipped``, ``device``.
 """
 from __future__ import annotations
 
@@ -36,6 +40,7 @@ import time
 import torch
 
 from dlmix.kv import KVLayout, ModelIdentity, allocate, convert, convert_from_ranks
+from dlmix.kv import plan as kv_plan
 from dlmix.kv.registry import arrangement_names
 
 SMALL = ModelIdentity("LlamaForCausalLM", num_layers=2, num_kv_heads=4, head_size=16, attention="gqa")
@@ -102,9 +107,9 @@ def check_pair(sa: str, da: str, device: torch.device, gen: torch.Generator) -> 
     return out
 
 
-def bandwidth(sa: str, da: str, device: torch.device, mib: int, repeats: int) -> float | None:
-    """copy time / conversion time for ``sa -> da`` (bf16, block 32 -> 64) over ``mib`` MiB of KV; None when the
-    pair does not accept the case."""
+def bandwidth(sa: str, da: str, device: torch.device, mib: int, repeats: int) -> tuple[float, float, float] | None:
+    """(copy time / conversion time, GB/s written, chunked-path time / conversion time) for ``sa -> da`` (bf16,
+    block 32 -> 64) over ``mib`` MiB of KV; None when the pair does not accept the case."""
     try:
         src, dst = KVLayout(BIG, 32, "bf16", sa), KVLayout(BIG, 64, "bf16", da)
     except ValueError:
@@ -130,13 +135,23 @@ def bandwidth(sa: str, da: str, device: torch.device, mib: int, repeats: int) ->
         _sync(device)
         return time.perf_counter() - t0
 
+    def chunked() -> None:
+        kv_plan.ROWS_ON_DEVICE = False
+        try:
+            convert(src, sc, sb, dst, dc, db, n)
+        finally:
+            kv_plan.ROWS_ON_DEVICE = True
+
     convert(src, sc, sb, dst, dc, db, n)  # warm-up (kernels, scratch)
+    chunked()
     b.copy_(a)
-    t_conv, t_copy = [], []
+    t_conv, t_copy, t_chunked = [], [], []
     for _ in range(repeats):
         t_copy.append(timed(lambda: b.copy_(a)))
         t_conv.append(timed(lambda: convert(src, sc, sb, dst, dc, db, n)))
-    return round(min(t_copy) / min(t_conv), 3)
+        t_chunked.append(timed(chunked))
+    return (round(min(t_copy) / min(t_conv), 3), round(nbytes / min(t_conv) / 1e9, 1),
+            round(min(t_chunked) / min(t_conv), 2))
 
 
 def main() -> None:
@@ -153,7 +168,7 @@ def main() -> None:
     arrs = [a for a in arrangement_names() if a != "mla"]
     gen = torch.Generator().manual_seed(1)
     t0 = time.perf_counter()
-    mismatches, skipped, ratios, checked = [], {}, {}, 0
+    mismatches, skipped, ratios, gbps, vs_chunked, checked = [], {}, {}, {}, {}, 0
     print(f"device {device} ({torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}), "
           f"{len(arrs)} arrangements, {mib} MiB per bandwidth run, best of {repeats}", flush=True)
     for sa in arrs:
@@ -165,18 +180,21 @@ def main() -> None:
                     mismatches.append(f"{sa}->{da} {case}: {r}")
                 elif r.startswith("skip"):
                     skipped[f"{sa}->{da} {case}"] = r[6:200]
-            ratio = None if args.no_bandwidth else bandwidth(sa, da, device, mib, repeats)
+            bw = None if args.no_bandwidth else bandwidth(sa, da, device, mib, repeats)
             if device.type == "cuda":
                 torch.cuda.empty_cache()  # the run's caches are gone with bandwidth()'s frame
-            if ratio is not None:
-                ratios[f"{sa}->{da}"] = ratio
+            if bw is not None:
+                ratios[f"{sa}->{da}"], gbps[f"{sa}->{da}"], vs_chunked[f"{sa}->{da}"] = bw
             print(f"{sa:>20s} -> {da:<20s} " + " ".join(f"{c}={r[:8]}" for c, r in res.items())
-                  + (f"  vs_device_copy {ratio:.3f}" if ratio is not None else ""), flush=True)
+                  + (f"  vs_device_copy {bw[0]:.3f}  {bw[1]:.0f} GB/s  vs_chunked {bw[2]:.2f}" if bw else ""),
+                  flush=True)
     print(f"{checked} pairs in {time.perf_counter() - t0:.0f} s; {len(mismatches)} mismatches, "
           f"{len(skipped)} cases skipped", flush=True)
     print(json.dumps({"bench": "kv_convert_device", "quick": args.quick, "device": str(device),
                       "conversion_vs_device_copy": ratios,
                       "conversion_vs_device_copy_min": min(ratios.values()) if ratios else None,
+                      "conversion_gb_s": gbps, "row_path_vs_chunked": vs_chunked,
+                      "row_path_vs_chunked_min": min(vs_chunked.values()) if vs_chunked else None,
                       "mismatches": mismatches, "pairs_checked": checked, "skipped": skipped,
                       "kv_mib": mib, "repeats": repeats}))
 

@@ -24,6 +24,14 @@ from .views import _num_blocks, plane_views
 CHUNK_BYTES = {"cpu": 4 << 20, "cuda": 32 << 20}
 
 
+#: Take the row path (:mod:`dlmix.kv.rows`) on accelerators where it applies (False: the chunked path, the
+#: baseline ``benchmarks/kv_convert_device.py`` compares it with).
+ROWS_ON_DEVICE = True
+
+#: Take the row path on CPU too: tests set it to check that path against the oracle on machines without a GPU.
+ROWS_ON_CPU = False
+
+
 #: On CPU, segments of at least this many bytes are moved directly, one ``memmove`` or ``_foreach_copy_`` entry
 #: each (one pass), instead of the two-pass gather/scatter through scratch buffers (measured on the 2-core dev
 #: box, one thread, 64 KiB blocks, shuffled ids: ``memmove`` 0.8-0.98x of a flat copy, ``index_select`` +

@@ -17,6 +17,7 @@ from .chunked import _transfer_chunked
 from .direct import _transfer_blocks, _transfer_direct, _transfer_lookup
 from .layout import KVLayout
 from .move import _flat2d, _token_rows
+from .rows import _transfer_rows
 from .plan import (
     _block_tensor,
     _check_layers,
@@ -38,8 +39,10 @@ def _transfer(sources: Sequence[tuple[KVLayout, Sequence[Any], Any, tuple[int, .
     copy (:mod:`dlmix.kv.kernels`), or without numba one ``index_select`` per run of destination blocks
     (:func:`~dlmix.kv.direct._transfer_blocks`); (3) one source, fp8
     re-encoding: the lookup table (:func:`~dlmix.kv.direct._transfer_lookup`); (4) no fp8 re-scaling: segment
-    copies (:func:`~dlmix.kv.direct._transfer_direct`); otherwise (CUDA, small blocks, fp8 from fp32) the chunked
-    path through scratch (:mod:`dlmix.kv.chunked`). Returns the destination bytes written."""
+    copies (:func:`~dlmix.kv.direct._transfer_direct`); otherwise (small blocks, fp8 from fp32) the chunked
+    path through scratch (:mod:`dlmix.kv.chunked`). On an accelerator (CUDA, NPU), layouts that are not identical
+    take the row path (:mod:`dlmix.kv.rows`: one gather and one scatter per layer plane) where it applies, else the
+    chunked path. Returns the destination bytes written."""
     if not 0 <= skip_tokens <= num_tokens:
         raise ValueError(f"need 0 <= skip_tokens ({skip_tokens}) <= num_tokens ({num_tokens})")
     srcs, heads, device = _prepare_sources(sources, dl, num_tokens, relax_fingerprint)
@@ -68,6 +71,9 @@ def _transfer(sources: Sequence[tuple[KVLayout, Sequence[Any], Any, tuple[int, .
     seg_bytes = min_block * min_heads * D * dl.itemsize * (P if identical else 1)
     same_blocks = all(s.layout.block_size == Nd and all(_same_encoding(s.layout, dl, p) for p in range(P))
                       for s in srcs)
+    if (_plan.ROWS_ON_CPU if device.type == "cpu" else _plan.ROWS_ON_DEVICE) and not identical \
+            and _transfer_rows(srcs, dl, dst_caches, db, skip_tokens, num_tokens, d_slice):
+        return dl.wire_bytes(num_tokens - skip_tokens, heads)
     if device.type == "cpu" and len(srcs) == 1 and not identical \
             and seg_bytes >= _plan.DIRECT_MIN_BYTES and all(_same_encoding(sl, dl, p) for p in range(P)) \
             and not _rows_both(sl, s0.caches[0], dl, dst_caches[0]) \
