@@ -2,9 +2,10 @@
 
 For every ``KVCacheLayout`` of vLLM 0.32 (``vllm/v1/kv_cache_layout.py``) the per-layer tensors are built exactly as
 vLLM's workers build them (``compute_layout_strides`` and ``create_kv_cache_views`` of
-``vllm/v1/kv_cache_interface.py`` over one raw buffer). The layer-compact layouts must be described
-(``dlmix_vllm.layout.physical_layers`` + ``arrangement_for``) so that every element vLLM's FlashAttention/Triton
-backends read as K (``C[:D]``) or V (``C[D:]``) of (block, head, token) is what dlmix's plane views name; the
+``vllm/v1/kv_cache_interface.py`` over one raw buffer). The layer-compact layouts each described backend class
+accepts (its own ``supported_kv_cache_layouts``) must be described (``dlmix_vllm.layout.physical_layers`` +
+``arrangement_for``) so that every element the backend reads as K (``C[:D]``) or V (``C[D:]``) of (block, head,
+token) is what dlmix's plane views name; the
 layer- and head-interleaved layouts and unknown backends must be refused with the reason.
 """
 from __future__ import annotations
@@ -43,10 +44,53 @@ def _vllm_layers(layout: KVCacheLayout) -> list[torch.Tensor]:
     return views
 
 
+#: backends whose caches dlmix describes: (module under vllm/v1/attention/backends, class); each splits the
+#: logical [B, H, N, 2D] view into K = C[:D] and V = C[D:] (see dlmix_vllm.layout._BACKEND_ARRANGEMENTS)
+BACKENDS = {"FLASH_ATTN": ("flash_attn", "FlashAttentionBackend"),
+            "TRITON_ATTN": ("triton_attn", "TritonAttentionBackend"),
+            "FLASHINFER": ("flashinfer", "FlashInferBackend"),
+            "FLEX_ATTENTION": ("flex_attention", "FlexAttentionBackend"),
+            "ROCM_AITER_UNIFIED_ATTN": ("rocm_aiter_unified_attn", "RocmAiterUnifiedAttentionBackend")}
+COMPACT = {"LBHNC": ("BHNC", "vllm_lbhnc"), "LBNHC": ("BNHC", "vllm_lbnhc")}
+
+
+def _supported(backend: str) -> tuple[str, ...]:
+    """The layer-compact KVCacheLayouts the installed vLLM's backend class accepts (its
+    ``supported_kv_cache_layouts``; None = any). FlashInfer's class needs the flashinfer package (a GPU build): its
+    source does not restrict the layouts below compute capability 10 and allows LBHNC at 10."""
+    import importlib
+
+    mod, cls = BACKENDS[backend]
+    try:
+        klass = getattr(importlib.import_module(f"vllm.v1.attention.backends.{mod}"), cls)
+    except ImportError:
+        assert backend == "FLASHINFER"
+        return tuple(COMPACT)
+    assert klass.get_name() == backend
+    layouts = klass.supported_kv_cache_layouts()
+    return tuple(n for n in COMPACT if layouts is None or KVCacheLayout[n] in layouts)
+
+
+@pytest.mark.parametrize("backend", sorted(BACKENDS))
+def test_every_layout_a_described_backend_accepts_is_described(backend):
+    """For each layer-compact layout the backend class accepts, dlmix names an arrangement; for one it refuses,
+    dlmix refuses too (never a guess)."""
+    ok = _supported(backend)
+    assert ok, backend
+    for name, (order, arrangement) in COMPACT.items():
+        if name in ok:
+            assert arrangement_for(backend, order) == arrangement
+        else:
+            with pytest.raises(ValueError, match=repr(backend)):
+                arrangement_for(backend, order)
+
+
 @pytest.mark.parametrize("name, order, arrangement", [("LBHNC", "BHNC", "vllm_lbhnc"),
                                                        ("LBNHC", "BNHC", "vllm_lbnhc")])
-@pytest.mark.parametrize("backend", ["FLASH_ATTN", "TRITON_ATTN"])
+@pytest.mark.parametrize("backend", sorted(BACKENDS))
 def test_layer_compact_layouts_are_described_element_for_element(name, order, arrangement, backend):
+    if name not in _supported(backend):
+        pytest.skip(f"{backend} does not accept {name} (vLLM's supported_kv_cache_layouts)")
     views = _vllm_layers(KVCacheLayout[name])
     got_order, phys = physical_layers(views)
     assert got_order == order and all(t.is_contiguous() for t in phys)
@@ -77,7 +121,9 @@ def test_interleaved_layouts_are_refused(name):
 
 
 def test_unknown_backend_is_refused_by_name():
-    with pytest.raises(ValueError, match="'FLASHINFER'"):
-        arrangement_for("FLASHINFER", "BHNC")
+    with pytest.raises(ValueError, match="'ROCM_ATTN'"):
+        arrangement_for("ROCM_ATTN", "BHNC")  # K through PagedAttention.split_kv_cache: x-element groups
+    with pytest.raises(ValueError, match="'FLASHMLA'"):
+        arrangement_for("FLASHMLA", "BHNC")
     with pytest.raises(ValueError, match="'ROCM_ATTN'"):
         arrangement_for("ROCM_ATTN", "BHNC")

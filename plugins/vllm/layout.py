@@ -42,15 +42,24 @@ _DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "f
 #: ``create_kv_cache_views``) whose physical axis order is the resolved ``KVCacheLayout`` (``vllm/v1/kv_cache_layout.py``:
 #: ``LBHNC`` = ``[B, H, N, C]``, ``LBNHC`` = ``[B, N, H, C]`` per layer; the layouts with ``B`` or ``H`` outside ``L``
 #: interleave layers or heads over blocks and give no block-major per-layer tensor). What ``C`` holds is the
-#: attention backend's: FlashAttention and Triton split it into K ``[:D]`` and V ``[D:]`` (``flash_attn.py`` and
-#: ``triton_attn.py``: ``kv_cache.transpose(1, 2).split(head_size, dim=-1)``), vLLM CPU stores each (block, head)
-#: page as K transposed then V (``cpu_attn.py``; arrangement ``vllm_cpu``).
+#: attention backend's: FlashAttention, Triton, FlashInfer (non-NVFP4 caches), FlexAttention and ROCm AITER unified
+#: attention split it into K ``[:D]`` and V ``[D:]`` (``flash_attn.py``, ``triton_attn.py``, ``flashinfer.py``,
+#: ``flex_attention.py``, ``rocm_aiter_unified_attn.py`` under ``vllm/v1/attention/backends/``:
+#: ``kv_cache.transpose(1, 2).split(head_size, dim=-1)``); vLLM CPU stores each (block, head) page as K transposed
+#: then V (``cpu_attn.py``; arrangement ``vllm_cpu``). Not described, so refused: ``ROCM_ATTN`` (its HIP kernels
+#: read K through ``PagedAttention.split_kv_cache``, head size split in groups of ``x`` elements), FlashInfer's
+#: NVFP4 cache (K and V as separate head groups, with block scales) and the MLA backends (one latent plane).
+#: FlexAttention supports ``LBNHC`` only (``FlexAttentionBackend.supported_kv_cache_layouts``).
 _BACKEND_ARRANGEMENTS = {
     ("CPU_ATTN", "BHNC"): "vllm_cpu",
     ("FLASH_ATTN", "BHNC"): "vllm_lbhnc",
     ("FLASH_ATTN", "BNHC"): "vllm_lbnhc",
     ("TRITON_ATTN", "BHNC"): "vllm_lbhnc",
     ("TRITON_ATTN", "BNHC"): "vllm_lbnhc",
+    ("FLASHINFER", "BHNC"): "vllm_lbhnc",
+    ("FLASHINFER", "BNHC"): "vllm_lbnhc",
+    ("FLEX_ATTENTION", "BNHC"): "vllm_lbnhc",
+    ("ROCM_AITER_UNIFIED_ATTN", "BHNC"): "vllm_lbhnc",
 }
 
 
