@@ -245,3 +245,22 @@ def test_room_handoff_errors_are_readable():
         asyncio.run(bridges.room_handoff(dict(kvp, bootstrap_port=1)))
     with pytest.raises(ContractError, match="not JSON"):
         decode_room_handoff(b"{")
+
+
+def test_without_a_router_key_only_loopback_callers_get_the_route():
+    """No ``router_admin_key`` on the prefill: a caller from another host is refused with 403 and the reason before
+    anything is read; a loopback caller gets past the check (here to the body validation: 400)."""
+    async def body():
+        return b"{not json"
+
+    relay = HandoffRelay(None)
+    server = SimpleNamespace(attn_tp_size=1, _is_ready=lambda: True, prefill_port_table={})
+    far = SimpleNamespace(remote="10.1.2.3", headers={}, read=body)
+    r = asyncio.run(relay.handle(server, far))
+    assert r.status == 403 and "router_admin_key" in r.text and "loopback" in r.text
+    near = SimpleNamespace(remote="127.0.0.1", headers={}, read=body)
+    assert asyncio.run(relay.handle(server, near)).status == 400
+    keyed = HandoffRelay("adm")  # with a key, the key decides, from any host
+    r = asyncio.run(keyed.handle(server, SimpleNamespace(remote="10.1.2.3", headers={"Authorization": "Bearer adm"},
+                                                          read=body)))
+    assert r.status == 400

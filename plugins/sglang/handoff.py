@@ -21,9 +21,10 @@ stands in for the decode's bootstrap side of such a room:
 A room that fails on the prefill (its status message, ``Failed``) answers 502 with SGLang's reason; no ``READY``
 within ``timeout_s`` answers 504 (the router then cancels the prefill leg, and SGLang's abort frees the hold). A
 second request for a room already waited on answers 409. With ``router_admin_key`` in the prefill's settings the
-route needs that key as a bearer token (the dlmix router sends its ``admin_key``; 401 otherwise); without one it is
-open, as SGLang's own bootstrap routes are. The route moves no KV and grants nothing: reading the held pages still
-needs the transport's shared secret (:mod:`dlmix.pd.endpoint`).
+route needs that key as a bearer token (the dlmix router sends its ``admin_key``; 401 otherwise); without one it
+answers loopback callers only (403 otherwise), like the router's admin API without ``admin_key``. The route moves
+no KV and grants nothing: reading the held pages still needs the transport's shared secret
+(:mod:`dlmix.pd.endpoint`).
 """
 from __future__ import annotations
 
@@ -38,6 +39,7 @@ import msgspec
 import zmq
 from aiohttp import web
 
+from dlmix.net import is_loopback
 from dlmix.pd.contract import ContractError, RoomHandoff, RoomHandoffRequest, decode_params
 
 from .frames import META, READY, STATUS_TAG, TAG
@@ -85,7 +87,7 @@ class HandoffRelay:
 
     def __init__(self, key: Optional[str] = None) -> None:
         #: bearer key the route requires (the prefill's ``router_admin_key``: the dlmix router sends its admin key);
-        #: None: open, as SGLang's own bootstrap routes
+        #: None: loopback callers only
         self.key = key
         self._lock = threading.Lock()
         self._pull: Optional[zmq.Socket] = None
@@ -155,6 +157,10 @@ class HandoffRelay:
         if self.key and not hmac.compare_digest(request.headers.get("Authorization", "").encode(),
                                                 f"Bearer {self.key}".encode()):
             return web.json_response({"error": "the dlmix router's admin key is required"}, status=401)
+        if not self.key and not is_loopback(str(request.remote or "")):
+            return web.json_response({"error": "without router_admin_key in the prefill's dlmix settings the hand-off "
+                                               "route answers loopback callers only (dlmix launch sets the key)"},
+                                     status=403)
         try:
             ask = msgspec.json.decode(await request.read(), type=RoomHandoffRequest)
         except (msgspec.ValidationError, msgspec.DecodeError) as e:
