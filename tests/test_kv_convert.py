@@ -575,3 +575,54 @@ def test_row_path_is_taken_where_it_applies(monkeypatch: pytest.MonkeyPatch) -> 
         assert calls == [taken], (sa, da)
         for a, b in zip(tensors(ref), tensors(got)):
             assert torch.equal(bits(a), bits(b)), (sa, da)
+
+
+def allocate_shared(layout: KVLayout, num_blocks: int) -> list:
+    """Per-layer caches that are views of ONE buffer, as vLLM's workers and a transport's staging region hold them
+    (every layer, and K/V, in one storage): the caches the fused row path moves in one gather and one scatter."""
+    return allocate(layout, num_blocks, fill=SENTINEL, one_buffer=True)
+
+
+@pytest.mark.parametrize("case", ["reblock_cast", "fp8_scales", "tp2_to_1", "same"])
+@pytest.mark.parametrize("sa", [a for a in MHA_ARRS if a != "vllm_cpu"])
+def test_fused_row_path_on_shared_buffers_matches_separate_caches(monkeypatch: pytest.MonkeyPatch, sa: str,
+                                                                 case: str) -> None:
+    """Source and destination caches that are views of one buffer each take the fused row path (every layer plane
+    in one gather and one scatter per chunk); the destination bytes equal those of the same conversion between
+    separately allocated caches (the chunked path), for every destination arrangement, with skipped tokens and
+    small chunks (several chunk edges)."""
+    from dlmix.kv import rows as kv_rows
+
+    fused_calls = []
+    real = kv_rows._move_fused
+    monkeypatch.setattr(kv_rows, "_move_fused", lambda *a, **k: (fused_calls.append(1), real(*a, **k))[1])
+    m = ModelIdentity("Llama", 3, 4, 16)
+    gen = torch.Generator().manual_seed(11)
+    for da in [a for a in MHA_ARRS if a != "vllm_cpu"]:
+        tp = 2 if case == "tp2_to_1" else 1
+        dt = {"reblock_cast": "fp32", "fp8_scales": "fp8_e4m3"}.get(case, "bf16")
+        nd = 32 if case == "same" else 64
+        srcs = [KVLayout(m, 32, "bf16", sa, tp, r) for r in range(tp)]
+        dst = KVLayout(m, nd, dt, da, k_scale=0.5, v_scale=0.25) if case == "fp8_scales" else KVLayout(m, nd, dt, da)
+        sep_src = []
+        shared_src = []
+        for lay in srcs:
+            c = allocate(lay, 8)
+            fill_random(lay, c, gen)
+            sh = allocate_shared(lay, 8)
+            for a, b in zip(tensors(sh), tensors(c)):
+                a.copy_(b)
+            sep_src.append((lay, c, [5, 1, 7, 2, 0, 3]))
+            shared_src.append((lay, sh, [5, 1, 7, 2, 0, 3]))
+        ref = allocate(dst, 8, fill=SENTINEL)
+        got = allocate_shared(dst, 8)
+        dblocks = [4, 0, 2, 6, 1][:-(-150 // nd)]
+        with chunk_bytes(1 << 12):
+            convert_from_ranks(sep_src, dst, ref, dblocks, 150, 13)
+            fused_calls.clear()
+            with rows_on_cpu():
+                convert_from_ranks(shared_src, dst, got, dblocks, 150, 13)
+        if not (case == "same" and sa == da):  # identical layouts move whole blocks raw (not the row path)
+            assert len(fused_calls) >= 2 * tp, (sa, da)  # several chunks, every source rank fused
+        for a, b in zip(tensors(ref), tensors(got)):
+            assert torch.equal(bits(a), bits(b)), (sa, da, case)

@@ -33,13 +33,16 @@ def _storage_dtype(layout: KVLayout) -> torch.dtype:
 
 
 def allocate(layout: KVLayout, num_blocks: int, device: str | torch.device = "cpu",
-             fill: float | None = 0.0, storage_uint8: bool = False) -> list[Any]:
+             fill: float | None = 0.0, storage_uint8: bool = False, one_buffer: bool = False) -> list[Any]:
     """Allocate per-layer caches of ``num_blocks`` blocks shaped as the engine would (:meth:`KVLayout.layer_shape`).
 
     ``fill`` sets every element (``None`` leaves memory uninitialized). ``storage_uint8`` stores fp8 as ``uint8``
-    like vLLM. Returns a list of ``L`` tensors or ``(K, V)`` tuples. Used by tests and benchmarks.
+    like vLLM. ``one_buffer``: every layer's tensors are views of one buffer (``[L, ...]``, or ``[L, 2, ...]`` for
+    separate K/V), as vLLM's workers view one raw allocation per KV cache group. Returns a list of ``L`` tensors or
+    ``(K, V)`` tuples. Used by tests and benchmarks.
     """
     dt = torch_dtype(layout)
+    L = layout.model.num_layers
 
     def one(shape: tuple[int, ...]) -> torch.Tensor:
         t = torch.empty(shape, dtype=dt, device=device)
@@ -51,8 +54,14 @@ def allocate(layout: KVLayout, num_blocks: int, device: str | torch.device = "cp
         return t.view(torch.uint8) if (storage_uint8 and layout.is_fp8) else t
 
     shape = layout.layer_shape(num_blocks)
+    if one_buffer:
+        if layout.separate_kv:
+            big = one((L, 2, *shape[0]))  # type: ignore[misc]
+            return [(big[i, 0], big[i, 1]) for i in range(L)]
+        big = one((L, *shape))  # type: ignore[misc]
+        return [big[i] for i in range(L)]
     out: list[Any] = []
-    for _ in range(layout.model.num_layers):
+    for _ in range(L):
         out.append((one(shape[0]), one(shape[1])) if layout.separate_kv else one(shape))  # type: ignore[arg-type]
     return out
 
