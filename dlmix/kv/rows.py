@@ -7,8 +7,9 @@ row indices are computed once, as index tensors on the device, and reused for ev
 one ``index_select`` into scratch (plus one cast when the encodings differ) and one ``index_copy_`` into the
 destination. Only tokens ``skip_tokens..num_tokens`` of the destination's heads are written, so nothing else in the
 destination changes. On a GPU this replaces the chunked path's block gathers, token re-ordering copies and edge
-writes (about ten kernels per layer plane, most of them strided) by two or three (measured on an H200: 1.6-2.5x the
-chunked path, ``benchmarks/kv_convert_device.py``). When every layer plane of a side lies in one buffer (vLLM's
+writes (about ten kernels per layer plane, most of them strided) by two or three (measured on an H200: 1.7-2.95x the
+chunked path, ``benchmarks/kv_convert_device.py``; the kernels then take ~0.75 ms for 512 MiB and per-call CPU
+work ~4 ms; merging a token's heads into one wider row was tried and gained nothing measurable). When every layer plane of a side lies in one buffer (vLLM's
 per-layer views of one allocation, the PD consumer's staging region), the row index adds each layer plane's first
 row and one gather and one scatter move every layer plane of a chunk at once (:func:`_move_fused`).
 
@@ -43,13 +44,17 @@ def _geometry(view: torch.Tensor) -> tuple[int, int, int] | None:
 
 def _rows_of(view: torch.Tensor, geo: tuple[int, int, int]) -> torch.Tensor:
     """``[R, D]`` view of the storage from the view's first element, ``R`` rows covering every element of it."""
-    B, N, h, D = view.shape
-    R = (B - 1) * geo[0] + (N - 1) * geo[1] + (h - 1) * geo[2] + 1
-    return view.as_strided((R, D), (D, 1), view.storage_offset())
+    D = view.shape[3]
+    return view.as_strided((_span(view, geo), D), (D, 1), view.storage_offset())
 
 
 def _strides(views: Sequence[torch.Tensor]) -> list[tuple[int, ...]]:
     return [tuple(v.stride()) for v in views]
+
+
+def _span(view: torch.Tensor, geo: tuple[int, int, int]) -> int:
+    B, N, h, _ = view.shape
+    return (B - 1) * geo[0] + (N - 1) * geo[1] + (h - 1) * geo[2] + 1
 
 
 def _fused(views: list[torch.Tensor], geo: tuple[int, int, int]) -> tuple[torch.Tensor, list[int]] | None:
@@ -66,9 +71,7 @@ def _fused(views: list[torch.Tensor], geo: tuple[int, int, int]) -> tuple[torch.
     if any((o - o0) % D for o in offs):
         return None
     base = [(o - o0) // D for o in offs]
-    B, N, h, _ = v0.shape
-    R = max(base) + (B - 1) * geo[0] + (N - 1) * geo[1] + (h - 1) * geo[2] + 1
-    return v0.as_strided((R, D), (D, 1), o0), base
+    return v0.as_strided((max(base) + _span(v0, geo), D), (D, 1), o0), base
 
 
 def _transfer_rows(srcs: Sequence[_Src], dl: KVLayout, dst_caches: Sequence[Any], db: torch.Tensor,
@@ -89,93 +92,84 @@ def _transfer_rows(srcs: Sequence[_Src], dl: KVLayout, dst_caches: Sequence[Any]
     if any(_strides(v) != _strides(sv[0]) for sv in sviews for v in sv[1:]):
         return False
     device = db.device
-    # one side whose every (layer, plane) view shares a storage and one geometry is gathered/scattered in one op for
-    # all of them (the segment's first row added to the row index), else per layer plane
     dflat = [v for layer in dviews for v in layer]
-    dfused = _fused(dflat, dgeo[0]) if all(g == dgeo[0] for g in dgeo) else None
-    sfused = [_fused([v for layer in sv for v in layer], sg[0]) if all(g == sg[0] for g in sg) else None
-              for sv, sg in zip(sviews, sgeo)]
-    fused = [dfused is not None and f is not None for f in sfused]
-    # per layer plane row tensors (and their widest-integer forms for planes moved without a cast), for the
-    # source ranks that are not fused with the destination
-    drows = [[_rows_of(v, g) for v, g in zip(layer, dgeo)] for layer in dviews] if not all(fused) else []
-    srows = [[[_rows_of(v, g) for v, g in zip(layer, sg)] for layer in sv] if not f else []
-             for sv, sg, f in zip(sviews, sgeo, fused)]
+    plans = []  # per source rank: (fused pair or None, per-layer-plane (src, dst) rows or None)
+    for sv, sg in zip(sviews, sgeo):
+        pair = None
+        if all(g == sg[0] for g in sg) and all(g == dgeo[0] for g in dgeo):
+            sf = _fused([v for layer in sv for v in layer], sg[0])
+            df = _fused(dflat, dgeo[0]) if sf is not None else None
+            pair = (sf, df) if df is not None else None
+        per = None
+        if pair is None:
+            per = [[(_rows_of(sv[layer][p], sg[p]), _rows_of(dviews[layer][p], dgeo[p])) for p in range(P)]
+                   for layer in range(L)]
+        plans.append((pair, per))
     same = [[_same_encoding(s.layout, dl, p) for p in range(P)] for s in srcs]
-    wide: dict[tuple[int, int, int], tuple[torch.Tensor, torch.Tensor]] = {}
-    for i in range(len(srcs)):
-        for layer in range(L if not fused[i] else 0):
-            for p in range(P):
-                if same[i][p]:
-                    sr = srows[i][layer][p]
-                    wide[i, layer, p] = _widen(sr, drows[layer][p].view(sr.dtype))
     max_h = max(s.h_slice.stop - s.h_slice.start for s in srcs)
-    fused_any = any(fused)
+    fused_any = any(pl[1] is not None for pl in plans)
     # scratch: per layer plane the gathered rows plus, when casting (fp8 through float32), 4 bytes per element; a
     # fused pair gathers every layer plane at once, with a scratch of CHUNK_BYTES per 16 layer planes
     per_token = max_h * D * 8 * (max(1, L * P // 16) if fused_any else 1)
     chunk = _chunk_tokens(device, per_token, Nd, *[s.layout.block_size for s in srcs])
     work = _Work(device)
-    if fused_any:
-        assert dfused is not None
-        d_base = torch.tensor(dfused[1], dtype=torch.long, device=device)
     for a, b in _ranges(skip_tokens, num_tokens, chunk):
         t = torch.arange(a, b, device=device)
-        dbase = [db[t // Nd] * g[0] + (t % Nd) * g[1] for g in dgeo]
-        for i, (s, sg) in enumerate(zip(srcs, sgeo)):
+        dtok = [db[t // Nd] * g[0] + (t % Nd) * g[1] for g in dgeo]
+        for i, (s, sg, (pair, per)) in enumerate(zip(srcs, sgeo, plans)):
             Ns = s.layout.block_size
             sblk, soff = s.bids[t // Ns], t % Ns
             nh = s.h_slice.stop - s.h_slice.start
+            dh0 = d_slice.start + s.x_slice.start
             hs = torch.arange(s.h_slice.start, s.h_slice.stop, device=device)
-            hd = torch.arange(nh, device=device) + (d_slice.start + s.x_slice.start)
+            hd = torch.arange(nh, device=device) + dh0
             sidx = [((sblk * g[0] + soff * g[1])[:, None] + hs[None, :] * g[2]).reshape(-1) for g in sg]
-            didx = [(dbase[p][:, None] + hd[None, :] * dgeo[p][2]).reshape(-1) for p in range(P)]
+            didx = [(dtok[p][:, None] + hd[None, :] * dgeo[p][2]).reshape(-1) for p in range(P)]
             n = sidx[0].numel()
-            if fused[i]:
-                _move_fused(sfused[i], dfused, d_base, sidx[0], didx[0], n, s.layout, dl, work)
+            if pair is not None:
+                _move_fused(pair[0], pair[1], sidx[0], didx[0], n, s.layout, dl, work)
                 continue
             for layer in range(L):
                 for p in range(P):
+                    src_rows, dst_rows = per[layer][p]
                     if same[i][p]:
-                        sw, dw = wide[i, layer, p]
+                        sw, dw = _widen(src_rows, dst_rows.view(src_rows.dtype))
                         g = work.get("g", sw.dtype, (n, sw.shape[1]))
                         torch.index_select(sw, 0, sidx[p], out=g)
                         dw.index_copy_(0, didx[p], g)
                     else:
-                        src_rows, dst_rows = srows[i][layer][p], drows[layer][p]
-                        g = work.get("g", src_rows.dtype, (n, D))
+                        g = work.get("g", src_rows.dtype, (n, src_rows.shape[1]))
                         torch.index_select(src_rows, 0, sidx[p], out=g)
-                        y = work.get("y", dst_rows.dtype, (n, D))
+                        y = work.get("y", dst_rows.dtype, (n, dst_rows.shape[1]))
                         _copy_cast(y, g, s.layout, dl, p)
                         dst_rows.index_copy_(0, didx[p], y)
     return True
 
 
-def _move_fused(src: tuple[torch.Tensor, list[int]], dst: tuple[torch.Tensor, list[int]], d_base: torch.Tensor,
-                sidx: torch.Tensor, didx: torch.Tensor, n: int, sl: KVLayout, dl: KVLayout, work: _Work) -> None:
+def _move_fused(src: tuple[torch.Tensor, list[int]], dst: tuple[torch.Tensor, list[int]], sidx: torch.Tensor,
+                didx: torch.Tensor, n: int, sl: KVLayout, dl: KVLayout, work: _Work) -> None:
     """Every (layer, plane) segment of one chunk in one gather and one scatter: row ``base[seg] + idx``, segments
     in (layer, plane) order on both sides; one cast per plane in between when the encodings differ."""
     srows, sbase = src
-    drows, _ = dst
+    drows, dbase = dst
     P = dl.num_planes
     S = len(sbase)
-    s_base = torch.tensor(sbase, dtype=torch.long, device=sidx.device)
-    s_all = (s_base[:, None] + sidx[None, :]).reshape(-1)
-    d_all = (d_base[:, None] + didx[None, :]).reshape(-1)
-    D = srows.shape[1]
+    s_all = (torch.tensor(sbase, dtype=torch.long, device=sidx.device)[:, None] + sidx[None, :]).reshape(-1)
+    d_all = (torch.tensor(dbase, dtype=torch.long, device=didx.device)[:, None] + didx[None, :]).reshape(-1)
+    W = srows.shape[1]
     if all(_same_encoding(sl, dl, p) for p in range(P)):
         sw, dw = _widen(srows, drows.view(srows.dtype))
         g = work.get("g", sw.dtype, (S * n, sw.shape[1]))
         torch.index_select(sw, 0, s_all, out=g)
         dw.index_copy_(0, d_all, g)
         return
-    g = work.get("g", srows.dtype, (S * n, D))
+    g = work.get("g", srows.dtype, (S * n, W))
     torch.index_select(srows, 0, s_all, out=g)
-    y = work.get("y", drows.dtype, (S * n, D))
+    y = work.get("y", drows.dtype, (S * n, W))
     if not sl.is_fp8 and not dl.is_fp8:
         _copy_cast(y, g, sl, dl, 0)  # one dtype cast for every plane
     else:  # the K and V scales differ: one cast per plane over its segments
-        gv, yv = g.view(S // P, P, n, D), y.view(S // P, P, n, D)
+        gv, yv = g.view(S // P, P, n, W), y.view(S // P, P, n, W)
         for p in range(P):
             _copy_cast(yv[:, p], gv[:, p], sl, dl, p)
     drows.index_copy_(0, d_all, y)
