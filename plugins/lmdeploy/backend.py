@@ -34,7 +34,9 @@ prefill feeds any decode: a quantized Decode rank receives each request into an 
 quantizes it there with LMDeploy's own formula; a quantized Prefill rank dequantizes the blocks it holds into an fp32
 copy of its pool (same block ids; the host backs only the pages written), which its decode reads. fp32 holds
 LMDeploy's read of a quantized vector exactly, so a quantized prefill feeding a decode of the same quantization hands
-over the integers, scales and zeros its own cache has.
+over the integers, scales and zeros its own cache has, except where a zero point is large (|zero| >= 512 with fp16
+scales: the fp16 zero point then moves by up to 0.25 when re-quantized, and an integer can move by one); every value
+the decode reads is then still within one quantization step of the prefill's.
 
 Limits (refused with a reason): TP size 1 per side with LMDeploy's single-process executor (the endpoint lives in the
 process of the engine loop), fp8 and TurboQuant KV (``--quant-policy`` 16, 17, 42), MLA.
