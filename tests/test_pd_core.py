@@ -11,12 +11,12 @@ import pytest
 import torch
 
 from dlmix.kv import KVLayout, ModelIdentity
-from dlmix.kv.ops import allocate, read_kv, torch_dtype, write_kv
+from dlmix.kv.ops import allocate, read_kv, torch_dtype
 from dlmix.pd.consumer import claim, failed_blocks
 from dlmix.pd.contract import Abort, Consumed, Extend, TransferParams, Want, encode, prompt_digest
 from dlmix.pd.endpoint import KVEndpoint
 from dlmix.pd.producer import Producer, block_ranges
-from dlmix.testing import poll
+from dlmix.testing import fill_tokens, poll
 
 SECRET = "pd-core-test"
 
@@ -207,18 +207,6 @@ def test_claim_decides_tokens_pair_and_prompt_identity():
     assert failed_blocks(32, [9, 3, 5, 7], 40, 120) == [3, 5, 7] and failed_blocks(32, [1], 32, 32) == []
 
 
-def _fill(lay: KVLayout, caches, block_ids, n: int, seed: int = 0) -> dict:
-    g = torch.Generator().manual_seed(seed)
-    ref = {}
-    for t in range(n):
-        for layer in range(lay.model.num_layers):
-            k = torch.randn(lay.num_local_heads, lay.model.head_size, generator=g).to(torch_dtype(lay))
-            v = torch.randn(lay.num_local_heads, lay.model.head_size, generator=g).to(torch_dtype(lay))
-            write_kv(lay, caches, block_ids, t, layer, k, v)
-            ref[(t, layer)] = (k, v)
-    return ref
-
-
 @pytest.mark.parametrize("src, dst", [
     (_layout(64, "bf16", "lmdeploy"), _layout(32, "fp32", "vllm_cpu")),
     (_layout(16, "fp16", "vllm_flash_hnd"), _layout(64, "bf16", "sglang_nhd")),
@@ -230,7 +218,7 @@ def test_pull_between_arrangements_over_tcp(src, dst):
     sblocks = list(range(11, 11 + -(-n // src.block_size)))[::-1]  # reversed: no merged runs
     dblocks = [5, 2, 7, 1, 3, 6, 4, 8, 9, 10][:-(-n // dst.block_size)]
     sc, dc = allocate(src, 24), allocate(dst, 12)
-    ref = _fill(src, sc, sblocks, n)
+    ref = fill_tokens(src, sc, sblocks, n)
     page = src.block_bytes()
     p = KVEndpoint("tcp", "prod", SECRET, "127.0.0.1", 0, src, sc, 0, registration_wait_s=1.0, io_timeout_s=10.0)
     d = KVEndpoint("tcp", "cons", SECRET, "127.0.0.1", 0, dst, dc, 2 * page, registration_wait_s=1.0,

@@ -10,12 +10,12 @@ import torch
 
 import dlmix.pd.endpoint as endpoint_mod
 from dlmix.kv import KVLayout, ModelIdentity
-from dlmix.kv.ops import allocate, read_kv, torch_dtype, write_kv
+from dlmix.kv.ops import allocate, read_kv, torch_dtype
 from dlmix.pd.consumer import claim
 from dlmix.pd.contract import TransferParams, prompt_digest
 from dlmix.pd.endpoint import KVEndpoint
 from dlmix.pd.outbox import HostOutbox, needs_outbox
-from dlmix.testing import poll
+from dlmix.testing import fill_tokens, poll
 
 SECRET = "pd-device-test"
 CUDA = torch.cuda.is_available()
@@ -25,18 +25,6 @@ needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
 def _layout(bs: int, dtype: str, arrangement: str, **kw) -> KVLayout:
     return KVLayout(model=ModelIdentity("LlamaForCausalLM", 2, 2, 16, "gqa", weights_fingerprint="sha256:dd"),
                     block_size=bs, dtype=dtype, arrangement=arrangement, **kw)
-
-
-def _fill(lay: KVLayout, caches, block_ids, n: int, seed: int = 0) -> dict:
-    g = torch.Generator().manual_seed(seed)
-    ref = {}
-    for t in range(n):
-        for layer in range(lay.model.num_layers):
-            k = torch.randn(lay.num_local_heads, lay.model.head_size, generator=g).to(torch_dtype(lay))
-            v = torch.randn(lay.num_local_heads, lay.model.head_size, generator=g).to(torch_dtype(lay))
-            write_kv(lay, caches, block_ids, t, layer, k, v)
-            ref[(t, layer)] = (k, v)
-    return ref
 
 
 def _to(caches, device: str):
@@ -57,7 +45,7 @@ def _pull_case(src: KVLayout, dst: KVLayout, pdev: str, ddev: str, *, outbox_byt
     sblocks = list(range(11, 11 + -(-n // src.block_size)))[::-1]
     dblocks = [5, 2, 7, 1, 3, 6, 4, 8, 9, 10][:-(-n // dst.block_size)]
     sc, dc = allocate(src, 24), allocate(dst, 12)
-    ref = _fill(src, sc, sblocks, n)
+    ref = fill_tokens(src, sc, sblocks, n)
     sc, dc = _to(sc, pdev), _to(dc, ddev)
     p = KVEndpoint("tcp", "prod", SECRET, "127.0.0.1", 0, src, sc, 0, registration_wait_s=1.0, io_timeout_s=10.0,
                    outbox_bytes=outbox_bytes or 16 * src.block_bytes())

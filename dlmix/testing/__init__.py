@@ -23,7 +23,7 @@ import time
 from dlmix.engine_process import free_port, free_port_block, port_free
 
 __all__ = ["free_port", "free_port_block", "port_free", "LoopThread", "RouterThread", "JsonStandIn", "wait_http", "poll",
-           "wait_until", "MockEngine", "compare_greedy", "output_logprobs"]
+           "wait_until", "MockEngine", "compare_greedy", "output_logprobs", "fill_tokens"]
 
 
 class LoopThread:
@@ -164,6 +164,25 @@ class RouterThread:
             self.lt.run(self.router.stop(), 30)
         finally:
             self.lt.close()
+
+
+def fill_tokens(layout, caches, block_ids, n: int, seed: int = 0) -> dict:
+    """Write random K/V for tokens ``0..n-1`` of every layer into ``caches`` (blocks ``block_ids``, token order)
+    with :func:`dlmix.kv.ops.write_kv`; returns ``{(token, layer): (k, v)}`` (each ``[local heads, head_size]`` in
+    the layout's dtype), the reference a test compares a transfer's destination with."""
+    import torch
+
+    from dlmix.kv.ops import torch_dtype, write_kv
+
+    g = torch.Generator().manual_seed(seed)
+    ref = {}
+    for t in range(n):
+        for layer in range(layout.model.num_layers):
+            k = torch.randn(layout.num_local_heads, layout.model.head_size, generator=g).to(torch_dtype(layout))
+            v = torch.randn(layout.num_local_heads, layout.model.head_size, generator=g).to(torch_dtype(layout))
+            write_kv(layout, caches, block_ids, t, layer, k, v)
+            ref[(t, layer)] = (k, v)
+    return ref
 
 
 def poll(cond, timeout_s: float = 120.0, interval_s: float = 0.05):
