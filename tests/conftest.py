@@ -122,7 +122,7 @@ class ProcessWatch:
     @staticmethod
     def group_members(pgids) -> set[int]:
         """Live pids whose process group is in ``pgids``."""
-        from dlmix.launch.runner import group_members
+        from dlmix.launch.supervisor import group_members
 
         return {pid for pid, _ in group_members(set(pgids))}
 

@@ -42,7 +42,7 @@ import httpx
 from dlmix.engine_process import (EngineProcess, LMDeployServerSpec, SGLangServerSpec, VLLMServerSpec,
                                   free_port_block, port_free as _port_free)
 from dlmix.launch.config import DEVICE_VISIBILITY_ENV, Deployment, Instance
-from dlmix.launch.supervisor import Supervised, Supervisor, SupervisorEvent, console_printer
+from dlmix.launch.supervisor import Supervised, Supervisor, SupervisorEvent, console_printer, group_members
 from dlmix.net import url_host
 from dlmix.pd.registration import registration_body
 
@@ -496,25 +496,6 @@ def stop_groups(procs: List[EngineProcess], grace_s: float = 10.0) -> None:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(pg, signal.SIGKILL)
         time.sleep(0.05)
-
-
-def group_members(pgids: set) -> set:
-    """``{(pid, pgid)}`` of live (non-zombie) processes whose process group is in ``pgids`` (Linux ``/proc``;
-    elsewhere an empty set)."""
-    out = set()
-    proc = Path("/proc")
-    if not proc.is_dir():
-        return out
-    for d in proc.iterdir():
-        if not d.name.isdigit():
-            continue
-        try:
-            f = (d / "stat").read_text().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
-            continue
-        if f[0] != "Z" and int(f[2]) in pgids:
-            out.add((int(d.name), int(f[2])))
-    return out
 
 
 class LogFollower:

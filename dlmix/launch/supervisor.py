@@ -27,6 +27,7 @@ import signal
 import threading
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable, List, Optional
 
 import httpx
@@ -96,8 +97,6 @@ class Supervised:
 
 def kill_group(pgid: int, timeout_s: float = 10.0) -> None:
     """SIGKILL process group ``pgid`` until no live member is left (bounded by ``timeout_s``); by id only."""
-    from dlmix.launch.runner import group_members
-
     deadline = time.monotonic() + timeout_s
     while True:
         with contextlib.suppress(ProcessLookupError, PermissionError):
@@ -244,3 +243,22 @@ class Supervisor:
         s.state, s.due = "backoff", now + d
         self._emit(s, "restarting", f"restarting {s.name} in {d:.1f} s (restart {s.restarts + 1} of "
                                     f"{s.policy.max_restarts})")
+
+
+def group_members(pgids: set) -> set:
+    """``{(pid, pgid)}`` of live (non-zombie) processes whose process group is in ``pgids`` (Linux ``/proc``;
+    elsewhere an empty set)."""
+    out = set()
+    proc = Path("/proc")
+    if not proc.is_dir():
+        return out
+    for d in proc.iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            f = (d / "stat").read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if f[0] != "Z" and int(f[2]) in pgids:
+            out.add((int(d.name), int(f[2])))
+    return out
