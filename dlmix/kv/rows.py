@@ -7,11 +7,12 @@ row indices are computed once, as index tensors on the device, and reused for ev
 one ``index_select`` into scratch (plus one cast when the encodings differ) and one ``index_copy_`` into the
 destination. Only tokens ``skip_tokens..num_tokens`` of the destination's heads are written, so nothing else in the
 destination changes. On a GPU this replaces the chunked path's block gathers, token re-ordering copies and edge
-writes (about ten kernels per layer plane, most of them strided) by two or three (measured on an H200: 1.7-2.95x the
-chunked path, ``benchmarks/kv_convert_device.py``; the kernels then take ~0.75 ms for 512 MiB and per-call CPU
-work ~4 ms; merging a token's heads into one wider row was tried and gained nothing measurable). When every layer plane of a side lies in one buffer (vLLM's
-per-layer views of one allocation, the PD consumer's staging region), the row index adds each layer plane's first
-row and one gather and one scatter move every layer plane of a chunk at once (:func:`_move_fused`).
+writes (about ten kernels per layer plane, most of them strided) by two or three (measured on an H200: 1.7-2.95x
+the chunked path, ``benchmarks/kv_convert_device.py``; the kernels then take ~0.75 ms for 512 MiB and per-call CPU
+work ~4 ms; merging a token's heads into one wider row was tried and gained nothing measurable). When every layer
+plane of a side lies in one buffer (vLLM's per-layer views of one allocation, the PD consumer's staging region),
+the row index adds each layer plane's first row and one gather and one scatter move every layer plane of a chunk
+at once (:func:`_move_fused`).
 
 Not applicable (the chunked path runs instead): a plane whose ``D`` elements are not contiguous (vLLM CPU's
 transposed K), strides that are not whole rows, or layers whose views do not share layer 0's strides.
@@ -107,7 +108,7 @@ def _transfer_rows(srcs: Sequence[_Src], dl: KVLayout, dst_caches: Sequence[Any]
         plans.append((pair, per))
     same = [[_same_encoding(s.layout, dl, p) for p in range(P)] for s in srcs]
     max_h = max(s.h_slice.stop - s.h_slice.start for s in srcs)
-    fused_any = any(pl[1] is not None for pl in plans)
+    fused_any = any(pair is not None for pair, _ in plans)
     # scratch: per layer plane the gathered rows plus, when casting (fp8 through float32), 4 bytes per element; a
     # fused pair gathers every layer plane at once, with a scratch of CHUNK_BYTES per 16 layer planes
     per_token = max_h * D * 8 * (max(1, L * P // 16) if fused_any else 1)
