@@ -79,7 +79,8 @@ class KVEndpoint:
       secret, host, port: transport authentication and listen address (port 0 = any free port).
       layout: this rank's KVLayout; layers: per-layer KV caches in model order (:mod:`dlmix.kv` form).
       staging_bytes: consumer staging region size (bytes); 0 = producer only. Host memory (page-locked when the
-        cache is on a CUDA device); each pull round is copied to the cache's device and converted there.
+        cache is on a CUDA device); each pull round is copied to the cache's device (into a device buffer of the
+        same size, allocated on the first such pull) and converted there.
       outbox_bytes: host outbox size (bytes) when the cache is in device memory and the transport registers host
         memory only (:mod:`dlmix.pd.outbox`; bounds the KV of the requests granted at one time); unused otherwise.
       hold_timeout_s, registration_wait_s, io_timeout_s, verify_weights: see :mod:`dlmix.pd.producer`.
