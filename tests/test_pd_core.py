@@ -16,7 +16,7 @@ from dlmix.pd.consumer import claim, failed_blocks
 from dlmix.pd.contract import Abort, Consumed, Extend, TransferParams, Want, encode, prompt_digest
 from dlmix.pd.endpoint import KVEndpoint
 from dlmix.pd.producer import Producer, block_ranges
-from dlmix.testing import fill_tokens, poll
+from dlmix.testing import fill_tokens, hold_and_pull, poll
 
 SECRET = "pd-core-test"
 
@@ -224,13 +224,7 @@ def test_pull_between_arrangements_over_tcp(src, dst):
     d = KVEndpoint("tcp", "cons", SECRET, "127.0.0.1", 0, dst, dc, 2 * page, registration_wait_s=1.0,
                    io_timeout_s=10.0)
     try:
-        digest = prompt_digest(range(n))
-        params = TransferParams.make(engine="reference", instance_id="p0", transports=[p.descriptor()],
-                                     request_id="req", block_ids=sblocks, num_tokens=n, layout=src, digest=digest)
-        p.add_hold("req", sblocks, n, digest)
-        c = claim(params.to_dict(), dst, n + 1, start, prompt_token_ids=list(range(n + 1)))
-        assert (c.start, c.end) == (start, n)
-        res = d.pull_params(c.params, c.start, c.end, dblocks, digest=digest)
+        res = hold_and_pull(p, d, src, dst, sblocks, dblocks, n, start)
         assert res.error is None, res.error
         assert res.loaded_upto == n and res.failed_block_ids == [] and res.rounds >= 2
         assert res.peak_staging_bytes <= 2 * page

@@ -11,11 +11,9 @@ import torch
 import dlmix.pd.endpoint as endpoint_mod
 from dlmix.kv import KVLayout, ModelIdentity
 from dlmix.kv.ops import allocate, read_kv, torch_dtype
-from dlmix.pd.consumer import claim
-from dlmix.pd.contract import TransferParams, prompt_digest
 from dlmix.pd.endpoint import KVEndpoint
 from dlmix.pd.outbox import HostOutbox, needs_outbox
-from dlmix.testing import fill_tokens, poll
+from dlmix.testing import fill_tokens, hold_and_pull, poll
 
 SECRET = "pd-device-test"
 CUDA = torch.cuda.is_available()
@@ -51,13 +49,7 @@ def _pull_case(src: KVLayout, dst: KVLayout, pdev: str, ddev: str, *, outbox_byt
                    outbox_bytes=outbox_bytes or 16 * src.block_bytes())
     d = KVEndpoint("tcp", "cons", SECRET, "127.0.0.1", 0, dst, dc, staging_pages * src.block_bytes(),
                    registration_wait_s=1.0, io_timeout_s=10.0)
-    digest = prompt_digest(range(n))
-    params = TransferParams.make(engine="reference", instance_id="p0", transports=[p.descriptor()],
-                                 request_id="req", block_ids=sblocks, num_tokens=n, layout=src, digest=digest)
-    p.add_hold("req", sblocks, n, digest)
-    c = claim(params.to_dict(), dst, n + 1, start, prompt_token_ids=list(range(n + 1)))
-    assert (c.start, c.end) == (start, n)
-    res = d.pull_params(c.params, c.start, c.end, dblocks, digest=digest)
+    res = hold_and_pull(p, d, src, dst, sblocks, dblocks, n, start)
     return res, ref, _to(dc, "cpu"), dblocks, p, d
 
 

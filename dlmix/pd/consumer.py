@@ -168,6 +168,7 @@ class Consumer:
         self.registration_wait_s = registration_wait_s
         self.verify_weights = verify_weights
         self._pull_lock = threading.Lock()  # one pull at a time uses the staging region
+        self._dev_bufs: dict[Any, Any] = {}  # device -> a buffer the size of the staging region (device caches)
 
     def _targets(self, remote: Any) -> tuple[dict[int, dict[str, Any]], int]:
         """Producer ranks this rank may read or must release, and the ``ranks`` count to state to each.
@@ -403,10 +404,9 @@ class Consumer:
         """A device buffer the size of the staging region (allocated once per device)."""
         import torch
 
-        bufs = self.__dict__.setdefault("_dev_bufs", {})
-        if device not in bufs:
-            bufs[device] = torch.empty(self.staging.numel(), dtype=torch.uint8, device=device)
-        return bufs[device]
+        if device not in self._dev_bufs:
+            self._dev_bufs[device] = torch.empty(self.staging.numel(), dtype=torch.uint8, device=device)
+        return self._dev_bufs[device]
 
     @staticmethod
     def _staged_layer(buf: Any, src: KVLayout, sdt: Any, at: int, layer: int, n: int, P: int, pp: int) -> Any:

@@ -23,7 +23,8 @@ import time
 from dlmix.engine_process import free_port, free_port_block, port_free
 
 __all__ = ["free_port", "free_port_block", "port_free", "LoopThread", "RouterThread", "JsonStandIn", "wait_http", "poll",
-           "wait_until", "MockEngine", "compare_greedy", "output_logprobs", "fill_tokens"]
+           "wait_until", "MockEngine", "compare_greedy", "output_logprobs", "fill_tokens",
+           "hold_and_pull"]
 
 
 class LoopThread:
@@ -183,6 +184,23 @@ def fill_tokens(layout, caches, block_ids, n: int, seed: int = 0) -> dict:
             write_kv(layout, caches, block_ids, t, layer, k, v)
             ref[(t, layer)] = (k, v)
     return ref
+
+
+def hold_and_pull(producer, consumer, src, dst, src_blocks, dst_blocks, n: int, start: int):
+    """One request through two :class:`dlmix.pd.endpoint.KVEndpoint` s: the producer holds tokens ``0..n-1`` of
+    request ``"req"`` in ``src_blocks`` (layout ``src``), the consumer claims the tokens beyond its own prefix of
+    ``start`` tokens (asserted: ``[start, n)``) and pulls them into ``dst_blocks`` (layout ``dst``); returns the
+    :class:`dlmix.pd.consumer.PullResult`."""
+    from dlmix.pd.consumer import claim
+    from dlmix.pd.contract import TransferParams, prompt_digest
+
+    digest = prompt_digest(range(n))
+    params = TransferParams.make(engine="reference", instance_id="p0", transports=[producer.descriptor()],
+                                 request_id="req", block_ids=src_blocks, num_tokens=n, layout=src, digest=digest)
+    producer.add_hold("req", src_blocks, n, digest)
+    c = claim(params.to_dict(), dst, n + 1, start, prompt_token_ids=list(range(n + 1)))
+    assert (c.start, c.end) == (start, n)
+    return consumer.pull_params(c.params, c.start, c.end, dst_blocks, digest=digest)
 
 
 def poll(cond, timeout_s: float = 120.0, interval_s: float = 0.05):
