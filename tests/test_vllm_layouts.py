@@ -127,3 +127,54 @@ def test_unknown_backend_is_refused_by_name():
         arrangement_for("FLASHMLA", "BHNC")
     with pytest.raises(ValueError, match="'ROCM_ATTN'"):
         arrangement_for("ROCM_ATTN", "BHNC")
+
+
+def _mla_layers(layout: KVCacheLayout, dtype=torch.float32) -> list[torch.Tensor]:
+    """L per-layer MLA caches as a vLLM 0.32 worker views them (``MLAAttentionSpec``: one KV head, logical
+    ``[B, 1, N, 576]``), built by vLLM's own ``create_kv_cache_views``."""
+    from vllm.v1.kv_cache_interface import MLAAttentionSpec
+
+    spec = MLAAttentionSpec(block_size=N, num_kv_heads=1, head_size=576, dtype=dtype)
+    layer_stride, block_stride, *_ = compute_layout_strides(spec, B, L, layout)
+    size = L * B * spec.page_size_bytes
+    kvt = KVCacheTensor(size=size, layers=[f"model.layers.{i}.self_attn.attn" for i in range(L)],
+                        layer_stride=layer_stride, block_stride=block_stride)
+    return create_kv_cache_views(torch.zeros(size, dtype=torch.int8), spec, B, layout, kvt)
+
+
+def test_cpu_mla_caches_are_the_mla_latent_rows_its_kernels_index():
+    """vLLM CPU's MLA backends index each layer's cache as token rows, ``kv_cache.view(-1, 576)[slot]`` =
+    ``[latent (512) | rope K (64)]`` (``cpu_mla.py`` ``do_kv_cache_update``; ``amx_mla.py`` writes through
+    ``amx_mla_concat_and_cache`` and reads ``view(-1, 1, head_size)``). dlmix's ``mla`` arrangement over
+    :func:`latent_layers` names the same element for every (block, token), and the AMX write op (where this host
+    runs it) fills exactly those rows."""
+    from dlmix_vllm.layout import latent_layers
+
+    views = _mla_layers(KVCacheLayout.LBHNC)
+    order, phys = physical_layers(views)
+    for backend in ("CPU_MLA", "AMX_MLA"):
+        assert arrangement_for(backend, order) == "mla"
+    lat = latent_layers(phys)
+    lay = KVLayout(ModelIdentity("DeepseekV2ForCausalLM", L, 1, 576, "mla", kv_lora_rank=512, rope_dim=64),
+                   N, "fp32", "mla")
+    for i, (logical, t) in enumerate(zip(views, lat)):
+        assert t.shape == (B, N, 576) and t.data_ptr() == logical.data_ptr()
+        flat = logical.view(-1, 576)  # the backends' token-row view
+        flat.copy_(torch.arange(flat.numel(), dtype=torch.float32).reshape(flat.shape) + i * 1e7)
+        (plane,) = plane_views(lay, t)  # [B, N, 1, 576]
+        for b, n in ((0, 0), (2, 5), (B - 1, N - 1)):
+            assert torch.equal(plane[b, n, 0], flat[b * N + n])
+    with pytest.raises(ValueError, match="one latent plane"):
+        latent_layers(_vllm_layers(KVCacheLayout.LBHNC))  # 4 KV heads: not an MLA cache
+
+    from vllm import _custom_ops as ops
+
+    if not (hasattr(ops, "amx_mla_concat_and_cache") and torch.cpu._is_amx_tile_supported()):
+        return
+    cache = latent_layers(physical_layers(_mla_layers(KVCacheLayout.LBHNC, torch.bfloat16))[1])[0]
+    slots = torch.tensor([0, 17, 33, 40, B * N - 1])
+    kv_c, k_pe = torch.randn(5, 512).bfloat16(), torch.randn(5, 64).bfloat16()
+    ops.amx_mla_concat_and_cache(kv_c, k_pe, cache, slots)
+    rows = cache.reshape(-1, 576)
+    assert torch.equal(rows[slots], torch.cat([kv_c, k_pe], -1))
+    assert rows.abs().sum(-1).nonzero().flatten().tolist() == slots.tolist()

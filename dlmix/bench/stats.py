@@ -1,6 +1,6 @@
 """Serving metrics computed from per-request timings, with the definitions of ``vllm bench serve``.
 
-Definitions (vLLM ``vllm/benchmarks/serve.py``, ``calculate_metrics``; also shared notes ``routing-anchors.md`` §3):
+Definitions (vLLM ``vllm/benchmarks/serve.py``, ``calculate_metrics``):
 
 * **TTFT** (time to first token, seconds): client send time -> arrival of the first SSE chunk carrying output.
 * **ITL** (inter-token latency, seconds): every gap between consecutive output-carrying chunks of a request; the ITL

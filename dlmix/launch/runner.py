@@ -80,7 +80,7 @@ class _Spec:
     def child_env(self) -> Dict[str, str]:
         e = dict(os.environ)
         if "--kv-cache-memory-bytes" in self.cmd:
-            e.pop("VLLM_CPU_KVCACHE_SPACE", None)  # it would override the flag (shared notes, vllm-cpu.md)
+            e.pop("VLLM_CPU_KVCACHE_SPACE", None)  # it would override the flag (vllm/platforms/cpu.py reads it)
         e.setdefault("PYTHONUNBUFFERED", "1")
         e.update(self.env)
         return e

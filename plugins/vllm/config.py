@@ -64,7 +64,8 @@ class DLMixSettings(BaseModel):
       heartbeat_s: router heartbeat period.
       model_name: served model name announced to the router (default: vLLM's served model name).
       debug_dump_dir: when set, the prefill worker writes each held request's raw KV pages (exactly as stored in
-        the registered cache) plus the layout descriptor there, for layout verification in tests.
+        the registered cache) plus the layout descriptor there, and the decode worker the pages of each pull it
+        finished without error (``loaded-<req_id>``), for layout and byte checks in tests.
       stats_dir: when set, workers append per-transfer records (JSON lines) there.
     """
 

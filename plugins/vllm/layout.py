@@ -28,6 +28,7 @@ __all__ = [
     "physical_layers",
     "pin_cpu_attn_isa",
     "describe_engine",
+    "latent_layers",
     "weights_fingerprint",
     "check_pair",
     "layout_of",
@@ -48,7 +49,10 @@ _DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "f
 #: ``kv_cache.transpose(1, 2).split(head_size, dim=-1)``); vLLM CPU stores each (block, head) page as K transposed
 #: then V (``cpu_attn.py``; arrangement ``vllm_cpu``). Not described, so refused: ``ROCM_ATTN`` (its HIP kernels
 #: read K through ``PagedAttention.split_kv_cache``, head size split in groups of ``x`` elements), FlashInfer's
-#: NVFP4 cache (K and V as separate head groups, with block scales) and the MLA backends (one latent plane).
+#: NVFP4 cache (K and V as separate head groups, with block scales) and the GPU MLA backends. vLLM CPU's MLA backends
+#: hold one latent plane per layer, logical ``[B, 1, N, kv_lora_rank + rope_dim]`` (one KV head), token rows of
+#: ``[latent | rope K]`` (``cpu_mla.py`` and ``amx_mla.py`` ``do_kv_cache_update``/``forward_mqa``:
+#: ``kv_cache.view(-1, kv_lora_rank + pe_dim)``, ``view(-1, 1, head_size)``): arrangement ``mla``.
 #: FlexAttention supports ``LBNHC`` only (``FlexAttentionBackend.supported_kv_cache_layouts``).
 _BACKEND_ARRANGEMENTS = {
     ("CPU_ATTN", "BHNC"): "vllm_cpu",
@@ -60,6 +64,8 @@ _BACKEND_ARRANGEMENTS = {
     ("FLASHINFER", "BNHC"): "vllm_lbnhc",
     ("FLEX_ATTENTION", "BNHC"): "vllm_lbnhc",
     ("ROCM_AITER_UNIFIED_ATTN", "BHNC"): "vllm_lbhnc",
+    ("CPU_MLA", "BHNC"): "mla",
+    ("AMX_MLA", "BHNC"): "mla",
 }
 
 
@@ -100,6 +106,18 @@ def physical_layers(layers: list[torch.Tensor]) -> tuple[str, list[torch.Tensor]
     return found or "BHNC", out
 
 
+def latent_layers(layers: list[torch.Tensor]) -> list[torch.Tensor]:
+    """MLA caches as :func:`physical_layers` gives them (``[B, 1, N, D]``: one KV head) as the ``[B, N, D]`` latent
+    tensors of arrangement ``mla`` (views, no copy). Raises ValueError when a layer has more than one head."""
+    out = []
+    for i, t in enumerate(layers):
+        if t.dim() != 4 or t.shape[1] != 1:
+            raise ValueError(f"MLA KV cache layer {i} has shape {tuple(t.shape)}; expected [B, 1, N, D] (one latent "
+                             "plane)")
+        out.append(t[:, 0])
+    return out
+
+
 def attention_info(vllm_config: Any, layer_names: list[str]) -> tuple[str, tuple[float, float]]:
     """What the model's attention layers for the KV cache layers ``layer_names`` say about the cache (read once,
     ``vllm.config.get_layers_from_vllm_config``): the ``get_name()`` of the attention backend vLLM selected, and
@@ -132,15 +150,18 @@ _FP8_NAMES = {"fp8": "fp8_e4m3", "fp8_e4m3": "fp8_e4m3", "fp8_e5m2": "fp8_e5m2"}
 
 
 def describe_engine(vllm_config: Any, kv_cache_config: Any = None, *, tp_rank: int = 0,
-                    arrangement: str = ARRANGEMENT, scales: tuple[float, float] = (1.0, 1.0)) -> KVLayout:
+                    arrangement: str | None = None, scales: tuple[float, float] = (1.0, 1.0)) -> KVLayout:
     """This engine's KV layout from its config (no tensors needed, so the scheduler side can build it too):
     block size (tokens, from the KV cache spec when given), cache dtype, ``arrangement`` (the workers' from
-    :func:`arrangement_for`; ``vllm_cpu`` until they report it), TP rank/size and the model identity (architecture,
-    layers, total KV heads, head size, weights fingerprint).
+    :func:`arrangement_for`; until they report it ``vllm_cpu``, or ``mla`` for an MLA model), TP rank/size and the
+    model identity (architecture, layers, total KV heads, head size, weights fingerprint).
+
+    MLA models (vLLM's ``model_config.use_mla``: DeepSeek-V2/V3 style, ``kv_lora_rank`` in the config) are described
+    as one latent plane: ``attention="mla"``, one KV head, head size ``kv_lora_rank + qk_rope_head_dim`` elements.
 
     ``scales``: the fp8 ``(k_scale, v_scale)`` (:func:`attention_info`; ignored for other dtypes). Raises ValueError for
     KV cache dtypes the connector does not handle (``--kv-cache-dtype`` other than auto, fp32/bf16/fp16 and
-    ``fp8``/``fp8_e4m3``/``fp8_e5m2``).
+    ``fp8``/``fp8_e4m3``/``fp8_e5m2``; no fp8 for an MLA cache, whose fp8 formats carry their own scales).
     """
     import vllm
 
@@ -161,15 +182,24 @@ def describe_engine(vllm_config: Any, kv_cache_config: Any = None, *, tp_rank: i
     else:
         raise ValueError(f"KV cache dtype {cc.cache_dtype!r} is not supported by DLMixConnector (use auto or fp8)")
     archs = list(getattr(mc.hf_config, "architectures", None) or [])
-    total_heads = int(mc.get_total_num_kv_heads())
-    ident = ModelIdentity(
-        architecture=archs[0] if archs else "unknown",
-        num_layers=int(mc.get_num_layers(pc)),
-        num_kv_heads=total_heads,
-        head_size=int(mc.get_head_size()),
-        attention="mha" if total_heads == int(getattr(mc.hf_text_config, "num_attention_heads", -1)) else "gqa",
-        weights_fingerprint=weights_fingerprint(str(mc.model)),
-    )
+    common = dict(architecture=archs[0] if archs else "unknown", num_layers=int(mc.get_num_layers(pc)),
+                  weights_fingerprint=weights_fingerprint(str(mc.model)))
+    if getattr(mc, "use_mla", False):
+        if dtype.startswith("fp8"):
+            raise ValueError(f"KV cache dtype {cc.cache_dtype!r} with an MLA model is not supported by DLMixConnector "
+                             "(use auto)")
+        hf = mc.hf_text_config
+        lora, rope = int(hf.kv_lora_rank), int(hf.qk_rope_head_dim)
+        ident = ModelIdentity(num_kv_heads=1, head_size=lora + rope, attention="mla", kv_lora_rank=lora,
+                              rope_dim=rope, **common)
+        arrangement = arrangement or "mla"
+    else:
+        total_heads = int(mc.get_total_num_kv_heads())
+        ident = ModelIdentity(
+            num_kv_heads=total_heads, head_size=int(mc.get_head_size()),
+            attention="mha" if total_heads == int(getattr(mc.hf_text_config, "num_attention_heads", -1)) else "gqa",
+            **common)
+        arrangement = arrangement or ARRANGEMENT
     k_scale, v_scale = scales if dtype.startswith("fp8") else (1.0, 1.0)
     return KVLayout(model=ident, block_size=int(block_size), dtype=dtype, arrangement=arrangement,
                     k_scale=k_scale, v_scale=v_scale,

@@ -17,7 +17,7 @@ from dlmix.pd.consumer import failed_blocks
 from dlmix.pd.endpoint import DEFAULT_LOOPBACK_SECRET, KVEndpoint
 
 from .config import DLMixSettings
-from .layout import arrangement_for, attention_info, describe_engine, ordered_layers, physical_layers
+from .layout import arrangement_for, attention_info, describe_engine, latent_layers, ordered_layers, physical_layers
 from .metadata import DLMixConnectorMetadata, DLMixHandshake, DLMixWorkerMetadata, RecvJob, ReleaseJob
 
 log = logging.getLogger("dlmix_vllm.worker")
@@ -68,8 +68,11 @@ class DLMixConnectorWorker:
             self.tp_rank = 0
         order, self.layers = physical_layers([t for _, t in ordered_layers(kv_caches)])
         backend, scales = attention_info(self.vllm_config, list(kv_caches))
+        arrangement = arrangement_for(backend, order)
         self.layout = describe_engine(self.vllm_config, self.kv_cache_config, tp_rank=self.tp_rank,
-                                      arrangement=arrangement_for(backend, order), scales=scales)
+                                      arrangement=arrangement, scales=scales)
+        if self.layout.model.attention == "mla":
+            self.layers = latent_layers(self.layers)
         port = self.base_port + self.tp_rank if self.base_port else 0
         s = self.settings
         self.endpoint = KVEndpoint(
@@ -120,6 +123,8 @@ class DLMixConnectorWorker:
                                      src_layout=getattr(job, "src_layout", None), digest=getattr(job, "digest", None),
                                      consumers=getattr(job, "consumers", 1))
             loaded, bad = res.loaded_upto, res.failed_block_ids
+            if self.settings.debug_dump_dir and res.error is None:
+                self._dump(f"loaded-{job.req_id}", list(job.local_block_ids), job.end)
             rec = {"bytes_received": res.bytes_received, "transfer_s": round(res.seconds, 6), "rounds": res.rounds,
                    "peak_staging_bytes": res.peak_staging_bytes, "error": res.error}
             try:
@@ -155,7 +160,8 @@ class DLMixConnectorWorker:
             log.warning("DLMixConnector: cannot write stats: %s", e)
 
     def _dump(self, rid: str, block_ids: list[int], num_tokens: int) -> None:
-        """Debug: write the held request's raw pages ``[L, nblocks, H, block_size, 2*D]`` exactly as stored, with
+        """Debug: write a request's raw pages (held by a prefill, or loaded by a decode) exactly as stored,
+        ``[L, nblocks, *page]`` (``vllm_cpu``: page ``[H, block_size, 2*D]``; ``mla``: ``[block_size, D]``), with
         the layout, to ``debug_dump_dir/<req_id>.safetensors``."""
         try:
             from safetensors.torch import save_file
