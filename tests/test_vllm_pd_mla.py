@@ -3,12 +3,13 @@
 The project's tiny DeepSeek-V2 (``dlmix models prepare tiny-deepseek``: 2 layers, multi-head latent attention,
 ``kv_lora_rank`` 512 + ``qk_rope_head_dim`` 64 = 576 elements per token and layer), fp32, vLLM CPU's reference MLA
 backend (``--attention-backend CPU_MLA``; on hosts with AMX vLLM would otherwise pick ``AMX_MLA``, bf16 only) and
-block 16 (the only block size vLLM CPU runs MLA with). Prefill ``kv_producer`` -> decode ``kv_consumer``; both
-dump the pages of each request (``debug_dump_dir``: the prefill's held pages, the decode's loaded pages).
+block 16 (the only block size vLLM CPU runs MLA with). Prefill ``kv_producer`` at TP 2 (one attention head per
+rank; each rank holds the whole latent) -> decode ``kv_consumer`` at TP 1; both dump the pages of each request
+(``debug_dump_dir``: the prefill's held pages, the decode's loaded pages).
 
 Checked: the decode's loaded latent rows equal the prefill's held rows byte for byte, every layer, every prompt
-token; each pull moved exactly ``blocks x 16 x 576 x 4 bytes x 2 layers``; the prefill's holds are all released; the
-answers come back whole. Not checked: greedy equality with a single instance. vLLM CPU's MLA decode path (the
+token; each pull moved exactly ``blocks x 16 x 576 x 4 bytes x 2 layers``, once (from one of the two prefill ranks:
+no head split); every hold on both prefill ranks is released; the answers come back whole. Not checked: greedy equality with a single instance. vLLM CPU's MLA decode path (the
 weight-absorbed ``mla_decode_kvcache`` kernel) and its prefill path (SDPA over decompressed K/V) disagree with each
 other on this model: re-sending a single instance's own first generated tokens as a prompt gives other next tokens
 on most prompts, with top-1/top-2 gaps of several nats. A decode that loads the prompt's KV computes the last prompt
@@ -49,7 +50,8 @@ def test_mla_latent_cache_moves_byte_exact(tiny_deepseek_dir, tmp_path):
     m = str(tiny_deepseek_dir)
     pdump, ddump, stats = tmp_path / "p-dump", tmp_path / "d-dump", tmp_path / "stats"
     P = T.launch("P", m, tmp_path, role="kv_producer", cpu="nobind", env=SHARED_CORES_ENV, block_size=BLOCK,
-                 kv_bytes=32 << 20, extra_args=MLA_ARGS, extra={"hold_timeout_s": 300, "debug_dump_dir": str(pdump)})
+                 kv_bytes=32 << 20, extra_args=MLA_ARGS + ["--tensor-parallel-size", "2"],
+                 extra={"hold_timeout_s": 300, "debug_dump_dir": str(pdump)})
     D = T.launch("D", m, tmp_path, role="kv_consumer", cpu="nobind", env=SHARED_CORES_ENV, block_size=BLOCK,
                  kv_bytes=32 << 20, extra_args=MLA_ARGS,
                  extra={"io_timeout_s": 120, "debug_dump_dir": str(ddump), "stats_dir": str(stats)})
@@ -60,6 +62,7 @@ def test_mla_latent_cache_moves_byte_exact(tiny_deepseek_dir, tmp_path):
             before = set(_dumps(ddump))
             r = T.two_step(P.url, D.url, p["kind"], p["prompt"], MAX_TOKENS, stream=p["stream"], extra=NO_EOS)
             assert len(T.result_tokens(r["decode"])[0]) == MAX_TOKENS
+            assert len(r["params"]["remote_transports"]) == 2  # both prefill ranks offered
             layout = r["params"]["remote_layout"]
             assert (layout["arrangement"], layout["model"]["attention"], layout["model"]["head_size"]) == \
                 ("mla", "mla", LATENT), layout
