@@ -91,11 +91,13 @@ def test_pd_across_block_size_and_dtype_equals_single_instance(servers):
 
     m = servers["model"]
     tokenizer = AutoTokenizer.from_pretrained(m)
+    from dlmix.testing import side_by_side
+
     prompts = _prompts(8, seed=13)
     ties = 0
-    for i, prompt in enumerate(prompts):
-        got = _complete(servers["proxy"].url, m, prompt, 1000 + i)
-        ref = T.reference(servers["R"].url, prompt, tokenizer, MAX_TOKENS)
+    pairs = side_by_side(list(enumerate(prompts)), lambda x: _complete(servers["proxy"].url, m, x[1], 1000 + x[0]),
+                         lambda x: T.reference(servers["R"].url, x[1], tokenizer, MAX_TOKENS))
+    for i, (prompt, (got, ref)) in enumerate(zip(prompts, pairs)):
         assert "".join(ref[1]) == ref[0], ref
         ties += T.near_tie(f"prompt {i}", got, ref, NEAR_TIE)
     same = len(prompts) - ties
@@ -167,17 +169,21 @@ def _against_reference(url: str, ref_url: str, m: str, tokenizer, lengths: list[
                        ) -> list[tuple[str, str, tuple]]:
     """One greedy request per prompt length ``n`` (random words cut to ``n`` tokens) to ``url``, the kind cycling
     completion, chat, chat-stream, completion-stream, and the same prompt's reference from the single instance at
-    ``ref_url``: ``[(label, text, reference)]`` (reference as :func:`dlmix_lmdeploy.testing.reference`)."""
+    ``ref_url`` (computed side by side, :func:`dlmix.testing.side_by_side`): ``[(label, text, reference)]``
+    (reference as :func:`dlmix_lmdeploy.testing.reference`)."""
+    from dlmix.testing import side_by_side
+
     kinds = ["completion", "chat", "chat-stream", "completion-stream"]
-    out = []
-    for i, n in enumerate(lengths):
-        prompt = tokenizer.decode(tokenizer.encode(" ".join(rng.choice(_WORDS) for _ in range(n)))[:n])
-        kind = kinds[i % 4]
-        got = _router_request(url, m, kind, prompt)
-        ref = (T.reference_chat(ref_url, m, prompt, tokenizer, MAX_TOKENS) if kind.startswith("chat")
-               else T.reference(ref_url, prompt, tokenizer, MAX_TOKENS))
-        out.append((f"{kind} {n} tokens", got, ref))
-    return out
+    items = [(n, kinds[i % 4], tokenizer.decode(tokenizer.encode(" ".join(rng.choice(_WORDS) for _ in range(n)))[:n]))
+             for i, n in enumerate(lengths)]
+
+    def ref(item):
+        _, kind, prompt = item
+        return (T.reference_chat(ref_url, m, prompt, tokenizer, MAX_TOKENS) if kind.startswith("chat")
+                else T.reference(ref_url, prompt, tokenizer, MAX_TOKENS))
+
+    pairs = side_by_side(items, lambda it: _router_request(url, m, it[1], it[2]), ref)
+    return [(f"{kind} {n} tokens", got, r) for (n, kind, _), (got, r) in zip(items, pairs)]
 
 
 def test_servers_register_themselves_with_the_dlmix_router(servers):

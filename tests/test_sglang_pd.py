@@ -100,12 +100,10 @@ def _pd(p: T.SGLangServer, d: T.SGLangServer, ids: list[int], room: int | None =
     return out["p"], out["d"]
 
 
-@pytest.fixture(scope="module")
-def refs(servers, prompts):
-    """Reference output ids and per-position top-1/top-2 gaps from the single server."""
+def _references(url: str, prompts: list[list[int]]) -> list[tuple[list[int], list[float]]]:
     out = []
     for ids in prompts:
-        st, body = T.generate(servers["S"].url, ids, MAX_TOKENS, logprobs=True)
+        st, body = T.generate(url, ids, MAX_TOKENS, logprobs=True)
         assert st == 200, body
         tops = body["meta_info"].get("output_top_logprobs") or []
         gaps = [(t[0][0] - t[1][0]) if t and len(t) > 1 else float("inf") for t in tops]
@@ -113,7 +111,22 @@ def refs(servers, prompts):
     return out
 
 
+@pytest.fixture(scope="module")
+def refs(servers, prompts):
+    """Reference output ids and per-position top-1/top-2 gaps from the single server S, as a Future: computed in a
+    background thread from set-up on, side by side with the first PD test's requests (S is another process)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    ex = ThreadPoolExecutor(1, thread_name_prefix="references")
+    try:
+        yield ex.submit(_references, servers["S"].url, prompts)
+    finally:
+        ex.shutdown(wait=True, cancel_futures=True)
+
+
 def _compare(case: str, got: list[list[int]], refs, threshold: float) -> tuple[int, int]:
+    """``refs``: the references (a list, or the :func:`refs` Future of one)."""
+    refs = refs.result() if hasattr(refs, "result") else refs
     return compare_greedy(case, dict(enumerate(got)), dict(enumerate(refs)), threshold, MAX_TOKENS)
 
 
@@ -136,7 +149,7 @@ def test_same_configuration_equals_single_server(servers, prompts, refs):
 def test_page16_bf16_prefill_feeds_page64_fp32_decode(servers, prompts, refs):
     # 6 prompts (10 and 1000 tokens among them): a bf16 prefill is ~36x slower than fp32 on an AVX2-only CPU
     got = _run_pair(servers, prompts[:6], "P2")
-    same, ties = _compare("p16-bf16->p64-fp32", got, refs[:6], NEAR_TIE["p16-bf16->p64-fp32"])
+    same, ties = _compare("p16-bf16->p64-fp32", got, refs.result()[:6], NEAR_TIE["p16-bf16->p64-fp32"])
     assert same + ties == len(got)
 
 
@@ -166,7 +179,7 @@ def test_behind_sglangs_own_router(servers, prompts, refs):
                 "temperature": 0, "max_new_tokens": MAX_TOKENS}})
             assert st == 200 and not _aborted(body), f"{body}\n{r.log_tail()}"
             got.append(body["output_ids"])
-        same, _ = _compare("sglang-router", got, refs[:6], NEAR_TIE["same"])
+        same, _ = _compare("sglang-router", got, refs.result()[:6], NEAR_TIE["same"])
         assert same == len(got)
     finally:
         r.stop()

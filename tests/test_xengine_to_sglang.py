@@ -33,7 +33,7 @@ T.require_venv()
 from dlmix_lmdeploy import testing as L  # noqa: E402
 from dlmix_vllm import testing as V  # noqa: E402
 
-from dlmix.testing import SHARED_CORES_ENV, compare_greedy, pd_router  # noqa: E402
+from dlmix.testing import SHARED_CORES_ENV, compare_greedy, pd_router, side_by_side  # noqa: E402
 
 MAX_TOKENS = 16
 #: nats (as tests/test_xengine_pd.py)
@@ -102,11 +102,12 @@ def _run(servers, tok, router_url: str, case: str, seed: int) -> None:
     lengths = [10, 600] + [rng.randint(10, 600) for _ in range(8)]
     items = _prompts(tok, lengths, seed)
     got, refs = {}, {}
-    for i, (text, ids) in enumerate(items):
-        out = _through(router_url, text)
+    # the single server's references side by side with the router requests (another process: both cores work)
+    for i, ((text, ids), (out, ref)) in enumerate(zip(items, side_by_side(
+            items, lambda it: _through(router_url, it[0]), lambda it: _reference(servers["S"], it[1])))):
         assert out["usage"]["prompt_tokens"] == len(ids), (out["usage"], len(ids))
         got[i] = out["choices"][0]["token_ids"]
-        refs[i] = _reference(servers["S"], ids)
+        refs[i] = ref
     same, ties = compare_greedy(case, got, refs, NEAR_TIE, MAX_TOKENS)
     assert same >= len(items) // 2, (same, ties)
     log = servers["D"].log_path.read_text(errors="replace")

@@ -24,7 +24,7 @@ from dlmix.engine_process import free_port, free_port_block, port_free
 
 __all__ = ["free_port", "free_port_block", "port_free", "LoopThread", "RouterThread", "JsonStandIn", "wait_http", "poll",
            "wait_until", "MockEngine", "compare_greedy", "output_logprobs", "fill_tokens",
-           "hold_and_pull"]
+           "hold_and_pull", "side_by_side"]
 
 
 class LoopThread:
@@ -201,6 +201,23 @@ def hold_and_pull(producer, consumer, src, dst, src_blocks, dst_blocks, n: int, 
     c = claim(params.to_dict(), dst, n + 1, start, prompt_token_ids=list(range(n + 1)))
     assert (c.start, c.end) == (start, n)
     return consumer.pull_params(c.params, c.start, c.end, dst_blocks, digest=digest)
+
+
+def side_by_side(items, run, reference) -> list[tuple]:
+    """``[(run(x), reference(x)) for x in items]``, with the references computed in order in one background thread
+    while this thread runs ``run`` over the items: a PD pair under test and the single reference instance are other
+    processes, so both cores work instead of one waiting for the other. Results keep the items' order; an exception
+    from either side propagates (the references not yet started are cancelled)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    items = list(items)
+    ex = ThreadPoolExecutor(1, thread_name_prefix="reference")
+    try:
+        refs = [ex.submit(reference, x) for x in items]
+        got = [run(x) for x in items]
+        return [(g, f.result()) for g, f in zip(got, refs)]
+    finally:
+        ex.shutdown(wait=True, cancel_futures=True)
 
 
 def poll(cond, timeout_s: float = 120.0, interval_s: float = 0.05):

@@ -392,19 +392,26 @@ def router_against_reference(router_url: str, ref_url: str, model: str, tokenize
     """Greedy requests through ``router_url`` (a PD pair whose decode is LMDeploy) against ``ref_url`` (an LMDeploy
     instance in the decode's configuration, ``--logprobs-mode raw_logprobs``): one prompt of random ``words`` per
     entry of ``lengths`` (tokens), kinds cycling completion, chat, streamed completion, streamed chat. Each answer
-    must equal the reference's text or part from it at a near-tie (:func:`near_tie`, which asserts otherwise).
+    must equal the reference's text or part from it at a near-tie (:func:`near_tie`, which asserts otherwise). The
+    references run side by side with the router requests (:func:`dlmix.testing.side_by_side`).
     Returns the number of near-ties (printed with ``label``)."""
+    from dlmix.testing import side_by_side
+
     kinds = ["completion", "chat", "completion-stream", "chat-stream"]
-    ties = 0
+    items = []
     for i, n in enumerate(lengths):
         text = " ".join(rng.choice(words) for _ in range(n))
-        prompt = tokenizer.decode(tokenizer.encode(text)[:n])
-        kind = kinds[i % 4]
-        got = router_request(router_url, model, kind, prompt, max_tokens)
+        items.append((n, kinds[i % 4], tokenizer.decode(tokenizer.encode(text)[:n])))
+
+    def ref(item):
+        _, kind, prompt = item
         if kind.startswith("chat"):
-            ref = reference_chat(ref_url, model, prompt, tokenizer, max_tokens)
-        else:
-            ref = reference(ref_url, prompt, tokenizer, max_tokens)
-        ties += near_tie(f"{label}, {kind} {n} tokens", got, ref, threshold)
+            return reference_chat(ref_url, model, prompt, tokenizer, max_tokens)
+        return reference(ref_url, prompt, tokenizer, max_tokens)
+
+    ties = 0
+    for (n, kind, _), (got, r) in zip(items, side_by_side(
+            items, lambda it: router_request(router_url, model, it[1], it[2], max_tokens), ref)):
+        ties += near_tie(f"{label}, {kind} {n} tokens", got, r, threshold)
     print(f"{label}: identical {len(lengths) - ties}/{len(lengths)}, near-ties {ties}")
     return ties

@@ -1,0 +1,35 @@
+"""The engine-neutral test helpers of :mod:`dlmix.testing` that the end-to-end tests lean on."""
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from dlmix.testing import side_by_side
+
+
+def test_side_by_side_pairs_in_order_with_references_in_another_thread():
+    main = threading.get_ident()
+    seen: list[tuple[str, int, int]] = []
+
+    def run(x):
+        seen.append(("run", x, threading.get_ident()))
+        return x * 10
+
+    def ref(x):
+        seen.append(("ref", x, threading.get_ident()))
+        return -x
+
+    assert side_by_side([3, 1, 2], run, ref) == [(30, -3), (10, -1), (20, -2)]
+    assert [x for k, x, _ in seen if k == "run"] == [3, 1, 2]
+    assert [x for k, x, _ in seen if k == "ref"] == [3, 1, 2]  # in order, one after the other
+    assert {t for k, _, t in seen if k == "run"} == {main}
+    refs_threads = {t for k, _, t in seen if k == "ref"}
+    assert len(refs_threads) == 1 and main not in refs_threads
+
+
+def test_side_by_side_raises_from_either_side():
+    with pytest.raises(ValueError, match="run 2"):
+        side_by_side([1, 2, 3], lambda x: (_ for _ in ()).throw(ValueError(f"run {x}")) if x == 2 else x, abs)
+    with pytest.raises(KeyError, match="ref 3"):
+        side_by_side([1, 2, 3], abs, lambda x: (_ for _ in ()).throw(KeyError(f"ref {x}")) if x == 3 else x)
