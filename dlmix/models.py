@@ -242,49 +242,60 @@ def _tiny_tokenizer(out: Path) -> None:
     fast.save_pretrained(out)
 
 
-def prepare_tiny_llama(cache_dir: str | os.PathLike | None = None) -> Path:
-    """Build (once) and return a deterministic random-weight Llama folder (``TINY_LLAMA_SPEC``; fp32, ~0.5M params).
+def _build_tiny(name: str, spec: dict, make_model, cache_dir: str | os.PathLike | None) -> Path:
+    """Build (once) the random-weight model ``name`` of ``spec`` in the cache and return its folder.
 
-    The weights come from ``torch.manual_seed(spec['seed'])`` and the model's own initializer, so the same torch
-    version gives the same bytes. Vocabulary: 256 byte-level tokens plus 3 specials, padded to 320 rows.
-    """
-    spec_hash = hashlib.sha256(json.dumps(TINY_LLAMA_SPEC, sort_keys=True).encode()).hexdigest()[:16]
+    ``make_model(transformers, spec)`` returns the untrained model; its 2-D weights are then drawn from
+    ``N(0, 0.2)`` after ``torch.manual_seed(spec['seed'])`` (larger than the default 0.02, so greedy outputs are not all
+    one token), so the same torch version gives the same bytes. Tokenizer: :func:`_tiny_tokenizer` (end of text 258).
+    Raises ModelError without transformers/torch."""
+    spec_hash = hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:16]
     root = cache_root(cache_dir)
-    final = root / f"tiny-llama-{spec_hash}"
+    final = root / f"{name}-{spec_hash}"
     if _ready(final):
         return final
     _offline_env()
     try:
         import torch
         import transformers
-        from transformers import LlamaConfig, LlamaForCausalLM
     except ImportError as e:  # pragma: no cover
         raise ModelError(f"building the tiny model needs the model extra: pip install 'dlmix[model]' ({e})") from e
     root.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".building-tiny-", dir=root))
     try:
         _tiny_tokenizer(tmp)
-        s = TINY_LLAMA_SPEC
-        cfg = LlamaConfig(
-            vocab_size=320, hidden_size=s["hidden_size"], intermediate_size=s["intermediate_size"],
-            num_hidden_layers=s["num_hidden_layers"], num_attention_heads=s["num_attention_heads"],
-            num_key_value_heads=s["num_key_value_heads"], head_dim=s["head_dim"],
-            max_position_embeddings=s["max_position_embeddings"], rope_theta=s["rope_theta"],
-            tie_word_embeddings=True, bos_token_id=256, eos_token_id=258, pad_token_id=256,
-        )
-        torch.manual_seed(s["seed"])
-        model = LlamaForCausalLM(cfg).to(torch.float32)
-        with torch.no_grad():  # larger init than the default 0.02 so greedy outputs are not all one token
+        torch.manual_seed(spec["seed"])
+        model = make_model(transformers, spec).to(torch.float32)
+        with torch.no_grad():
             for p in model.parameters():
                 if p.dim() == 2:
                     p.normal_(0.0, 0.2)
         model.generation_config.eos_token_id = 258
         model.save_pretrained(tmp)
         _patch_folder(tmp, "float32", chat_template=_CHAT_TEMPLATE)
-        return _publish(tmp, final, {"model": "tiny-llama", "spec": s, "transformers": transformers.__version__})
+        return _publish(tmp, final, {"model": name, "spec": spec, "transformers": transformers.__version__})
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def _tiny_llama(transformers, s: dict):
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=320, hidden_size=s["hidden_size"], intermediate_size=s["intermediate_size"],
+        num_hidden_layers=s["num_hidden_layers"], num_attention_heads=s["num_attention_heads"],
+        num_key_value_heads=s["num_key_value_heads"], head_dim=s["head_dim"],
+        max_position_embeddings=s["max_position_embeddings"], rope_theta=s["rope_theta"],
+        tie_word_embeddings=True, bos_token_id=256, eos_token_id=258, pad_token_id=256,
+    ))
+
+
+def prepare_tiny_llama(cache_dir: str | os.PathLike | None = None) -> Path:
+    """Build (once) and return a deterministic random-weight Llama folder (``TINY_LLAMA_SPEC``; fp32, ~0.5M params).
+
+    The weights come from ``torch.manual_seed(spec['seed'])`` and the model's own initializer, so the same torch
+    version gives the same bytes. Vocabulary: 256 byte-level tokens plus 3 specials, padded to 320 rows.
+    """
+    return _build_tiny("tiny-llama", TINY_LLAMA_SPEC, _tiny_llama, cache_dir)
 
 
 # The tiny MLA model's full specification (DeepSeek-V2 dims where vLLM CPU's MLA kernel needs them: latent 512 +
@@ -305,52 +316,26 @@ TINY_DEEPSEEK_SPEC = {
 }
 
 
+def _tiny_deepseek(transformers, s: dict):
+    return transformers.DeepseekV2ForCausalLM(transformers.DeepseekV2Config(
+        vocab_size=320, hidden_size=s["hidden_size"], intermediate_size=s["intermediate_size"],
+        num_hidden_layers=s["num_hidden_layers"], num_attention_heads=s["num_attention_heads"],
+        num_key_value_heads=s["num_attention_heads"], kv_lora_rank=s["kv_lora_rank"], q_lora_rank=None,
+        qk_rope_head_dim=s["qk_rope_head_dim"], qk_nope_head_dim=s["qk_nope_head_dim"],
+        v_head_dim=s["v_head_dim"], first_k_dense_replace=s["num_hidden_layers"],
+        # routed experts are configured but unused (every layer is dense); the config class requires them
+        n_routed_experts=4, n_shared_experts=1, moe_intermediate_size=64, num_experts_per_tok=2,
+        max_position_embeddings=s["max_position_embeddings"], tie_word_embeddings=False,
+        bos_token_id=256, eos_token_id=258, pad_token_id=256,
+    ))
+
+
 def prepare_tiny_deepseek(cache_dir: str | os.PathLike | None = None) -> Path:
     """Build (once) and return a deterministic random-weight DeepSeek-V2 folder (``TINY_DEEPSEEK_SPEC``; fp32, ~2.1M
     params): multi-head latent attention, no query LoRA, every layer dense (``first_k_dense_replace`` = layers), untied
     embeddings (vLLM's DeepSeek-V2 keeps its own ``lm_head``). Vocabulary as :func:`prepare_tiny_llama`.
     Raises ModelError without transformers/torch."""
-    s = TINY_DEEPSEEK_SPEC
-    spec_hash = hashlib.sha256(json.dumps(s, sort_keys=True).encode()).hexdigest()[:16]
-    root = cache_root(cache_dir)
-    final = root / f"tiny-deepseek-{spec_hash}"
-    if _ready(final):
-        return final
-    _offline_env()
-    try:
-        import torch
-        import transformers
-        from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
-    except ImportError as e:  # pragma: no cover
-        raise ModelError(f"building the tiny model needs the model extra: pip install 'dlmix[model]' ({e})") from e
-    root.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".building-tiny-", dir=root))
-    try:
-        _tiny_tokenizer(tmp)
-        cfg = DeepseekV2Config(
-            vocab_size=320, hidden_size=s["hidden_size"], intermediate_size=s["intermediate_size"],
-            num_hidden_layers=s["num_hidden_layers"], num_attention_heads=s["num_attention_heads"],
-            num_key_value_heads=s["num_attention_heads"], kv_lora_rank=s["kv_lora_rank"], q_lora_rank=None,
-            qk_rope_head_dim=s["qk_rope_head_dim"], qk_nope_head_dim=s["qk_nope_head_dim"],
-            v_head_dim=s["v_head_dim"], first_k_dense_replace=s["num_hidden_layers"],
-            # routed experts are configured but unused (every layer is dense); the config class requires them
-            n_routed_experts=4, n_shared_experts=1, moe_intermediate_size=64, num_experts_per_tok=2,
-            max_position_embeddings=s["max_position_embeddings"], tie_word_embeddings=False,
-            bos_token_id=256, eos_token_id=258, pad_token_id=256,
-        )
-        torch.manual_seed(s["seed"])
-        model = DeepseekV2ForCausalLM(cfg).to(torch.float32)
-        with torch.no_grad():  # as the tiny Llama: a larger init so greedy outputs are not all one token
-            for p in model.parameters():
-                if p.dim() == 2:
-                    p.normal_(0.0, 0.2)
-        model.generation_config.eos_token_id = 258
-        model.save_pretrained(tmp)
-        _patch_folder(tmp, "float32", chat_template=_CHAT_TEMPLATE)
-        return _publish(tmp, final, {"model": "tiny-deepseek", "spec": s, "transformers": transformers.__version__})
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    return _build_tiny("tiny-deepseek", TINY_DEEPSEEK_SPEC, _tiny_deepseek, cache_dir)
 
 
 MODELS = {"smollm2": prepare_smollm2, "tiny-llama": prepare_tiny_llama, "tiny-deepseek": prepare_tiny_deepseek}
