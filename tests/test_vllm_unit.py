@@ -408,3 +408,36 @@ def test_worker_metadata_aggregates_over_tp_ranks():
     assert t["r"] == {"bytes_received": 12, "rounds": 3, "failed_blocks": 3, "transfer_s": 0.3, "error": "x",
                       "peak_staging_bytes": 0}
     assert t["q"] == {"bytes_received": 1}
+
+
+def _mla_vllm_config(model_dir: str, *, cache_dtype: str = "auto", rope: int | None = 64):
+    """A vLLM config as :func:`dlmix_vllm.layout.describe_engine` reads it, for an MLA model (DeepSeek-V2 style)."""
+    from types import SimpleNamespace
+
+    import torch
+
+    hf = SimpleNamespace(kv_lora_rank=512, num_attention_heads=2, architectures=["DeepseekV2ForCausalLM"])
+    if rope is not None:
+        hf.qk_rope_head_dim = rope
+    mc = SimpleNamespace(use_mla=True, dtype=torch.float32, hf_config=hf, hf_text_config=hf, model=model_dir,
+                         get_num_layers=lambda pc: 2, get_total_num_kv_heads=lambda: 2, get_head_size=lambda: 192)
+    return SimpleNamespace(model_config=mc, parallel_config=SimpleNamespace(tensor_parallel_size=2),
+                           cache_config=SimpleNamespace(block_size=16, cache_dtype=cache_dtype))
+
+
+def test_describe_engine_names_an_mla_model_one_latent_plane(tiny_deepseek_dir):
+    """An MLA model is one latent plane of kv_lora_rank + rope elements and one KV head (not the config's attention
+    heads or head size), arrangement ``mla`` before the workers report theirs; fp8 and an incomplete config are
+    refused with the reason."""
+    from dlmix_vllm.layout import describe_engine
+
+    lay = describe_engine(_mla_vllm_config(str(tiny_deepseek_dir)), tp_rank=1)
+    m = lay.model
+    assert (m.attention, m.num_kv_heads, m.head_size, m.kv_lora_rank, m.rope_dim, m.num_layers) == \
+        ("mla", 1, 576, 512, 64, 2)
+    assert (lay.arrangement, lay.block_size, lay.dtype, lay.tp_size, lay.tp_rank) == ("mla", 16, "fp32", 2, 1)
+    assert m.weights_fingerprint
+    with pytest.raises(ValueError, match="MLA model is not supported"):
+        describe_engine(_mla_vllm_config(str(tiny_deepseek_dir), cache_dtype="fp8"))
+    with pytest.raises(ValueError, match="qk_rope_head_dim"):
+        describe_engine(_mla_vllm_config(str(tiny_deepseek_dir), rope=None))

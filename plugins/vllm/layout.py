@@ -189,7 +189,11 @@ def describe_engine(vllm_config: Any, kv_cache_config: Any = None, *, tp_rank: i
             raise ValueError(f"KV cache dtype {cc.cache_dtype!r} with an MLA model is not supported by DLMixConnector "
                              "(use auto)")
         hf = mc.hf_text_config
-        lora, rope = int(hf.kv_lora_rank), int(hf.qk_rope_head_dim)
+        lora, rope = getattr(hf, "kv_lora_rank", None), getattr(hf, "qk_rope_head_dim", None)
+        if lora is None or rope is None:
+            raise ValueError(f"MLA model {archs[:1]} without kv_lora_rank/qk_rope_head_dim in its config is not "
+                             "described by DLMixConnector")
+        lora, rope = int(lora), int(rope)
         ident = ModelIdentity(num_kv_heads=1, head_size=lora + rope, attention="mla", kv_lora_rank=lora,
                               rope_dim=rope, **common)
         arrangement = arrangement or "mla"
