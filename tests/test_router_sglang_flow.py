@@ -169,7 +169,7 @@ def test_legs_run_concurrently(lt):
 
 
 def test_failed_prefill_cancels_the_decode_leg_and_is_placed_again(lt):
-    slow, good, d = _prefill("slow", 7001, ttft=30.0), _prefill("good", 7002), _decode()
+    slow, good, d = _prefill("slow", 7001, ttft=30.0), _prefill("good", 7002), _decode(bootstrap_timeout=30.0)
     c = Cluster(lt, [slow, good], [d], prefill_timeout_s=0.5, breaker_failures=1000, **PD)
     try:
         with httpx.Client(timeout=60) as h:
