@@ -188,8 +188,9 @@ def test_layout_descriptor_matches_transformers(servers, prompts, smollm2_dir):
     p = next(x for x in prompts if x["kind"] == "completion" and 150 <= x["n"] <= 400)
     r = T.two_step(servers["P1"].url, servers["D1"].url, "completion", p["prompt"], 4)
     rid = r["params"]["remote_request_id"]
-    safe = "".join(ch if ch.isalnum() or ch in "-_." else "_" for ch in rid)
-    f = servers["_dir"] / "dump" / f"{safe}.safetensors"
+    from dlmix_vllm.worker import dump_name
+
+    f = servers["_dir"] / "dump" / dump_name(rid)
     with safe_open(str(f), "pt") as fh:
         pages, meta = fh.get_tensor("pages"), fh.metadata()
     lay = KVLayout.from_json(meta["layout"])

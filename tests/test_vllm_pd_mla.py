@@ -28,6 +28,7 @@ vllm = pytest.importorskip("vllm")
 
 from dlmix.testing import SHARED_CORES_ENV, poll  # noqa: E402
 from dlmix_vllm import testing as T  # noqa: E402
+from dlmix_vllm.worker import dump_name  # noqa: E402
 
 MAX_TOKENS = 8
 NO_EOS = {"ignore_eos": True}
@@ -67,8 +68,7 @@ def test_mla_latent_cache_moves_byte_exact(tiny_deepseek_dir, tmp_path):
             assert (layout["arrangement"], layout["model"]["attention"], layout["model"]["head_size"]) == \
                 ("mla", "mla", LATENT), layout
             held = _dumps(pdump)
-            safe = "".join(ch if ch.isalnum() or ch in "-_." else "_" for ch in r["params"]["remote_request_id"])
-            src, smeta = held[f"{safe}.safetensors"]
+            src, smeta = held[dump_name(r["params"]["remote_request_id"])]
             new = sorted(set(_dumps(ddump)) - before)
             assert len(new) == 1, new
             dst, dmeta = _dumps(ddump)[new[0]]

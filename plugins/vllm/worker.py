@@ -25,6 +25,12 @@ log = logging.getLogger("dlmix_vllm.worker")
 __all__ = ["DLMixConnectorWorker"]
 
 
+def dump_name(rid: str) -> str:
+    """File name of request ``rid``'s debug dump in ``debug_dump_dir`` (characters outside ``[A-Za-z0-9._-]`` as
+    ``_``)."""
+    return "".join(ch if ch.isalnum() or ch in "-_." else "_" for ch in rid) + ".safetensors"
+
+
 class DLMixConnectorWorker:
     """Worker-side state of one DLMixConnector (see module doc).
 
@@ -169,8 +175,7 @@ class DLMixConnectorWorker:
             os.makedirs(self.settings.debug_dump_dir, exist_ok=True)
             idx = torch.as_tensor(block_ids, dtype=torch.long)
             pages = torch.stack([t.index_select(0, idx) for t in self.layers]).contiguous()
-            safe = "".join(ch if ch.isalnum() or ch in "-_." else "_" for ch in rid)
-            save_file({"pages": pages}, os.path.join(self.settings.debug_dump_dir, f"{safe}.safetensors"),
+            save_file({"pages": pages}, os.path.join(self.settings.debug_dump_dir, dump_name(rid)),
                       metadata={"layout": self.layout.to_json(), "num_tokens": str(num_tokens),
                                 "block_ids": json.dumps(block_ids), "req_id": rid})
         except Exception as e:
