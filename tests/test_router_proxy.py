@@ -433,3 +433,52 @@ def test_cost_early_rejection_answers_503_without_touching_the_engine(lt):
         assert c.router.rt["rej"].state.load.inflight == 0
     finally:
         c.close()
+
+
+def test_pinning_headers_choose_the_pair_and_are_refused_unless_allowed(lt):
+    """``x-dlmix-prefill-instance`` / ``x-dlmix-decode-instance`` (router option ``allow_pinning``): every one of the
+    4 ordered pairs of a 2x2 PD fleet gets exactly the requests pinned to it (counted on the mock engines), the
+    headers never reach an engine, a pin to a dead prefill falls back to the pinned decode computing the prompt
+    itself, and bad pins get a 400 naming the problem. A router without the option refuses a pinned request."""
+    engines = [MockEngine(name=n, role=r) for n, r in (("p0", "prefill"), ("p1", "prefill"), ("d0", "decode"),
+                                                       ("d1", "decode"))]
+    c = Cluster(lt, engines, roles=["prefill", "prefill", "decode", "decode"], policy="prefix", allow_pinning=True)
+    by = {e.name: e for e in engines}
+    try:
+        with httpx.Client(timeout=30) as h:
+            want = {}
+            for k, (p, d) in enumerate([(p, d) for p in ("p0", "p1") for d in ("d0", "d1")]):
+                for j in range(k + 1):  # 1, 2, 3, 4 requests: a pair that got another pair's request shows
+                    r = h.post(c.base + "/v1/completions", json=dict(BODY, prompt=f"{p}{d}{j} " + BODY["prompt"]),
+                               headers={"x-dlmix-prefill-instance": p, "x-dlmix-decode-instance": d})
+                    assert r.status_code == 200, r.text
+                    want[p] = want.get(p, 0) + 1
+                    want[d] = want.get(d, 0) + 1
+            assert {n: (e.prefill_legs if n[0] == "p" else len(e.remote_prefills)) for n, e in by.items()} == want
+            assert not [k for e in engines for hs in e.received_headers for k, _ in hs
+                        if k in (b"x-dlmix-prefill-instance", b"x-dlmix-decode-instance")]
+            # a pinned decode alone: the policy still picks the prefill (both prefill instances are candidates)
+            r = h.post(c.base + "/v1/completions", json=dict(BODY, prompt="only d1 " + BODY["prompt"]),
+                       headers={"x-dlmix-decode-instance": "d1"})
+            assert r.status_code == 200 and len(by["d1"].remote_prefills) == want["d1"] + 1
+            for hdrs, why in (({"x-dlmix-decode-instance": "nope"}, "no instance 'nope'"),
+                              ({"x-dlmix-decode-instance": "p0"}, "cannot take the decode leg"),
+                              ({"x-dlmix-prefill-instance": "d0"}, "cannot take the prefill leg")):
+                r = h.post(c.base + "/v1/completions", json=BODY, headers=hdrs)
+                assert r.status_code == 400 and why in r.json()["error"]["message"], r.text
+            lt.run(by["p1"].die())
+            before, p0_legs = by["d0"].requests, by["p0"].prefill_legs
+            r = h.post(c.base + "/v1/completions", json=dict(BODY, prompt="after p1 died " + BODY["prompt"]),
+                       headers={"x-dlmix-prefill-instance": "p1", "x-dlmix-decode-instance": "d0"})
+            assert r.status_code == 200, r.text
+            assert by["p0"].prefill_legs == p0_legs  # not moved to the other prefill instance
+            assert by["d0"].requests == before + 1
+    finally:
+        c.close()
+    plain = Cluster(lt, [MockEngine(name="d", role="both")])
+    try:
+        r = httpx.post(plain.base + "/v1/completions", json=BODY, headers={"x-dlmix-decode-instance": "d"},
+                       timeout=30)
+        assert r.status_code == 400 and "allow_pinning" in r.json()["error"]["message"], r.text
+    finally:
+        plain.close()

@@ -15,6 +15,9 @@ Example::
     api_keys: []                     # client keys (empty = open)
     admin_key: null                  # admin/registration key (null = admin API from loopback only)
     allow_open: false                # serve a non-loopback host without api_keys (refused otherwise)
+    allow_pinning: false             # honour x-dlmix-prefill-instance / x-dlmix-decode-instance request headers
+                                     # (pin a request to instances by id: canaries, one PD pair of a mixed fleet);
+                                     # off: such a request is refused (400)
     handoff_host: null               # the address SGLang decodes reach this router at for rooms of another engine's
                                      # prefill (dlmix.router.rooms); null = host, or the route to the decode if 0.0.0.0
     metrics_instance_series: 32      # instances (by slot) with their own /metrics series; the rest: instance="_other"
@@ -81,6 +84,7 @@ class RouterConfig:
     metrics_instance_series: int = 32
     fast_path: bool = True
     allow_open: bool = False
+    allow_pinning: bool = False
     handoff_host: Optional[str] = None
     # client-side HTTP limits and timeouts (nginx-like defaults; dlmix.router.proxy.Limits)
     max_body_mb: float = 64.0

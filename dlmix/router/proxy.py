@@ -687,9 +687,15 @@ def build_request(method: bytes, path: bytes, hostport: bytes, headers: bytes, b
         method, path, hostport, headers, len(body), body)
 
 
+#: client headers addressed to the router itself (instance pinning), never forwarded to an engine
+ROUTER_ONLY = frozenset((b"x-dlmix-prefill-instance", b"x-dlmix-decode-instance"))
+_NOT_FORWARDED = HOP_BY_HOP | ROUTER_ONLY
+
+
 def forward_headers(headers: list) -> bytes:
-    """Client headers minus hop-by-hop, host, content-length and authorization, as raw lines."""
-    return b"".join(b"%s: %s\r\n" % (k, v) for k, v in headers if k not in HOP_BY_HOP)
+    """Client headers minus hop-by-hop, host, content-length, authorization and the router's own pinning headers,
+    as raw lines."""
+    return b"".join(b"%s: %s\r\n" % (k, v) for k, v in headers if k not in _NOT_FORWARDED)
 
 
 async def serve(handler: Handler, host: str, port: int, reuse_port: bool = False, backlog: int = 4096,

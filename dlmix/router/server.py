@@ -81,6 +81,10 @@ __all__ = ["Router", "RegistrationError", "run"]
 _json = msgspec.json.Encoder()
 _CHAT = b"/v1/chat/completions"
 _COMPL = b"/v1/completions"
+#: request headers that pin a request to instances by id (router option ``allow_pinning``; see ``_pins``); both are
+#: in :data:`dlmix.router.proxy.ROUTER_ONLY` (never forwarded)
+_PIN_PREFILL = b"x-dlmix-prefill-instance"
+_PIN_DECODE = b"x-dlmix-decode-instance"
 
 
 class Router:
@@ -351,14 +355,54 @@ class Router:
             return self._send(conn, 508, b'{"error":"routing loop: this request already passed through this router '
                                          b'(an instance URL leads back to it); remove that instance"}')
         d, rr = None, self._plain
-        if self._needs_parse:
-            try:
+        try:
+            pins = self._pins(req)
+            if self._needs_parse:
                 d = decode_body(req.body)
                 check_body(d, chat)
-            except BadRequest as ex:
-                return self._send(conn, 400, _bad_request(str(ex)))
-            rr = self._request_from(d, chat)
+                rr = self._request_from(d, chat)
+        except BadRequest as ex:
+            return self._send(conn, 400, _bad_request(str(ex)))
+        if pins is not None:
+            if rr is self._plain:
+                rr = RouteRequest()
+            rr.prefill_id, rr.decode_id = pins
         await self._run(conn, req, chat, d, rr)
+
+    def _pins(self, req) -> Optional[tuple]:
+        """The instances a request pins itself to: ``(prefill id or None, decode id or None)`` from the
+        ``x-dlmix-prefill-instance`` / ``x-dlmix-decode-instance`` headers (instance ids as registered; the URL when
+        none was given), or None without either header. Pinning is for operators and tests (a canary on one
+        instance, one PD pair of a mixed fleet): with ``allow_pinning`` off (the default) a pinned request is
+        refused. The policy then chooses among the pinned instances only; a failed pinned prefill leg is
+        recomputed on the decode instance, never moved to another prefill instance. Raises BadRequest (400) when
+        pinning is off, for an id no instance has, or for an instance whose role cannot take that leg (a
+        ``prefill``-role instance as the decode, a non-``prefill`` one as the prefill)."""
+        p = dec = None
+        for k, v in req.headers:
+            if k == _PIN_PREFILL:
+                p = v
+            elif k == _PIN_DECODE:
+                dec = v
+        if p is None and dec is None:
+            return None
+        if not self.cfg.allow_pinning:
+            raise BadRequest("instance pinning is off on this router: x-dlmix-prefill-instance and "
+                             "x-dlmix-decode-instance need the router option allow_pinning")
+        out = []
+        for v, leg in ((p, "prefill"), (dec, "decode")):
+            if v is None:
+                out.append(None)
+                continue
+            name = v.decode("utf-8", "replace")
+            b = self.registry.backends.get(name)
+            if b is None:
+                raise BadRequest(f"x-dlmix-{leg}-instance: no instance {name!r} is registered")
+            if (b.state.role == "prefill") != (leg == "prefill"):
+                raise BadRequest(f"x-dlmix-{leg}-instance: instance {name!r} has role {b.state.role} and cannot "
+                                 f"take the {leg} leg")
+            out.append(name)
+        return out[0], out[1]
 
     def _no_instance(self, conn, rr: RouteRequest, ex: NoInstanceError, err: Optional[BackendError]) -> None:
         """Answer a request no instance can take: 404 (OpenAI style) for a model no registered instance serves,
@@ -403,6 +447,9 @@ class Router:
             return False
         if self._looped(req):
             return False
+        for k, _ in req.headers:
+            if k == _PIN_DECODE or k == _PIN_PREFILL:
+                return False  # the coroutine path checks the pins
         chat = path == _CHAT
         d = None
         if self._needs_parse:

@@ -158,6 +158,9 @@ class RouteRequest:
         block_hashes: callable ``block_size -> list[int]`` giving the request's chained block hashes (64-bit ints) for
             an engine block size; cached by the caller. Empty list when no prompt text could be extracted.
         key: affinity key (optional), e.g. a session id.
+        prefill_id / decode_id: instance ids the request is pinned to (None: any); the router sets them from the
+            ``x-dlmix-prefill-instance`` / ``x-dlmix-decode-instance`` headers when ``allow_pinning`` is on, and
+            :class:`~dlmix.routing.policies.base.ClusterView` offers only that instance as the candidate.
     """
 
     model: Optional[str] = None
@@ -166,6 +169,8 @@ class RouteRequest:
     stream: bool = False
     block_hashes: Callable[[int], Sequence[int]] = field(default=lambda bs: ())
     key: Optional[str] = None
+    prefill_id: Optional[str] = None
+    decode_id: Optional[str] = None
 
 
 @dataclass

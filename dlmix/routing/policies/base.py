@@ -126,18 +126,22 @@ class ClusterView:
         return per_slot.get(inst.slot, 0) * bs
 
     def decode_candidates(self, req: RouteRequest) -> List[InstanceState]:
-        """Available instances serving ``req.model`` whose role is ``decode`` or ``both``."""
+        """Available instances serving ``req.model`` whose role is ``decode`` or ``both`` (only ``req.decode_id``
+        when the request is pinned)."""
         m = req.model
+        pin = req.decode_id
         return [i for i in self.instances if i.healthy and not i.draining and i.role != "prefill"
-                and (not m or not i.model or m in i.model)]
+                and (not m or not i.model or m in i.model) and (pin is None or i.id == pin)]
 
     def prefill_candidates(self, req: RouteRequest) -> List[InstanceState]:
-        """Available ``prefill``-role instances serving ``req.model`` (empty: no PD disaggregation)."""
+        """Available ``prefill``-role instances serving ``req.model`` (empty: no PD disaggregation; only
+        ``req.prefill_id`` when the request is pinned)."""
         if self.has_prefill is False:
             return []
         m = req.model
+        pin = req.prefill_id
         return [i for i in self.instances if i.healthy and not i.draining and i.role == "prefill"
-                and (not m or not i.model or m in i.model)]
+                and (not m or not i.model or m in i.model) and (pin is None or i.id == pin)]
 
 
 class Policy:
