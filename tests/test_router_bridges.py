@@ -1,7 +1,7 @@
 """PD across engines in the router (:mod:`dlmix.router.engines.bridges`) without engines: which engines pair, the
 block-id transfer id, the LMDeploy -> vLLM bridge against a stand-in for LMDeploy's DistServe routes (the same
-pair on real servers is in ``tests/test_xengine_pd.py``), and the bridges into an SGLang decode with the router's
-room table (:mod:`dlmix.router.rooms`; real servers in ``tests/test_xengine_to_sglang.py``)."""
+pair on real servers is in ``tests/test_xengine_matrix.py``), and the bridges into an SGLang decode with the router's
+room table (:mod:`dlmix.router.rooms`; real servers in ``tests/test_xengine_matrix.py``)."""
 from __future__ import annotations
 
 import asyncio

@@ -2,7 +2,7 @@
 :mod:`dlmix_sglang.handoff`), without SGLang: the relay on an aiohttp app, two stand-in prefill ranks on ZMQ that
 answer ``META`` as the dlmix backend does (``READY`` with their transfer parameters and metadata row, or SGLang's
 ``Failed`` status), and the router's side (:func:`dlmix.router.engines.bridges.room_handoff`). The same route with
-real SGLang, vLLM and LMDeploy servers is in ``tests/test_xengine_sglang.py``."""
+real SGLang, vLLM and LMDeploy servers is in ``tests/test_xengine_matrix.py``."""
 from __future__ import annotations
 
 import asyncio

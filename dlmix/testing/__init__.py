@@ -24,7 +24,7 @@ from dlmix.engine_process import free_port, free_port_block, port_free
 
 __all__ = ["free_port", "free_port_block", "port_free", "LoopThread", "RouterThread", "JsonStandIn", "wait_http", "poll",
            "wait_until", "MockEngine", "compare_greedy", "output_logprobs", "fill_tokens",
-           "hold_and_pull", "side_by_side"]
+           "hold_and_pull", "side_by_side", "pd_router", "fleet_router"]
 
 
 class LoopThread:
@@ -119,15 +119,23 @@ def pd_router(model_spec: str, prefill: dict, decode: dict, policy: str = "prefi
     the admin API (``prefill``/``decode``: registration bodies without ``role``; ``model`` defaults to ``smollm2``,
     ``heartbeat_ttl_s`` to 0). The ``prefix`` policy always disaggregates. Raises AssertionError when a
     registration is refused (with the router's answer)."""
+    return fleet_router(model_spec, [dict(prefill, role="prefill"), dict(decode, role="decode")], policy)
+
+
+def fleet_router(model_spec: str, instances: list, policy: str = "prefix", **cfg) -> "RouterThread":
+    """A :class:`RouterThread` on a free loopback port with ``instances`` (registration bodies with ``role``; ``model``
+    defaults to ``smollm2``, ``heartbeat_ttl_s`` to 0) registered through the admin API in order; ``cfg``: more
+    ``RouterConfig`` fields (e.g. ``allow_pinning=True``). Raises AssertionError when a registration is refused (with
+    the router's answer)."""
     import httpx
 
     from dlmix.router.config import RouterConfig
 
-    rt = RouterThread(RouterConfig(host="127.0.0.1", port=0, policy=policy, model_spec=model_spec))
+    rt = RouterThread(RouterConfig(host="127.0.0.1", port=0, policy=policy, model_spec=model_spec, **cfg))
     try:
         with httpx.Client(base_url=rt.url, timeout=30, trust_env=False) as c:
-            for role, body in (("prefill", prefill), ("decode", decode)):
-                r = c.post("/admin/instances", json={"model": "smollm2", "heartbeat_ttl_s": 0, **body, "role": role})
+            for body in instances:
+                r = c.post("/admin/instances", json={"model": "smollm2", "heartbeat_ttl_s": 0, **body})
                 assert r.status_code in (200, 201), r.text
     except BaseException:
         rt.close()

@@ -138,9 +138,11 @@ def start_all_ready(model: str, log_dir: Path, started: list, specs: list[dict[s
     return out
 
 
-def router_request(url: str, model: str, kind: str, prompt: str, max_tokens: int) -> str:
+def router_request(url: str, model: str, kind: str, prompt: str, max_tokens: int,
+                   headers: dict[str, str] | None = None) -> str:
     """One greedy request (``ignore_eos``) of ``kind`` (``completion`` / ``chat``, ``-stream`` appended for SSE) to
-    ``url`` (e.g. the dlmix router); the answer's text. Asserts HTTP 200."""
+    ``url`` (e.g. the dlmix router), with ``headers`` added (e.g. the router's instance pins); the answer's text.
+    Asserts HTTP 200."""
     chat = kind.startswith("chat")
     body: dict = {"model": model, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
     if chat:
@@ -149,12 +151,13 @@ def router_request(url: str, model: str, kind: str, prompt: str, max_tokens: int
         body["prompt"] = prompt
     path = "/v1/chat/completions" if chat else "/v1/completions"
     if not kind.endswith("-stream"):
-        status, out = post_json(url + path, body)
+        status, out = post_json(url + path, body, headers=headers)
         assert status == 200, (kind, status, out)
         c = out["choices"][0]
         return c["message"]["content"] if chat else c["text"]
     body["stream"] = True
-    req = urllib.request.Request(url + path, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    req = urllib.request.Request(url + path, json.dumps(body).encode(),
+                                 {"Content-Type": "application/json", **(headers or {})})
     text = []
     with urllib.request.urlopen(req, timeout=300) as r:
         assert r.status == 200
@@ -173,9 +176,12 @@ def dlmix_role(role: str) -> str:
     return {v: k for k, v in LMDEPLOY_ROLES.items()}[role]
 
 
-def post_json(url: str, body: dict[str, Any], timeout: float = 300.0) -> tuple[int, dict[str, Any]]:
-    """POST JSON; returns (status, decoded body); an HTTP error's body is decoded too (or ``{"raw": text}``)."""
-    req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+def post_json(url: str, body: dict[str, Any], timeout: float = 300.0,
+              headers: dict[str, str] | None = None) -> tuple[int, dict[str, Any]]:
+    """POST JSON (with ``headers`` added); returns (status, decoded body); an HTTP error's body is decoded too (or
+    ``{"raw": text}``)."""
+    req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json",
+                                                                  **(headers or {})})
     try:
         with urllib.request.urlopen(req, timeout=timeout) as r:
             return r.status, json.loads(r.read() or b"{}")
@@ -388,12 +394,14 @@ class RoutedPair:
 
 
 def router_against_reference(router_url: str, ref_url: str, model: str, tokenizer: Any, words: list[str],
-                             lengths: list[int], rng: Any, label: str, threshold: float, max_tokens: int) -> int:
+                             lengths: list[int], rng: Any, label: str, threshold: float, max_tokens: int,
+                             headers: dict[str, str] | None = None) -> int:
     """Greedy requests through ``router_url`` (a PD pair whose decode is LMDeploy) against ``ref_url`` (an LMDeploy
     instance in the decode's configuration, ``--logprobs-mode raw_logprobs``): one prompt of random ``words`` per
     entry of ``lengths`` (tokens), kinds cycling completion, chat, streamed completion, streamed chat. Each answer
     must equal the reference's text or part from it at a near-tie (:func:`near_tie`, which asserts otherwise). The
-    references run side by side with the router requests (:func:`dlmix.testing.side_by_side`).
+    references run side by side with the router requests (:func:`dlmix.testing.side_by_side`); ``headers`` go with
+    each router request (e.g. the router's instance pins).
     Returns the number of near-ties (printed with ``label``)."""
     from dlmix.testing import side_by_side
 
@@ -411,7 +419,7 @@ def router_against_reference(router_url: str, ref_url: str, model: str, tokenize
 
     ties = 0
     for (n, kind, _), (got, r) in zip(items, side_by_side(
-            items, lambda it: router_request(router_url, model, it[1], it[2], max_tokens), ref)):
+            items, lambda it: router_request(router_url, model, it[1], it[2], max_tokens, headers), ref)):
         ties += near_tie(f"{label}, {kind} {n} tokens", got, r, threshold)
     print(f"{label}: identical {len(lengths) - ties}/{len(lengths)}, near-ties {ties}")
     return ties

@@ -304,16 +304,17 @@ def metric_sum(url: str, name: str, label: str | None = None) -> float:
 
 
 def n_choices_through_router(router_url: str, decode_url: str, body: dict, n: int = 2,
-                             between: Callable[[], None] | None = None) -> dict[str, Any]:
+                             between: Callable[[], None] | None = None,
+                             headers: dict[str, str] | None = None) -> dict[str, Any]:
     """The completion ``body`` (with ``return_token_ids``) through the dlmix router to a vLLM decode at
     ``decode_url``: once greedy with one choice, then with ``n`` choices sampled at ``top_k=1`` (the argmax; vLLM
     refuses ``n > 1`` at temperature 0), the decode's prefix cache reset before each; ``between`` runs after the
-    first answer.
+    first answer; ``headers``: sent with both requests (e.g. the router's instance pins).
 
     Returns ``{"one": token ids of the one-choice answer, "choices": {index: token ids}, "pulls": the decode's
     completed KV pulls during the n-choice request, "failed_pulls": its failed ones}``. Raises AssertionError on a
     non-200 answer."""
-    with httpx.Client(timeout=300) as c:
+    with httpx.Client(timeout=300, headers=headers) as c:
         reset_prefix_cache(decode_url)
         one = c.post(router_url + "/v1/completions", json=dict(body, temperature=0))
         assert one.status_code == 200, one.text[:500]
@@ -330,17 +331,19 @@ def n_choices_through_router(router_url: str, decode_url: str, body: dict, n: in
             "failed_pulls": metric_sum(decode_url, "vllm:dlmix_kv_failed_transfers_total") - failed0}
 
 
-def through_router(router_url: str, decode_url: str, items: list[dict], max_tokens: int) -> tuple[dict, int]:
+def through_router(router_url: str, decode_url: str, items: list[dict], max_tokens: int,
+                   headers: dict[str, str] | None = None) -> tuple[dict, int]:
     """Send each prompt of ``items`` (:func:`prompt_set` entries) through a dlmix router whose PD decode is the vLLM
     instance at ``decode_url`` (its prefix cache reset before each, so every prompt is loaded whole from the
     prefill). Each non-streamed answer's ``kv_transfer_params.dlmix`` must report no error, no local hit, all
-    prompt tokens loaded and bytes received (asserted). Returns ``({i: greedy token ids}, number of answers
+    prompt tokens loaded and bytes received (asserted); ``headers`` go with every request (e.g. the router's
+    instance pins). Returns ``({i: greedy token ids}, number of answers
     checked so)``."""
     got, loaded = {}, 0
     reset_prefix_cache(decode_url)
     for p in items:
         path, body = request_body(p["kind"], p["prompt"], max_tokens, stream=p["stream"])
-        with httpx.Client(timeout=300) as c:
+        with httpx.Client(timeout=300, headers=headers) as c:
             resp = _post(c, router_url + path, body)  # a stream folded into one answer; raises on a non-200
         got[p["i"]] = result_tokens(resp)[0]
         if not p["stream"]:
