@@ -418,11 +418,15 @@ class LMDeployServerSpec(_OwnVenvServer):
         return cmd
 
     def env_additions(self) -> dict[str, str]:
-        """Variables on top of our environment: the CPU aid and one OpenMP thread on ``cpu``, hub offline (when
-        ``hub_offline``), single-threaded tokenizers, ``DLMIX_LMDEPLOY_CONFIG``, then ``env``."""
+        """Variables on top of our environment: the CPU aid and one OpenMP thread on ``cpu``, and there no engine
+        warm-up (``LMDEPLOY_SKIP_WARMUP=1`` unless our environment sets it: LMDeploy's warm-up runs a dummy decode per
+        CUDA-graph capture batch size, ``lmdeploy/pytorch/engine/model_agent/agent.py`` ``warmup``, and an eager
+        CPU engine captures no graph), hub offline (when ``hub_offline``), single-threaded tokenizers,
+        ``DLMIX_LMDEPLOY_CONFIG``, then ``env``."""
         add = {"TOKENIZERS_PARALLELISM": "false"}
         if self.device == "cpu":
-            add.update(DLMIX_LMDEPLOY_CPU="1", OMP_NUM_THREADS="1")
+            add.update(DLMIX_LMDEPLOY_CPU="1", OMP_NUM_THREADS="1",
+                       LMDEPLOY_SKIP_WARMUP=os.environ.get("LMDEPLOY_SKIP_WARMUP", "1"))
         if self.hub_offline:
             add.update(_hub_offline_env())
         if self.backend_config is not None:

@@ -23,6 +23,8 @@ pytestmark = pytest.mark.slow
 
 from dlmix_lmdeploy import testing as T  # noqa: E402
 
+from dlmix.testing import stop_all  # noqa: E402
+
 T.require_venv()
 
 MAX_TOKENS = 16
@@ -57,8 +59,7 @@ def servers(smollm2_dir, tmp_path_factory):
         servers = dict(zip(specs, T.start_all_ready(str(smollm2_dir), logs, started, list(specs.values()))))
         yield {**servers, "proxy": proxy, "router": rt, "model": str(smollm2_dir)}
     finally:
-        for s in reversed(started):
-            s.stop()
+        stop_all(reversed(started))
         for rt in routers:
             rt.close()
 
@@ -234,8 +235,7 @@ def test_same_configuration_on_both_sides_is_identical_to_a_single_instance(serv
               f"{len(lengths)}")
         assert not differ, differ
     finally:
-        for s in reversed(started):
-            s.stop()
+        stop_all(reversed(started))
         for rt in routers:
             rt.close()
 
@@ -307,8 +307,7 @@ def test_quantized_kv_on_either_side(servers, tmp_path, bits):
             log = s.log_path.read_text(errors="replace")
             assert "not migrated" not in log and "Traceback" not in log, log[-3000:]
     finally:
-        for s in reversed(started):
-            s.stop()
+        stop_all(reversed(started))
         for rt in routers:
             rt.close()
 
@@ -397,8 +396,7 @@ def test_other_weights_refused_by_default_and_change_output_when_relaxed(servers
               "weights")
         assert changed >= len(prompts) - 1
     finally:
-        for s in reversed(started):
-            s.stop()
+        stop_all(reversed(started))
         for rt in routers:
             rt.close()
 
@@ -442,8 +440,7 @@ def test_engine_registers_with_the_router_and_heartbeats_its_load(smollm2_dir, t
         assert held, (need, state().load, started[-1].log_tail(30))
         assert poll(lambda: state().load.kv_usage <= base + 1e-6, 60), (base, state().load)
     finally:
-        for s in started:
-            s.stop()
+        stop_all(started)
         rt.close()
 
 
@@ -518,6 +515,5 @@ def test_prefix_routing_from_the_engines_kv_events(servers, tmp_path):
         # the engine's own account: the prompt tokens it took from its prefix cache
         assert out["usage"]["prompt_tokens_details"]["cached_tokens"] >= 16 * (n - 1), out["usage"]
     finally:
-        for s in started:
-            s.stop()
+        stop_all(started)
         rt.close()

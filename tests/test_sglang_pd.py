@@ -24,7 +24,7 @@ import pytest
 pytestmark = pytest.mark.slow
 
 from dlmix_sglang import testing as T  # noqa: E402
-from dlmix.testing import compare_greedy  # noqa: E402
+from dlmix.testing import compare_greedy, stop_all  # noqa: E402
 
 T.require_venv()
 
@@ -79,9 +79,7 @@ def servers(smollm2_dir, tmp_path_factory):
         started["_router"] = rt
         yield started
     finally:
-        for k, s in started.items():
-            if not k.startswith("_"):
-                s.stop()
+        stop_all(s for k, s in started.items() if not k.startswith("_"))
         rt.close()
 
 

@@ -33,3 +33,27 @@ def test_side_by_side_raises_from_either_side():
         side_by_side([1, 2, 3], lambda x: (_ for _ in ()).throw(ValueError(f"run {x}")) if x == 2 else x, abs)
     with pytest.raises(KeyError, match="ref 3"):
         side_by_side([1, 2, 3], abs, lambda x: (_ for _ in ()).throw(KeyError(f"ref {x}")) if x == 3 else x)
+
+
+def test_stop_all_stops_every_server_at_once_and_raises_after_all_stopped():
+    """``stop_all``: every ``stop()`` runs at the same time (each waits at a barrier all of them must reach), every
+    server is stopped even when one's ``stop()`` raises, and that exception comes out afterwards."""
+    from dlmix.testing import stop_all
+
+    barrier = threading.Barrier(4, timeout=30)
+    stopped = []
+
+    class Server:
+        def __init__(self, name, fail=False):
+            self.name, self.fail = name, fail
+
+        def stop(self):
+            barrier.wait()  # BrokenBarrierError unless all four stop() calls run together
+            stopped.append(self.name)
+            if self.fail:
+                raise RuntimeError(f"{self.name} would not stop")
+
+    with pytest.raises(RuntimeError, match="b would not stop"):
+        stop_all(Server(n, fail=n == "b") for n in "abcd")
+    assert sorted(stopped) == ["a", "b", "c", "d"]
+    stop_all([])

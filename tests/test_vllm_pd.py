@@ -28,6 +28,8 @@ vllm = pytest.importorskip("vllm")
 
 from dlmix_vllm import testing as T  # noqa: E402
 
+from dlmix.testing import stop_all  # noqa: E402
+
 MAX_TOKENS = 16
 #: top-1/top-2 logprob gap (nats) under which a first divergence counts as a near-tie. Decode recomputes only the
 #: prompt's last token against loaded KV while the reference prefills the whole prompt in one pass: two kernel paths
@@ -64,9 +66,7 @@ def servers(smollm2_dir, tmp_path_factory):
         T.wait_ready([v for k, v in s.items() if not k.startswith("_")], timeout_s=400)
         yield s
     finally:
-        for k, v in s.items():
-            if not k.startswith("_"):
-                v.stop()
+        stop_all(v for k, v in s.items() if not k.startswith("_"))
 
 
 def _ids(resp: dict) -> tuple[list[int], list[float]]:

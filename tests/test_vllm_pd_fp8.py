@@ -20,7 +20,7 @@ vllm = pytest.importorskip("vllm")
 
 from dlmix_vllm import testing as T  # noqa: E402
 
-from dlmix.testing import SHARED_CORES_ENV  # noqa: E402
+from dlmix.testing import SHARED_CORES_ENV, stop_all  # noqa: E402
 
 if not torch.cpu._is_avx512_supported():
     pytest.skip("vLLM CPU's fp8 KV cache needs AVX-512 (cpu_attn._get_attn_isa)", allow_module_level=True)
@@ -83,5 +83,4 @@ def test_fp8_prefill_to_fp8_and_fp32_decode(tiny_model_dir, tmp_path):
               f"{sum(got32[i] == refs8[i][0] for i in got32)}")
         assert first == len(items)
     finally:
-        for s in (P, D8, D32):
-            s.stop()
+        stop_all((P, D8, D32))

@@ -37,7 +37,7 @@ from dlmix_lmdeploy import testing as L  # noqa: E402
 from dlmix_sglang import testing as T  # noqa: E402
 from dlmix_vllm import testing as V  # noqa: E402
 
-from dlmix.testing import SHARED_CORES_ENV, compare_greedy, fleet_router, poll, side_by_side  # noqa: E402
+from dlmix.testing import SHARED_CORES_ENV, compare_greedy, fleet_router, poll, side_by_side, stop_all  # noqa: E402
 
 MAX_TOKENS = 16
 #: nats; the prefill's KV is rounded otherwise than the reference's own (tests/test_vllm_pd.py uses the same for
@@ -90,8 +90,7 @@ def servers(smollm2_dir, tmp_path_factory):
         out["router"] = rt
         yield out
     finally:
-        for s in reversed(started):
-            s.stop()
+        stop_all(reversed(started))
         if rt is not None:
             rt.close()
 
