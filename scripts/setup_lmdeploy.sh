@@ -12,6 +12,10 @@ set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 venv="${DLMIX_LMDEPLOY_VENV:-$here/.venv-lmdeploy}"
 py="${PYTHON:-python3.11}"
+# Editable installs of this checkout write dlmix.egg-info into it: setup.sh builds the three venvs at the same time, so
+# each editable install holds this lock (flock, util-linux; without it the installs just run).
+lock="${TMPDIR:-/tmp}/dlmix-setup-$(printf %s "$here" | sha256sum | cut -c1-12).lock"
+locked() { if command -v flock >/dev/null; then flock "$lock" "$@"; else "$@"; fi; }
 command -v "$py" >/dev/null || py=python3
 
 stamp="$venv/.dlmix-lmdeploy-stamp"
@@ -32,7 +36,7 @@ pip=("$venv/bin/python" -m pip --disable-pip-version-check -q)
   safetensors sentencepiece "tokenizers==0.23.2" einops pyyaml msgspec httpx typer rich httptools uvloop fire \
   ninja termcolor
 "${pip[@]}" uninstall -y triton torchvision >/dev/null 2>&1 || true
-"${pip[@]}" install -e "$here"
+locked "${pip[@]}" install -e "$here"
 # An editable install does not run the build step that ships dlmix_lmdeploy.pth (a wheel has it): write it here.
 site="$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
 [ -f "$site/dlmix_lmdeploy.pth" ] || cp "$here/plugins/lmdeploy/dlmix_lmdeploy.pth" "$site/"

@@ -13,6 +13,10 @@ set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 venv="${DLMIX_SGLANG_VENV:-$here/.venv-sglang}"
 py="${PYTHON:-python3.11}"
+# Editable installs of this checkout write dlmix.egg-info into it: setup.sh builds the three venvs at the same time, so
+# each editable install holds this lock (flock, util-linux; without it the installs just run).
+lock="${TMPDIR:-/tmp}/dlmix-setup-$(printf %s "$here" | sha256sum | cut -c1-12).lock"
+locked() { if command -v flock >/dev/null; then flock "$lock" "$@"; else "$@"; fi; }
 command -v "$py" >/dev/null || py=python3
 
 stamp="$venv/.dlmix-sglang-stamp"
@@ -45,6 +49,6 @@ site="$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["pu
 if ! "$venv/bin/python" -c "import importlib.util as u, sys; sys.exit(u.find_spec('sgl_kernel') is None)"; then
   echo "$here/plugins/sglang/standins" > "$site/dlmix_sglang_standins.pth"
 fi
-"${pip[@]}" install --no-deps -e "$here"
+locked "${pip[@]}" install --no-deps -e "$here"
 "$venv/bin/python" -c "import sglang, dlmix_sglang; print('[setup_sglang] sglang', sglang.__version__)"
 echo "$want" > "$stamp"
