@@ -12,10 +12,7 @@ set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 venv="${DLMIX_LMDEPLOY_VENV:-$here/.venv-lmdeploy}"
 py="${PYTHON:-python3.11}"
-# Editable installs of this checkout write dlmix.egg-info into it: setup.sh builds the three venvs at the same time, so
-# each editable install holds this lock (flock, util-linux; without it the installs just run).
-lock="${TMPDIR:-/tmp}/dlmix-setup-$(printf %s "$here" | sha256sum | cut -c1-12).lock"
-locked() { if command -v flock >/dev/null; then flock "$lock" "$@"; else "$@"; fi; }
+. "$here/scripts/lock.sh"  # locked: editable installs of this checkout, one at a time
 command -v "$py" >/dev/null || py=python3
 
 stamp="$venv/.dlmix-lmdeploy-stamp"

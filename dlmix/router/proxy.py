@@ -687,8 +687,12 @@ def build_request(method: bytes, path: bytes, hostport: bytes, headers: bytes, b
         method, path, hostport, headers, len(body), body)
 
 
+#: request headers that pin a request to instances by id (router option ``allow_pinning``,
+#: :meth:`dlmix.router.server.Router._pins`)
+PIN_PREFILL = b"x-dlmix-prefill-instance"
+PIN_DECODE = b"x-dlmix-decode-instance"
 #: client headers addressed to the router itself (instance pinning), never forwarded to an engine
-ROUTER_ONLY = frozenset((b"x-dlmix-prefill-instance", b"x-dlmix-decode-instance"))
+ROUTER_ONLY = frozenset((PIN_PREFILL, PIN_DECODE))
 _NOT_FORWARDED = HOP_BY_HOP | ROUTER_ONLY
 
 

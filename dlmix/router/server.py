@@ -81,10 +81,6 @@ __all__ = ["Router", "RegistrationError", "run"]
 _json = msgspec.json.Encoder()
 _CHAT = b"/v1/chat/completions"
 _COMPL = b"/v1/completions"
-#: request headers that pin a request to instances by id (router option ``allow_pinning``; see ``_pins``); both are
-#: in :data:`dlmix.router.proxy.ROUTER_ONLY` (never forwarded)
-_PIN_PREFILL = b"x-dlmix-prefill-instance"
-_PIN_DECODE = b"x-dlmix-decode-instance"
 
 
 class Router:
@@ -380,9 +376,9 @@ class Router:
         ``prefill``-role instance as the decode, a non-``prefill`` one as the prefill)."""
         p = dec = None
         for k, v in req.headers:
-            if k == _PIN_PREFILL:
+            if k == proxy.PIN_PREFILL:
                 p = v
-            elif k == _PIN_DECODE:
+            elif k == proxy.PIN_DECODE:
                 dec = v
         if p is None and dec is None:
             return None
@@ -448,7 +444,7 @@ class Router:
         if self._looped(req):
             return False
         for k, _ in req.headers:
-            if k == _PIN_DECODE or k == _PIN_PREFILL:
+            if k in proxy.ROUTER_ONLY:
                 return False  # the coroutine path checks the pins
         chat = path == _CHAT
         d = None
