@@ -81,11 +81,15 @@ def test_tp_mismatch_identical_to_single_decode_instance(request, tmp_path, kv_h
             assert len(rows) == len(items)
             for row in rows:
                 assert row["error"] is None and row["failed_blocks"] == 0, row
+                assert 0 <= row["grant_s"] <= row["transfer_s"], row
                 blocks = -(-row["end"] // P_BLOCK) - row["start"] // P_BLOCK
                 assert row["bytes_received"] == blocks * P_BLOCK * heads_per_rank * HEAD * 2 * 4 * LAYERS, row
         assert set(loaded.values()) <= {r["end"] - r["start"] for r in recs[0]}
         # every prefill rank's holds were released (consumed by each decode rank): no KV block stays in use
         assert poll(lambda: T.kv_usage(P.url) == 0, timeout_s=60), T.kv_usage(P.url)
+        # the connector's own log lines reach vLLM's log (one per prefill rank's endpoint)
+        started = [ln for ln in P.log.read_text(errors="replace").splitlines() if "DLMixConnector worker rank" in ln]
+        assert len(started) == ptp, started
     finally:
         P.stop()
         D.stop()

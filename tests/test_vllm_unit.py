@@ -441,3 +441,38 @@ def test_describe_engine_names_an_mla_model_one_latent_plane(tiny_deepseek_dir):
         describe_engine(_mla_vllm_config(str(tiny_deepseek_dir), cache_dtype="fp8"))
     with pytest.raises(ValueError, match="qk_rope_head_dim"):
         describe_engine(_mla_vllm_config(str(tiny_deepseek_dir), rope=None))
+
+
+def test_connector_loggers_write_through_vllms_handler():
+    """vLLM configures only its ``vllm`` logger: the connector's ``dlmix_vllm``/``dlmix`` INFO lines (a want that
+    waited for its hold, a worker's transport) must reach vLLM's handler at vLLM's level, and loggers an application
+    configured itself are left alone."""
+    import io
+    import logging
+
+    from dlmix_vllm.connector import log_like_vllm
+
+    vl, ours, core = (logging.getLogger(n) for n in ("vllm", "dlmix_vllm", "dlmix"))
+    saved = [(lg, list(lg.handlers), lg.level, lg.propagate) for lg in (vl, ours, core)]
+    buf = io.StringIO()
+    handler = logging.StreamHandler(buf)
+    handler.setLevel(logging.INFO)
+    try:
+        for lg in (vl, ours, core):
+            lg.handlers = []
+        vl.addHandler(handler)
+        vl.setLevel(logging.DEBUG)
+        mine = logging.StreamHandler(io.StringIO())
+        core.addHandler(mine)  # configured by the application: kept as it is
+        log_like_vllm()
+        logging.getLogger("dlmix_vllm.worker").info("worker line")
+        logging.getLogger("dlmix_vllm.worker").debug("debug line")
+        assert buf.getvalue() == "worker line\n"  # INFO through vLLM's handler; DEBUG below its level
+        assert ours.level == logging.INFO and ours.propagate is False
+        assert core.handlers == [mine]
+        log_like_vllm()  # idempotent: no second handler
+        assert ours.handlers == [handler]
+    finally:
+        for lg, hs, lvl, prop in saved:
+            lg.handlers, lg.propagate = hs, prop
+            lg.setLevel(lvl)

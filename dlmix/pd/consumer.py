@@ -50,14 +50,16 @@ class Claim:
 @dataclass
 class PullResult:
     """Outcome of one pull: tokens ``[start, loaded_upto)`` are in place; ``bytes_received`` read over the
-    transport in ``rounds`` rounds, ``seconds`` wall time; ``error`` None on success; ``failed_block_ids``: local
-    blocks covering ``[loaded_upto, end)`` (the engine recomputes them)."""
+    transport in ``rounds`` rounds, ``seconds`` wall time, of which ``grant_s`` waiting for the producers' answers to
+    the wants (a producer waits for its engine to register the hold); ``error`` None on success;
+    ``failed_block_ids``: local blocks covering ``[loaded_upto, end)`` (the engine recomputes them)."""
 
     loaded_upto: int
     bytes_received: int = 0
     seconds: float = 0.0
     peak_staging_bytes: int = 0
     rounds: int = 0
+    grant_s: float = 0.0
     error: str | None = None
     failed_block_ids: list[int] = field(default_factory=list)
 
@@ -239,6 +241,7 @@ class Consumer:
             plan = self._plan(src, targets)
             peers: dict[int, str] = {p: self.t.connect(targets[p], timeout_s=self.io_timeout_s) for p, _ in plan}
             slots = {p: (peers[p], self.slots.open(peers[p], remote_req_id)) for p, _ in plan}
+            asked = time.perf_counter()
             try:
                 for p, _ in plan:
                     self.t.notify(peers[p], encode(Want(req=remote_req_id, block_ids=[int(b) for b in remote_block_ids],
@@ -255,6 +258,7 @@ class Consumer:
                         if time.monotonic() > deadline:
                             raise TimeoutError(f"no answer from prefill {peer} for {remote_req_id}")
             finally:
+                res.grant_s = time.perf_counter() - asked
                 for peer, slot in slots.values():
                     self.slots.close(peer, remote_req_id, slot)
             tids: dict[int, str] = {}

@@ -267,11 +267,15 @@ class Producer:
         rid = msg.req
         reasons = check_pair(self.layout, msg.layout, verify_weights=self.verify_weights, src_name="producer",
                              dst_name="consumer")
-        deadline = time.monotonic() + self.registration_wait_s
+        asked = time.monotonic()
+        deadline = asked + self.registration_wait_s
         with self.cv:
             while self._hold(rid) is None and time.monotonic() < deadline:
                 self.cv.wait(timeout=max(0.0, deadline - time.monotonic()))
             h = self._hold(rid)
+            waited = time.monotonic() - asked
+            if waited > 1.0:
+                log.info("dlmix.pd: the want for %s from %s waited %.1f s for the engine's hold", rid, peer, waited)
             if h is None or h.done or h.free_after:
                 reasons.append(f"request {rid} is not held here (unknown, expired or already released)")
             else:

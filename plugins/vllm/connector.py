@@ -26,8 +26,11 @@ request aborted while ``WAITING_FOR_REMOTE_KVS`` until the worker reports it fin
 the pull at the next chunk boundary and reports it, so freed blocks are never written. A D request aborted before
 allocation sends P a release so P frees at once.
 
-Only one KV cache group (plain attention models) and equal TP sizes on both sides are supported; others are refused
-with reasons.
+Only one KV cache group (plain attention models) is supported. The two sides may differ in TP size: each decode rank
+reads the KV heads it needs from the prefill ranks that hold them (:mod:`dlmix.pd.consumer`).
+
+Logging: the connector's loggers (``dlmix_vllm.*`` and the core's ``dlmix.*``) write through vLLM's own handler at
+vLLM's level (``VLLM_LOGGING_LEVEL``), so their lines appear in the server's log like vLLM's.
 
 Package layout (like vLLM's own NIXL connector): this module is the thin facade vLLM instantiates;
 :mod:`dlmix_vllm.scheduler` (EngineCore side), :mod:`dlmix_vllm.worker` (worker side), :mod:`dlmix_vllm.metadata`
@@ -63,7 +66,26 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("dlmix_vllm.connector")
 
-__all__ = ["DLMixConnector", "DLMixConnectorMetadata", "DLMixWorkerMetadata", "DLMixHandshake", "RecvJob",
+
+
+def log_like_vllm() -> None:
+    """Send the ``dlmix_vllm`` and ``dlmix`` loggers' records to vLLM's handlers at vLLM's level (once per process;
+    loggers that already have handlers, e.g. configured by an embedding application, are left alone). Without it
+    their INFO lines are lost: vLLM configures only its own ``vllm`` logger."""
+    vl = logging.getLogger("vllm")
+    if not vl.handlers:
+        return
+    for name in ("dlmix_vllm", "dlmix"):
+        lg = logging.getLogger(name)
+        if lg.handlers:
+            continue
+        for h in vl.handlers:
+            lg.addHandler(h)
+        lg.setLevel(max(vl.getEffectiveLevel(), min(h.level for h in vl.handlers)))
+        lg.propagate = False
+
+
+__all__ = ["DLMixConnector", "log_like_vllm", "DLMixConnectorMetadata", "DLMixWorkerMetadata", "DLMixHandshake", "RecvJob",
            "ReleaseJob"]
 
 
@@ -78,6 +100,7 @@ class DLMixConnector(KVConnectorBase_V1):
 
     def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config: "KVCacheConfig"):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        log_like_vllm()
         ktc = self._kv_transfer_config
         self.settings: DLMixSettings = parse_settings(ktc.kv_connector_extra_config)
         self.engine_id = str(ktc.engine_id)

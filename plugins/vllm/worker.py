@@ -131,7 +131,8 @@ class DLMixConnectorWorker:
             loaded, bad = res.loaded_upto, res.failed_block_ids
             if self.settings.debug_dump_dir and res.error is None:
                 self._dump(f"loaded-{job.req_id}", list(job.local_block_ids), job.end)
-            rec = {"bytes_received": res.bytes_received, "transfer_s": round(res.seconds, 6), "rounds": res.rounds,
+            rec = {"bytes_received": res.bytes_received, "transfer_s": round(res.seconds, 6),
+                   "grant_s": round(res.grant_s, 6), "rounds": res.rounds,
                    "peak_staging_bytes": res.peak_staging_bytes, "error": res.error}
             try:
                 self.endpoint.release(remote, job.remote_req_id, consumed=res.error is None)
