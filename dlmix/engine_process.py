@@ -510,19 +510,26 @@ class ServerChild:
         raise RuntimeError(f"{self.NAME} server {self.url} not ready after {timeout_s:.0f} s:\n{self.log_tail()}")
 
     def stop(self, timeout_s: float = 20.0) -> None:
-        """SIGTERM the server's process group, SIGKILL it after ``timeout_s``."""
-        if self.proc.poll() is not None:
-            return
-        for sig, wait in ((signal.SIGTERM, timeout_s), (signal.SIGKILL, 10.0)):
+        """SIGTERM the server process (the group leader) alone, wait up to ``timeout_s`` s for it, then SIGKILL its
+        whole process group (children it left behind) and reap it.
+
+        The leader alone first, so that it shuts its own engine processes down: an LMDeploy API server whose engine
+        process got the signal too (and died before reading the server's close request) hung in ZMQ's
+        ``Context.term`` until killed (``lmdeploy/pytorch/engine/mp_engine/zmq_rpc.py``, ``close_sockets``)."""
+        if self.proc.poll() is None:
             try:
-                os.killpg(self.proc.pid, sig)
-            except ProcessLookupError:
-                return
-            try:
-                self.proc.wait(wait)
-                return
+                self.proc.send_signal(signal.SIGTERM)
+                self.proc.wait(timeout_s)
             except subprocess.TimeoutExpired:
-                continue
+                pass
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            return
+        try:
+            self.proc.wait(10.0)
+        except subprocess.TimeoutExpired:  # pragma: no cover
+            pass
 
 
 class EngineProcess:

@@ -134,3 +134,35 @@ def test_pd_test_spec_builds_the_same_command_line_as_the_connector_test_launche
               "TRANSFORMERS_OFFLINE", "VLLM_NO_USAGE_STATS", "PYTHONUNBUFFERED"):
         assert env[k] == seen["env"][k], k
     assert "VLLM_CPU_KVCACHE_SPACE" not in env
+
+
+def test_server_child_stop_signals_the_leader_alone_then_kills_what_it_left(tmp_path):
+    """ServerChild.stop: SIGTERM reaches the server process only (it shuts its own engine processes down; an engine
+    process that got the signal itself could die before reading its server's close request, which hung LMDeploy's
+    API server), then the group is killed: a child the leader left behind is gone and never saw SIGTERM."""
+    import subprocess
+
+    from dlmix.engine_process import ServerChild
+
+    child_log, pidfile = tmp_path / "child.log", tmp_path / "child.pid"
+    child = ("import signal, time; "
+             f"signal.signal(signal.SIGTERM, lambda *a: open({str(child_log)!r}, 'a').write('SIGTERM\\n')); "
+             "time.sleep(300)")
+    leader = ("import signal, subprocess, sys, time; "
+              f"p = subprocess.Popen([sys.executable, '-c', {child!r}]); "
+              f"open({str(pidfile)!r}, 'w').write(str(p.pid)); "
+              "signal.signal(signal.SIGTERM, lambda *a: sys.exit(0)); time.sleep(300)")
+    s = ServerChild(subprocess.Popen([sys.executable, "-c", leader], start_new_session=True), "http://127.0.0.1:9",
+                    tmp_path / "none.log")
+    deadline = time.monotonic() + 30
+    while not (pidfile.exists() and pidfile.read_text()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    pid = int(pidfile.read_text())
+    time.sleep(0.5)  # the child's handler is installed
+    s.stop(timeout_s=10)
+    assert s.proc.returncode == 0  # the leader exited on its own SIGTERM
+    deadline = time.monotonic() + 10
+    while _alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _alive(pid)
+    assert not child_log.exists()  # SIGKILLed with the group, never sent SIGTERM

@@ -17,7 +17,7 @@ from dlmix.pd.contract import Abort, Consumed, ContractError, TransferParams, Wa
 from dlmix.pd.endpoint import KVEndpoint
 from dlmix.pd.producer import MAX_CONSUMERS, Producer
 from dlmix.router.engines import vllm as vllm_adapter
-from dlmix.testing import poll
+from dlmix.testing import poll, stop_all
 
 SECRET = "faults-test"
 
@@ -409,5 +409,4 @@ def test_pd_n2_through_router_shares_the_prefill_kv(smollm2_dir, tmp_path):
             asyncio.run_coroutine_threadsafe(router.stop(), loop).result(30)
         loop.call_soon_threadsafe(loop.stop)
         th.join(10)
-        P.stop()
-        D.stop()
+        stop_all([P, D])

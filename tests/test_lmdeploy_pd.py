@@ -188,10 +188,14 @@ def _against_reference(url: str, ref_url: str, m: str, tokenizer, lengths: list[
 
 
 def test_servers_register_themselves_with_the_dlmix_router(servers):
-    """``lmdeploy serve api_server --proxy-url ROUTER`` registers through LMDeploy's ``/nodes/add``."""
+    """``lmdeploy serve api_server --proxy-url ROUTER`` registers through LMDeploy's ``/nodes/add``, and LMDeploy
+    takes the router's answer as a success (it logs "Service registration failed" for any status but 200)."""
     rt = servers["router"]
     got = rt.call(lambda: {b.state.url: (b.state.role, b.state.engine) for b in rt.router.registry.backends.values()})
     assert got == {servers["P2"].url: ("prefill", "lmdeploy"), servers["D2"].url: ("decode", "lmdeploy")}
+    for name in ("P2", "D2"):
+        log = servers[name].log_path.read_text(errors="replace")
+        assert "Service registration failed" not in log, log[-2000:]
 
 
 def test_router_pd_chat_and_completion_streaming_or_not_equal_single_instance(servers):
@@ -336,6 +340,9 @@ def test_decode_answers_an_error_when_the_kv_does_not_arrive(servers):
     import urllib.request
 
     m, d = servers["model"], servers["D2"]
+    # one real request through the router first: the decode connects to the prefill (LMDeploy's p2p_connect), so
+    # the bogus migration below reaches the prefill, which refuses it (without it the decode refuses it itself)
+    assert T.router_request(servers["router"].url, m, "completion", "The capital of France is", 2)
     bogus = {"protocol": 1, "remote_engine_id": servers["P2"].url, "remote_session_id": 0, "remote_token_id": 5,
              "remote_block_ids": [250, 251], "is_dummy_prefill": False}
     status, out = T.post_json(d.url + "/v1/completions", {"model": m, "prompt": "The capital of France is",

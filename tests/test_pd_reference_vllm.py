@@ -32,7 +32,7 @@ pytest.importorskip("vllm")
 pytest.importorskip("transformers")
 
 from dlmix.router.config import RouterConfig  # noqa: E402
-from dlmix.testing import RouterThread, wait_until  # noqa: E402
+from dlmix.testing import RouterThread, stop_all, wait_until  # noqa: E402
 from dlmix_vllm import testing as T  # noqa: E402
 
 MAX_TOKENS = 16
@@ -100,9 +100,7 @@ def stack(smollm2_dir, tmp_path_factory):
     finally:
         if rt is not None:
             rt.close()
-        D.stop()
-        P.stop()
-        Q.stop()
+        stop_all([D, P, Q])
 
 
 @pytest.fixture(scope="module")

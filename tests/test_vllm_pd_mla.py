@@ -26,7 +26,7 @@ pytestmark = pytest.mark.slow
 
 vllm = pytest.importorskip("vllm")
 
-from dlmix.testing import SHARED_CORES_ENV, poll  # noqa: E402
+from dlmix.testing import SHARED_CORES_ENV, poll, stop_all  # noqa: E402
 from dlmix_vllm import testing as T  # noqa: E402
 from dlmix_vllm.worker import dump_name  # noqa: E402
 
@@ -86,5 +86,4 @@ def test_mla_latent_cache_moves_byte_exact(tiny_deepseek_dir, tmp_path):
             assert rec["end"] == len(p["prompt"]) and rec["bytes_received"] == blocks * BLOCK * LATENT * 4 * LAYERS
         assert poll(lambda: T.kv_usage(P.url) == 0, timeout_s=60), T.kv_usage(P.url)
     finally:
-        P.stop()
-        D.stop()
+        stop_all([P, D])

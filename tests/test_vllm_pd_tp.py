@@ -25,7 +25,7 @@ pytestmark = pytest.mark.slow
 
 vllm = pytest.importorskip("vllm")
 
-from dlmix.testing import SHARED_CORES_ENV, poll  # noqa: E402
+from dlmix.testing import SHARED_CORES_ENV, poll, stop_all  # noqa: E402
 from dlmix_vllm import testing as T  # noqa: E402
 
 MAX_TOKENS = 12
@@ -91,5 +91,4 @@ def test_tp_mismatch_identical_to_single_decode_instance(request, tmp_path, kv_h
         started = [ln for ln in P.log.read_text(errors="replace").splitlines() if "DLMixConnector worker rank" in ln]
         assert len(started) == ptp, started
     finally:
-        P.stop()
-        D.stop()
+        stop_all([P, D])

@@ -54,6 +54,13 @@ class LocalState:
         return None
 
 
+def _lmdeploy_status(answer: tuple[int, Any]) -> tuple[int, Any]:
+    """A registration's answer as LMDeploy's proxy gives it: 200 instead of 201 (LMDeploy's ``register_to_proxy``
+    in ``serve/openai/api_server.py`` logs "Service registration failed" for any status but 200)."""
+    status, body = answer
+    return (200 if status == 201 else status), body
+
+
 #: LMDeploy's ``EngineRole`` values (``pytorch/disagg/config.py``) -> dlmix roles
 LMDEPLOY_ROLES = {1: "both", 2: "prefill", 3: "decode"}
 
@@ -168,7 +175,12 @@ class AdminAPI:
         reg = lmdeploy_registration(body)
         if isinstance(reg, str):
             return 400, {"error": reg}
-        return self.state.register(reg)
+        out = self.state.register(reg)
+        if inspect.isawaitable(out):
+            async def done():
+                return _lmdeploy_status(await out)
+            return done()
+        return _lmdeploy_status(out)
 
     def lmdeploy_remove(self, body):
         """LMDeploy's ``/nodes/remove`` (``{"url"}``): removes the instances registered with that URL."""
