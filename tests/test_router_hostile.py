@@ -298,6 +298,53 @@ def test_backend_garbage_is_502_not_forwarded(lt, garbage, stream):
         srv.close()
 
 
+@pytest.mark.parametrize("status_line", [b"HTTP/1.1 200 OK", b"HTTP/1.1 200 ", b"HTTP/1.1 200"])
+def test_a_collected_answer_has_its_status_with_or_without_a_reason_phrase(lt, status_line):
+    """The status of an answer the router collects (a prefill leg's) comes from the status line whether or not it has
+    a reason phrase (httptools reports none for "HTTP/1.1 200": such a 200 counted as status 0, and a PD request
+    then failed with "prefill instance ... answered 0")."""
+    from dlmix.router.proxy import Pool, build_request, request
+
+    answer = status_line + b"\r\ncontent-type: application/json\r\ncontent-length: 2\r\n\r\n{}"
+    url, srv = lt.run(_fake_backend(answer))
+    host, port = url.rsplit("/", 1)[1].split(":")
+
+    async def go():
+        pool = Pool(host, int(port), "fake")
+        c = await request(pool, build_request(b"POST", b"/v1/completions", b"fake", b"", b"{}"), timeout=10)
+        return c.collected()
+
+    try:
+        status, _headers, body = lt.run(go())
+        assert (status, body) == (200, b"{}")
+    finally:
+        srv.close()
+
+
+def test_a_leg_run_as_a_task_keeps_its_answer_when_its_connection_is_reused(lt):
+    """A PD leg runs as its own task and is read after other tasks ran: its connection is back in the pool by then,
+    and the next request on it must not change what the leg got (it did: the next request reset the status to 0,
+    which failed a PD request with "prefill instance ... answered 0")."""
+    from dlmix.router.proxy import Pool, build_request, request
+
+    url, srv = lt.run(_fake_backend(OK, b"HTTP/1.1 503 Service Unavailable\r\ncontent-length: 3\r\n\r\nbad"))
+    host, port = url.rsplit("/", 1)[1].split(":")
+
+    async def go():
+        pool = Pool(host, int(port), "fake")
+        raw = build_request(b"POST", b"/v1/completions", b"fake", b"", b"{}")
+        leg = asyncio.ensure_future(request(pool, raw, timeout=10))
+        await asyncio.wait((leg,))
+        second = await request(pool, raw, timeout=10)  # the same kept-alive connection
+        return leg.result().collected(), second.collected()
+
+    try:
+        first, second = lt.run(go())
+        assert (first[0], first[2], second[0], second[2]) == (200, b"{}", 503, b"bad")
+    finally:
+        srv.close()
+
+
 @pytest.mark.parametrize("fast_path", [True, False])
 def test_backend_that_hangs_gets_504(lt, fast_path):
     url, srv = lt.run(_fake_backend(OK))  # answers the first request on a connection, then hangs

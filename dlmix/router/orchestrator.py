@@ -179,7 +179,7 @@ class PDOrchestrator:
         """Run both legs of ``dec`` at once (concurrent PD flow): the hand-off (the prefill instance's bootstrap host,
         port and a fresh room) goes into both; the decode leg streams to the client.
 
-        Returns ``(decode backend, decode BackendConn)`` when the decode leg finished; :data:`SENT` when the prefill
+        Returns ``(decode backend, its proxy.Answer)`` when the decode leg finished; :data:`SENT` when the prefill
         instance's 4xx answer went to the client (the decode leg is cancelled). A prefill leg that fails (connection
         error, timeout after ``prefill_timeout_s``, 5xx) before the decode leg sent anything cancels the decode leg
         and is placed again by the policy (at most ``retries`` other prefill instances, each with a new room).

@@ -538,10 +538,10 @@ class BackendConn(asyncio.Protocol):
         except httptools.HttpParserError as ex:
             self.fail(BackendError(f"bad HTTP from backend {self.pool.name}: {ex}", self.forwarded))
 
-    def on_status(self, status: bytes):
-        self.status = self.parser.get_status_code()
-
     def on_headers_complete(self):
+        # the status code from the parser here, not in on_status: httptools calls on_status with the reason phrase
+        # only, and never for a status line without one ("HTTP/1.1 200"), which left such answers with status 0
+        self.status = self.parser.get_status_code()
         self.hdr_done = True
         p = self.pending
         if p is not None:
@@ -643,11 +643,29 @@ class Pool:
         self.idle = []
 
 
+class Answer:
+    """What one backend request got (a snapshot taken before its connection went back to the pool, where the next
+    request resets it): ``status``, ``headers`` (collected responses only), ``body`` chunks (collected only),
+    ``nchunks`` body chunks, ``t_first`` (``perf_counter`` seconds at the first body bytes), ``gap_sum`` (seconds
+    between chunks, summed), ``forwarded`` (bytes reached the client)."""
+
+    __slots__ = ("status", "headers", "body", "nchunks", "t_first", "gap_sum", "forwarded")
+
+    def __init__(self, c: BackendConn):
+        self.status, self.headers, self.body = c.status, c.headers, c.body
+        self.nchunks, self.t_first, self.gap_sum, self.forwarded = c.nchunks, c.t_first, c.gap_sum, c.forwarded
+
+    def collected(self) -> Tuple[int, list, bytes]:
+        """(status, headers, body) of a collected response."""
+        return self.status, self.headers, b"".join(self.body)
+
+
 async def request(pool: Pool, data: bytes, sink=None, conn: Optional[ServerProtocol] = None,
-                  timeout: Optional[float] = None, first_cb=None) -> BackendConn:
+                  timeout: Optional[float] = None, first_cb=None) -> Answer:
     """Send raw request bytes through ``pool``; forward to ``sink`` or collect. The connection is registered on the
-    client ``conn`` (so a disconnect aborts it). Raises BackendError on failure or timeout (the connection is then
-    closed)."""
+    client ``conn`` (so a disconnect aborts it). Returns the :class:`Answer`, taken before the connection is pooled
+    again: a caller that reads it later (a leg run as its own task) cannot see another request's state. Raises
+    BackendError on failure or timeout (the connection is then closed)."""
     c = await pool.acquire()
     if conn is not None:
         conn.backends.append(c)
@@ -667,6 +685,7 @@ async def request(pool: Pool, data: bytes, sink=None, conn: Optional[ServerProto
                 raise BackendError(f"backend {pool.name} timed out after {timeout:.3g} s", c.forwarded,
                                    timeout=True) from None
         ok = True
+        answer = Answer(c)
     except BaseException:
         c.abort()
         raise
@@ -678,7 +697,7 @@ async def request(pool: Pool, data: bytes, sink=None, conn: Optional[ServerProto
                 pass
         if ok and c.usable:
             pool.release(c)
-    return c
+    return answer
 
 
 def build_request(method: bytes, path: bytes, hostport: bytes, headers: bytes, body: bytes) -> bytes:

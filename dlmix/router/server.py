@@ -540,7 +540,7 @@ class Router:
     async def _legs(self, conn, req, chat: bool, d, rr: RouteRequest, dec, view, fwd: bytes, first):
         """The backend legs of one placement: the PD prefill leg (sequential or concurrent, by the prefill instance's
         engine adapter) if any, and the decode (or whole-request) leg streaming to the client. Returns
-        ``(decode backend, BackendConn)``, or :data:`SENT` when the answer was already sent (a prefill instance's
+        ``(decode backend, proxy.Answer)``, or :data:`SENT` when the answer was already sent (a prefill instance's
         4xx; 400 when the decode instance's engine refuses the request in PD, its adapter's ``pd_refusal``; 503 when
         a decode-only instance has no prefill instance). Raises BackendError."""
         m = self.metrics
