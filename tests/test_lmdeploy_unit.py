@@ -359,3 +359,40 @@ def test_prefix_cache_events_reach_the_routers_keys(tmp_path):
         assert upd == [kv_events.Removed(keys=[hasher.block_keys(tokens, 16)[-1]])], upd
     finally:
         sub.close(0)
+
+
+
+def test_cpu_aid_linear_computes_slow_16bit_products_in_fp32_and_rounds_once():
+    """The LMDeploy CPU aid's linear (:class:`dlmix_lmdeploy.cpu_ops.CpuLinear`, run in the LMDeploy venv) upcasts
+    exactly what :mod:`dlmix.testing.cpu_gemm` says: on this CPU's slow 16-bit dtypes, a product of 16 rows or more
+    equals the fp32 product rounded once, bit for bit; fewer rows, or a dtype the CPU multiplies natively, take
+    LMDeploy's own path."""
+    from dlmix_lmdeploy import testing as T
+
+    py = T.lmdeploy_python()
+    if py is None:
+        pytest.skip("no LMDeploy venv (run scripts/setup_lmdeploy.sh, or set DLMIX_LMDEPLOY_VENV)")
+    code = """
+import torch, torch.nn.functional as F
+from dlmix.testing.cpu_gemm import slow_gemm_dtypes
+from dlmix_lmdeploy.cpu_ops import CpuLinear
+assert CpuLinear.upcast == slow_gemm_dtypes()
+g = torch.Generator().manual_seed(0)
+for dt in (torch.bfloat16, torch.float16):
+    w, b = torch.randn(48, 64, generator=g).to(dt), torch.randn(48, generator=g).to(dt)
+    lin = CpuLinear()
+    lin.upcast = frozenset({dt})
+    for rows in (16, 40):
+        x = torch.randn(rows, 64, generator=g).to(dt)
+        y = lin.forward(x, w, b)
+        assert y.dtype == dt and torch.equal(y, F.linear(x.float(), w.float(), b.float()).to(dt)), (dt, rows)
+    x = torch.randn(15, 64, generator=g).to(dt)
+    assert torch.equal(lin.forward(x, w, b), F.linear(x, w, b)), dt
+    lin.upcast = frozenset()
+    x = torch.randn(40, 64, generator=g).to(dt)
+    assert torch.equal(lin.forward(x, w, b), F.linear(x, w, b)), dt
+print("ok")
+"""
+    out = subprocess.run([py, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split() == ["ok"], out.stdout

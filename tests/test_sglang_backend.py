@@ -31,3 +31,39 @@ def test_backend_in_process():
     assert cases["decode-abort"]["ok"] and "abort" in cases["decode-abort"]["prefill_reason"].lower()
     assert cases["early-abort"]["ok"]
     assert cases["holds-left"]["counts"] == [0, 0, 0]
+
+
+@pytest.mark.skipif(PY is None, reason="no SGLang venv (run scripts/setup_sglang.sh, or set DLMIX_SGLANG_VENV)")
+@pytest.mark.parametrize("aids", ["1", None])
+def test_cpu_aids_compute_slow_16bit_linears_in_fp32_only_when_asked(aids):
+    """Loaded through SGLang's own ``load_plugins``: with ``DLMIX_SGLANG_CPU_AIDS=1`` an unquantized linear of 16 rows
+    or more in a dtype this CPU has no native kernel for goes through :func:`dlmix.testing.cpu_gemm.linear` (fp32,
+    rounded once) and fewer rows keep SGLang's path; without the variable no product goes there."""
+    code = """
+import torch, torch.nn.functional as F
+from sglang.srt.plugins import load_plugins
+import dlmix.testing.cpu_gemm as cg
+from sglang.srt.layers.quantization import unquant
+load_plugins()
+seen = []
+real = cg.linear
+cg.linear = lambda x, *a, **k: seen.append(tuple(x.shape)) or real(x, *a, **k)
+cg.slow_gemm_dtypes = lambda: frozenset({torch.bfloat16})
+class Layer: pass
+layer = Layer()
+layer.weight = torch.randn(48, 64).bfloat16()
+m = unquant.UnquantizedLinearMethod()
+x = torch.randn(20, 64).bfloat16()
+y = m.apply(layer, x)
+assert torch.equal(y, F.linear(x.float(), layer.weight.float()).bfloat16())
+m.apply(layer, torch.randn(3, 64).bfloat16())
+print("fp32 products:", seen)
+"""
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "DLMIX_SGLANG_CPU_AIDS")}
+    env["SGLANG_USE_CPU_ENGINE"] = "1"
+    if aids:
+        env["DLMIX_SGLANG_CPU_AIDS"] = aids
+    out = subprocess.run([PY, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    last = out.stdout.strip().splitlines()[-1]
+    assert last == ("fp32 products: [(20, 64)]" if aids else "fp32 products: []"), out.stdout

@@ -57,3 +57,33 @@ def test_stop_all_stops_every_server_at_once_and_raises_after_all_stopped():
         stop_all(Server(n, fail=n == "b") for n in "abcd")
     assert sorted(stopped) == ["a", "b", "c", "d"]
     stop_all([])
+
+
+def test_cpu_gemm_upcasts_the_dtypes_torch_has_no_native_kernel_for():
+    """:mod:`dlmix.testing.cpu_gemm`: the slow dtypes are what torch's oneDNN reports for this CPU; a product of 16
+    rows or more in a slow dtype equals the fp32 product rounded once, bit for bit; fewer rows, and dtypes not
+    named, are ``F.linear`` itself."""
+    import torch
+    import torch.nn.functional as F
+
+    from dlmix.testing import cpu_gemm
+
+    mk = torch.ops.mkldnn
+    want = {d for d, native in ((torch.float16, mk._is_mkldnn_fp16_supported()),
+                                (torch.bfloat16, mk._is_mkldnn_bf16_supported())) if not native}
+    assert cpu_gemm.slow_gemm_dtypes() == frozenset(want)
+    g = torch.Generator().manual_seed(0)
+    for dt in (torch.bfloat16, torch.float16):
+        w, b = torch.randn(48, 64, generator=g).to(dt), torch.randn(48, generator=g).to(dt)
+        for rows in (16, 40):
+            x = torch.randn(2, rows // 2, 64, generator=g).to(dt)
+            y = cpu_gemm.linear(x, w, b, upcast=frozenset({dt}))
+            assert y.shape == (2, rows // 2, 48) and y.dtype == dt
+            assert torch.equal(y, F.linear(x.float(), w.float(), b.float()).to(dt))
+        x = torch.randn(15, 64, generator=g).to(dt)
+        assert not cpu_gemm.wants_fp32(x, frozenset({dt}))
+        assert torch.equal(cpu_gemm.linear(x, w, b, upcast=frozenset({dt})), F.linear(x, w, b))
+        x = torch.randn(40, 64, generator=g).to(dt)
+        assert torch.equal(cpu_gemm.linear(x, w, None, upcast=frozenset()), F.linear(x, w))
+    x32 = torch.randn(40, 64, generator=g)
+    assert not cpu_gemm.wants_fp32(x32, frozenset({torch.float16, torch.bfloat16}))

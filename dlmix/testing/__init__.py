@@ -12,7 +12,9 @@
 * :class:`JsonStandIn`: a stand-in HTTP server answering JSON from a function (an engine's routes, for tests of the
   code that calls them);
 * :class:`~dlmix.testing.mock_engine.MockEngine`: the one mock OpenAI engine (vLLM's API, PD legs, KV events,
-  Prometheus counters, fixed fast answers for router benchmarks).
+  Prometheus counters, fixed fast answers for router benchmarks);
+* :mod:`dlmix.testing.cpu_gemm`: bf16/fp16 products in fp32 where the CPU has no native kernel for them (the
+  LMDeploy and SGLang CPU aids).
 """
 from __future__ import annotations
 

@@ -14,31 +14,27 @@ from lmdeploy.pytorch.backends.default.linear import DefaultLinearImpl
 from lmdeploy.pytorch.backends.linear import LinearBuildSpec
 
 from dlmix.kv.quant import dequantize_asym, quantize_asym
+from dlmix.testing.cpu_gemm import slow_gemm_dtypes, wants_fp32
 
 __all__ = ["CpuPagedAttention", "CpuLinear", "CpuOpsBackend"]
 
-#: fp16 matrix products with at least this many rows (tokens) run in fp32 (see :class:`CpuLinear`).
-FP16_UPCAST_MIN_ROWS = 16
-
 
 class CpuLinear(DefaultLinearImpl):
-    """LMDeploy's default linear, except that an fp16 product of at least :data:`FP16_UPCAST_MIN_ROWS` rows is
-    computed in fp32 and rounded to fp16 once.
-
-    Why: torch's own fp16 GEMM on a CPU without AVX512-FP16 or AMX-FP16 takes a slow path (measured with torch 2.13
-    on an AMD EPYC with AVX-512 BF16: ``[1000, 576] x [576, 1536]`` 72 ms in fp16, 13 ms in fp32, 5 ms in bf16), so
-    an fp16 prefill ran several times slower than a bf16 one. Both accumulate in fp32; the results differ only in
-    summation order (about 0.2 % of fp16 outputs by one ulp). A GPU's fp16 GEMM also accumulates in fp32 and rounds
-    once. Decode steps (fewer rows) keep the native path, where the weight conversion would cost more than it saves.
+    """LMDeploy's default linear, except that a 16-bit product this CPU has no native GEMM for is computed in fp32
+    and rounded to its dtype once (:mod:`dlmix.testing.cpu_gemm`: which dtypes, from how many rows, and why; on an
+    AVX2-only CPU a bf16 or fp16 prefill otherwise runs several times slower than it has to).
 
     Shapes: ``x`` ``[..., in_features]``, ``weight`` ``[out_features, in_features]``, ``bias`` ``[out_features]``;
     returns ``[..., out_features]`` in ``x``'s dtype.
     """
 
+    #: the dtypes this process upcasts (:func:`dlmix.testing.cpu_gemm.slow_gemm_dtypes`)
+    upcast = slow_gemm_dtypes()
+
     def forward(self, x, weight, bias=None, all_reduce=False, group=None, rank=0, scatter_size=None):
-        if x.dtype == torch.float16 and x.numel() >= FP16_UPCAST_MIN_ROWS * x.shape[-1]:
+        if wants_fp32(x, self.upcast):
             return super().forward(x.float(), weight.float(), None if bias is None else bias.float(), all_reduce,
-                                   group, rank, scatter_size).half()
+                                   group, rank, scatter_size).to(x.dtype)
         return super().forward(x, weight, bias, all_reduce, group, rank, scatter_size)
 
 

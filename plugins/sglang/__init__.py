@@ -109,12 +109,32 @@ def register() -> bool:
 
 
 def _cpu_aids() -> None:
-    """Opt-in development aid (``DLMIX_SGLANG_CPU_AIDS=1``, used by ``benchmarks/pd_sglang.py`` for its baseline):
-    SGLang's Mooncake sender claims host tensor indices, whose pinned-memory/CUDA-event path fails on a CPU-only
-    host (``prefill.py`` ``_send_kv_chunk``); turn that claim off so Mooncake over TCP runs on CPU."""
+    """Opt-in development aids for SGLang on a CPU-only host (``DLMIX_SGLANG_CPU_AIDS=1``; the test aid
+    :func:`dlmix_sglang.testing.start_server` sets it, and ``benchmarks/pd_sglang.py`` for its baseline):
+
+    * SGLang's Mooncake sender claims host tensor indices, whose pinned-memory/CUDA-event path fails on a CPU-only
+      host (``prefill.py`` ``_send_kv_chunk``); that claim is turned off so Mooncake over TCP runs on CPU;
+    * an unquantized linear layer's 16-bit product of many rows runs in fp32 where the CPU has no native kernel for
+      its dtype (an AROUND hook on ``UnquantizedLinearMethod.apply``; :mod:`dlmix.testing.cpu_gemm`): on an
+      AVX2-only CPU a bf16 prefill otherwise runs several times slower. Layers on SGLang's AMX path keep it.
+    """
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    HookRegistry.register("sglang.srt.layers.quantization.unquant.UnquantizedLinearMethod.apply",
+                          _linear_in_fp32_where_slow, HookType.AROUND)
     try:
         from sglang.srt.disaggregation.mooncake.conn import MooncakeKVSender
     except ImportError as e:
         log.info("dlmix_sglang CPU aids: Mooncake backend not importable (%s)", e)
         return
     MooncakeKVSender.supports_host_tensor_indices = False
+
+
+def _linear_in_fp32_where_slow(original, method, layer, x, bias=None):
+    """AROUND hook of ``UnquantizedLinearMethod.apply`` (CPU aid): :func:`dlmix.testing.cpu_gemm.linear` when
+    :func:`~dlmix.testing.cpu_gemm.wants_fp32` and the layer is not on SGLang's AMX path, else SGLang's own."""
+    from dlmix.testing.cpu_gemm import linear, wants_fp32
+
+    if wants_fp32(x) and not getattr(layer, "use_intel_amx_backend", False):
+        return linear(x, layer.weight, bias)
+    return original(method, layer, x, bias)

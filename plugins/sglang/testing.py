@@ -69,7 +69,8 @@ def start_server(model: str, port: int, log_path: str | Path, *, mode: str | Non
 
     ``mode``: None (a single server), ``prefill`` or ``decode`` (with ``--disaggregation-transfer-backend backend``;
     prefill listens for bootstrap on ``bootstrap_port``). ``env``: extra environment (e.g. ``DLMIX_SGLANG_CONFIG``).
-    ``kv_events``: ``tcp://host:port`` to publish KV events on (``SGLangServer.kv_events``).
+    ``kv_events``: ``tcp://host:port`` to publish KV events on (``SGLangServer.kv_events``). The server runs with
+    the CPU aids on (``DLMIX_SGLANG_CPU_AIDS=1``, :func:`dlmix_sglang._cpu_aids`; ``env`` may turn them off).
     Raises RuntimeError when no SGLang venv is found.
     """
     py = python or sglang_python()
@@ -81,7 +82,7 @@ def start_server(model: str, port: int, log_path: str | Path, *, mode: str | Non
                             disaggregation_mode=mode, transfer_backend=backend, bootstrap_port=bp,
                             kv_events=kv_events, extra_args=list(extra or []),
                             env={"MC_FORCE_TCP": "1", "MOONCAKE_PROTOCOL": "tcp", "OMP_NUM_THREADS": "1",
-                                 **(env or {})})
+                                 "DLMIX_SGLANG_CPU_AIDS": "1", **(env or {})})
     args = spec.argv()
     log_path = Path(log_path)
     fh = open(log_path, "wb")
