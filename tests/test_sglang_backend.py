@@ -37,7 +37,7 @@ def test_backend_in_process():
 @pytest.mark.parametrize("aids", ["1", None])
 def test_cpu_aids_compute_slow_16bit_linears_in_fp32_only_when_asked(aids):
     """Loaded through SGLang's own ``load_plugins``: with ``DLMIX_SGLANG_CPU_AIDS=1`` an unquantized linear of 16 rows
-    or more in a dtype this CPU has no native kernel for goes through :func:`dlmix.testing.cpu_gemm.linear` (fp32,
+    or more in a dtype this CPU has no native kernel for goes through :func:`dlmix.testing.cpu_gemm.linear_fp32` (fp32,
     rounded once) and fewer rows keep SGLang's path; without the variable no product goes there."""
     code = """
 import torch, torch.nn.functional as F
@@ -46,8 +46,8 @@ import dlmix.testing.cpu_gemm as cg
 from sglang.srt.layers.quantization import unquant
 load_plugins()
 seen = []
-real = cg.linear
-cg.linear = lambda x, *a, **k: seen.append(tuple(x.shape)) or real(x, *a, **k)
+real = cg.linear_fp32
+cg.linear_fp32 = lambda x, *a, **k: seen.append(tuple(x.shape)) or real(x, *a, **k)
 cg.slow_gemm_dtypes = lambda: frozenset({torch.bfloat16})
 class Layer: pass
 layer = Layer()

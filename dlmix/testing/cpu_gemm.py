@@ -16,7 +16,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
-__all__ = ["UPCAST_MIN_ROWS", "slow_gemm_dtypes", "wants_fp32", "linear"]
+__all__ = ["UPCAST_MIN_ROWS", "slow_gemm_dtypes", "wants_fp32", "linear", "linear_fp32"]
 
 #: 16-bit products with at least this many rows (tokens) run in fp32 where the CPU has no native GEMM for them.
 UPCAST_MIN_ROWS = 16
@@ -52,6 +52,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
     Shapes: ``x`` ``[..., in_features]``, ``weight`` ``[out_features, in_features]``, ``bias`` ``[out_features]``;
     returns ``[..., out_features]`` in ``x``'s dtype."""
-    if wants_fp32(x, upcast):
-        return F.linear(x.float(), weight.float(), None if bias is None else bias.float()).to(x.dtype)
-    return F.linear(x, weight, bias)
+    return linear_fp32(x, weight, bias) if wants_fp32(x, upcast) else F.linear(x, weight, bias)
+
+
+def linear_fp32(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear`` computed in fp32 and rounded to ``x``'s dtype once (shapes as :func:`linear`)."""
+    return F.linear(x.float(), weight.float(), None if bias is None else bias.float()).to(x.dtype)

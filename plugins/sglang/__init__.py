@@ -131,10 +131,10 @@ def _cpu_aids() -> None:
 
 
 def _linear_in_fp32_where_slow(original, method, layer, x, bias=None):
-    """AROUND hook of ``UnquantizedLinearMethod.apply`` (CPU aid): :func:`dlmix.testing.cpu_gemm.linear` when
+    """AROUND hook of ``UnquantizedLinearMethod.apply`` (CPU aid): :func:`dlmix.testing.cpu_gemm.linear_fp32` when
     :func:`~dlmix.testing.cpu_gemm.wants_fp32` and the layer is not on SGLang's AMX path, else SGLang's own."""
-    from dlmix.testing.cpu_gemm import linear, wants_fp32
+    from dlmix.testing.cpu_gemm import linear_fp32, wants_fp32
 
     if wants_fp32(x) and not getattr(layer, "use_intel_amx_backend", False):
-        return linear(x, layer.weight, bias)
+        return linear_fp32(x, layer.weight, bias)
     return original(method, layer, x, bias)
