@@ -442,7 +442,8 @@ def pd_test_spec(name: str, model: str, workdir, *, role: str | None, cpu: str, 
                  extra_args: list[str] | None = None, kv_bytes: int = 128 * 1024 * 1024) -> VLLMServerSpec:
     """The spec of one small vLLM CPU server for PD end-to-end tests and benchmarks (the settings the connector
     tests use): eager, ``kv_bytes`` of KV cache, 2048-token context, 8 sequences, seed 0, hub offline, dev-mode
-    endpoints on, pinned to ``cpu`` (``VLLM_CPU_OMP_THREADS_BIND``), vLLM cache under ``workdir/cache-NAME``.
+    endpoints on, pinned to ``cpu`` (``VLLM_CPU_OMP_THREADS_BIND``), vLLM cache under ``workdir/cache-NAME``, the
+    CPU aid on (``DLMIX_VLLM_CPU_AIDS=1``, :func:`dlmix_vllm.cpu_aids`).
     ``dtype`` defaults to ``float32``: vLLM CPU's KV cache takes the model dtype, and bf16/fp16 matmuls run tens of
     times slower than fp32 on x86 CPUs without AVX-512 BF16 or AMX (torch falls back to scalar conversion), so a
     test pays for bf16 only where bf16 is what it checks.
@@ -462,7 +463,8 @@ def pd_test_spec(name: str, model: str, workdir, *, role: str | None, cpu: str, 
         if connector == "NixlConnector":
             ktc["kv_buffer_device"] = "cpu"
     child_env = {"VLLM_CACHE_ROOT": str(Path(workdir) / f"cache-{name}"), "VLLM_SERVER_DEV_MODE": "1",
-                 "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+                 "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+                 "DLMIX_VLLM_CPU_AIDS": "1"}
     child_env.update(env or {})
     return VLLMServerSpec(model=str(model), port=port, kv_cache_bytes=kv_bytes, block_size=block_size, dtype=dtype,
                           max_model_len=2048, cpu_bind=cpu, served_model_name=served_name, seed=0,

@@ -44,6 +44,7 @@ def test_every_example_parses_and_plans(path, tmp_path):
             assert extra["public_url"] == inst.url and extra["chip_profile"] == inst.chip
         if inst.device == "cpu" and inst.cpus:
             assert p.env["VLLM_CPU_OMP_THREADS_BIND"] == inst.cpus
+        assert p.env.get("DLMIX_VLLM_CPU_AIDS") == ("1" if inst.device == "cpu" else None)
     if dep.router_enabled():
         import yaml
 

@@ -37,12 +37,17 @@ _WORDS = ("river mountain quiet engine market yellow window garden silver theory
 
 @pytest.fixture(scope="module")
 def prompts(smollm2_dir):
-    """20 token-id prompts of 10..1000 tokens."""
+    """20 token-id prompts of 10..1000 tokens in geometric steps (:func:`dlmix.testing.spread_lengths`): the 10- and
+    1,000-token ones first, then the 18 between in a shuffled order."""
     from transformers import AutoTokenizer
+
+    from dlmix.testing import spread_lengths
 
     tok = AutoTokenizer.from_pretrained(str(smollm2_dir))
     rng = random.Random(14)
-    lengths = [10, 1000] + [rng.randint(10, 1000) for _ in range(18)]
+    middle = spread_lengths(20)[1:-1]
+    rng.shuffle(middle)
+    lengths = [10, 1000] + middle
     out = []
     for n in lengths:
         ids: list[int] = []

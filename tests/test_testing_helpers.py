@@ -87,3 +87,15 @@ def test_cpu_gemm_upcasts_the_dtypes_torch_has_no_native_kernel_for():
         assert torch.equal(cpu_gemm.linear(x, w, None, upcast=frozenset()), F.linear(x, w))
     x32 = torch.randn(40, 64, generator=g)
     assert not cpu_gemm.wants_fp32(x32, frozenset({torch.float16, torch.bfloat16}))
+
+
+def test_spread_lengths_are_geometric_strictly_increasing_and_end_at_both_bounds():
+    from dlmix.testing import spread_lengths
+
+    got = spread_lengths(20)
+    assert got == [10, 13, 16, 21, 26, 34, 43, 55, 70, 89, 113, 144, 183, 234, 298, 379, 483, 616, 785, 1000]
+    assert round(sum(got) / len(got)) == 231  # against 505 for 20 lengths spread evenly over 10..1,000
+    assert spread_lengths(4, 1, 4) == [1, 2, 3, 4]  # steps under one token become one
+    for bad in ((5, 1, 4), (1, 10, 1000), (3, 0, 10), (3, 10, 10)):
+        with pytest.raises(ValueError):
+            spread_lengths(*bad)

@@ -28,7 +28,7 @@ vllm = pytest.importorskip("vllm")
 
 from dlmix_vllm import testing as T  # noqa: E402
 
-from dlmix.testing import stop_all  # noqa: E402
+from dlmix.testing import spread_lengths, stop_all  # noqa: E402
 
 MAX_TOKENS = 16
 #: top-1/top-2 logprob gap (nats) under which a first divergence counts as a near-tie. Decode recomputes only the
@@ -44,8 +44,9 @@ KV_BYTES = 256 << 20  # fp32 at the token capacity that 128 MiB gave bf16 (45 bl
 
 @pytest.fixture(scope="module")
 def prompts(tok):
-    """20 prompts, 10..1000 tokens: completions get exact token-id lists, chats get text; half stream."""
-    return T.prompt_set(tok, [10 + round(i * 990 / 19) for i in range(20)], seed=1234)
+    """20 prompts, 10..1000 tokens in geometric steps (:func:`dlmix.testing.spread_lengths`): completions get exact
+    token-id lists, chats get text; half stream."""
+    return T.prompt_set(tok, spread_lengths(20), seed=1234)
 
 
 @pytest.fixture(scope="module")
@@ -122,14 +123,14 @@ def test_same_config_identical_to_single_instance(servers, prompts, d1_refs):
 
 
 def test_bf16_prefill_to_fp32_decode(servers, prompts, smollm2_dir):
-    """The one real bf16 path: PB (bf16 KV cache) -> D2 (fp32), KV converted on the way; 5 short prompts (62..270
+    """The one real bf16 path: PB (bf16 KV cache) -> D2 (fp32), KV converted on the way; 5 short prompts (89..234
     tokens: chat and completion, streamed and not), since bf16 prefill is slow on CPUs without AVX-512 BF16."""
     pb = T.launch("PB", str(smollm2_dir), servers["_dir"], role="kv_producer", cpu="0", block_size=128,
                   dtype="bfloat16", extra={"hold_timeout_s": 300})
     try:
         T.wait_ready([pb], timeout_s=400)
         D = servers["D2"]
-        items = prompts[1:6]
+        items = prompts[9:14]
         refs = _refs(D.url, items)
         got = _through_pd(pb, D, items)
         same, ties = _compare("bf16->fp32", got, refs, NEAR_TIE["bf16->fp32"])
@@ -213,7 +214,7 @@ def test_other_weights_refused_by_default_and_change_output_when_relaxed(servers
                   kv_bytes=KV_BYTES, extra={"verify_weights": False, "hold_timeout_s": 60})
     try:
         T.wait_ready([p3], timeout_s=300)
-        items = [p for p in prompts if not p["stream"]][2:6]
+        items = [p for p in prompts if not p["stream"]][5:9]  # 113..483 tokens
         # default decode (D1): refused with the reason, recomputed locally -> equal to D1's own output
         T.reset_prefix_cache(servers["D1"].url)
         for p in items:

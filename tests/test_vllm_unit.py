@@ -60,6 +60,44 @@ def test_entry_point_declared():
     assert eps.get("dlmix") == "dlmix_vllm:register"
 
 
+def test_cpu_aid_computes_slow_16bit_prefill_products_in_fp32(monkeypatch):
+    """``DLMIX_VLLM_CPU_AIDS``: a bf16 linear layer that vLLM CPU prepares through ``dispatch_cpu_unquantized_gemm``
+    keeps its weight and computes a product of 16 rows or more in fp32 (rounded to bf16 once: exactly
+    ``linear_fp32``), a product of fewer rows with vLLM's own kernel; an fp32 layer is left to vLLM. bf16 counts as
+    slow here on any CPU (the check of which dtypes are slow is tests/test_testing_helpers.py's)."""
+    import dlmix_vllm
+    from vllm.model_executor.layers import utils
+
+    import dlmix.testing.cpu_gemm as cg
+
+    monkeypatch.setattr(utils, "dispatch_cpu_unquantized_gemm", utils.dispatch_cpu_unquantized_gemm)  # restored
+    monkeypatch.setattr(cg, "slow_gemm_dtypes", lambda: frozenset({torch.bfloat16}))
+    calls = []
+    monkeypatch.setattr(cg, "linear_fp32", lambda x, w, b=None: calls.append(tuple(x.shape)) or
+                        torch.nn.functional.linear(x.float(), w.float()).to(x.dtype))
+    native = utils.dispatch_cpu_unquantized_gemm
+    assert dlmix_vllm.cpu_aids() is True and dlmix_vllm.cpu_aids() is False
+
+    g = torch.Generator().manual_seed(0)
+    for dtype in (torch.bfloat16, torch.float32):
+        layer, ref = torch.nn.Module(), torch.nn.Module()
+        w = torch.randn(48, 32, generator=g).to(dtype)
+        layer.weight = torch.nn.Parameter(w.clone(), requires_grad=False)
+        ref.weight = torch.nn.Parameter(w.clone(), requires_grad=False)
+        utils.dispatch_cpu_unquantized_gemm(layer, remove_weight=True)
+        native(ref, remove_weight=False)
+        assert layer.weight.numel() == w.numel() or dtype == torch.float32
+        for rows in (3, 16, 40):
+            x = torch.randn(rows, 32, generator=g).to(dtype)
+            calls.clear()
+            got = layer.cpu_linear(x, layer.weight, None)
+            aided = dtype == torch.bfloat16 and rows >= cg.UPCAST_MIN_ROWS
+            assert calls == ([(rows, 32)] if aided else []), (dtype, rows, calls)
+            want = (torch.nn.functional.linear(x.float(), w.float()).to(dtype) if aided
+                    else ref.cpu_linear(x, ref.weight, None))
+            assert got.dtype == dtype and torch.equal(got, want), (dtype, rows)
+
+
 def test_settings_defaults_and_errors():
     s = parse_settings(None)
     assert (s.transport, s.host, s.staging_bytes, s.verify_weights) == ("tcp", "127.0.0.1", 64 << 20, True)

@@ -37,7 +37,8 @@ from dlmix_lmdeploy import testing as L  # noqa: E402
 from dlmix_sglang import testing as T  # noqa: E402
 from dlmix_vllm import testing as V  # noqa: E402
 
-from dlmix.testing import SHARED_CORES_ENV, compare_greedy, fleet_router, poll, side_by_side, stop_all  # noqa: E402
+from dlmix.testing import (SHARED_CORES_ENV, compare_greedy, fleet_router, poll, side_by_side, spread_lengths,  # noqa: E402
+                          stop_all)
 
 MAX_TOKENS = 16
 #: nats; the prefill's KV is rounded otherwise than the reference's own (tests/test_vllm_pd.py uses the same for
@@ -95,6 +96,14 @@ def servers(smollm2_dir, tmp_path_factory):
             rt.close()
 
 
+def _ends_first(n: int, longest: int, rng: random.Random) -> list[int]:
+    """``n`` prompt lengths of 10..``longest`` tokens in geometric steps (:func:`dlmix.testing.spread_lengths`): the
+    shortest and the longest first, the others shuffled by ``rng``."""
+    middle = spread_lengths(n, 10, longest)[1:-1]
+    rng.shuffle(middle)
+    return [10, longest] + middle
+
+
 def _pin(prefill: str, decode: str) -> dict[str, str]:
     """The router headers that send a request to this pair."""
     return {"x-dlmix-prefill-instance": prefill, "x-dlmix-decode-instance": decode}
@@ -123,7 +132,7 @@ def _into_vllm(servers, tok, prefill: str, case: str, n: int, seed: int, longest
     (top-2 gap under ``near_tie`` nats; counted)."""
     D, rt = servers["vllm-d"], servers["router"]
     items = []
-    lengths = [10 + (longest - 10) * i // (n - 1) for i in range(n)]
+    lengths = spread_lengths(n, 10, longest)
     for p in V.prompt_set(tok, lengths, kinds=("completion", "chat"), seed=seed):
         if p["kind"] == "completion" and not isinstance(p["prompt"], str):
             p = dict(p, prompt=tok.decode(p["prompt"]))  # LMDeploy's and SGLang's legs get the client's text
@@ -272,7 +281,7 @@ def _into_lmdeploy(servers, tok, prefill: str, case: str, seed: int, near_tie: f
     than lmdeploy-d's 32."""
     _need(servers, "lmdeploy-d")
     rng = random.Random(seed)
-    lengths = [10, 600] + [rng.randint(10, 600) for _ in range(8)]
+    lengths = _ends_first(10, 600, rng)
     ties = L.router_against_reference(servers["router"].url, servers["R"].url, "smollm2", tok, V.PROSE_WORDS,
                                       lengths, rng, case, near_tie, MAX_TOKENS, headers=_pin(prefill, "lmdeploy-d"))
     assert ties <= len(lengths) // 2
@@ -360,7 +369,7 @@ def _into_sglang(servers, tok, prefill: str, case: str, seed: int) -> None:
     near-ties."""
     _need(servers, "sglang-d", prefill)
     rng = random.Random(seed)
-    items = _prompts(tok, [10, 600] + [rng.randint(10, 600) for _ in range(8)], seed)
+    items = _prompts(tok, _ends_first(10, 600, rng), seed)
     got, refs = {}, {}
     pin, rt = _pin(prefill, "sglang-d"), servers["router"].url
     # the single server's references side by side with the router requests (another process: both cores work)

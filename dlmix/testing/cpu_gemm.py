@@ -1,5 +1,6 @@
 """16-bit matrix products on a CPU without a native kernel for them: the engines' CPU test and development aids
-(:mod:`dlmix_lmdeploy.cpu_ops`, ``DLMIX_SGLANG_CPU_AIDS`` in :mod:`dlmix_sglang`) compute them in fp32 instead.
+(:mod:`dlmix_lmdeploy.cpu_ops`, ``DLMIX_SGLANG_CPU_AIDS`` in :mod:`dlmix_sglang`, ``DLMIX_VLLM_CPU_AIDS`` in
+:mod:`dlmix_vllm`) compute them in fp32 instead.
 
 torch multiplies fp16 natively on a CPU only with AVX512-FP16 or AMX-FP16, and bf16 only with AVX-512 BF16 or AMX;
 elsewhere it takes a scalar path. Measured with torch 2.13, one thread, ``x [256, 576] @ w.T [576, 1536]``
