@@ -388,10 +388,10 @@ def test_other_weights_refused_by_default_and_change_output_when_relaxed(servers
     relaxed = {"DLMIX_LMDEPLOY_CONFIG": json.dumps({"verify_weights": False})}
     started, routers = [], []
     try:
-        px = T.start_ready(str(perturbed_dir), tmp_path, started, role="Prefill", dtype="bfloat16", block_size=16,
-                           num_blocks=64, env=relaxed, extra=["--model-name", m])
-        dx = T.start_ready(m, tmp_path, started, role="Decode", dtype="float16", block_size=64, num_blocks=32,
-                           env=relaxed)
+        px, dx = T.start_all_ready(m, tmp_path, started, [
+            dict(model=str(perturbed_dir), role="Prefill", dtype="bfloat16", block_size=16, num_blocks=64,
+                 env=relaxed, extra=["--model-name", m]),
+            dict(role="Decode", dtype="float16", block_size=64, num_blocks=32, env=relaxed)])
         for dec in (servers["D2"], dx):
             _pd_router(m, px.url, dec.url, routers)
         status, out = T.post_json(routers[0].url + "/v1/completions", {
@@ -476,6 +476,7 @@ def test_prefix_routing_from_the_engines_kv_events(servers, tmp_path):
     started = []
     try:
         urls = []
+        specs = []
         for _ in range(2):
             port, kp = T.free_port(), T.free_port()
             url = f"http://127.0.0.1:{port}"
@@ -483,8 +484,9 @@ def test_prefix_routing_from_the_engines_kv_events(servers, tmp_path):
             env = {"DLMIX_LMDEPLOY_CONFIG": json.dumps({
                 "router_url": rt.url, "public_url": url, "model_name": m, "heartbeat_s": 0.5,
                 "kv_events_endpoint": f"tcp://127.0.0.1:{kp}"})}
-            T.start_ready(m, tmp_path, started, role="Hybrid", dtype="float16", block_size=16, num_blocks=128,
-                          port=port, env=env, extra=["--enable-prefix-caching"])
+            specs.append(dict(role="Hybrid", dtype="float16", block_size=16, num_blocks=128, port=port, env=env,
+                              extra=["--enable-prefix-caching"]))
+        T.start_all_ready(m, tmp_path, started, specs)
 
         def ids():
             return rt.call(lambda: {b.state.url: (b.state.id, b.state.slot) for b in router.registry.backends.values()})

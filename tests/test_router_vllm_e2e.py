@@ -1,5 +1,6 @@
 """End-to-end checks of the dlmix router against REAL vLLM CPU servers (SmolLM2-135M, fp32, block size 32).
 
+0. vLLM CPU serves SmolLM2 over the OpenAI API: the greedy chat answer equals transformers' (both fp32).
 1. Block hashes: the router's tokenizer/chat-template path + sha256_cbor chained hashing produce exactly the
    ``BlockStored`` hashes the engine publishes (as ints, same order), decoded with the router's own decoder; a
    :class:`PrefixIndex` fed by those events predicts the engine's measured prefix hit of a second request.
@@ -406,3 +407,38 @@ def test_router_models_and_client_disconnect_aborts_backend(routed):
     time.sleep(3.0)
     assert total("vllm:generation_tokens_total") == gen1 and 3 <= gen1 - gen0 < 1500
     assert total("vllm:request_success_total", finished_reason="length") == length0
+
+
+QUESTION = "What is the capital of France?"
+
+
+def _hf_greedy(model_dir: str, max_tokens: int) -> list[int]:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    enc = tok.apply_chat_template([{"role": "user", "content": QUESTION}], add_generation_prompt=True,
+                                  return_tensors="pt", return_dict=True)
+    with torch.no_grad():
+        out = model.generate(**enc, max_new_tokens=max_tokens, do_sample=False)
+    ids = out[0, enc["input_ids"].shape[1]:].tolist()
+    eos = tok.convert_tokens_to_ids("<|im_end|>")
+    return ids[: ids.index(eos)] if eos in ids else ids
+
+
+def test_vllm_cpu_serves_smollm2_chat_greedy(engines, smollm2_dir):
+    """The real SmolLM2 served by vLLM CPU (fp32; the checkpoint is bf16) over the OpenAI chat API: the greedy
+    answer's token ids equal transformers' own greedy generation in fp32, and name Paris."""
+    max_tokens = 12
+    expected_ids = _hf_greedy(str(smollm2_dir), max_tokens)
+    body = {"model": MODEL, "messages": [{"role": "user", "content": QUESTION}], "max_tokens": max_tokens,
+            "temperature": 0, "return_token_ids": True}
+    r = _post(engines[0].url, "/v1/chat/completions", body)
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    got_ids = choice.get("token_ids")
+    assert got_ids is not None, choice
+    got_ids = [t for t in got_ids if t != 2]  # <|im_end|>
+    assert got_ids == expected_ids, (choice["message"]["content"], got_ids, expected_ids)
+    assert "Paris" in choice["message"]["content"]

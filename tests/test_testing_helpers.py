@@ -99,3 +99,22 @@ def test_spread_lengths_are_geometric_strictly_increasing_and_end_at_both_bounds
     for bad in ((5, 1, 4), (1, 10, 1000), (3, 0, 10), (3, 10, 10)):
         with pytest.raises(ValueError):
             spread_lengths(*bad)
+
+
+def test_compare_greedy_takes_an_equal_early_stop_and_fails_a_cut_or_clear_divergence():
+    from dlmix.testing import compare_greedy
+
+    gaps = [2.0, 2.0, 0.1, 2.0]
+    # both stopped at end-of-text (id 2) after 3 tokens: identical
+    assert compare_greedy("c", {0: [5, 6, 2]}, {0: ([5, 6, 2], gaps)}, 0.5, 4) == (1, 0)
+    assert compare_greedy("c", {0: [5, 6, 7, 8]}, {0: ([5, 6, 7, 8], gaps)}, 0.5, 4) == (1, 0)
+    # first difference at a near-tie of the reference (gap 0.1 < 0.5): counted
+    assert compare_greedy("c", {0: [5, 6, 9, 8]}, {0: ([5, 6, 7, 8], gaps)}, 0.5, 4) == (0, 1)
+    with pytest.raises(AssertionError, match="token 1"):  # a clear divergence
+        compare_greedy("c", {0: [5, 9, 7, 8]}, {0: ([5, 6, 7, 8], gaps)}, 0.5, 4)
+    with pytest.raises(AssertionError, match="token 1"):  # an answer cut short where the reference was sure
+        compare_greedy("c", {0: [5]}, {0: ([5, 6, 7, 8], gaps)}, 0.5, 4)
+    with pytest.raises(AssertionError):  # more ids than asked for, or none
+        compare_greedy("c", {0: [5, 6, 7, 8, 9]}, {0: ([5, 6, 7, 8], gaps)}, 0.5, 4)
+    with pytest.raises(AssertionError):
+        compare_greedy("c", {0: []}, {0: ([5, 6, 7, 8], gaps)}, 0.5, 4)

@@ -49,8 +49,24 @@ def prompts(tok):
     return T.prompt_set(tok, spread_lengths(20), seed=1234)
 
 
+def _start(servers: dict, name: str):
+    """PB or P3 (one test each), started unless it already was; not waited for. PB is started as soon as P1, D1 and
+    D2 are ready, P3 once the bf16 test is done with PB: each start-up overlaps the tests before its own instead of
+    leaving a core idle (a lone vLLM start-up is mostly one process importing at a time), with at most four
+    servers alive."""
+    if name not in servers:
+        wd, m = servers["_dir"], servers["_model"]
+        if name == "PB":
+            servers[name] = T.launch("PB", m, wd, role="kv_producer", cpu="0", block_size=128, dtype="bfloat16",
+                                     extra={"hold_timeout_s": 300})
+        else:
+            servers[name] = T.launch("P3", servers["_perturbed"], wd, role="kv_producer", cpu="0", block_size=128,
+                                     kv_bytes=KV_BYTES, extra={"verify_weights": False, "hold_timeout_s": 60})
+    return servers[name]
+
+
 @pytest.fixture(scope="module")
-def servers(smollm2_dir, tmp_path_factory):
+def servers(smollm2_dir, perturbed_dir, tmp_path_factory):
     wd = tmp_path_factory.mktemp("pd")
     m = str(smollm2_dir)
     s = {
@@ -61,12 +77,13 @@ def servers(smollm2_dir, tmp_path_factory):
         "D2": T.launch("D2", m, wd, role="kv_consumer", cpu="1", block_size=128, kv_bytes=KV_BYTES,
                        extra={"verify_weights": False, "io_timeout_s": 30}),
     }
-    s["_dir"] = wd
+    s.update(_dir=wd, _model=m, _perturbed=str(perturbed_dir))
     try:
         T.wait_ready([v for k, v in s.items() if not k.startswith("_")], timeout_s=400)
+        _start(s, "PB")
         yield s
     finally:
-        stop_all(v for k, v in s.items() if not k.startswith("_"))
+        stop_all([v for k, v in s.items() if not k.startswith("_")])
 
 
 def _ids(resp: dict) -> tuple[list[int], list[float]]:
@@ -125,8 +142,7 @@ def test_same_config_identical_to_single_instance(servers, prompts, d1_refs):
 def test_bf16_prefill_to_fp32_decode(servers, prompts, smollm2_dir):
     """The one real bf16 path: PB (bf16 KV cache) -> D2 (fp32), KV converted on the way; 5 short prompts (89..234
     tokens: chat and completion, streamed and not), since bf16 prefill is slow on CPUs without AVX-512 BF16."""
-    pb = T.launch("PB", str(smollm2_dir), servers["_dir"], role="kv_producer", cpu="0", block_size=128,
-                  dtype="bfloat16", extra={"hold_timeout_s": 300})
+    pb = _start(servers, "PB")
     try:
         T.wait_ready([pb], timeout_s=400)
         D = servers["D2"]
@@ -137,6 +153,7 @@ def test_bf16_prefill_to_fp32_decode(servers, prompts, smollm2_dir):
         assert same + ties == len(got) and same >= len(got) // 2
     finally:
         pb.stop()
+        _start(servers, "P3")  # for the negative-control test
 
 
 def test_second_request_moves_only_missing_blocks(servers, tok):
@@ -210,10 +227,9 @@ def test_layout_descriptor_matches_transformers(servers, prompts, smollm2_dir):
 
 
 def test_other_weights_refused_by_default_and_change_output_when_relaxed(servers, prompts, perturbed_dir, d1_refs):
-    p3 = T.launch("P3", str(perturbed_dir), servers["_dir"], role="kv_producer", cpu="0", block_size=128,
-                  kv_bytes=KV_BYTES, extra={"verify_weights": False, "hold_timeout_s": 60})
+    p3 = _start(servers, "P3")
     try:
-        T.wait_ready([p3], timeout_s=300)
+        T.wait_ready([p3], timeout_s=400)
         items = [p for p in prompts if not p["stream"]][5:9]  # 113..483 tokens
         # default decode (D1): refused with the reason, recomputed locally -> equal to D1's own output
         T.reset_prefix_cache(servers["D1"].url)

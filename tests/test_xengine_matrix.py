@@ -158,7 +158,7 @@ def test_vllm_prefill_feeds_vllm_decode_through_the_router(servers, tok):
 
 def test_lmdeploy_prefill_feeds_vllm_decode_through_the_router(servers, tok):
     """LMDeploy bf16/16 (packed pool) -> vLLM fp32/128, 10 prompts: the decode loads the whole prompt from
-    LMDeploy's blocks; 10 prompts of up to 38 blocks each (about 3,000 tokens) through the 48-block (768-token)
+    LMDeploy's blocks; 10 prompts of up to 38 blocks each (about 1,600 tokens) through the 48-block (768-token)
     prefill pool also show that every hold is freed after the decode read it."""
     _need(servers, "lmdeploy-p")
     _into_vllm(servers, tok, "lmdeploy-p", "lmdeploy bf16/16 -> vllm fp32/128", 10, seed=7)
@@ -166,7 +166,8 @@ def test_lmdeploy_prefill_feeds_vllm_decode_through_the_router(servers, tok):
 
 def test_sglang_prefill_feeds_vllm_decode_through_the_router(servers, tok):
     """SGLang fp32/page 16 (per-layer NHD pool) -> vLLM fp32/128, 10 prompts, through the room hand-off. The
-    prompts need about 3,000 tokens of the prefill's 2,048-token pool over the test: every room's pages were freed
+    prompts of the three SGLang-prefill cells need about 4,900 tokens of the prefill's 2,048-token pool over the
+    module (a room left held fails a later cell), and its log names no hold left behind: every room's pages were freed
     after the decode read them."""
     _need(servers, "sglang-p")
     _into_vllm(servers, tok, "sglang-p", "sglang fp32/16 -> vllm fp32/128", 10, seed=11)

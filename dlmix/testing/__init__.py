@@ -329,18 +329,21 @@ def output_logprobs(choice: dict) -> tuple[list[str], list[float]]:
 
 def compare_greedy(case: str, got: dict, refs: dict, threshold: float, max_tokens: int) -> tuple[int, int]:
     """Compare greedy outputs with references, prompt by prompt. ``got``: ``{i: generated ids}``; ``refs``:
-    ``{i: (ids, top-1/top-2 logprob gaps)}`` (e.g. from ``dlmix_vllm.testing.result_tokens``). Both must have ``max_tokens`` ids. A first
-    divergence at a position whose reference gap is below ``threshold`` (nats) is a near-tie (printed and counted);
-    any other divergence fails (AssertionError naming the prompt, position and gap). Returns (identical, near_ties).
-    """
+    ``{i: (ids, top-1/top-2 logprob gaps)}`` (e.g. from ``dlmix_vllm.testing.result_tokens``). Each has 1 to
+    ``max_tokens`` ids (fewer when the model stopped at its end-of-text token, which a short chat prompt may reach
+    within the budget): equal ids are identical. A first divergence (or the end of the shorter one, when one output is
+    a prefix of the other) at a position whose reference gap is below ``threshold`` (nats) is a near-tie (printed
+    and counted); any other divergence fails (AssertionError naming the prompt, position and gap). Returns
+    (identical, near_ties)."""
     same = ties = 0
     for i, ids in got.items():
         ref, gaps = refs[i]
-        assert len(ids) == len(ref) == max_tokens, (case, i, ids, ref)
+        assert 0 < len(ids) <= max_tokens and 0 < len(ref) <= max_tokens, (case, i, ids, ref)
         if ids == ref:
             same += 1
             continue
-        k = next(j for j in range(len(ref)) if ids[j] != ref[j])
+        n = min(len(ids), len(ref))
+        k = next((j for j in range(n) if ids[j] != ref[j]), n)
         gap = gaps[k] if k < len(gaps) else float("inf")
         assert gap < threshold, f"{case}: prompt {i} differs at token {k} with top-2 gap {gap:.4f} >= {threshold}"
         ties += 1

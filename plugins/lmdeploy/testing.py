@@ -111,22 +111,24 @@ def start_ready(model: str, log_dir: Path, started: list | None = None, **kw: An
 
 
 def start_all_ready(model: str, log_dir: Path, started: list, specs: list[dict[str, Any]]) -> list[LMDeployServer]:
-    """One server per keyword set in ``specs`` (as :func:`start_api_server`), all spawned at once (their start-ups
-    overlap) and then waited for in order; a server that hit the start-up race :func:`start_ready` describes is
-    started again alone on its port. Every server started is appended to ``started``. Returns them in ``specs``
-    order. Raises RuntimeError with the log tail of a server that did not come up."""
+    """One server per keyword set in ``specs`` (as :func:`start_api_server`; a ``model`` key serves another model
+    folder than ``model``), all spawned at once (their start-ups overlap) and then waited for in order; a server that
+    hit the start-up race :func:`start_ready` describes is started again alone on its port. Every server started is
+    appended to ``started``. Returns them in ``specs`` order. Raises RuntimeError with the log tail of a server that
+    did not come up."""
     ports: set[int] = set()
     spawned = []
     for kw in specs:
         kw = dict(kw)
+        m = kw.pop("model", model)
         while not kw.get("port") or kw["port"] in ports:
             kw["port"] = free_port()
         ports.add(kw["port"])
-        s = start_api_server(model, log_dir, **kw)
+        s = start_api_server(m, log_dir, **kw)
         started.append(s)
-        spawned.append((s, kw))
+        spawned.append((s, m, kw))
     out = []
-    for s, kw in spawned:
+    for s, m, kw in spawned:
         try:
             s.wait_ready()
             out.append(s)
@@ -134,7 +136,7 @@ def start_all_ready(model: str, log_dir: Path, started: list, specs: list[dict[s
             s.stop()
             if "not alive" not in s.log_tail(200):
                 raise
-            out.append(start_ready(model, log_dir, started, **kw))
+            out.append(start_ready(m, log_dir, started, **kw))
     return out
 
 
