@@ -23,7 +23,7 @@ pytestmark = pytest.mark.slow
 
 from dlmix_lmdeploy import testing as T  # noqa: E402
 
-from dlmix.testing import stop_all  # noqa: E402
+from dlmix.testing import spread_lengths, stop_all  # noqa: E402
 
 T.require_venv()
 
@@ -70,16 +70,6 @@ def _prompts(n: int, seed: int, lo: int = 5, hi: int = 500) -> list[str]:
     while len(out) < n:
         out.append(" ".join(rng.choice(_WORDS) for _ in range(rng.randint(lo, hi) * 3 // 4)))
     return out
-
-
-def _lengths(n: int, rng: random.Random) -> list[int]:
-    """``n`` prompt lengths of 10 to 1,000 tokens in geometric steps (:func:`dlmix.testing.spread_lengths`): 10 and
-    1,000 first, the others shuffled by ``rng``."""
-    from dlmix.testing import spread_lengths
-
-    middle = spread_lengths(n)[1:-1]
-    rng.shuffle(middle)
-    return [10, 1000] + middle
 
 
 def _complete(url: str, model: str, prompt: str, session_id: int) -> str:
@@ -218,7 +208,7 @@ def test_router_pd_chat_and_completion_streaming_or_not_equal_single_instance(se
     m = servers["model"]
     tokenizer = AutoTokenizer.from_pretrained(m)
     rng = random.Random(21)
-    lengths = _lengths(20, rng)
+    lengths = spread_lengths(20, shuffle=rng)
     ties = sum(T.near_tie(label, got, ref, NEAR_TIE) for label, got, ref in _against_reference(
         servers["router"].url, servers["R"].url, m, tokenizer, lengths, rng))
     print(f"dlmix router, PD bf16/16 -> fp16/64 vs single fp16/64: identical {len(lengths) - ties}/{len(lengths)}, "
@@ -242,7 +232,7 @@ def test_same_configuration_on_both_sides_is_identical_to_a_single_instance(serv
         p3 = T.start_ready(m, tmp_path, started, role="Prefill", dtype="float16", block_size=64, num_blocks=64)
         rt = _pd_router(m, p3.url, servers["D2"].url, routers)
         rng = random.Random(3)
-        lengths = _lengths(20, rng)
+        lengths = spread_lengths(20, shuffle=rng)
         differ = [(label, got, ref[0]) for label, got, ref in _against_reference(
             rt.url, servers["R"].url, m, tokenizer, lengths, rng) if got != ref[0]]
         print(f"dlmix router, PD fp16/64 -> fp16/64 vs single fp16/64: identical {len(lengths) - len(differ)}/"
@@ -291,7 +281,7 @@ def test_quantized_kv_on_either_side(servers, tmp_path, bits):
                      T.reference(servers["R"].url, control, tokenizer, MAX_TOKENS))
         assert got_q[2] != fp[2], f"int{bits} and fp16 caches gave the same logprobs: is --quant-policy {bits} on?"
         rng = random.Random(100 + bits)
-        both = _lengths(8, rng)
+        both = spread_lengths(8, shuffle=rng)
         rt = _pd_router(m, pq.url, dq.url, routers)
         ties = sum(T.near_tie(f"int{bits} both sides {label}", got, ref, NEAR_TIE) for label, got, ref
                    in _against_reference(rt.url, rq.url, m, tokenizer, both, rng))
@@ -301,7 +291,7 @@ def test_quantized_kv_on_either_side(servers, tmp_path, bits):
         rt2 = _pd_router(m, servers["P2"].url, dq.url, routers)
         if bits == 8:
             rng = random.Random(8)
-            lengths = _lengths(20, rng)
+            lengths = spread_lengths(20, shuffle=rng)
             ties = sum(T.near_tie(f"int8 {label}", got, ref, NEAR_TIE) for label, got, ref in _against_reference(
                 rt2.url, rq.url, m, tokenizer, lengths, rng))
             print(f"dlmix router, PD bf16/16 -> int8 (fp16 scales)/64 vs single int8/64: identical "

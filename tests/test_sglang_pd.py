@@ -45,9 +45,7 @@ def prompts(smollm2_dir):
 
     tok = AutoTokenizer.from_pretrained(str(smollm2_dir))
     rng = random.Random(14)
-    middle = spread_lengths(20)[1:-1]
-    rng.shuffle(middle)
-    lengths = [10, 1000] + middle
+    lengths = spread_lengths(20, shuffle=rng)
     out = []
     for n in lengths:
         ids: list[int] = []

@@ -118,3 +118,12 @@ def test_compare_greedy_takes_an_equal_early_stop_and_fails_a_cut_or_clear_diver
         compare_greedy("c", {0: [5, 6, 7, 8, 9]}, {0: ([5, 6, 7, 8], gaps)}, 0.5, 4)
     with pytest.raises(AssertionError):
         compare_greedy("c", {0: []}, {0: ([5, 6, 7, 8], gaps)}, 0.5, 4)
+
+
+def test_spread_lengths_shuffled_puts_both_ends_first():
+    import random
+
+    from dlmix.testing import spread_lengths
+
+    got = spread_lengths(10, 10, 600, shuffle=random.Random(3))
+    assert got[:2] == [10, 600] and sorted(got) == spread_lengths(10, 10, 600)

@@ -96,14 +96,6 @@ def servers(smollm2_dir, tmp_path_factory):
             rt.close()
 
 
-def _ends_first(n: int, longest: int, rng: random.Random) -> list[int]:
-    """``n`` prompt lengths of 10..``longest`` tokens in geometric steps (:func:`dlmix.testing.spread_lengths`): the
-    shortest and the longest first, the others shuffled by ``rng``."""
-    middle = spread_lengths(n, 10, longest)[1:-1]
-    rng.shuffle(middle)
-    return [10, longest] + middle
-
-
 def _pin(prefill: str, decode: str) -> dict[str, str]:
     """The router headers that send a request to this pair."""
     return {"x-dlmix-prefill-instance": prefill, "x-dlmix-decode-instance": decode}
@@ -282,7 +274,7 @@ def _into_lmdeploy(servers, tok, prefill: str, case: str, seed: int, near_tie: f
     than lmdeploy-d's 32."""
     _need(servers, "lmdeploy-d")
     rng = random.Random(seed)
-    lengths = _ends_first(10, 600, rng)
+    lengths = spread_lengths(10, 10, 600, shuffle=rng)
     ties = L.router_against_reference(servers["router"].url, servers["R"].url, "smollm2", tok, V.PROSE_WORDS,
                                       lengths, rng, case, near_tie, MAX_TOKENS, headers=_pin(prefill, "lmdeploy-d"))
     assert ties <= len(lengths) // 2
@@ -370,7 +362,7 @@ def _into_sglang(servers, tok, prefill: str, case: str, seed: int) -> None:
     near-ties."""
     _need(servers, "sglang-d", prefill)
     rng = random.Random(seed)
-    items = _prompts(tok, _ends_first(10, 600, rng), seed)
+    items = _prompts(tok, spread_lengths(10, 10, 600, shuffle=rng), seed)
     got, refs = {}, {}
     pin, rt = _pin(prefill, "sglang-d"), servers["router"].url
     # the single server's references side by side with the router requests (another process: both cores work)

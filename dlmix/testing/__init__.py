@@ -229,13 +229,15 @@ def hold_and_pull(producer, consumer, src, dst, src_blocks, dst_blocks, n: int, 
     return consumer.pull_params(c.params, c.start, c.end, dst_blocks, digest=digest)
 
 
-def spread_lengths(n: int, lo: int = 10, hi: int = 1000) -> list[int]:
+def spread_lengths(n: int, lo: int = 10, hi: int = 1000, shuffle=None) -> list[int]:
     """``n`` prompt lengths in tokens from ``lo`` to ``hi``, both ends included, in geometric steps (each about the
     same ratio above the one before; 20 from 10 to 1,000: 10, 13, 16, 21, ..., 616, 785, 1000). Short, middle and
     long prompts each get a share of the set (every decade of lengths as many prompts), and the whole set costs
     about 230 prompt tokens a prompt to prefill, against 505 for lengths spread evenly: the PD end-to-end tests
     prefill every prompt twice (the pair, the single reference) on two CPU cores. Lengths stay strictly increasing
-    (a step below one token becomes one). Raises ValueError unless ``n >= 2`` and ``0 < lo < hi``."""
+    (a step below one token becomes one). With ``shuffle`` (a ``random.Random``), ``lo`` and ``hi`` come first and the
+    lengths between follow in the order ``shuffle.shuffle`` gives them. Raises ValueError unless ``n >= 2`` and
+    ``0 < lo < hi``."""
     if n < 2 or not 0 < lo < hi:
         raise ValueError(f"spread_lengths needs n >= 2 and 0 < lo < hi, got n={n}, lo={lo}, hi={hi}")
     out: list[int] = []
@@ -244,6 +246,10 @@ def spread_lengths(n: int, lo: int = 10, hi: int = 1000) -> list[int]:
         out.append(x)
     if out[-1] != hi:
         raise ValueError(f"{n} strictly increasing lengths do not fit between {lo} and {hi}")
+    if shuffle is not None:
+        middle = out[1:-1]
+        shuffle.shuffle(middle)
+        out = [lo, hi] + middle
     return out
 
 
