@@ -13,6 +13,23 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 
+#: The pytest-xdist group of the modules marked ``many_servers``.
+MANY_SERVERS_GROUP = "many-servers"
+
+
+def pytest_collection_modifyitems(config, items):
+    """Lanes for ``pytest -n 2 --dist loadgroup`` (the README's test command; pytest-xdist): each module is one unit
+    of work (its module fixtures start once), and the modules marked ``many_servers`` (real-model engine servers
+    taking 5 GB or more at once) form one group, so they run one after another on one worker and
+    their servers are never alive together, as in a serial run; the other worker takes the other modules
+    meanwhile. Without xdist this does nothing."""
+    if not config.pluginmanager.hasplugin("xdist"):
+        return
+    for it in items:
+        group = MANY_SERVERS_GROUP if it.get_closest_marker("many_servers") else it.nodeid.split("::")[0]
+        it.add_marker(pytest.mark.xdist_group(group))
+
+
 @pytest.fixture(autouse=True)
 def _wide_cli_output(monkeypatch):
     """CLI output (typer/rich) wraps at the terminal width, and a wrap inside a checked message (a tmp path of another

@@ -19,7 +19,7 @@ import time
 
 import pytest
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.many_servers]
 
 from dlmix_lmdeploy import testing as T  # noqa: E402
 

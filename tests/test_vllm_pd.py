@@ -22,7 +22,7 @@ import time
 
 import pytest
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.many_servers]
 
 vllm = pytest.importorskip("vllm")
 
