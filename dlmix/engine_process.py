@@ -131,6 +131,10 @@ class VLLMServerSpec:
         env: extra environment variables for the child (applied last).
     """
 
+    #: the environment variable (value ``1``) that turns on the vLLM adapter's CPU aid in every vLLM process
+    #: (``dlmix_vllm.cpu_aids``: 16-bit prefill products in fp32 where the CPU has no native kernel for them)
+    CPU_AIDS_ENV: ClassVar[str] = "DLMIX_VLLM_CPU_AIDS"
+
     model: str
     port: int
     host: str = "127.0.0.1"
@@ -464,7 +468,7 @@ def pd_test_spec(name: str, model: str, workdir, *, role: str | None, cpu: str, 
             ktc["kv_buffer_device"] = "cpu"
     child_env = {"VLLM_CACHE_ROOT": str(Path(workdir) / f"cache-{name}"), "VLLM_SERVER_DEV_MODE": "1",
                  "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-                 "DLMIX_VLLM_CPU_AIDS": "1"}
+                 VLLMServerSpec.CPU_AIDS_ENV: "1"}
     child_env.update(env or {})
     return VLLMServerSpec(model=str(model), port=port, kv_cache_bytes=kv_bytes, block_size=block_size, dtype=dtype,
                           max_model_len=2048, cpu_bind=cpu, served_model_name=served_name, seed=0,

@@ -179,7 +179,7 @@ def _vllm_spec(dep: Deployment, i: int, model: str, kv_transfer: Optional[dict],
     cpu = inst.device == "cpu"
     env = _engine_env(dep, inst)
     if cpu:  # dlmix_vllm.cpu_aids: 16-bit prefill products in fp32 where the CPU has no native kernel for them
-        env = {"DLMIX_VLLM_CPU_AIDS": "1", **env}
+        env = {VLLMServerSpec.CPU_AIDS_ENV: "1", **env}
     return VLLMServerSpec(
         model=model, port=inst.port, host=inst.host, python=inst.python,
         served_model_name=dep.served_name_of(i), max_model_len=inst.max_model_len, seed=0,

@@ -17,13 +17,16 @@ from __future__ import annotations
 
 import os
 
+from dlmix.engine_process import VLLMServerSpec
+
 CONNECTOR_NAME = "DLMixConnector"
 CONNECTOR_MODULE = "dlmix_vllm.connector"
 
 __all__ = ["CONNECTOR_NAME", "CONNECTOR_MODULE", "CPU_AIDS_ENV", "register", "cpu_aids"]
 
-#: environment variable that turns :func:`cpu_aids` on (value ``1``) in every vLLM process
-CPU_AIDS_ENV = "DLMIX_VLLM_CPU_AIDS"
+#: environment variable that turns :func:`cpu_aids` on (value ``1``) in every vLLM process (named by the core's
+#: description of a vLLM server, which ``dlmix launch`` and the test servers build)
+CPU_AIDS_ENV = VLLMServerSpec.CPU_AIDS_ENV
 
 
 def register() -> bool:
