@@ -26,18 +26,14 @@ def test_prefill_leg_keeps_the_cache_and_answers_one_token():
     assert body["max_tokens"] == 50 and body["stream"] is True  # the client's body is not modified
 
 
-def test_prefill_leg_of_n_choices_prefills_once_and_chat_n_is_refused_in_pd():
+def test_prefill_leg_of_n_choices_prefills_once():
     """LMDeploy refuses ``n > 1`` with ``with_cache``: the prefill leg asks for one choice (a vLLM decode fans out
-    into the ``n``); an LMDeploy decode would refuse a chat ``n > 1`` (cache migration), a completion's ``n`` it
-    ignores."""
+    into the ``n``; for an LMDeploy decode the router sends one request per choice, ``PD_CHOICES``)."""
     body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5, "n": 3}
     assert json.loads(lmd.prefill_body(body, chat=True))["n"] == 1 and body["n"] == 3
     assert json.loads(lmd.prefill_body(dict(body, n=1), chat=True))["n"] == 1
     assert "n" not in json.loads(lmd.prefill_body({"model": "m", "prompt": "hi"}, chat=False))
-    assert "n > 1" in lmd.pd_refusal(body, chat=True)
-    for b, chat in ((dict(body, n=1), True), ({"model": "m", "prompt": "hi", "n": 3}, False),
-                    (dict(body, n="3"), True), (dict(body, n=True), True)):
-        assert lmd.pd_refusal(b, chat) is None, b
+    assert lmd.PD_CHOICES == "fan_out"
 
 
 def test_migration_request_from_the_prefill_answer():
@@ -203,15 +199,17 @@ def test_prefill_hold_is_freed_when_the_decode_leg_does_not_take_it(decode_statu
             assert alias <= -2 and not d.freed
 
 
-def test_chat_n2_for_an_lmdeploy_decode_is_refused_before_either_leg():
-    """A chat request for 2 choices placed on an LMDeploy prefill/decode pair: 400 naming ``n > 1`` at once, no
-    prefill leg (so nothing is held for a decode that refuses), no decode leg; the same request for one choice
-    goes through."""
+def test_n_choices_for_an_lmdeploy_decode_run_one_migration_each():
+    """Requests for 2 (chat) and 3 (completion) choices placed on an LMDeploy prefill/decode pair (LMDeploy refuses a
+    chat ``n > 1`` with cache migration and answers one choice to a completion's): one prefill leg and one decode
+    leg per choice, one answer with every choice, ``index`` 0..n-1."""
     with _pair() as (p, d, c):
         body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "n": 2}
         r = c.post("/v1/chat/completions", json=body)
-        assert r.status_code == 400 and "n > 1" in r.json()["error"]["message"], r.text
-        assert "/v1/chat/completions" not in p.calls + d.calls
-        r = c.post("/v1/chat/completions", json=dict(body, n=1))
         assert r.status_code == 200, r.text
-        assert p.calls.count("/v1/chat/completions") == 1 and d.calls.count("/v1/chat/completions") == 1
+        assert r.json()["choices"] == [{"text": "answer", "index": 0}, {"text": "answer", "index": 1}]
+        assert p.calls.count("/v1/chat/completions") == 2 and d.calls.count("/v1/chat/completions") == 2
+        r = c.post("/v1/completions", json={"model": "m", "prompt": "hello", "max_tokens": 4, "n": 3})
+        assert r.status_code == 200, r.text
+        assert [ch["index"] for ch in r.json()["choices"]] == [0, 1, 2]
+        assert p.calls.count("/v1/completions") == 3 and d.calls.count("/v1/completions") == 3

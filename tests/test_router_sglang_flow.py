@@ -461,3 +461,138 @@ def test_an_n2_request_prefills_one_sglang_room_for_the_vllm_decode(lt):
         assert dec["n"] == 2 and dec["kv_transfer_params"]["dlmix_consumers"] == 2
         assert dec["kv_transfer_params"]["remote_request_id"] == str(p.rooms[0][2])
         assert [c[1]["room"] for c in hand.s.calls] == [p.rooms[0][2]]
+
+
+# ------------------------------------------------------------------ n > 1 into an SGLang decode: one request per choice
+
+def _by_index(events: list, chat: bool) -> dict:
+    """Each choice's streamed text, by ``index``."""
+    out: dict = {}
+    for ev in events:
+        for ch in ev.get("choices") or []:
+            piece = (ch.get("delta") or {}).get("content") if chat else ch.get("text")
+            out[ch["index"]] = out.get(ch["index"], "") + (piece or "")
+    return out
+
+
+def test_n3_into_an_sglang_decode_runs_one_room_per_choice_and_merges_the_answers(lt):
+    """``n=3`` (completion and chat, not streamed): three requests of one choice, each with its own room on both legs
+    (SGLang would run a warm-up and the three samples under one room), merged into one answer: the choices in order
+    with ``index`` 0..2, each equal to the single engine's one choice, the prompt counted once and the completion
+    tokens summed. The client's ``seed`` goes to choice ``i`` as ``seed + i``."""
+    p, d = _prefill(), _decode()
+    c = Cluster(lt, [p], [d], **PD)
+    try:
+        with httpx.Client(timeout=30) as h:
+            for k, (path, base) in enumerate((("/v1/completions", BODY), ("/v1/chat/completions", CHAT))):
+                via = h.post(c.base + path, json=dict(base, n=3, seed=40))
+                one = h.post(c.ref.url + path, json=base).json()
+                assert via.status_code == 200, via.text
+                got = via.json()
+                assert [ch["index"] for ch in got["choices"]] == [0, 1, 2]
+                assert [{**ch, "index": 0} for ch in got["choices"]] == one["choices"] * 3
+                u = one["usage"]
+                assert got["usage"] == {"prompt_tokens": u["prompt_tokens"],
+                                        "completion_tokens": 3 * u["completion_tokens"],
+                                        "total_tokens": u["prompt_tokens"] + 3 * u["completion_tokens"]}
+                assert {x: got[x] for x in ("id", "object", "model")} == {x: one[x] for x in ("id", "object", "model")}
+                legs = [json.loads(b) for b in d.received[-3:]]
+                assert sorted(leg["seed"] for leg in legs) == [40, 41, 42] and {leg["n"] for leg in legs} == {1}
+                assert p.prefill_legs == 3 * (k + 1)
+        assert len(d.rooms) == 6 and sorted(p.rooms) == sorted(d.rooms) and len({r[2] for r in d.rooms}) == 6
+        assert poll(lambda: all(i.load.inflight == 0 for i in c.router.instances), 10)
+    finally:
+        c.close()
+
+
+def test_n2_streamed_into_an_sglang_decode_is_one_stream_with_both_choices_and_one_usage(lt):
+    """``n=2``, streamed, with ``stream_options.include_usage``: one event stream holding both choices' events
+    (``index`` 0 and 1, each choice's text equal to the single engine's), one usage event (completion tokens of both
+    choices), one ``[DONE]`` at the end."""
+    p, d = _prefill(), _decode(itl=0.01)
+    c = Cluster(lt, [p], [d], **PD)
+    try:
+        with httpx.Client(timeout=30) as h:
+            for path, base, chat in (("/v1/completions", BODY, False), ("/v1/chat/completions", CHAT, True)):
+                body = dict(base, stream=True, stream_options={"include_usage": True})
+                via = h.post(c.base + path, json=dict(body, n=2))
+                one = h.post(c.ref.url + path, json=body)
+                assert via.status_code == 200 and via.headers["content-type"].startswith("text/event-stream")
+                evs, ref = _sse(via.text), _sse(one.text)
+                text = _by_index(ref, chat)[0]
+                assert _by_index(evs, chat) == {0: text, 1: text}
+                usage = [e for e in evs if not e["choices"]]
+                assert len(usage) == 1 and evs[-1] is usage[0]
+                u = ref[-1]["usage"]
+                assert usage[0]["usage"]["completion_tokens"] == 2 * u["completion_tokens"]
+                assert usage[0]["usage"]["prompt_tokens"] == u["prompt_tokens"]
+                lines = [ln for ln in via.text.split("\n") if ln.startswith("data: ")]
+                assert lines[-1] == "data: [DONE]" and lines.count("data: [DONE]") == 1
+        assert p.prefill_legs == 4 and len(d.rooms) == 4
+    finally:
+        c.close()
+
+
+def test_n2_into_a_failing_sglang_decode_answers_its_error_once_and_cancels_the_legs(lt):
+    """Every choice's decode answers 503: the client gets that answer once (status and body as the engine sent
+    it), and no leg is left running."""
+    p, d = _prefill(ttft=30.0), _decode()
+    d.fail_status = 503
+    c = Cluster(lt, [p], [d], retries=0, **PD)
+    try:
+        with httpx.Client(timeout=60) as h:
+            r = h.post(c.base + "/v1/completions", json=dict(BODY, n=2))
+        assert r.status_code == 503, r.text
+        assert poll(lambda: p.inflight == 0 and d.inflight == 0, 10)
+        assert p.prefill_legs == 0
+        assert poll(lambda: all(i.load.inflight == 0 for i in c.router.instances), 10)
+    finally:
+        c.close()
+
+
+def test_a_client_gone_cancels_every_choice(lt):
+    p, d = _prefill(ttft=30.0), _decode()
+    c = Cluster(lt, [p], [d], **PD)
+    try:
+        with pytest.raises(httpx.ReadTimeout):
+            with httpx.Client(timeout=httpx.Timeout(10, read=0.5)) as h:
+                h.post(c.base + "/v1/completions", json=dict(BODY, n=3, stream=True))
+        assert poll(lambda: p.cancelled == 3 and d.cancelled == 3, 10), (p.cancelled, d.cancelled)
+        assert poll(lambda: all(i.load.inflight == 0 for i in c.router.instances), 10)
+    finally:
+        c.close()
+
+
+def test_a_silent_decode_of_a_choice_is_timed_out_like_any_backend(lt):
+    """A decode that sends nothing for ``backend_read_timeout_s``: the fanned-out request is answered 504 as a
+    one-choice request would be, and no leg is left running."""
+    p, d = _prefill(), _decode(ttft=30.0)
+    c = Cluster(lt, [p], [d], backend_read_timeout_s=0.5, retries=0, **PD)
+    try:
+        with httpx.Client(timeout=60) as h:
+            r = h.post(c.base + "/v1/completions", json=dict(BODY, n=2))
+        assert r.status_code == 504, r.text
+        assert poll(lambda: d.inflight == 0 and p.inflight == 0, 10)
+        assert poll(lambda: all(i.load.inflight == 0 for i in c.router.instances), 10)
+    finally:
+        c.close()
+
+
+def test_a_choice_that_fails_after_the_stream_started_ends_it_with_an_error_event(lt):
+    """Streamed ``n=2`` whose decode falls silent after its first token (timed out by ``backend_read_timeout_s``):
+    the stream has begun (200, the first tokens), so it ends with one ``error`` event and no ``[DONE]``; no leg is
+    left running."""
+    p, d = _prefill(), _decode(itl=5.0)
+    c = Cluster(lt, [p], [d], backend_read_timeout_s=0.5, retries=0, **PD)
+    try:
+        with httpx.Client(timeout=60) as h:
+            r = h.post(c.base + "/v1/completions", json=dict(BODY, n=2, stream=True))
+        assert r.status_code == 200
+        evs = _sse(r.text)
+        assert {ch["index"] for e in evs for ch in e.get("choices") or []} <= {0, 1}
+        assert "error" in evs[-1] and "cut off" in evs[-1]["error"]["message"], evs[-1]
+        assert [e for e in evs if "error" in e] == [evs[-1]] and "[DONE]" not in r.text
+        assert poll(lambda: d.inflight == 0 and p.inflight == 0, 10)
+        assert poll(lambda: all(i.load.inflight == 0 for i in c.router.instances), 10)
+    finally:
+        c.close()

@@ -295,25 +295,32 @@ def test_vllm_prefill_feeds_lmdeploy_decode_through_the_router(servers, tok):
     assert poll(lambda: V.kv_usage(servers["vllm-p"].url) == 0.0, 20), V.kv_usage(servers["vllm-p"].url)
 
 
-def test_n2_from_a_vllm_prefill_to_an_lmdeploy_decode_frees_the_hold_after_its_one_pull(servers):
-    """``n=2`` from the vLLM prefill to the LMDeploy decode: LMDeploy ignores ``n`` (one choice, one pull), and the
-    vLLM prefill's hold is freed right after that pull (before, the prefill leg told the prefill to wait for 2
-    pulls, and the blocks stayed held until its 120 s hold timeout). A chat request for 2 choices is refused (400)
-    before either leg: LMDeploy's decode refuses ``n > 1`` with cache migration."""
+def test_n2_from_a_vllm_prefill_to_an_lmdeploy_decode_runs_one_migration_per_choice(servers):
+    """``n=2`` from the vLLM prefill to the LMDeploy decode (LMDeploy answers one choice to a completion's ``n`` and
+    refuses a chat ``n > 1`` with cache migration): the router runs one request per choice, each with its own
+    prefill leg and migration, and answers both choices, completion and chat, each equal (greedy, ``top_k=1``) to
+    the same request's one-choice answer; the vLLM prefill holds nothing afterwards."""
     _need(servers, "lmdeploy-d")
     P, rt, pin = servers["vllm-p"], servers["router"].url, _pin("vllm-p", "lmdeploy-d")
     with httpx.Client(timeout=300, headers=pin) as c:
-        r = c.post(rt + "/v1/completions", json={"model": "smollm2", "prompt": "copper meadow signal " * 80,
-                                                 "max_tokens": 4, "temperature": 1.0, "top_k": 1, "n": 2})
-        assert r.status_code == 200, r.text[:500]
-        assert len(r.json()["choices"]) == 1  # LMDeploy 0.18 answers one completion choice whatever n is
-        assert poll(lambda: V.kv_usage(P.url) == 0.0, 20), V.kv_usage(P.url)
-        prefills = V.metric_sum(P.url, "vllm:request_success_total")
-        r = c.post(rt + "/v1/chat/completions", json={
-            "model": "smollm2", "messages": [{"role": "user", "content": "copper meadow"}], "max_tokens": 4, "n": 2})
-    assert r.status_code == 400 and "n > 1" in r.text, r.text[:500]
-    assert V.metric_sum(P.url, "vllm:request_success_total") == prefills
-    assert V.kv_usage(P.url) == 0.0
+        for path, body, text in (
+                ("/v1/completions", {"model": "smollm2", "prompt": "copper meadow signal " * 80, "max_tokens": 6},
+                 lambda ch: ch["text"]),
+                ("/v1/chat/completions", {"model": "smollm2", "max_tokens": 6,
+                                          "messages": [{"role": "user", "content": "copper meadow " * 40}]},
+                 lambda ch: ch["message"]["content"])):
+            one = c.post(rt + path, json=dict(body, temperature=0))
+            assert one.status_code == 200, one.text[:500]
+            prefills = V.metric_sum(P.url, "vllm:request_success_total")
+            r = c.post(rt + path, json=dict(body, temperature=1.0, top_k=1, n=2))
+            assert r.status_code == 200, r.text[:500]
+            chs = r.json()["choices"]
+            assert [ch["index"] for ch in chs] == [0, 1]
+            assert [text(ch) for ch in chs] == [text(one.json()["choices"][0])] * 2
+            assert V.metric_sum(P.url, "vllm:request_success_total") - prefills == 2  # one prefill leg per choice
+            assert poll(lambda: V.kv_usage(P.url) == 0.0, 20), V.kv_usage(P.url)
+    log = _log(servers["lmdeploy-d"])
+    assert "not migrated" not in log, log[-3000:]
 
 
 def test_sglang_prefill_feeds_lmdeploy_decode_through_the_router(servers, tok):
@@ -396,18 +403,36 @@ def test_vllm_prefill_feeds_sglang_decode_through_the_router(servers, tok):
     assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"], r.text
 
 
-def test_n2_is_refused_before_either_leg_and_holds_are_freed(servers, tok):
-    """``n=2`` for the SGLang decode: 400 with the reason before the prefill leg (SGLang would run a warm-up and both
-    choices under one bootstrap room and hang), so the vLLM prefill holds nothing for it; every hold of the module
-    so far was read and released (none expired on the prefill)."""
+def test_n2_into_the_sglang_decode_runs_one_room_per_choice_and_holds_are_freed(servers, tok):
+    """``n=2`` for the SGLang decode (SGLang would run a warm-up and both choices under one bootstrap room and hang):
+    the router runs one request per choice, each with its own room and vLLM prefill leg, and answers both choices,
+    not streamed and streamed, each equal to the same request's one-choice answer (greedy, ``top_k=1``); every hold
+    of the module so far was read and released (none expired on the prefill)."""
     _need(servers, "sglang-d")
-    rt = servers["router"].url
+    rt, pin = servers["router"].url, _pin("vllm-p", "sglang-d")
+    text = _prompts(tok, [120], seed=8)[0][0]
+    one = _through(rt, text, pin)["choices"][0]["token_ids"]
     before = V.metric_sum(rt, "dlmix_router_prefill_responses_total", 'instance="vllm-p"')
-    r = httpx.post(rt + "/v1/completions", headers=_pin("vllm-p", "sglang-d"),
-                   json={"model": "smollm2", "prompt": "a b c", "max_tokens": 4, "n": 2}, timeout=60)
-    assert r.status_code == 400 and "n > 1 is not supported by an SGLang decode" in r.text, r.text
-    assert V.metric_sum(rt, "dlmix_router_prefill_responses_total", 'instance="vllm-p"') == before > 0
+    got = _through(rt, text, pin, n=2, temperature=1.0, top_k=1)
+    assert [(ch["index"], ch["token_ids"]) for ch in got["choices"]] == [(0, one), (1, one)]
+    assert got["usage"]["completion_tokens"] == 2 * len(one)
+    with httpx.stream("POST", rt + "/v1/completions", headers=pin, json={
+            "model": "smollm2", "prompt": text, "max_tokens": MAX_TOKENS, "temperature": 1.0, "top_k": 1,
+            "ignore_eos": True, "n": 2, "stream": True}, timeout=300) as r:
+        assert r.status_code == 200
+        lines = [ln for ln in r.iter_lines() if ln.startswith("data: ")]
+    assert lines[-1] == "data: [DONE]" and lines.count("data: [DONE]") == 1
+    streamed: dict = {}
+    for ln in lines[:-1]:
+        for ch in json.loads(ln[6:])["choices"]:
+            streamed[ch["index"]] = streamed.get(ch["index"], "") + ch["text"]
+    whole = _through(rt, text, pin)["choices"][0]["text"]
+    assert streamed == {0: whole, 1: whole}
+    assert V.metric_sum(rt, "dlmix_router_prefill_responses_total", 'instance="vllm-p"') - before == 5
+    assert poll(lambda: V.kv_usage(servers["vllm-p"].url) == 0.0, 20), V.kv_usage(servers["vllm-p"].url)
     assert "expired" not in _log(servers["vllm-p"]), _log(servers["vllm-p"])[-3000:]
+    log = _log(servers["sglang-d"])
+    assert "failed on decode" not in log, log[-3000:]
 
 
 def test_lmdeploy_prefill_feeds_sglang_decode_through_the_router(servers, tok):

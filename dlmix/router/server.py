@@ -62,6 +62,7 @@ from dlmix.hw.profiles import load_catalog
 from dlmix.router import proxy
 from dlmix.router.admin import AdminAPI
 from dlmix.router.bodies import BadRequest, check as check_body, decode as decode_body
+from dlmix.router.choices import run_choices, wants_fan_out
 from dlmix.router.config import ConfigError, RouterConfig
 from dlmix.router.metrics import Metrics
 from dlmix.router.orchestrator import SENT, PDOrchestrator
@@ -512,6 +513,10 @@ class Router:
                     dec = self.policy.choose(rr, view)
                 except NoInstanceError as ex:
                     return self._no_instance(conn, rr, ex, last)
+            if dec.prefill is not None and dec.decode.role == "decode" and d is not None:
+                db = self.rt.get(dec.decode.id)
+                if db is not None and wants_fan_out(db.engine, d):  # n > 1 on a decode that takes one choice
+                    return await run_choices(conn, req, d, chat, self._one_choice(rr, chat))
             self._dispatch(rr, dec, view)
             state = [False]  # prefilled
 
@@ -537,23 +542,25 @@ class Router:
             excluded = (excluded or set()) | {dec.decode.id}
             dec = None
 
+    def _one_choice(self, rr: RouteRequest, chat: bool):
+        """The router's whole path for one choice of a fanned-out request (:mod:`dlmix.router.choices`): placed on
+        its own, with the client's pins."""
+        async def run_one(conn, sub, body: dict) -> None:
+            rr_i = self._request_from(body, chat)
+            rr_i.prefill_id, rr_i.decode_id = rr.prefill_id, rr.decode_id
+            await self._run(conn, sub, chat, body, rr_i)
+        return run_one
+
     async def _legs(self, conn, req, chat: bool, d, rr: RouteRequest, dec, view, fwd: bytes, first):
         """The backend legs of one placement: the PD prefill leg (sequential or concurrent, by the prefill instance's
         engine adapter) if any, and the decode (or whole-request) leg streaming to the client. Returns
         ``(decode backend, proxy.Answer)``, or :data:`SENT` when the answer was already sent (a prefill instance's
-        4xx; 400 when the decode instance's engine refuses the request in PD, its adapter's ``pd_refusal``; 503 when
-        a decode-only instance has no prefill instance). Raises BackendError."""
+        4xx; 503 when a decode-only instance has no prefill instance). Raises BackendError."""
         m = self.metrics
         db = self.rt.get(dec.decode.id)
         if dec.prefill is not None and dec.decode.role == "both":
             if db is not None and not db.engine.BOTH_TAKES_PD:
                 self.pd.move(dec, rr, None)  # serves whole requests only: it prefills this one itself
-        if dec.prefill is not None:
-            refusal = getattr(db.engine, "pd_refusal", None) if db is not None else None
-            why = refusal(d, chat) if refusal is not None and isinstance(d, dict) else None
-            if why:  # before either leg: no prefill holds KV for a decode that refuses the request
-                self._send(conn, 400, _bad_request(why))
-                return SENT
         pb = self.rt.get(dec.prefill.id) if dec.prefill is not None else None
         bridged = False
         if pb is not None and pb.engine.PD_FLOW == "concurrent":

@@ -31,10 +31,10 @@ The router only calls these names on an instance's adapter (``get_engine(state.e
   of at the prefill's hold timeout (LMDeploy: ``/distserve/free_cache``). ``kvp`` is this adapter's own
   ``kv_transfer_params`` of the prefill's answer, also when a bridge handed the decode another engine's. Best
   effort, never raises; freeing KV the decode already took must be harmless.
-* optional ``pd_refusal(body, chat) -> str | None``: the reason this engine, as the decode side of a PD pair, would
-  refuse the client's parsed ``body`` (LMDeploy: a chat request with ``n > 1``, which its cache migration refuses;
-  SGLang: any ``n > 1``, whose choices share one bootstrap room);
-  the router then answers 400 with it before either leg runs, so no prefill holds KV for a decode that refuses.
+* optional ``PD_CHOICES = "fan_out"``: this engine, as the decode side of a PD pair, cannot serve ``n > 1`` choices
+  in one request (SGLang: the choices share one bootstrap room; LMDeploy: cache migration refuses a chat ``n > 1``
+  and a completion gets one choice): the router runs such a request as ``n`` requests of one choice each, every one
+  with its own prefill leg and hand-off, and merges their answers (:mod:`dlmix.router.choices`).
 * optional ``forget(url)``: drop what the adapter remembers about the instance at ``url`` (LMDeploy: the pairs it
   connected); the registry calls it whenever an instance registers (a restarted engine may have another transport
   endpoint behind the same address) or is removed.

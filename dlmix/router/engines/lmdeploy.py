@@ -28,7 +28,7 @@ from typing import Any
 
 import msgspec
 
-from dlmix.router.bodies import add_keys, n_choices, one_token_leg
+from dlmix.router.bodies import add_keys, one_token_leg
 
 NAME = "lmdeploy"
 HEALTH_PATH = b"/health"
@@ -41,6 +41,10 @@ PD_PROTOCOL = "migration_request"
 DECODE_NEEDS_PREFILL = True
 #: a Hybrid engine has no DistServe connection: it serves whole requests only
 BOTH_TAKES_PD = False
+#: LMDeploy 0.18 refuses a chat request's ``n > 1`` with cache migration (``serve/openai/chat_completions/
+#: validation.py``; its own proxy refuses ``n > 1`` in DistServe mode) and answers one choice to a completion's: the
+#: router runs such a request as one request per choice, each with its own migration (:mod:`dlmix.router.choices`)
+PD_CHOICES = "fan_out"
 #: LMDeploy's ``MigrationProtocol.TCP`` (``pytorch/disagg/conn/protocol.py``); DLMix picks its own transport
 PROTOCOL_TCP = 1
 #: seconds for each connection-handshake call
@@ -70,17 +74,6 @@ def prefill_body(body: dict, chat: bool, kvp: Any = None) -> bytes:
     b["with_cache"] = True
     b["preserve_cache"] = True
     return _enc.encode(b)
-
-
-def pd_refusal(body: dict, chat: bool) -> str | None:
-    """Why an LMDeploy decode would refuse the client's ``body`` after a prefill (None: it would not): LMDeploy 0.18
-    fans a chat request's ``n > 1`` out into ``n`` generations, but not with cache migration
-    (``serve/openai/chat_completions/validation.py``), and its own proxy refuses ``n > 1`` in DistServe mode. A
-    completion's ``n`` is not refused (LMDeploy answers one choice)."""
-    if chat and n_choices(body) > 1:
-        return ("n > 1 is not supported by an LMDeploy decode instance (LMDeploy refuses n > 1 with cache "
-                "migration); ask for one choice, or send the request to an instance that serves whole requests")
-    return None
 
 
 def kv_transfer_params(resp_body: bytes) -> dict:

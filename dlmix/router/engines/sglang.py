@@ -22,7 +22,7 @@ import random
 
 import msgspec
 
-from dlmix.router.bodies import add_keys, n_choices
+from dlmix.router.bodies import add_keys
 
 NAME = "sglang"
 #: a flag check; SGLang's ``/health`` runs a one-token generation and answers after at least 1 s
@@ -35,6 +35,12 @@ PD_FLOW = "concurrent"
 PD_PROTOCOL = "bootstrap"
 #: a decode-role instance needs a prefill instance for every request
 DECODE_NEEDS_PREFILL = True
+#: for ``n > 1`` SGLang 0.5.23's tokenizer manager first sends a prefix warm-up request (``max_new_tokens=0``) and then
+#: the ``n`` samples, all copies of the first request and so under its one bootstrap room
+#: (``sglang/srt/managers/tokenizer_manager.py`` ``_handle_batch_request``): on a decode server they would wait for KV
+#: that one prefill room cannot give them all. The router runs such a request as one request per choice instead
+#: (:mod:`dlmix.router.choices`).
+PD_CHOICES = "fan_out"
 #: a server without ``--disaggregation-mode`` (registered as ``both``) ignores the bootstrap fields: it cannot be a
 #: decode leg, and a prefill leg paired with it would wait for a decode that never comes
 BOTH_TAKES_PD = False
@@ -67,19 +73,6 @@ def decode_body(raw: bytes, kvp: dict, parsed: dict | None = None) -> bytes:
     the client already sent one of them: then ``parsed`` or a fresh decode is re-encoded with them replaced).
     Raises ValueError if ``raw`` is not a JSON object."""
     return add_keys(raw, kvp, parsed)
-
-
-def pd_refusal(body: dict, chat: bool) -> str | None:
-    """Why an SGLang decode would fail the client's ``body`` after a prefill (None: it would not): for ``n > 1``
-    SGLang 0.5.23's tokenizer manager first sends a prefix warm-up request (``max_new_tokens=0``) and then the ``n``
-    samples, all three copies of the first request and so under its one bootstrap room
-    (``sglang/srt/managers/tokenizer_manager.py`` ``_handle_batch_request``); on a decode server they wait for KV that
-    one prefill room cannot give them all (the request hangs)."""
-    if n_choices(body) > 1:
-        return ("n > 1 is not supported by an SGLang decode instance in PD (SGLang runs a warm-up and every choice "
-                "of the request under one bootstrap room); ask for one choice, or send the request to an instance "
-                "that serves whole requests")
-    return None
 
 
 def kv_transfer_params(resp_body: bytes) -> dict:
