@@ -13,21 +13,40 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 
-#: The pytest-xdist group of the modules marked ``many_servers``.
-MANY_SERVERS_GROUP = "many-servers"
+#: The test modules whose real-model engine servers take 5 GB or more of memory at once, in the order they run. With
+#: pytest-xdist (``-n 2``, the README's test command) they run one after another on one worker, so their servers are
+#: never alive together (as in a serial run), while the other worker takes every other module meanwhile
+#: (:class:`_Lanes`): first the matrix (about 14 GB) beside the unit tests, the others beside the lighter engine
+#: modules. A new module that starts several real-model servers at once belongs here.
+MANY_SERVERS = ("tests/test_xengine_matrix.py", "tests/test_lmdeploy_pd.py", "tests/test_sglang_pd.py",
+                "tests/test_vllm_pd.py", "tests/test_demo.py")
 
 
 def pytest_collection_modifyitems(config, items):
-    """Lanes for ``pytest -n 2 --dist loadgroup`` (the README's test command; pytest-xdist): each module is one unit
-    of work (its module fixtures start once), and the modules marked ``many_servers`` (real-model engine servers
-    taking 5 GB or more at once) form one group, so they run one after another on one worker and
-    their servers are never alive together, as in a serial run; the other worker takes the other modules
-    meanwhile. Without xdist this does nothing."""
-    if not config.pluginmanager.hasplugin("xdist"):
+    """On a pytest-xdist worker: the :data:`MANY_SERVERS` modules' tests last, in that tuple's order (each module's
+    own order kept), so the one worker that runs them takes the modules in that order."""
+    if not hasattr(config, "workerinput"):
         return
-    for it in items:
-        group = MANY_SERVERS_GROUP if it.get_closest_marker("many_servers") else it.nodeid.split("::")[0]
-        it.add_marker(pytest.mark.xdist_group(group))
+    rank = {m: i for i, m in enumerate(MANY_SERVERS)}
+    items.sort(key=lambda it: rank.get(it.nodeid.split("::", 1)[0], -1))
+
+
+@pytest.hookimpl(optionalhook=True)  # a hook of pytest-xdist (dev extra); nothing without it
+def pytest_xdist_make_scheduler(config, log):
+    """pytest-xdist's scheduler for ``-n N`` (its default ``load`` distribution, or ``loadgroup``): :class:`_Lanes`."""
+    if config.getvalue("dist") not in ("load", "loadgroup"):
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class _Lanes(LoadScopeScheduling):
+        """Each test module is one unit of work for one worker (its module fixtures start once); the modules of
+        :data:`MANY_SERVERS` together are one unit."""
+
+        def _split_scope(self, nodeid: str) -> str:
+            module = nodeid.split("::", 1)[0]
+            return "many-servers" if module in MANY_SERVERS else module
+
+    return _Lanes(config, log)
 
 
 @pytest.fixture(autouse=True)

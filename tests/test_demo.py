@@ -9,7 +9,7 @@ import sys
 import pytest
 
 pytest.importorskip("vllm")
-pytestmark = [pytest.mark.slow, pytest.mark.many_servers]
+pytestmark = pytest.mark.slow
 
 
 def test_demo_runs_and_decode_receives_kv(tmp_path, smollm2_dir):

@@ -19,7 +19,7 @@ import time
 
 import pytest
 
-pytestmark = [pytest.mark.slow, pytest.mark.many_servers]
+pytestmark = pytest.mark.slow
 
 from dlmix_lmdeploy import testing as T  # noqa: E402
 

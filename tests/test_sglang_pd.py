@@ -21,7 +21,7 @@ import time
 
 import pytest
 
-pytestmark = [pytest.mark.slow, pytest.mark.many_servers]
+pytestmark = pytest.mark.slow
 
 from dlmix_sglang import testing as T  # noqa: E402
 from dlmix.testing import compare_greedy, stop_all  # noqa: E402

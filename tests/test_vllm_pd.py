@@ -22,7 +22,7 @@ import time
 
 import pytest
 
-pytestmark = [pytest.mark.slow, pytest.mark.many_servers]
+pytestmark = pytest.mark.slow
 
 vllm = pytest.importorskip("vllm")
 

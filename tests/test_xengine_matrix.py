@@ -31,7 +31,7 @@ from urllib.parse import urlsplit
 import httpx
 import pytest
 
-pytestmark = [pytest.mark.slow, pytest.mark.many_servers]
+pytestmark = pytest.mark.slow
 
 from dlmix_lmdeploy import testing as L  # noqa: E402
 from dlmix_sglang import testing as T  # noqa: E402
