@@ -16,19 +16,26 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 #: The test modules whose real-model engine servers take 5 GB or more of memory at once, in the order they run. With
 #: pytest-xdist (``-n 2``, the README's test command) they run one after another on one worker, so their servers are
 #: never alive together (as in a serial run), while the other worker takes every other module meanwhile
-#: (:class:`_Lanes`): first the matrix (about 14 GB) beside the unit tests, the others beside the lighter engine
-#: modules. A new module that starts several real-model servers at once belongs here.
-MANY_SERVERS = ("tests/test_xengine_matrix.py", "tests/test_lmdeploy_pd.py", "tests/test_sglang_pd.py",
-                "tests/test_vllm_pd.py", "tests/test_demo.py")
+#: (:class:`_Lanes`). A new module that starts several real-model servers at once belongs here.
+MANY_SERVERS = ("tests/test_lmdeploy_pd.py", "tests/test_sglang_pd.py", "tests/test_vllm_pd.py", "tests/test_demo.py",
+                "tests/test_xengine_matrix.py")
+
+
+def _module(item) -> str:
+    return item.nodeid.split("::", 1)[0]
 
 
 def pytest_collection_modifyitems(config, items):
-    """On a pytest-xdist worker: the :data:`MANY_SERVERS` modules' tests last, in that tuple's order (each module's
-    own order kept), so the one worker that runs them takes the modules in that order."""
+    """On a pytest-xdist worker, the order in which the workers take the modules (:class:`_Lanes` keeps it): the
+    :data:`MANY_SERVERS` modules first, in that tuple's order (the one unit of the worker that runs them: the matrix,
+    about 14 GB, last); then the other modules with slow tests (one or two engine servers each, up to about 6 GB), so
+    that they run beside the first many-server modules and are done before the matrix starts; then the rest (unit
+    tests). Each module's own order is kept."""
     if not hasattr(config, "workerinput"):
         return
     rank = {m: i for i, m in enumerate(MANY_SERVERS)}
-    items.sort(key=lambda it: rank.get(it.nodeid.split("::", 1)[0], -1))
+    slow = {_module(it) for it in items if it.get_closest_marker("slow") is not None}
+    items.sort(key=lambda it: (0, rank[_module(it)]) if _module(it) in rank else (1 if _module(it) in slow else 2, 0))
 
 
 @pytest.hookimpl(optionalhook=True)  # a hook of pytest-xdist (dev extra); nothing without it
@@ -39,13 +46,15 @@ def pytest_xdist_make_scheduler(config, log):
     from xdist.scheduler import LoadScopeScheduling
 
     class _Lanes(LoadScopeScheduling):
-        """Each test module is one unit of work for one worker (its module fixtures start once); the modules of
-        :data:`MANY_SERVERS` together are one unit."""
+        """Each test module is one unit of work for one worker (its module fixtures start once), the modules of
+        :data:`MANY_SERVERS` together one unit; the units go out in the workers' collection order
+        (:func:`pytest_collection_modifyitems`), not largest first."""
 
         def _split_scope(self, nodeid: str) -> str:
             module = nodeid.split("::", 1)[0]
             return "many-servers" if module in MANY_SERVERS else module
 
+    config.option.loadscopereorder = False
     return _Lanes(config, log)
 
 
