@@ -13,29 +13,17 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 
-#: The test modules whose real-model engine servers take 5 GB or more of memory at once, in the order they run. With
-#: pytest-xdist (``-n 2``, the README's test command) they run one after another on one worker, so their servers are
-#: never alive together (as in a serial run), while the other worker takes every other module meanwhile
-#: (:class:`_Lanes`). A new module that starts several real-model servers at once belongs here.
-MANY_SERVERS = ("tests/test_lmdeploy_pd.py", "tests/test_sglang_pd.py", "tests/test_vllm_pd.py", "tests/test_demo.py",
-                "tests/test_xengine_matrix.py")
-
-
 def _module(item) -> str:
     return item.nodeid.split("::", 1)[0]
 
 
 def pytest_collection_modifyitems(config, items):
-    """On a pytest-xdist worker, the order in which the workers take the modules (:class:`_Lanes` keeps it): the
-    :data:`MANY_SERVERS` modules first, in that tuple's order (the one unit of the worker that runs them: the matrix,
-    about 14 GB, last); then the other modules with slow tests (one or two engine servers each, up to about 6 GB), so
-    that they run beside the first many-server modules and are done before the matrix starts; then the rest (unit
-    tests). Each module's own order is kept."""
+    """On a pytest-xdist worker (``-n 2``, the README's test command): the modules with slow tests first, so that the
+    one unit of work they form (:class:`_Lanes`) goes out first; each module's own order is kept."""
     if not hasattr(config, "workerinput"):
         return
-    rank = {m: i for i, m in enumerate(MANY_SERVERS)}
     slow = {_module(it) for it in items if it.get_closest_marker("slow") is not None}
-    items.sort(key=lambda it: (0, rank[_module(it)]) if _module(it) in rank else (1 if _module(it) in slow else 2, 0))
+    items.sort(key=lambda it: _module(it) not in slow)
 
 
 @pytest.hookimpl(optionalhook=True)  # a hook of pytest-xdist (dev extra); nothing without it
@@ -45,14 +33,26 @@ def pytest_xdist_make_scheduler(config, log):
         return None
     from xdist.scheduler import LoadScopeScheduling
 
+    root = Path(config.rootpath)
+
     class _Lanes(LoadScopeScheduling):
-        """Each test module is one unit of work for one worker (its module fixtures start once), the modules of
-        :data:`MANY_SERVERS` together one unit; the units go out in the workers' collection order
-        (:func:`pytest_collection_modifyitems`), not largest first."""
+        """Two lanes. Every module with slow tests (``pytest.mark.slow`` in its source: they start engine servers)
+        is in one unit of work, so those modules run one after another on one worker, as in a serial run: their
+        servers are never alive together. On two cores, engine modules run side by side starved each other (a vLLM
+        worker's step timed out after minutes, the kernel reported CPU stalls) and took 23 of 24 GB. Every other
+        module is a unit of its own, for the other worker meanwhile (module fixtures start once). Units go out in
+        the workers' collection order (:func:`pytest_collection_modifyitems`), not largest first."""
+
+        _slow: dict = {}
 
         def _split_scope(self, nodeid: str) -> str:
             module = nodeid.split("::", 1)[0]
-            return "many-servers" if module in MANY_SERVERS else module
+            if module not in self._slow:
+                try:
+                    self._slow[module] = "pytest.mark.slow" in (root / module).read_text(errors="replace")
+                except OSError:
+                    self._slow[module] = False
+            return "engine-servers" if self._slow[module] else module
 
     config.option.loadscopereorder = False
     return _Lanes(config, log)
