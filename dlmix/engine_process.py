@@ -91,6 +91,35 @@ def free_port_block(n: int = 1, host: str = "127.0.0.1", taken=()) -> int:
     raise RuntimeError(f"no block of {n} free ports below {hi + n} on {host}")
 
 
+def cpu_bind_groups(ranks: int, cpus: str | None = None) -> str:
+    """SGLang's ``SGLANG_CPU_OMP_THREADS_BIND`` value for ``ranks`` TP ranks on a CPU host: the cores this process may
+    run on (or the ``taskset`` list ``cpus``, e.g. ``"0-3"`` or ``"0,2"``) cut into ``ranks`` groups of consecutive
+    cores, ``|``-separated (``"0|1"`` for two ranks on two cores). With fewer cores than ranks the cores are shared
+    (rank ``i`` gets core ``i mod n``). Raises ValueError for ``ranks < 1``."""
+    if ranks < 1:
+        raise ValueError(f"ranks must be >= 1, got {ranks}")
+    if cpus:
+        ids: list[int] = []
+        for part in cpus.split(","):
+            lo, _, hi = part.partition("-")
+            ids += list(range(int(lo), int(hi or lo) + 1))
+    else:
+        ids = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+    if len(ids) < ranks:
+        return "|".join(str(ids[i % len(ids)]) for i in range(ranks))
+    out = []
+    for i in range(ranks):
+        g = ids[i * len(ids) // ranks:(i + 1) * len(ids) // ranks]
+        runs: list[str] = []
+        for c in g:  # consecutive cores as "a-b", as SGLang's examples write them
+            if runs and int(runs[-1].rpartition("-")[2]) == c - 1:
+                runs[-1] = f"{runs[-1].partition('-')[0]}-{c}"
+            else:
+                runs.append(str(c))
+        out.append(",".join(runs))
+    return "|".join(out)
+
+
 def _hub_offline_env() -> dict[str, str]:
     """``HF_HUB_OFFLINE``/``TRANSFORMERS_OFFLINE`` = 1 unless our environment sets them (local model folders)."""
     return {"HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "1"),
@@ -333,10 +362,14 @@ class SGLangServerSpec(_OwnVenvServer):
 
     def env_additions(self) -> dict[str, str]:
         """Variables on top of our environment: the CPU engine switch, the host SGLang advertises for bootstrap,
-        single-threaded tokenizers, hub offline (when ``hub_offline``), ``DLMIX_SGLANG_CONFIG``, then ``env``."""
+        single-threaded tokenizers, hub offline (when ``hub_offline``), ``DLMIX_SGLANG_CONFIG``, then ``env``. On CPU
+        with TP > 1, ``SGLANG_CPU_OMP_THREADS_BIND`` (one group of cores per rank, :func:`cpu_bind_groups`): without
+        it SGLang's CPU path allows at most one rank per NUMA node (``sglang/srt/utils/numa_utils.py``)."""
         add = {"SGLANG_HOST_IP": self.host, "TOKENIZERS_PARALLELISM": "false"}
         if self.device == "cpu":
             add["SGLANG_USE_CPU_ENGINE"] = "1"
+            if self.tensor_parallel_size > 1:
+                add["SGLANG_CPU_OMP_THREADS_BIND"] = cpu_bind_groups(self.tensor_parallel_size, self.taskset_cpus)
         if self.hub_offline:
             add.update(_hub_offline_env())
         if self.backend_config is not None:

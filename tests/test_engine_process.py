@@ -166,3 +166,22 @@ def test_server_child_stop_signals_the_leader_alone_then_kills_what_it_left(tmp_
         time.sleep(0.05)
     assert not _alive(pid)
     assert not child_log.exists()  # SIGKILLed with the group, never sent SIGTERM
+
+
+def test_sglang_cpu_tp_ranks_get_one_group_of_cores_each():
+    """SGLang's CPU path allows one TP rank per NUMA node unless ``SGLANG_CPU_OMP_THREADS_BIND`` names each rank's
+    cores: :class:`SGLangServerSpec` sets it for TP > 1 on CPU (cores cut into consecutive groups), not otherwise."""
+    from dlmix.engine_process import SGLangServerSpec, cpu_bind_groups
+
+    assert cpu_bind_groups(2, "0-3") == "0-1|2-3"
+    assert cpu_bind_groups(2, "0-2,4,5,7") == "0-2|4-5,7"
+    assert cpu_bind_groups(3, "0,1") == "0|1|0"  # fewer cores than ranks: shared
+    assert cpu_bind_groups(1, "5") == "5"
+    with pytest.raises(ValueError):
+        cpu_bind_groups(0)
+    spec = SGLangServerSpec(model="/m", port=1, tensor_parallel_size=2, taskset_cpus="0-3")
+    assert spec.env_additions()["SGLANG_CPU_OMP_THREADS_BIND"] == "0-1|2-3"
+    assert "--tp-size" in spec.argv() and spec.argv()[spec.argv().index("--tp-size") + 1] == "2"
+    assert "SGLANG_CPU_OMP_THREADS_BIND" not in SGLangServerSpec(model="/m", port=1).env_additions()
+    assert "SGLANG_CPU_OMP_THREADS_BIND" not in SGLangServerSpec(model="/m", port=1, tensor_parallel_size=2,
+                                                                  device="cuda").env_additions()

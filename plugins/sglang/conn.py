@@ -34,8 +34,15 @@ decode fed by another engine's prefill (vLLM, LMDeploy) through the dlmix router
     logprobs or cached-token count).
 
 Limits (refused with a reason): MLA pools, draft-model KV, extra state pools (Mamba/SWA/DSA), host destinations,
-decode prefix reuse (run decode with ``--disable-radix-cache``), pools outside host memory. Equal attention TP on both
-sides (the core's pull path).
+decode prefix reuse (run decode with ``--disable-radix-cache``), pools outside host memory.
+
+Attention TP sizes may differ (SGLang's own rank mapping, ``CommonKVManager._resolve_rank_mapping``, decides which
+prefill ranks each decode rank bootstraps with and tells): every prefill rank registers its dlmix transport with the
+bootstrap server beside its layout, a decode rank reads them all at bootstrap (``GET /dlmix/layout``), and on the
+first ``DLMIX READY`` of a room it pulls with every prefill rank's transport, so the core
+(:meth:`dlmix.pd.consumer.Consumer.pull`) reads each of this rank's KV heads from a prefill rank that holds it and
+releases every prefill rank's hold (a hold is freed once each decode rank released it); the room's further READYs
+(one per prefill rank this rank bootstrapped with) are ignored.
 """
 from __future__ import annotations
 
@@ -137,8 +144,12 @@ class DLMixKVManager(CommonKVManager):
             verify_weights=s.verify_weights, on_released=None if self.is_decode else self._on_released)
         self.instance_id = f"sglang-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self._pending: dict[int, _Pending] = {}
-        self._dst: dict[int, tuple[list[int], Optional[int]]] = {}
+        self._dst: dict[int, tuple[list[int], Optional[int], str]] = {}
+        #: rooms whose pull started (decode): a room's further READYs, one per prefill rank, are ignored
+        self._pulled: dict[int, None] = {}
         self.incompatible: dict[str, str] = {}
+        #: decode: every rank's transport (rank order) of each prefill whose attention TP size differs from ours
+        self.prefill_transports: dict[str, list[dict[str, Any]]] = {}
         #: bootstrap addresses that are dlmix routers handing off rooms of another engine's prefill
         self.handoff_sources: set[str] = set()
         # SGLang's MetadataBuffers.get_buf_infos order: bootstrap_room is the last buffer, before kv_checksum if on
@@ -165,8 +176,10 @@ class DLMixKVManager(CommonKVManager):
 
     # ------------------------------------------------------------------ bootstrap registration (prefill)
     def _register_topology_row(self, url: str, payload: dict) -> None:
-        """SGLang's bootstrap registration, plus this rank's dlmix layout (read by decode's pair check)."""
-        super()._register_topology_row(url, {**payload, "dlmix_layout": self.layout.to_dict()})
+        """SGLang's bootstrap registration, plus this rank's dlmix layout (read by decode's pair check) and transport
+        descriptor (read by a decode of another attention-TP size, which pulls from every prefill rank)."""
+        super()._register_topology_row(url, {**payload, "dlmix_layout": self.layout.to_dict(),
+                                             "dlmix_transport": self.endpoint.descriptor()})
 
     def _guard(self, fn):
         def run():
@@ -333,15 +346,25 @@ class DLMixKVManager(CommonKVManager):
                 if body.get("dlmix_router") is True:
                     return self._router_source(bootstrap_addr)
                 layouts = body.get("layouts") or []
-                src = next((x for x in layouts if x.get("tp_rank") == self.dlmix_tp_rank), None)
+                transports = body.get("transports") or []
+                if len(layouts) == self.dlmix_tp_size:
+                    src = next((x for x in layouts if x.get("tp_rank") == self.dlmix_tp_rank), None)
+                else:  # another attention-TP size: this rank pulls from every prefill rank (module doc)
+                    src = layouts[0] if layouts else None
+                    if len(transports) != len(layouts) or not all(isinstance(t, dict) for t in transports):
+                        src, reason = None, (f"prefill at {bootstrap_addr} runs attention TP {len(layouts)} and "
+                                             f"this decode {self.dlmix_tp_size}, but it states {len(transports)} "
+                                             "rank transport(s) (a dlmix prefill older than this decode?)")
                 if src is None:
-                    reason = (f"prefill at {bootstrap_addr} has no attention-TP rank {self.dlmix_tp_rank} "
-                              f"({len(layouts)} rank(s)); the dlmix pull path needs equal TP sizes")
+                    reason = reason or (f"prefill at {bootstrap_addr} has no attention-TP rank {self.dlmix_tp_rank} "
+                                        f"({len(layouts)} rank(s))")
                 else:
                     reasons = check_pair(layout_of(src), self.layout, verify_weights=self.settings.verify_weights,
                                          src_name="prefill", dst_name="decode")
                     if reasons:
                         reason = "incompatible prefill/decode pair: " + "; ".join(reasons)
+                    elif len(layouts) != self.dlmix_tp_size:
+                        self.prefill_transports[bootstrap_addr] = [dict(t) for t in transports]
         except requests.RequestException as e:
             log.warning("dlmix transfer backend: bootstrap %s unreachable: %s", bootstrap_addr, e)
             return False
@@ -396,9 +419,10 @@ class DLMixKVManager(CommonKVManager):
         aux[self._room_aux][:8] = int(room).to_bytes(8, "little")  # bootstrap_room[0], uint64
         self._pull(room, json.dumps(params.to_dict()).encode(), [bytes(a) for a in aux], whole_prompt=True)
 
-    def register_destination(self, room: int, pages: Any, aux_index: Optional[int]) -> None:
-        """Decode side: the pages (ids, token order) and aux row a room's KV and metadata go to."""
-        self._dst[int(room)] = ([int(x) for x in np.asarray(pages).reshape(-1)], aux_index)
+    def register_destination(self, room: int, pages: Any, aux_index: Optional[int], bootstrap_addr: str = "") -> None:
+        """Decode side: the pages (ids, token order) and aux row a room's KV and metadata go to, and the bootstrap
+        address of its prefill."""
+        self._dst[int(room)] = ([int(x) for x in np.asarray(pages).reshape(-1)], aux_index, bootstrap_addr)
 
     def drop_destination(self, room: int) -> None:
         """Decode side: the room is over; a pull still running stops before its next round."""
@@ -442,11 +466,20 @@ class DLMixKVManager(CommonKVManager):
         of another engine's prefill tokenized the prompt itself)."""
         t0 = time.perf_counter()
         dst = self._dst.get(room)
+        if room in self._pulled:  # another prefill rank's READY of a room pulled from every rank (module doc)
+            return
         try:
             params_d = json.loads(raw_params)
         except ValueError:
             self._fail(room, "dlmix: prefill sent unreadable transfer parameters")
             return
+        ranks = self.prefill_transports.get(dst[2]) if dst is not None else None
+        if ranks is not None and isinstance(params_d, dict):
+            # the READY names its own rank's transport only: pull with every prefill rank's, in rank order
+            params_d = {**params_d, "remote_transports": ranks}
+            self._pulled[room] = None
+            while len(self._pulled) > 10000:
+                self._pulled.pop(next(iter(self._pulled)))
         c = claim(params_d, self.layout, 1 << 62, 0, verify_weights=self.settings.verify_weights,
                   tp_rank=self.dlmix_tp_rank)
         if dst is None or room not in self.request_status:
@@ -458,7 +491,7 @@ class DLMixKVManager(CommonKVManager):
             if c.params is not None:
                 self._release(c.params, room, consumed=False)
             return
-        pages, aux_index = dst
+        pages, aux_index, _addr = dst
         cap = len(pages) * self.layout.block_size
         if c.end > cap:
             self._fail(room, f"dlmix: prefill holds {c.end} tokens, decode allocated {len(pages)} pages "
@@ -577,7 +610,7 @@ class DLMixKVReceiver(CommonKVReceiver):
                       decode_prefix_len: Optional[int] = None, *args: Any, **kwargs: Any) -> None:
         if self.conclude_state == KVPoll.Failed:
             return
-        self.kv_mgr.register_destination(self.bootstrap_room, kv_indices, aux_index)
+        self.kv_mgr.register_destination(self.bootstrap_room, kv_indices, aux_index, self.bootstrap_addr)
         super().send_metadata(kv_indices, aux_index, state_indices, decode_prefix_len, *args, **kwargs)
         if self.bootstrap_addr in self.kv_mgr.handoff_sources:
             if decode_prefix_len:
@@ -603,6 +636,7 @@ class DLMixKVBootstrapServer(CommonKVBootstrapServer):
 
     def __init__(self, host: str, port: int):
         self.dlmix_layouts: dict[tuple[int, int, int, int], dict] = {}
+        self.dlmix_transports: dict[tuple[int, int, int, int], dict] = {}
         self.dlmix_relay = HandoffRelay(key=load_settings().router_admin_key)
         super().__init__(host, port)
 
@@ -624,6 +658,9 @@ class DLMixKVBootstrapServer(CommonKVBootstrapServer):
                 key = (int(data.get("attn_dp_rank", 0)), int(data.get("attn_cp_rank", 0)),
                        int(data.get("attn_tp_rank", 0)), int(data.get("pp_rank", 0)))
                 self.dlmix_layouts[key] = lay
+                tr = data.get("dlmix_transport")
+                if isinstance(tr, dict):
+                    self.dlmix_transports[key] = tr
             self.page_size = None
             self.kv_cache_dtype = None
         return resp
@@ -631,5 +668,6 @@ class DLMixKVBootstrapServer(CommonKVBootstrapServer):
     async def _handle_dlmix_layout(self, request: web.Request):
         if not self._is_ready():
             return web.Response(text="prefill not fully registered yet", status=503)
-        layouts = [v for k, v in sorted(self.dlmix_layouts.items()) if k[0] == 0 and k[1] == 0 and k[3] == 0]
-        return web.json_response({"layouts": layouts})
+        keys = [k for k in sorted(self.dlmix_layouts) if k[0] == 0 and k[1] == 0 and k[3] == 0]
+        return web.json_response({"layouts": [self.dlmix_layouts[k] for k in keys],
+                                  "transports": [self.dlmix_transports.get(k) for k in keys]})

@@ -64,12 +64,13 @@ def start_server(model: str, port: int, log_path: str | Path, *, mode: str | Non
                  backend: str = "dlmix", bootstrap_port: int | None = None, extra: list[str] | None = None,
                  env: dict[str, str] | None = None, dtype: str = "float32", page_size: int | None = None,
                  max_total_tokens: int = 8192, mem_fraction: float = 0.25,
-                 python: str | None = None, kv_events: str | None = None) -> SGLangServer:
+                 python: str | None = None, kv_events: str | None = None, tp: int = 1) -> SGLangServer:
     """Start ``python -m sglang.launch_server`` for ``model`` on 127.0.0.1:``port`` (not waiting for it).
 
     ``mode``: None (a single server), ``prefill`` or ``decode`` (with ``--disaggregation-transfer-backend backend``;
     prefill listens for bootstrap on ``bootstrap_port``). ``env``: extra environment (e.g. ``DLMIX_SGLANG_CONFIG``).
-    ``kv_events``: ``tcp://host:port`` to publish KV events on (``SGLangServer.kv_events``). The server runs with
+    ``kv_events``: ``tcp://host:port`` to publish KV events on (``SGLangServer.kv_events``). ``tp``: attention TP
+    size (``--tp-size``; on CPU its ranks are processes talking over gloo). The server runs with
     the CPU aids on (``DLMIX_SGLANG_CPU_AIDS=1``, :func:`dlmix_sglang._cpu_aids`; ``env`` may turn them off).
     Raises RuntimeError when no SGLang venv is found.
     """
@@ -80,7 +81,7 @@ def start_server(model: str, port: int, log_path: str | Path, *, mode: str | Non
     spec = SGLangServerSpec(model=str(model), port=port, python=py, dtype=dtype, page_size=page_size,
                             max_total_tokens=max_total_tokens, mem_fraction_static=mem_fraction,
                             disaggregation_mode=mode, transfer_backend=backend, bootstrap_port=bp,
-                            kv_events=kv_events, extra_args=list(extra or []),
+                            kv_events=kv_events, tensor_parallel_size=tp, extra_args=list(extra or []),
                             env={"MC_FORCE_TCP": "1", "MOONCAKE_PROTOCOL": "tcp", "OMP_NUM_THREADS": "1",
                                  "DLMIX_SGLANG_CPU_AIDS": "1", **(env or {})})
     args = spec.argv()
@@ -125,10 +126,13 @@ def post_json(url: str, body: dict[str, Any], timeout_s: float = 300.0) -> tuple
 
 
 def generate(url: str, input_ids: list[int], max_new_tokens: int, *, bootstrap: tuple[str, int, int] | None = None,
-             logprobs: bool = False, timeout_s: float = 300.0) -> tuple[int, dict[str, Any] | str]:
-    """SGLang ``POST /generate`` with token ids, greedy; ``bootstrap`` = (host, port, room) for a PD leg."""
+             logprobs: bool = False, timeout_s: float = 300.0, ignore_eos: bool = False
+             ) -> tuple[int, dict[str, Any] | str]:
+    """SGLang ``POST /generate`` with token ids, greedy; ``bootstrap`` = (host, port, room) for a PD leg;
+    ``ignore_eos``: generate ``max_new_tokens`` tokens whatever they are."""
     body: dict[str, Any] = {"input_ids": list(input_ids),
-                            "sampling_params": {"temperature": 0, "max_new_tokens": int(max_new_tokens)}}
+                            "sampling_params": {"temperature": 0, "max_new_tokens": int(max_new_tokens),
+                                                **({"ignore_eos": True} if ignore_eos else {})}}
     if logprobs:
         body.update({"return_logprob": True, "top_logprobs_num": 2})
     if bootstrap is not None:
