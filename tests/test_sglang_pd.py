@@ -87,18 +87,7 @@ def servers(smollm2_dir, tmp_path_factory):
 
 
 def _pd(p: T.SGLangServer, d: T.SGLangServer, ids: list[int], room: int | None = None):
-    room = random.getrandbits(62) if room is None else room
-    out = {}
-
-    def leg(name, url):
-        out[name] = T.generate(url, ids, MAX_TOKENS, bootstrap=("127.0.0.1", p.bootstrap_port, room))
-
-    th = [threading.Thread(target=leg, args=(n, s.url)) for n, s in (("p", p), ("d", d))]
-    for t in th:
-        t.start()
-    for t in th:
-        t.join()
-    return out["p"], out["d"]
+    return T.pd_generate(p, d, ids, MAX_TOKENS, room=room)
 
 
 def _references(url: str, prompts: list[list[int]]) -> list[tuple[list[int], list[float]]]:
@@ -316,21 +305,8 @@ def test_other_weights_refused_at_bootstrap_with_the_reason(servers, prompts, pe
         p3.stop()
 
 
-def _held(rt) -> dict:
-    """``{url: (kv_usage, running, waiting)}`` of the instances that heartbeat ``rt`` (SGLang's own KV token usage
-    and queues, :mod:`dlmix_sglang.router_hook`)."""
-    import httpx
-
-    return {i["url"]: (i["load"]["kv_usage"], i["load"]["running"], i["load"]["waiting"])
-            for i in httpx.get(rt.url + "/admin/instances", timeout=5).json()["instances"]}
-
-
 def _all_free(rt, urls) -> None:
-    """Wait until every instance in ``urls`` heartbeats no KV tokens held and no request in its queues."""
-    from dlmix.testing import wait_until
-
-    wait_until(lambda: all(_held(rt).get(u) == (0.0, 0, 0) for u in urls), 120,
-               f"no KV held and no request queued on {urls} (now {_held(rt)})")
+    T.wait_nothing_held(rt.url, urls)
 
 
 def test_client_disconnects_and_a_killed_prefill_leave_no_pages_held(servers, prompts, smollm2_dir):

@@ -13,7 +13,6 @@ first divergence is allowed where the reference's top-1/top-2 gap is below :data
 from __future__ import annotations
 
 import random
-import threading
 
 import pytest
 
@@ -83,43 +82,13 @@ def refs(tiny_model_dir, prompts):
     return out
 
 
-def _all_free(rt, urls) -> None:
-    """Wait until every instance in ``urls`` heartbeats no KV tokens held and no request queued (SGLang's own KV
-    token usage and queues, :mod:`dlmix_sglang.router_hook`)."""
-    import httpx
-
-    from dlmix.testing import wait_until
-
-    def held():
-        return {i["url"]: (i["load"]["kv_usage"], i["load"]["running"], i["load"]["waiting"])
-                for i in httpx.get(rt.url + "/admin/instances", timeout=5).json()["instances"]}
-
-    wait_until(lambda: all(held().get(u) == (0.0, 0, 0) for u in urls), 120,
-               f"no KV held and no request queued on {urls} (now {held()})")
-
-
-def _pd(p: T.SGLangServer, d: T.SGLangServer, ids: list[int]):
-    room = random.getrandbits(62)
-    out = {}
-
-    def leg(name, url):
-        out[name] = T.generate(url, ids, MAX_TOKENS, bootstrap=("127.0.0.1", p.bootstrap_port, room), ignore_eos=True)
-
-    th = [threading.Thread(target=leg, args=(n, s.url)) for n, s in (("p", p), ("d", d))]
-    for t in th:
-        t.start()
-    for t in th:
-        t.join()
-    return out["p"], out["d"]
-
-
 @pytest.mark.parametrize("pname,dname", [("P2", "D1"), ("P1", "D2")], ids=["p-tp2_d-tp1", "p-tp1_d-tp2"])
 def test_tp_mismatch_equals_a_single_instance(servers, prompts, refs, pname, dname):
     """Every prompt through the pair: greedy ids equal transformers' (near-ties counted); the decode took the KV
     from the prefill (no failed transfer in its log), and both sides hold no page afterwards (their heartbeats)."""
     got = {}
     for i, ids in enumerate(prompts):
-        (ps, pb), (ds, db) = _pd(servers[pname], servers[dname], ids)
+        (ps, pb), (ds, db) = T.pd_generate(servers[pname], servers[dname], ids, MAX_TOKENS, ignore_eos=True)
         assert ds == 200 and ps == 200, (i, len(ids), pb, db, servers[dname].log_tail())
         fr = (db.get("meta_info") or {}).get("finish_reason") or {}
         assert fr.get("type") != "abort", (i, db, servers[dname].log_tail())
@@ -129,5 +98,5 @@ def test_tp_mismatch_equals_a_single_instance(servers, prompts, refs, pname, dna
     assert same >= len(prompts) - 2, (same, ties)
     dlog = servers[dname].log_path.read_text(errors="replace")
     assert "failed on decode" not in dlog, dlog[-3000:]
-    _all_free(servers["_router"], [servers[pname].url, servers[dname].url])
+    T.wait_nothing_held(servers["_router"].url, [servers[pname].url, servers[dname].url])
     assert "expired" not in servers[pname].log_path.read_text(errors="replace")

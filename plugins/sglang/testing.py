@@ -19,7 +19,7 @@ from typing import Any
 from dlmix.engine_process import SGLANG_CPU_FLAGS, SGLANG_CPU_PD_FLAGS, ServerChild, SGLangServerSpec, free_port
 
 __all__ = ["sglang_python", "SGLangServer", "start_server", "start_sglang_router", "free_port", "generate",
-           "post_json", "CPU_FLAGS", "PD_FLAGS"]
+           "pd_generate", "held_by_instance", "wait_nothing_held", "post_json", "CPU_FLAGS", "PD_FLAGS"]
 
 #: the CPU flags (one definition: :class:`dlmix.engine_process.SGLangServerSpec`)
 CPU_FLAGS = SGLANG_CPU_FLAGS
@@ -138,3 +138,44 @@ def generate(url: str, input_ids: list[int], max_new_tokens: int, *, bootstrap: 
     if bootstrap is not None:
         body.update({"bootstrap_host": bootstrap[0], "bootstrap_port": bootstrap[1], "bootstrap_room": bootstrap[2]})
     return post_json(url + "/generate", body, timeout_s)
+
+
+def pd_generate(prefill: SGLangServer, decode: SGLangServer, input_ids: list[int], max_new_tokens: int, *,
+                room: int | None = None, ignore_eos: bool = False) -> tuple[tuple[int, Any], tuple[int, Any]]:
+    """One request through a PD pair as SGLang's router sends it: the same :func:`generate` body with
+    ``bootstrap_host/port/room`` to ``prefill`` and ``decode`` at once (``room``: a random 62-bit one by default).
+    Returns ``((prefill status, body), (decode status, body))``."""
+    import random
+    import threading
+
+    room = random.getrandbits(62) if room is None else room
+    out: dict[str, Any] = {}
+
+    def leg(name: str, url: str) -> None:
+        out[name] = generate(url, input_ids, max_new_tokens, bootstrap=("127.0.0.1", prefill.bootstrap_port, room),
+                             ignore_eos=ignore_eos)
+
+    th = [threading.Thread(target=leg, args=(n, s.url)) for n, s in (("p", prefill), ("d", decode))]
+    for t in th:
+        t.start()
+    for t in th:
+        t.join()
+    return out["p"], out["d"]
+
+
+def held_by_instance(router_url: str) -> dict[str, tuple[float, int, int]]:
+    """``{url: (kv_usage, running, waiting)}`` of the instances that heartbeat the dlmix router at ``router_url``
+    (SGLang's own KV token usage and queues, :mod:`dlmix_sglang.router_hook`)."""
+    import httpx
+
+    return {i["url"]: (i["load"]["kv_usage"], i["load"]["running"], i["load"]["waiting"])
+            for i in httpx.get(router_url + "/admin/instances", timeout=5).json()["instances"]}
+
+
+def wait_nothing_held(router_url: str, urls: list[str], timeout_s: float = 120.0) -> None:
+    """Wait until every instance in ``urls`` heartbeats no KV tokens held and no request queued; raises
+    AssertionError (with what they heartbeat) after ``timeout_s`` seconds."""
+    from dlmix.testing import wait_until
+
+    wait_until(lambda: all(held_by_instance(router_url).get(u) == (0.0, 0, 0) for u in urls), timeout_s,
+               f"no KV held and no request queued on {urls} (now {held_by_instance(router_url)})")
