@@ -298,7 +298,10 @@ class Endpoint(Transport):
     * ``segs_per_frame`` (int, 4096): at most this many segments (KV blocks) per frame.
     * ``max_payload`` (int, 256 MiB) / ``max_body`` (int, 4 MiB) / ``max_segs`` (int, 65536): limits this endpoint
       enforces on frames it receives; a frame over a limit closes that connection (logged).
-    * ``handshake_timeout_s`` (float, 10): time allowed for a peer to authenticate.
+    * ``handshake_timeout_s`` (float, 10): time an inbound peer gets for each step of its authentication (then the
+      connection is dropped: an unauthenticated peer cannot hold a socket). An outbound handshake (``connect``) waits
+      for the peer's answers until the connect timeout instead: a peer whose threads are starved on a loaded host
+      answers late, not never.
     * ``inline_bytes`` (int, 256 KiB): writes up to this size are sent by the calling thread.
     * ``min_stripe_bytes`` (int, 1 MiB): smallest chunk when a transfer is spread over the stripes.
     """
@@ -549,12 +552,15 @@ class Endpoint(Transport):
         except OSError as e:
             raise PeerError(f"cannot connect to {peer} at {host}:{port}: {e}") from None
         try:
-            sock.settimeout(max(0.1, min(self.handshake_timeout_s, deadline - time.monotonic())))
+            # the caller's connect timeout bounds the wait: on an oversubscribed host a peer's acceptor thread
+            # answered a HELLO after more than handshake_timeout_s (10 s), and the transfer failed for no fault
+            sock.settimeout(max(0.1, deadline - time.monotonic()))
             info = self._handshake_client(sock, peer)
             sock.settimeout(None)
         except socket.timeout:
             sock.close()
-            raise TransferTimeout(f"{peer} at {host}:{port} did not complete the handshake") from None
+            raise TransferTimeout(f"{peer} at {host}:{port} did not complete the handshake within {timeout:.1f} s") \
+                from None
         except (OSError, ProtocolError) as e:
             sock.close()
             if isinstance(e, AuthError):

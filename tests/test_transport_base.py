@@ -314,3 +314,42 @@ def test_frame_reader_reassembles_any_fragmentation():
         finally:
             a.close()
             b.close()
+
+
+def test_an_outbound_handshake_waits_for_a_slow_peer_until_the_connect_timeout(monkeypatch):
+    """A peer whose acceptor answers late (starved threads on a loaded host) is connected to as long as it answers
+    within the connect timeout, even after ``handshake_timeout_s`` (the inbound limit); a peer that never answers
+    fails with TransferTimeout once the connect timeout is spent."""
+    from dlmix_kv_connectors import TransferTimeout
+    from dlmix_kv_connectors._core import Endpoint
+
+    a = make_transport("tcp", name="a", secret="s3", handshake_timeout_s=0.3)
+    b = make_transport("tcp", name="b", secret="s3", handshake_timeout_s=5.0)
+    silent = socket.socket()
+    try:
+        serve = Endpoint._serve_new
+
+        def slow_serve(self, sock, addr):  # b answers the HELLO after 1 s, three times a's handshake_timeout_s
+            time.sleep(1.0)
+            serve(self, sock, addr)
+
+        monkeypatch.setattr(b, "_serve_new", slow_serve.__get__(b))
+        assert a.connect(b.descriptor(), timeout_s=30) == "b"
+        b.register("kv", np.arange(64, dtype=np.uint8))
+        b.grant("a", "t1", [("kv", 0, 64)], mode="r")
+        dst = np.zeros(64, dtype=np.uint8)
+        a.register("dst", dst)
+        a.read("b", [Segment("dst", 0, "kv", 0, 64)], "t1").result(30)
+        assert dst.tolist() == list(range(64))
+
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(1)  # accepts (the kernel's backlog) and never says a word
+        desc = {**b.descriptor(), "name": "mute", "port": silent.getsockname()[1]}
+        t0 = time.monotonic()
+        with pytest.raises(TransferTimeout, match="did not complete the handshake within 1.0 s"):
+            a.connect(desc, timeout_s=1.0)
+        assert time.monotonic() - t0 >= 0.9  # the connect timeout, not a's 0.3 s handshake_timeout_s
+    finally:
+        silent.close()
+        a.close()
+        b.close()
