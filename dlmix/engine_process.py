@@ -26,7 +26,6 @@ from dataclasses import dataclass, field
 from typing import ClassVar
 from pathlib import Path
 
-import httpx
 
 __all__ = ["EngineProcess", "ServerChild", "VLLMServerSpec", "SGLangServerSpec", "LMDeployServerSpec", "SGLANG_CPU_FLAGS", "SGLANG_CPU_PD_FLAGS",
            "pd_test_spec", "free_port", "EngineStartError"]
@@ -627,6 +626,8 @@ class EngineProcess:
         Raises:
             EngineStartError: the child exited or the timeout passed (message carries the log tail).
         """
+        import httpx  # here, not at module load: the vLLM adapter imports this module in every vLLM process
+
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if not self.alive():
