@@ -302,6 +302,24 @@ class FrameReader:
         self.start += HEADER_SIZE
         return check_header(fields, max_body, max_payload)
 
+    def frame(self, max_body: int, max_payload: int) -> tuple[int, object, int]:
+        """Read one frame's header and body: ``(ftype, decoded body, payload_len)``; the payload is left to the caller
+        (``into``/``skip``). The usual small frame, already buffered, costs one call. Raises ProtocolError (bad
+        header, a body over ``max_body`` or malformed, a payload over ``max_payload``) / PeerError (EOF)."""
+        start = self.start
+        if self.end - start >= HEADER_SIZE:
+            magic, ver, ftype, blen, plen = HEADER.unpack_from(self.buf, start)
+            if magic == MAGIC and ver == VERSION and blen <= max_body and plen <= max_payload \
+                    and start + HEADER_SIZE + blen <= self.end and ftype in DECODERS:
+                start += HEADER_SIZE
+                self.start = start + blen
+                try:
+                    return ftype, DECODERS[ftype].decode(self.mv[start:start + blen]), plen
+                except (msgspec.DecodeError, msgspec.ValidationError) as e:
+                    raise ProtocolError(f"malformed {FRAME_NAMES[ftype]} body: {e}") from None
+        ftype, blen, plen = self.header(max_body, max_payload)
+        return ftype, self.body(ftype, blen), plen
+
     def body(self, ftype: int, blen: int):
         """Read ``blen`` body bytes and decode them as frame type ``ftype``."""
         if blen <= len(self.buf):

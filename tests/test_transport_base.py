@@ -16,6 +16,7 @@ import torch
 from dlmix_kv_connectors import (
     GrantError,
     PeerError,
+    ProtocolError,
     Segment,
     TransferCancelled,
     TransferHandle,
@@ -292,8 +293,11 @@ def test_frame_reader_reassembles_any_fragmentation():
             th.start()
             rx = W.FrameReader(a, size=W.RX_BUFFER)
             for k, (head, payload) in enumerate(frames):
-                ftype, blen, plen = rx.header(8 << 20, 1 << 20)
-                msg = rx.body(ftype, blen)
+                if (k + cut) % 2:  # both ways of reading a frame: header + body, and frame() in one call
+                    ftype, blen, plen = rx.header(8 << 20, 1 << 20)
+                    msg = rx.body(ftype, blen)
+                else:
+                    ftype, msg, plen = rx.frame(8 << 20, 1 << 20)
                 assert plen == len(payload)
                 if ftype == W.REQ:
                     assert msg.id == k and msg.segs == [("kv", 0, plen)]
@@ -353,3 +357,63 @@ def test_an_outbound_handshake_waits_for_a_slow_peer_until_the_connect_timeout(m
         silent.close()
         a.close()
         b.close()
+
+
+@pytest.mark.parametrize("bad, why", [
+    (W.HEADER.pack(b"XX", W.VERSION, W.REQ, 2, 0) + b"{}", "bad magic"),
+    (W.HEADER.pack(W.MAGIC, 9, W.REQ, 2, 0) + b"{}", "unsupported protocol version 9"),
+    (W.HEADER.pack(W.MAGIC, W.VERSION, 42, 2, 0) + b"{}", "unknown frame type 42"),
+    (W.HEADER.pack(W.MAGIC, W.VERSION, W.REQ, 5000, 0) + b"{}", "body of 5000 B exceeds the 4096 B limit"),
+    (W.HEADER.pack(W.MAGIC, W.VERSION, W.REQ, 2, 1 << 30) + b"{}", "payload of 1073741824 B exceeds"),
+    (W.HEADER.pack(W.MAGIC, W.VERSION, W.REQ, 2, 0) + b"{}", "malformed REQ body"),
+])
+def test_frame_reader_refuses_a_bad_frame_in_one_call_as_header_does(bad, why):
+    """``FrameReader.frame`` (one call for a buffered frame, the latency path) refuses exactly what
+    ``header``/``body`` refuse, with the same reason."""
+    for how in ("frame", "header+body"):
+        a, b = socket.socketpair()
+        try:
+            b.sendall(bad)
+            rx = W.FrameReader(a)
+            with pytest.raises(ProtocolError, match=why):
+                if how == "frame":
+                    rx.frame(4096, 1 << 20)
+                else:
+                    ftype, blen, _ = rx.header(4096, 1 << 20)
+                    rx.body(ftype, blen)
+        finally:
+            a.close()
+            b.close()
+
+
+@pytest.mark.parametrize("spin_us", [0, 100, 10_000])
+def test_a_waiter_polling_or_sleeping_reads_exact_bytes(spin_us):
+    """``spin_us`` only changes how a waiter waits for its response (poll, then sleep): reads of 1 B .. 1 MiB and
+    a write land the exact bytes either way, and a refused read still fails with the owner's reason."""
+    a = make_transport("tcp", name="a", secret="s3", spin_us=spin_us)
+    b = make_transport("tcp", name="b", secret="s3", spin_us=spin_us)
+    try:
+        src = np.random.default_rng(7).integers(0, 256, 1 << 20, dtype=np.uint8)
+        dst = np.zeros_like(src)
+        a.register("kv", src)
+        b.register("kv", dst)
+        a.grant("b", "t", [("kv", 0, 1 << 20)], "rw", None)
+        b.connect(a.descriptor())
+        for n in (1, 4096, 300_000, 1 << 20):
+            dst[:] = 0
+            assert b.read("a", [Segment("kv", 0, "kv", 0, n)], "t").result(30) == n
+            assert np.array_equal(dst[:n], src[:n]) and not dst[n:].any()
+        dst[:4096] = 9
+        assert b.write("a", [Segment("kv", 0, "kv", 8192, 4096)], "t").result(30) == 4096
+        assert (src[8192:8192 + 4096] == 9).all()
+        with pytest.raises(GrantError, match="no active grant"):
+            b.read("a", [Segment("kv", 0, "kv", 0, 16)], "other").result(30)
+    finally:
+        a.close()
+        b.close()
+
+
+@pytest.mark.parametrize("bad", [-1, 10_001, "x"])
+def test_spin_us_out_of_range_is_refused(bad):
+    with pytest.raises((ValueError, TypeError)):
+        make_transport("tcp", name="x", secret="s", spin_us=bad)
