@@ -804,8 +804,7 @@ class Endpoint(Transport):
             self._nudge(h)
             return
         reason = None
-        if conn.armed:
-            conn.arm(False)
+        conn.arm(False)
         rx = conn.rx
         try:
             if rx.start == rx.end and self.spin_s and h.nbytes <= self.inline_bytes:
@@ -1113,9 +1112,7 @@ class Endpoint(Transport):
         if len(chunks) == 1:  # the latency path: one chunk, on one live connection
             conn = conns[start % len(conns)]
             if conn.alive:
-                # its waiter will read the response itself (_drive): keep the reader thread asleep meanwhile
-                if conn.armed:
-                    conn.arm(False)
+                conn.arm(False)  # as below: its waiter reads the response itself (_drive)
                 self._dispatch(conn, chunks[0])
                 return
         h = x.handle

@@ -234,14 +234,19 @@ def check_header(fields: tuple, max_body: int, max_payload: int) -> tuple[int, i
     return ftype, blen, plen
 
 
+def decode_body(ftype: int, raw) -> object:
+    """Decode body bytes ``raw`` as frame type ``ftype``'s Struct. Raises ProtocolError on bad JSON/schema."""
+    try:
+        return DECODERS[ftype].decode(raw)
+    except (msgspec.DecodeError, msgspec.ValidationError) as e:
+        raise ProtocolError(f"malformed {FRAME_NAMES[ftype]} body: {e}") from None
+
+
 def read_body(sock: socket.socket, ftype: int, blen: int):
     """Read ``blen`` body bytes and decode them as frame type ``ftype``. Raises ProtocolError on bad JSON/schema."""
     buf = bytearray(blen)
     recv_exact_into(sock, memoryview(buf))
-    try:
-        return DECODERS[ftype].decode(buf)
-    except (msgspec.DecodeError, msgspec.ValidationError) as e:
-        raise ProtocolError(f"malformed {FRAME_NAMES[ftype]} body: {e}") from None
+    return decode_body(ftype, buf)
 
 
 class FrameReader:
@@ -313,10 +318,7 @@ class FrameReader:
                     and start + HEADER_SIZE + blen <= self.end and ftype in DECODERS:
                 start += HEADER_SIZE
                 self.start = start + blen
-                try:
-                    return ftype, DECODERS[ftype].decode(self.mv[start:start + blen]), plen
-                except (msgspec.DecodeError, msgspec.ValidationError) as e:
-                    raise ProtocolError(f"malformed {FRAME_NAMES[ftype]} body: {e}") from None
+                return ftype, decode_body(ftype, self.mv[start:start + blen]), plen
         ftype, blen, plen = self.header(max_body, max_payload)
         return ftype, self.body(ftype, blen), plen
 
@@ -329,10 +331,7 @@ class FrameReader:
         else:
             raw = memoryview(bytearray(blen))
             self.into([raw])
-        try:
-            return DECODERS[ftype].decode(raw)
-        except (msgspec.DecodeError, msgspec.ValidationError) as e:
-            raise ProtocolError(f"malformed {FRAME_NAMES[ftype]} body: {e}") from None
+        return decode_body(ftype, raw)
 
     def into(self, views: list[memoryview]) -> None:
         """Fill ``views`` (in order) with the next ``sum(len(v))`` bytes: buffered bytes are copied, a small rest is
