@@ -800,7 +800,8 @@ class Endpoint(Transport):
             self._nudge(h)
             return
         # frames are ordered on a connection: one another thread is handling comes before this transfer's response
-        if not conn.rx_lock.acquire(timeout=-1 if deadline is None else max(0.0, deadline - time.monotonic())):
+        if not conn.rx_lock.acquire(False) and \
+                not conn.rx_lock.acquire(timeout=-1 if deadline is None else max(0.0, deadline - time.monotonic())):
             self._nudge(h)
             return
         reason = None
@@ -1106,28 +1107,25 @@ class Endpoint(Transport):
         self._launch(x, conns, chunks)
 
     def _launch(self, x: _Xfer, conns: list[_Conn], chunks: list[_Chunk]) -> None:
+        """Send ``chunks`` round-robin over the live connections of ``conns``. A transfer of one chunk (the latency
+        path) disarms its connection's reader thread first: its waiter reads the response itself (:meth:`_drive`)."""
         x.chunks = chunks
-        x.remaining = len(chunks)
+        x.remaining = n = len(chunks)
         start = next(self._rr)
-        if len(chunks) == 1:  # the latency path: one chunk, on one live connection
-            conn = conns[start % len(conns)]
-            if conn.alive:
-                conn.arm(False)  # as below: its waiter reads the response itself (_drive)
-                self._dispatch(conn, chunks[0])
-                return
         h = x.handle
-        for i, ch in enumerate(chunks):
+        for i in range(n):
             if h._state:
                 break
-            live = conns if all(c.alive for c in conns) else [c for c in conns if c.alive]
-            if not live:
-                x.fail(PeerError(f"all connections to {x.peer!r} closed"))
-                break
-            conn = live[(start + i) % len(live)]
-            if len(chunks) == 1:
-                # its waiter will read the response itself (_drive): keep the reader thread asleep meanwhile
+            conn = conns[(start + i) % len(conns)]
+            if not conn.alive:
+                live = [c for c in conns if c.alive]
+                if not live:
+                    x.fail(PeerError(f"all connections to {x.peer!r} closed"))
+                    break
+                conn = live[(start + i) % len(live)]
+            if n == 1:
                 conn.arm(False)
-            self._dispatch(conn, ch)
+            self._dispatch(conn, chunks[i])
 
     def _cancel(self, h: TransferHandle) -> None:
         x: _Xfer | None = h._xfer

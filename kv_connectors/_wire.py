@@ -309,16 +309,18 @@ class FrameReader:
 
     def frame(self, max_body: int, max_payload: int) -> tuple[int, object, int]:
         """Read one frame's header and body: ``(ftype, decoded body, payload_len)``; the payload is left to the caller
-        (``into``/``skip``). The usual small frame, already buffered, costs one call. Raises ProtocolError (bad
-        header, a body over ``max_body`` or malformed, a payload over ``max_payload``) / PeerError (EOF)."""
+        (``into``/``skip``). The usual small frame costs one ``recv`` (none when already buffered) and one call.
+        Raises ProtocolError (bad header, a body over ``max_body`` or malformed, a payload over ``max_payload``) /
+        PeerError (EOF)."""
+        if self.end - self.start < HEADER_SIZE:
+            self._fill(HEADER_SIZE)  # one recv usually brings the whole frame, its payload included
         start = self.start
-        if self.end - start >= HEADER_SIZE:
-            magic, ver, ftype, blen, plen = HEADER.unpack_from(self.buf, start)
-            if magic == MAGIC and ver == VERSION and blen <= max_body and plen <= max_payload \
-                    and start + HEADER_SIZE + blen <= self.end and ftype in DECODERS:
-                start += HEADER_SIZE
-                self.start = start + blen
-                return ftype, decode_body(ftype, self.mv[start:start + blen]), plen
+        magic, ver, ftype, blen, plen = HEADER.unpack_from(self.buf, start)
+        if magic == MAGIC and ver == VERSION and blen <= max_body and plen <= max_payload \
+                and start + HEADER_SIZE + blen <= self.end and ftype in DECODERS:
+            start += HEADER_SIZE
+            self.start = start + blen
+            return ftype, decode_body(ftype, self.mv[start:start + blen]), plen
         ftype, blen, plen = self.header(max_body, max_payload)
         return ftype, self.body(ftype, blen), plen
 

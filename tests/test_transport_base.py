@@ -417,3 +417,42 @@ def test_a_waiter_polling_or_sleeping_reads_exact_bytes(spin_us):
 def test_spin_us_out_of_range_is_refused(bad):
     with pytest.raises((ValueError, TypeError)):
         make_transport("tcp", name="x", secret="s", spin_us=bad)
+
+
+def test_a_connection_found_dead_at_launch_carries_no_chunk(monkeypatch):
+    """A stripe that fails between a transfer's connection lookup and its launch (marked dead, not yet removed from
+    the link) gets no chunk: one-chunk and many-chunk reads go over the live stripes and land the exact bytes; with
+    every stripe dead the transfer fails with the reason instead of hanging."""
+    a = make_transport("tcp", name="a", secret="s3")
+    b = make_transport("tcp", name="b", secret="s3", stripes=3, chunk_bytes=64 << 10, min_stripe_bytes=64 << 10)
+    try:
+        src = np.random.default_rng(11).integers(0, 256, 1 << 20, dtype=np.uint8)
+        dst = np.zeros_like(src)
+        a.register("kv", src)
+        b.register("kv", dst)
+        a.grant("b", "t", [("kv", 0, 1 << 20)], "r", None)
+        b.connect(a.descriptor())
+        link = list(b._out["a"])
+        assert len(link) == 3
+        dead = link[1]
+        dead.alive = False  # failed; its reader has not removed it from the link yet
+        monkeypatch.setattr(b, "_conns_for", lambda peer: list(link))  # the lookup raced the failure
+        used = []
+        real = b._dispatch
+        monkeypatch.setattr(b, "_dispatch", lambda conn, ch: (used.append(conn), real(conn, ch))[1])
+        for n, chunks in ((4096, 1), (1 << 20, 16)):
+            for _ in range(3):  # the round-robin start moves on every transfer: each stripe is picked first once
+                used.clear()
+                dst[:] = 0
+                assert b.read("a", [Segment("kv", 0, "kv", 0, n)], "t").result(30) == n
+                assert np.array_equal(dst[:n], src[:n]) and not dst[n:].any()
+                assert len(used) == chunks and dead not in used
+        for c in link:
+            c.alive = False
+        with pytest.raises(PeerError, match="all connections to 'a' closed"):
+            b.read("a", [Segment("kv", 0, "kv", 0, 4096)], "t").result(30)
+    finally:
+        for c in b._out.get("a", []):
+            c.alive = True
+        a.close()
+        b.close()
