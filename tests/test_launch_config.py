@@ -300,3 +300,44 @@ def test_launched_lmdeploy_engines_register_themselves_and_publish_kv_events(tmp
     b = json.loads(plans["b"].env["DLMIX_LMDEPLOY_CONFIG"])
     assert "kv_events_endpoint" not in b and b["instance_id"] == "b"
     assert "--migration-backend" not in plans["a"].argv and plans["a"].self_registers and plans["b"].self_registers
+
+
+def test_check_and_launch_refuse_what_this_machine_lacks(tmp_path, monkeypatch):
+    """A valid file naming a model folder that does not exist, a core this process may not run on and a missing
+    interpreter: ``--check`` exits 2 listing each problem with its instance; a launch exits 1 with the same lines and
+    "Nothing was started." (not the stopped-processes line, nothing ran); ``--dry-run`` prints the command lines,
+    the problems as notes, exits 0 and leaves no temporary folder behind. A mock engine's model is never checked."""
+    import os
+    import tempfile
+
+    from dlmix.cli import app
+    from dlmix.launch.preflight import available_cpus
+
+    beyond = max(available_cpus()) + 1
+    f = tmp_path / "dep.yaml"
+    f.write_text(f"model: {tmp_path}/no-such-model\ninstances:\n"
+                 f"  - {{port: 9001, cpus: '{beyond}'}}\n"
+                 f"  - {{port: 9002, python: {tmp_path}/venv/bin/python}}\n"
+                 f"  - {{port: 9003, engine: mock}}\n")
+    want = [f"instances[0] (both-0): model '{tmp_path}/no-such-model' does not exist on this machine",
+            f"instances[0] (both-0): cpus '{beyond}' names core(s) {beyond} that this machine does not offer",
+            f"instances[1] (both-1): model '{tmp_path}/no-such-model' does not exist on this machine",
+            f"instances[1] (both-1): python '{tmp_path}/venv/bin/python' does not exist on this machine"]
+    res = CliRunner().invoke(app, ["launch", str(f), "--check"])
+    lines = [ln.strip() for ln in res.output.splitlines()]
+    assert res.exit_code == 2, res.output
+    assert lines[0] == f"{f}: valid, but it cannot start on this machine"
+    assert [ln.split(" (a local folder")[0].split(" (available")[0] for ln in lines[1:]] == \
+        [w if "cpus" not in w else w + " to this process" for w in want]
+    assert "instances[2]" not in res.output  # engine: mock loads no model
+    res = CliRunner().invoke(app, ["launch", str(f), "--log-dir", str(tmp_path / "logs")])
+    assert res.exit_code == 1, res.output
+    assert "cannot start on this machine" in res.output and res.output.rstrip().endswith("Nothing was started.")
+    assert "Every process that was started" not in res.output and not (tmp_path / "logs").exists()
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))
+    res = CliRunner().invoke(app, ["launch", str(f), "--dry-run"])
+    assert res.exit_code == 0, res.output
+    assert res.output.count("note: instances[") == 4 and "--port 9001" in res.output
+    assert os.listdir(scratch) == []

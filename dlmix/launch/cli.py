@@ -1,6 +1,7 @@
 """``dlmix launch DEPLOYMENT.yaml``: command-line front end of :mod:`dlmix.launch` (registered in dlmix.cli)."""
 from __future__ import annotations
 
+import contextlib
 import shlex
 import signal
 from pathlib import Path
@@ -53,15 +54,22 @@ def launch_cmd(
     from dlmix.launch.config import ConfigError, Deployment
     from dlmix.launch.runner import LaunchError, plan, start
 
-    console = Console()
+    console = Console(soft_wrap=True)  # a log path or command line must stay one line when output is not a terminal
     try:
         dep = Deployment.from_file(deployment)
     except ConfigError as e:
         console.print(f"[red]error in deployment file[/]\n{e}", highlight=False)
         raise typer.Exit(2)
     if check:
+        from dlmix.launch.preflight import local_problems
+
+        problems = local_problems(dep)
+        if problems:
+            console.print(f"[red]{deployment}: valid, but it cannot start on this machine[/]\n  "
+                          + "\n  ".join(problems), highlight=False, soft_wrap=True)
+            raise typer.Exit(2)
         console.print(f"{deployment}: ok ({len(dep.instances)} instance(s), router: "
-                      f"{'yes' if dep.router_enabled() else 'no'})")
+                      f"{'yes' if dep.router_enabled() else 'no'})", highlight=False, soft_wrap=True)
         return
     if emit:
         if emit[0] != "k8s":
@@ -81,13 +89,19 @@ def launch_cmd(
         console.print(f"wrote {len(m.files)} object(s); deploy with: kubectl apply -f {emit[1]}", highlight=False)
         return
     if dry_run:
-        ldir = log_dir or Path(tempfile.mkdtemp(prefix="dlmix-dry-run-"))
-        models = {i: (dep.model_of(i) or "") for i in range(len(dep.instances))}
-        for pl in plan(dep, "<generated-secret>", Path(ldir), models=models):
-            env = " ".join(f"{k}={shlex.quote(v)}" for k, v in pl.env.items()
-                           if k not in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "VLLM_NO_USAGE_STATS", "DO_NOT_TRACK"))
-            console.print(f"[bold]{pl.name}[/] ({pl.url}):\n  {env + ' ' if env else ''}"
-                          f"{' '.join(shlex.quote(a) for a in pl.argv)}", highlight=False, soft_wrap=True)
+        # without --log-dir the paths shown (router config, KV-event sockets) are in a temporary folder, removed after
+        with (tempfile.TemporaryDirectory(prefix="dlmix-dry-run-") if log_dir is None
+              else contextlib.nullcontext(str(log_dir))) as ldir:
+            models = {i: (dep.model_of(i) or "") for i in range(len(dep.instances))}
+            for pl in plan(dep, "<generated-secret>", Path(ldir), models=models):
+                env = " ".join(f"{k}={shlex.quote(v)}" for k, v in pl.env.items() if k not in
+                               ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "VLLM_NO_USAGE_STATS", "DO_NOT_TRACK"))
+                console.print(f"[bold]{pl.name}[/] ({pl.url}):\n  {env + ' ' if env else ''}"
+                              f"{' '.join(shlex.quote(a) for a in pl.argv)}", highlight=False, soft_wrap=True)
+        from dlmix.launch.preflight import local_problems
+
+        for p in local_problems(dep):
+            console.print(f"[yellow]note:[/] {p}", highlight=False, soft_wrap=True)
         return
     # SIGINT too: a process started with SIGINT ignored (a background job of a non-interactive shell) gets no
     # KeyboardInterrupt from Python, and its children would inherit the ignored SIGINT; an explicit handler fixes both
@@ -114,8 +128,8 @@ def launch_cmd(
         raise typer.Exit(130)
     except LaunchError as e:
         _stop(running, grace)
-        console.print(f"[red]launch failed:[/] {e}\nEvery process that was started has been stopped.",
-                      highlight=False)
+        tail = "" if getattr(e, "nothing_started", False) else "\nEvery process that was started has been stopped."
+        console.print(f"[red]launch failed:[/] {e}{tail}", highlight=False, soft_wrap=True)
         raise typer.Exit(1)
     except Exception as e:  # model preparation and other failures
         _stop(running, grace)

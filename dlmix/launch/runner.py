@@ -60,6 +60,15 @@ class LaunchError(RuntimeError):
 class PortInUseError(LaunchError):
     """A port named in the deployment file is already taken (nothing was started)."""
 
+    nothing_started = True
+
+
+class NotStartableHereError(LaunchError):
+    """The deployment names what this machine lacks (a model folder, CPU cores, an interpreter; see
+    :func:`dlmix.launch.preflight.local_problems`); nothing was started."""
+
+    nothing_started = True
+
 
 class ProcessFailedError(LaunchError):
     """A process exited, or did not become ready in time; the message carries the tail of its log."""
@@ -606,12 +615,20 @@ def start(dep: Deployment | str | os.PathLike, *, log_dir: Optional[str | os.Pat
         :class:`RunningDeployment` (call :meth:`RunningDeployment.stop` when done; :func:`launch` does).
 
     Raises:
+        NotStartableHereError: a model path, a core of ``cpus`` or an instance's ``python`` is missing on this
+            machine (checked before anything starts).
         PortInUseError: a configured port is taken (checked before anything starts).
         ProcessFailedError: a process exited or was not ready in time (everything started is stopped first).
         dlmix.models.ModelError: a dlmix model could not be built.
     """
     if isinstance(dep, (str, os.PathLike)):
         dep = Deployment.from_file(dep)
+    from dlmix.launch.preflight import local_problems
+
+    problems = local_problems(dep)
+    if problems:
+        raise NotStartableHereError(f"{dep.source or 'the deployment'} cannot start on this machine:\n  "
+                                    + "\n  ".join(problems) + "\nNothing was started.")
     ldir = Path(log_dir) if log_dir else Path(tempfile.mkdtemp(prefix=f"dlmix-launch-{dep.name}-"))
     ldir.mkdir(parents=True, exist_ok=True)
     secret = dep.secret if dep.secret and dep.secret != "auto" else secrets.token_hex(32)
