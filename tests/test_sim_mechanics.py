@@ -171,8 +171,16 @@ def test_bad_inputs(tmp_path):
         load_deployment({"instances": [{"chip": "H100", "role": "oops"}]})
     with pytest.raises(ConfigError, match="decode"):
         load_deployment({"instances": [{"chip": "H100", "role": "prefill"}]})
-    with pytest.raises(ValueError, match="divide"):
-        R(0, 0, 100, 1, [1]).block_keys(48)
+    with pytest.raises(ValueError, match=">= 1"):
+        R(0, 0, 100, 1, [1]).block_keys(0)
+    with pytest.raises(WorkloadError, match="trace_block"):
+        shared_prefix(1, 2, 256, 64, 2, rate=1.0, trace_block=0)
+    with pytest.raises(ConfigError, match="slo.itl_ms"):
+        load_deployment({"instances": [{"chip": "H100"}], "slo": {"itl_ms": 0}})
+    with pytest.raises(ConfigError, match="unknown keys"):
+        load_deployment({"instances": [{"chip": "H100"}], "slo": {"itl": 50}})
+    with pytest.raises(ConfigError, match="slo.pct"):
+        load_deployment({"instances": [{"chip": "H100"}], "slo": {"pct": 120}})
 
 
 def test_request_too_large_for_kv_fails_cleanly(tmp_path):
@@ -294,3 +302,113 @@ def test_sim_cli_policy_param_and_slo_reach_the_cost_policy():
     assert json.loads(tight.output.strip().splitlines()[-1])[0]["rejected"] > s1["rejected"]
     bad = CliRunner().invoke(app, args + ["--policy-param", "oops"])
     assert bad.exit_code == 2 and "key=value" in bad.output
+
+
+def test_block_keys_for_block_sizes_that_do_not_divide_the_trace_block():
+    """Trace block 16 tokens, engine block 64: engine block j is keyed by the id of the trace block holding its last
+    token (index 4j + 3) and the offset 16 into it, so two prompts agree on engine block 0 iff they agree on ids 0..3
+    (chained ids). Trace block 512, engine block 48 (neither divides the other): a 600-token prompt has 600 // 48 =
+    12 keys; blocks 0..9 end inside trace block 0 (480 tokens), block 10 (tokens 480..527) ends in trace block 1."""
+    a = SimRequest(0, 0.0, 130, 1, [1, 2, 3, 4, 5, 6, 7, 8, 9], trace_block=16)
+    b = SimRequest(1, 0.0, 130, 1, [1, 2, 3, 4, 50, 60, 70, 80, 90], trace_block=16)
+    c = SimRequest(2, 0.0, 130, 1, [1, 2, 3, 40, 5, 6, 7, 8, 9], trace_block=16)
+    assert len(a.block_keys(64)) == 130 // 64 == 2
+    assert a.block_keys(64)[0] == b.block_keys(64)[0] and a.block_keys(64)[1] != b.block_keys(64)[1]
+    assert a.block_keys(64)[0] != c.block_keys(64)[0]
+    assert len(a.block_keys(16)) == 8 and len(set(a.block_keys(16)) & set(a.block_keys(64))) == 0
+    x, y = R(0, 0.0, 600, 1, [1, 2]), R(1, 0.0, 600, 1, [1, 3])
+    kx, ky = x.block_keys(48), y.block_keys(48)
+    assert len(kx) == 12 and kx[:10] == ky[:10] and kx[10] != ky[10]
+
+
+def test_synthetic_prefix_shorter_than_512_hits_whole_engine_blocks(tmp_path):
+    """1 group × 4 requests of 240 shared + 64 own tokens (304), 10 s apart so each prefill ends before the next
+    arrives; hash ids per 16 tokens (the deployment's ``hash_block``). The first request misses, the other three hit
+    the whole engine blocks inside the 240-token prefix: block size 16 -> 15 blocks = 240 tokens, hit rate
+    3·240 / (4·304) = 720/1216 = 59.21 %; block size 32 -> 7 blocks = 224 tokens, 3·224 / 1216 = 672/1216 = 55.26 %.
+    With Mooncake's 512-token hash blocks (the old synthetic default) the prefix shares no full block: 0 %."""
+    def run(bs, trace_block):
+        dep = load_deployment(_dep(tmp_path, bs=bs))
+        reqs = shared_prefix(1, 4, 240, 64, 2, rate=1.0, seed=0, trace_block=trace_block or dep.hash_block())
+        for i, r in enumerate(reqs):
+            r.arrival = 10.0 * i
+        return Simulator(dep, "smollm2", "round_robin").run(reqs)
+
+    r16, r32, old = run(16, None), run(32, None), run(32, 512)
+    assert [r.hit for r in r16.records] == [0, 240, 240, 240]
+    assert r16.summary["prefix_hit_rate"] == pytest.approx(720 / 1216)
+    assert [r.hit for r in r32.records] == [0, 224, 224, 224]
+    assert r32.summary["prefix_hit_rate"] == pytest.approx(672 / 1216)
+    assert old.summary["prefix_hit_rate"] == 0.0
+
+
+def test_mixed_block_sizes_hash_at_their_gcd(tmp_path):
+    """Instances with block size 16 and 32: ``hash_block`` = gcd = 16. One group of 4 requests (240 shared + 64 own
+    tokens) 10 s apart, round robin: each instance sees two; its first misses, its second hits the whole blocks of
+    its own size in the prefix: 240 (15 × 16) and 224 (7 × 32). Hit rate (240 + 224) / (4 · 304) = 464/1216."""
+    cal = _calib(tmp_path)
+    dep = load_deployment({"name": "mixed", "instances": [
+        {"chip": "cpu-x86", "timing": cal, "num_gpu_blocks": 1000, "block_size": 16},
+        {"chip": "cpu-x86", "timing": cal, "num_gpu_blocks": 1000, "block_size": 32}]})
+    assert dep.hash_block() == 16
+    assert load_deployment(_dep(tmp_path, bs=64)).hash_block() == 64
+    reqs = shared_prefix(1, 4, 240, 64, 2, rate=1.0, seed=0, trace_block=dep.hash_block())
+    for i, r in enumerate(reqs):
+        r.arrival = 10.0 * i
+    res = Simulator(dep, "smollm2", "round_robin").run(reqs)
+    assert sorted((r.prefill_inst.bs, r.hit) for r in res.records) == [(16, 0), (16, 240), (32, 0), (32, 224)]
+    assert res.summary["prefix_hit_rate"] == pytest.approx(464 / 1216)
+
+
+def _sim_cli(args):
+    import json
+
+    from typer.testing import CliRunner
+
+    from dlmix.cli import app
+
+    res = CliRunner().invoke(app, ["sim"] + args)
+    assert res.exit_code == 0, res.output
+    return res.output, json.loads(res.output.strip().splitlines()[-1])
+
+
+def test_sim_cli_synthetic_uses_the_deployment_block_size():
+    """The user's case: ``smollm2_cpu`` (block size 32), 2 groups × 4 requests of 256 shared + 64 own tokens at
+    1 req/s. Each group's first request misses; the other 6 hit the 8 full 32-token blocks of the prefix (256
+    tokens): 6·256 / (8·320) = 1536/2560 = 60.0 % (it was 0.0 % with 512-token hash blocks). With 512 shared
+    tokens: 6·512 / (8·576) = 66.7 %, as before."""
+    base = ["-d", "smollm2_cpu", "-m", "smollm2", "-w", "synthetic", "--groups", "2", "--per-group", "4",
+            "--suffix-len", "64", "--rate", "1"]
+    _, s256 = _sim_cli(base + ["--prefix-len", "256"])
+    _, s512 = _sim_cli(base + ["--prefix-len", "512"])
+    assert s256[0]["prefix_hit_rate"] == pytest.approx(1536 / 2560)
+    assert s512[0]["prefix_hit_rate"] == pytest.approx(3072 / 4608)
+
+
+def test_sim_cli_slo_from_the_deployment_file_unless_flagged(tmp_path):
+    """A deployment file with ``slo: {ttft_ms: 1500, itl_ms: 50}`` (as ``dlmix plan`` writes it): ``dlmix sim``
+    judges goodput against TTFT 1500 ms / TPOT 50 ms; an explicit ``--slo-itl-ms 30`` wins for ITL only; a file
+    without ``slo`` gets the defaults 2000 / 25 ms."""
+    import yaml
+
+    from dlmix.sim.cli import resolve_slo
+
+    d = _dep(tmp_path)
+    d["slo"] = {"ttft_ms": 1500, "itl_ms": 50, "pct": 90}
+    p = tmp_path / "dep.yaml"
+    p.write_text(yaml.safe_dump(d))
+    dep = load_deployment(str(p))
+    assert (dep.slo_ttft, dep.slo_itl, dep.slo_pct) == (1.5, 0.05, 90.0)
+    assert resolve_slo(dep) == (1.5, 0.05, "ttft: deployment, itl: deployment")
+    assert resolve_slo(dep, None, 30.0) == (1.5, 0.03, "ttft: deployment, itl: flag")
+    assert resolve_slo(load_deployment(_dep(tmp_path))) == (2.0, 0.025, "ttft: default, itl: default")
+    with pytest.raises(ValueError, match="slo-itl-ms"):
+        resolve_slo(dep, None, 0.0)
+    args = ["-d", str(p), "-m", "smollm2", "-w", "mooncake", "--limit", "5"]
+    out, s = _sim_cli(args)
+    assert s[0]["goodput_targets_ms"] == {"ttft": 1500.0, "tpot": 50.0}
+    assert "SLO TTFT 1500 ms, ITL 50 ms (ttft: deployment, itl: deployment)" in out
+    _, s = _sim_cli(args + ["--slo-itl-ms", "30"])
+    assert s[0]["goodput_targets_ms"] == {"ttft": 1500.0, "tpot": 30.0}
+    _, s = _sim_cli(["-d", "smollm2_cpu", "-m", "smollm2", "-w", "mooncake", "--limit", "5"])
+    assert s[0]["goodput_targets_ms"] == {"ttft": 2000.0, "tpot": 25.0}

@@ -37,7 +37,7 @@ import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional, Union
+from typing import List, Optional, Union
 
 from dlmix.hw.profiles import Catalog, ChipProfile, LinkProfile, load_catalog
 
@@ -46,7 +46,9 @@ from dlmix.hw.profiles import Catalog, ChipProfile, LinkProfile, load_catalog
 class ModelSpec:
     """Model shape for the cost model.
 
-    Attributes: params (count), layers, q_heads, kv_heads, head_dim, dtype_bytes (2 for BF16/FP16, 1 for FP8 KV).
+    Attributes: params (count), layers, q_heads, kv_heads, head_dim, dtype_bytes (2 for BF16/FP16, 1 for FP8 KV),
+    name, max_model_len (the model's context limit in tokens, prompt + output, as vLLM derives it from
+    ``config.json``, see :func:`context_limit`; 0 = unknown).
     """
 
     params: float
@@ -56,6 +58,24 @@ class ModelSpec:
     head_dim: int
     dtype_bytes: int = 2
     name: str = ""
+    max_model_len: int = 0
+
+    def allowed_tp_sizes(self) -> List[int]:
+        """Tensor-parallel sizes whose split of the attention heads vLLM and SGLang accept, ascending.
+
+        A TP size ``t`` is allowed when ``q_heads % t == 0`` (vLLM ``vllm/config/model.py``
+        ``ModelConfig.verify_with_parallel_config``: "Total number of attention heads must be divisible by tensor
+        parallel size") and the KV heads split or replicate evenly: ``kv_heads % t == 0`` when ``t <= kv_heads``,
+        else ``t % kv_heads == 0`` (vLLM ``vllm/model_executor/models/llama.py`` ``LlamaAttention.__init__``, the
+        same assertions in SGLang's ``python/sglang/srt/models/llama.py``). The list is finite: ``t`` divides
+        ``q_heads``. MLA models (DeepSeek-V2/V3) keep ``kv_heads == q_heads`` in their config, so the rule reduces
+        to the attention-heads one, which is theirs. Raises ValueError when a head count is < 1.
+        """
+        if self.q_heads < 1 or self.kv_heads < 1:
+            raise ValueError(f"{self.name or 'model'}: head counts must be >= 1, got {self.q_heads} attention and "
+                             f"{self.kv_heads} KV heads")
+        return [t for t in range(1, self.q_heads + 1) if self.q_heads % t == 0
+                and (self.kv_heads % t == 0 if t <= self.kv_heads else t % self.kv_heads == 0)]
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -83,13 +103,18 @@ class ModelSpec:
         """From a Hugging Face ``config.json`` (path to the file or its folder, or the dict).
 
         ``params`` defaults to an estimate from the shapes (embeddings + attention + gated MLP), which is within a few
-        percent for Llama/Qwen-style models. Raises ValueError when a required key is missing.
+        percent for Llama/Qwen-style models. ``name``: the config's ``_name_or_path``, else (given a path) the
+        model folder's name (``org/name`` for a Hugging Face cache snapshot), else ``model_type``.
+        ``max_model_len``: :func:`context_limit`. Raises ValueError when a required key is missing, OSError when the
+        file cannot be read.
         """
+        folder = ""
         if not isinstance(cfg, dict):
             p = Path(cfg)
             if p.is_dir():
                 p = p / "config.json"
             cfg = json.loads(p.read_text())
+            folder = _folder_name(p.resolve().parent)
         try:
             L = int(cfg["num_hidden_layers"])
             H = int(cfg["hidden_size"])
@@ -105,15 +130,58 @@ class ModelSpec:
             mlp = 3 * H * inter
             emb = vocab * H * (1 if cfg.get("tie_word_embeddings") else 2)
             params = L * (attn + mlp) + emb
-        return cls(float(params), L, nq, nkv, d, 2, str(cfg.get("_name_or_path", "")))
+        name = str(cfg.get("_name_or_path") or folder or cfg.get("model_type") or "")
+        return cls(float(params), L, nq, nkv, d, 2, name, context_limit(cfg))
 
 
-#: Shapes of common models (params from the model cards).
+def _folder_name(folder: Path) -> str:
+    """A model folder's name; ``org/name`` for a Hugging Face cache snapshot (``models--org--name/snapshots/H``)."""
+    if folder.parent.name == "snapshots" and folder.parent.parent.name.startswith("models--"):
+        return folder.parent.parent.name[len("models--"):].replace("--", "/")
+    return folder.name
+
+
+#: config.json keys vLLM reads a model's length from, smallest wins (vLLM
+#: ``vllm/transformers_utils/model_arch_config_convertor.py`` ``derive_max_model_len_and_key``)
+CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length", "model_max_length",
+                "max_target_positions", "max_sequence_length", "max_seq_length", "seq_len")
+#: RoPE types whose ``factor`` vLLM does not apply again (their max_position_embeddings is already scaled)
+_ROPE_PRESCALED = ("su", "longrope", "llama3", "yarn", "deepseek_yarn", "deepseek_llama_scaling")
+
+
+def context_limit(cfg: dict) -> int:
+    """The longest sequence (prompt + output tokens) vLLM serves for this Hugging Face ``config.json`` dict without
+    ``VLLM_ALLOW_LONG_MAX_MODEL_LEN``; 0 when the config names no length.
+
+    vLLM's rule (``vllm/config/model.py`` ``_get_and_verify_max_len`` with
+    ``vllm/transformers_utils/model_arch_config_convertor.py`` ``derive_max_model_len_and_key``): the smallest of
+    :data:`CONTEXT_KEYS` present (``model_max_length``, when present, replaces it), multiplied by the RoPE scaling
+    ``factor`` unless the RoPE type is one whose length is already scaled (``llama3``, ``yarn``, ``longrope``, ...).
+    Text settings of a multimodal config (``text_config``) are used when present. Tokens; raises nothing.
+    """
+    c = cfg.get("text_config") if isinstance(cfg.get("text_config"), dict) else cfg
+    vals = [(k, c[k]) for k in CONTEXT_KEYS if isinstance(c.get(k), (int, float)) and c[k] > 0]
+    if not vals:
+        return 0
+    n = float(min(v for _, v in vals))
+    if isinstance(c.get("model_max_length"), (int, float)) and c["model_max_length"] > 0:
+        n = float(c["model_max_length"])
+    rope = c.get("rope_scaling") or c.get("rope_parameters")
+    if isinstance(rope, dict) and "gemma3" not in str(c.get("model_type", "")):
+        kind = rope.get("rope_type") or rope.get("type") or "default"
+        factor = rope.get("factor")
+        if kind not in _ROPE_PRESCALED and isinstance(factor, (int, float)) and factor > 0:
+            n *= factor
+    return int(n)
+
+
+#: Shapes of common models (params from the model cards; context limits from their config.json:
+#: ``max_position_embeddings``, Llama-3.1's already scaled by its ``llama3`` RoPE).
 PRESETS = {
-    "llama-3.1-8b": ModelSpec(8.03e9, 32, 32, 8, 128, 2, "llama-3.1-8b"),
-    "qwen2.5-7b": ModelSpec(7.62e9, 28, 28, 4, 128, 2, "qwen2.5-7b"),
-    "qwen3-8b": ModelSpec(8.19e9, 36, 32, 8, 128, 2, "qwen3-8b"),
-    "smollm2-135m": ModelSpec(1.35e8, 30, 9, 3, 64, 2, "smollm2-135m"),
+    "llama-3.1-8b": ModelSpec(8.03e9, 32, 32, 8, 128, 2, "llama-3.1-8b", 131072),
+    "qwen2.5-7b": ModelSpec(7.62e9, 28, 28, 4, 128, 2, "qwen2.5-7b", 32768),
+    "qwen3-8b": ModelSpec(8.19e9, 36, 32, 8, 128, 2, "qwen3-8b", 40960),
+    "smollm2-135m": ModelSpec(1.35e8, 30, 9, 3, 64, 2, "smollm2-135m", 8192),
 }
 
 

@@ -24,6 +24,9 @@ Optional sections: ``restart:`` (supervision after start-up, :class:`RestartPoli
 router) and ``k8s:`` (``--emit k8s`` manifests, :class:`K8sSettings`; per instance :class:`K8sInstanceSettings`).
 
 Every error names the field path and the YAML line: ``cpu-pd.yaml:14:9: instances[1].kv.block_size: ...``.
+A vLLM or SGLang instance is also checked against its model when the model's ``config.json`` can be read here
+without building or downloading (a local folder, a built dlmix model): ``tensor_parallel_size`` must split the
+model's attention and KV heads, ``max_model_len`` must not exceed its context limit (:func:`_model_fit`).
 Unknown keys are errors (a typo never falls back to a default). See ``examples/*.yaml`` and docs.
 """
 from __future__ import annotations
@@ -461,6 +464,57 @@ def parse_deployment(text: str, origin: str = "<deployment>") -> Deployment:
     return dep
 
 
+#: per engine, the environment variable that lets it run past the model's context limit (vLLM
+#: ``vllm/config/model.py`` ``_get_and_verify_max_len``; SGLang ``sglang/srt/configs/model_config.py``)
+_LONG_LEN_ENV = {"vllm": "VLLM_ALLOW_LONG_MAX_MODEL_LEN", "sglang": "SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN"}
+
+
+def _model_fit(dep: Deployment, i: int, shapes: Dict[str, Any]) -> List[Tuple[str, str]]:
+    """``(field, message)`` for each way vLLM/SGLang instance ``i`` does not fit its model, when the model's
+    ``config.json`` can be read here without building or downloading (:func:`dlmix.models.local_config`: a built
+    dlmix model, a local folder or config.json path; a hub id is not checked): its ``tensor_parallel_size`` must be
+    one of :meth:`dlmix.hw.cost.ModelSpec.allowed_tp_sizes` of the model's head counts (on a CPU device too: the
+    engine splits the heads the same way), and its ``max_model_len`` at most the model's context limit
+    (:func:`dlmix.hw.cost.context_limit`, tokens) unless the engine's override variable (:data:`_LONG_LEN_ENV`) is
+    set to 1/true in ``env``. ``shapes`` memoises the model shapes by reference. Raises nothing."""
+    from dlmix.hw.cost import ModelSpec
+    from dlmix.models import local_config
+
+    ref = dep.model_of(i)
+    if not ref:
+        return []
+    if ref not in shapes:
+        cfg = local_config(ref)
+        try:
+            shapes[ref] = ModelSpec.from_hf_config(cfg) if cfg is not None else None
+        except (ValueError, TypeError):
+            shapes[ref] = None
+    spec = shapes[ref]
+    if spec is None:
+        return []
+    inst = dep.instances[i]
+    who = f"instance {dep.instance_name(i)!r} ({inst.engine}, model {ref})"
+    out = []
+    try:
+        allowed = spec.allowed_tp_sizes()
+    except ValueError:
+        allowed = []
+    if allowed and inst.tensor_parallel_size not in allowed:
+        out.append(("tensor_parallel_size",
+                    f"{who}: tensor_parallel_size {inst.tensor_parallel_size} does not fit the model's "
+                    f"{spec.q_heads} attention heads and {spec.kv_heads} KV heads; allowed sizes: "
+                    f"{', '.join(map(str, allowed))} (the heads must divide by TP, and the KV heads by TP, or TP by "
+                    f"the KV heads when TP is larger)"))
+    var = _LONG_LEN_ENV[inst.engine]
+    allow = {**dep.env, **inst.env}.get(var, "").strip().lower() in ("1", "true", "yes")
+    if spec.max_model_len and inst.max_model_len > spec.max_model_len and not allow:
+        out.append(("max_model_len",
+                    f"{who}: max_model_len {inst.max_model_len} exceeds the model's context limit of "
+                    f"{spec.max_model_len} tokens (max_position_embeddings of its config.json); the engine refuses "
+                    f"it (set {var}=1 in env to force it, at the risk of wrong outputs)"))
+    return out
+
+
 def _cross_checks(dep: Deployment, marks: Dict[Path_, Tuple[int, int]], origin: str) -> None:
     problems: List[str] = []
 
@@ -473,6 +527,7 @@ def _cross_checks(dep: Deployment, marks: Dict[Path_, Tuple[int, int]], origin: 
         ports[("*", dep.router.port)] = "router.port"  # type: ignore[union-attr]
     names: Dict[str, int] = {}
     roles = [i.role for i in dep.instances]
+    shapes: Dict[str, Any] = {}  # model reference -> ModelSpec or None (config not readable here)
     catalog = None
     try:
         from dlmix.hw.profiles import CatalogError, load_catalog
@@ -521,6 +576,9 @@ def _cross_checks(dep: Deployment, marks: Dict[Path_, Tuple[int, int]], origin: 
                 bad(("instances", i, "devices"), "devices is for accelerators; use cpus to pin a CPU engine")
             if inst.kv.gpu_memory_utilization is not None:
                 bad(("instances", i, "kv", "gpu_memory_utilization"), "only for accelerator devices")
+        if inst.engine in ("vllm", "sglang"):
+            for path, msg in _model_fit(dep, i, shapes):
+                bad(("instances", i, path), msg)
         conn = dep.connector_of(i)
         if conn is not None and conn.name == "DLMixConnector" and "port" in conn.extra_config:
             cp = conn.extra_config["port"]

@@ -24,7 +24,7 @@ __all__ = ["baselines", "ratios"]
 
 def _min_tp(pl: Planner, chip: str, role: str):
     g = pl.inv.group(chip)
-    for tp in g.tp_sizes():
+    for tp in pl.tp_sizes(g):
         e = pl.estimate(chip, tp, role)
         if e.figures.get("kv_capacity_tokens", 0) >= 1 and not e.reason.startswith("memory"):
             return tp
@@ -38,7 +38,7 @@ def baselines(pl: Planner, progress=None) -> Dict[str, Candidate]:
     groups = pl.inv.groups
     jobs: List[tuple] = []
     for g in groups:
-        for tp in g.tp_sizes():
+        for tp in pl.tp_sizes(g):
             if _fits(pl, g.chip, tp):
                 jobs.append((f"homog_{g.chip}", Candidate((GroupChoice(g.chip, "both", tp, g.instances(tp)),),
                                                           pl.policy, pl.block_size, name=f"homog_{g.chip}")))

@@ -33,8 +33,9 @@ def plan_command(
     slo_pct: float = typer.Option(90.0, "--slo-pct", help="percent of requests that must meet both targets"),
     policy: str = typer.Option("cost", "--policy", "-p", help="router policy simulated for every candidate"),
     block_size: int = typer.Option(64, "--block-size", help="default KV block size, tokens (divides 512)"),
-    top_k: int = typer.Option(4, "--top-k", help="analytic best candidates simulated"),
-    no_refine: bool = typer.Option(False, "--no-refine", help="skip the policy / block-size refinement"),
+    top_k: int = typer.Option(4, "--top-k", help="analytically best role patterns simulated"),
+    no_refine: bool = typer.Option(False, "--no-refine", help="skip the refinement (TP local search, "
+                                   "policy and block-size variants)"),
     with_baselines: bool = typer.Option(True, "--baselines/--no-baselines", help="also simulate the baselines"),
     chips: Optional[List[str]] = typer.Option(None, "--chips", help="extra chip catalog YAML (repeatable)"),
     out: Optional[str] = typer.Option(None, "--out", "-o", help="folder for plan.json, deployment files, plan.png"),
@@ -89,7 +90,9 @@ def plan_command(
     for t in tables(res, base):
         con.print(t)
     if out:
-        for p in write_outputs(pl, res, Path(out), base, model_ref=model if Path(model).exists() else None):
+        # a config.json path: the launch file names its folder (what vLLM loads)
+        ref = None if not Path(model).exists() else str(Path(model).parent) if Path(model).is_file() else model
+        for p in write_outputs(pl, res, Path(out), base, model_ref=ref):
             con.print(f"wrote {p}")
     typer.echo(json.dumps({k: v for k, v in result_dict(res, base).items() if k != "simulated"}))
     if not res.feasible:

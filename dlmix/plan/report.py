@@ -21,11 +21,14 @@ HUB_IDS = {"llama-3.1-8b": "meta-llama/Llama-3.1-8B-Instruct", "qwen2.5-7b": "Qw
 
 
 def sim_deployment(pl: Planner, c: Candidate, name: str = "plan") -> str:
-    """YAML text of ``c`` that ``dlmix sim --deployment`` loads as it is."""
+    """YAML text of ``c`` that ``dlmix sim --deployment`` loads as it is, with the plan's SLO as ``slo: {ttft_ms,
+    itl_ms, pct}`` (``dlmix sim`` uses it unless ``--slo-*`` are given)."""
     head = (f"# dlmix plan: {pl.inv.name} | {pl.model.name} | SLO TTFT {pl.slo.ttft:g} s, ITL {pl.slo.itl * 1e3:g} ms, "
             f"p{pl.slo.pct:g}\n# router policy: {c.policy} {pl.policy_params(c)}; predicted goodput "
             f"{(c.goodput or 0):.3f} req/s\n")
-    return head + yaml.safe_dump(pl.deployment_dict(c, name), sort_keys=False)
+    d = pl.deployment_dict(c, name)  # + the SLO it was planned for: `dlmix sim -d` judges goodput against it
+    d["slo"] = {"ttft_ms": round(pl.slo.ttft * 1e3, 6), "itl_ms": round(pl.slo.itl * 1e3, 6), "pct": pl.slo.pct}
+    return head + yaml.safe_dump(d, sort_keys=False)
 
 
 def launch_deployment(pl: Planner, c: Candidate, model_ref: Optional[str] = None, name: str = "plan") -> dict:
@@ -33,13 +36,18 @@ def launch_deployment(pl: Planner, c: Candidate, model_ref: Optional[str] = None
     engine, named ``HOST-CHIP-ROLE-K``, ``devices`` numbered per host (a CPU instance of size ``t``: one engine
     pinned to ``t`` cores, ``cpus``), ports from 8100, the engine settings the plan simulated
     (``--max-num-batched-tokens``, ``--max-num-seqs`` in ``extra_args``), the router with the plan's policy.
-    ``dlmix launch`` starts processes on one host: instances of other hosts need their ``host`` set there."""
+    ``max_model_len``: the power of two from 2048 covering the sample's longest request (prompt + output tokens),
+    at most 131072 and never above the model's context limit (``ModelSpec.max_model_len``; the planner's sample holds
+    no longer request). ``dlmix launch`` starts processes on one host: instances of other hosts need their ``host``
+    set there."""
     model = model_ref or HUB_IDS.get(pl.model.name, pl.model.name or "model")
     insts: List[dict] = []
     max_len = int(max(pl.wl.input_len + pl.wl.output_len))
     mlen = 2048
     while mlen < max_len and mlen < 131072:
         mlen *= 2
+    if pl.model.max_model_len:
+        mlen = min(mlen, pl.model.max_model_len)
     next_dev: Dict[str, int] = {}
     for ch in c.choices:
         if ch.role == "unused":
@@ -56,7 +64,7 @@ def launch_deployment(pl: Planner, c: Candidate, model_ref: Optional[str] = None
                 # a CPU "chip" is a core: an instance of size t is one engine on t cores (its threads), not TP
                 e = {"name": f"{host}-{ch.chip}-{ch.role}-{len(insts)}", "role": ch.role, "port": 8100 + len(insts),
                      "chip": c.router_chip or ch.chip, "device": device,
-                     "tensor_parallel_size": 1 if device == "cpu" else ch.tp,
+                     "tensor_parallel_size": pl.engine_tp(ch.chip, ch.tp),
                      "max_model_len": mlen, "kv": {"block_size": c.block_size},
                      # the engine settings the plan simulated (vLLM's flags)
                      "extra_args": ["--max-num-batched-tokens", str(int(pl.engine["max_num_batched_tokens"])),
@@ -92,7 +100,8 @@ def result_dict(r: PlanResult, base: Optional[Dict[str, Candidate]] = None) -> d
     from dlmix.plan.baselines import ratios
 
     d = {"inventory": r.inventory.name, "total_chips": r.inventory.total_chips, "model": r.model.name,
-         "workload": r.workload.name, "requests": len(r.workload.requests),
+         "model_max_len": r.model.max_model_len or None, "workload": r.workload.name,
+         "requests": len(r.workload.requests), "requests_excluded": r.excluded_requests, "notes": r.notes,
          "slo": {"ttft_s": r.slo.ttft, "itl_s": r.slo.itl, "pct": r.slo.pct},
          "rate": r.rate if r.rate is not None else "maximise", "feasible": r.feasible, "reasons": r.reasons,
          "best": _cand_dict(r.best) if r.best else None, "alternatives": [_cand_dict(c) for c in r.alternatives],
@@ -115,20 +124,23 @@ def _pct(s: Optional[dict], key: str, p: str) -> str:
 
 def tables(r: PlanResult, base: Optional[Dict[str, Candidate]] = None):
     """Rich renderables: the recommendation per chip group, the ranked candidates (best, runners-up, Pareto points),
-    the baselines, or the infeasibility explanation."""
+    the baselines, or the infeasibility explanation; then the notes (what the model excluded). The title shows the
+    workload's ``key=value`` settings separated by ``", "`` so that a wrapped title never splits one."""
     from rich.markup import escape
     from rich.table import Table
     from rich.text import Text
 
     out = []
-    title = (f"{r.inventory.name} ({r.inventory.total_chips} chips) | {r.model.name} | {r.workload.name} | SLO "
+    title = (f"{r.inventory.name} ({r.inventory.total_chips} chips) | {r.model.name or 'model'} | "
+             f"{r.workload.name.replace(',', ', ')} | SLO "
              f"TTFT {r.slo.ttft:g} s, ITL {r.slo.itl * 1e3:g} ms, p{r.slo.pct:g} | "
              f"{'maximise' if r.rate is None else f'{r.rate:g} req/s'}")
+    notes = [Text(f"note: {n}") for n in r.notes]
     if not r.feasible:
         t = Text(f"NO FEASIBLE DEPLOYMENT: {title}\n", style="bold red")
         for x in r.reasons:
             t.append(f"  binding: {x}\n")
-        return [t]
+        return [t] + notes
     b = r.best
     rec = Table(title=f"Recommended deployment — {title}")
     for col in ("chip group", "chips", "role", "TP", "instances", "block", "KV link"):
@@ -172,7 +184,7 @@ def tables(r: PlanResult, base: Optional[Dict[str, Candidate]] = None):
             bt.add_row(n, escape(c.label() + (f" ({c.note})" if c.note else "")), str(c.chips_used),
                        f"{(c.goodput or 0):.2f}", "-" if v is None else f"{v:.2f}")
         out.append(bt)
-    return out
+    return out + notes
 
 
 def _pp(c: Candidate) -> str:

@@ -15,6 +15,11 @@
    the analytic checks), then router policy and KV block size variants; each variant is first simulated one grid
    step above the winner's goodput and searched further only if it meets the SLO there.
 
+The model bounds the search: only TP sizes its head counts allow (:meth:`dlmix.hw.cost.ModelSpec.allowed_tp_sizes`;
+a CPU group's instance is one engine at TP 1, any core count) are considered, and requests longer than its context
+limit (``ModelSpec.max_model_len``) are left out of the sample (no engine serves them); :attr:`PlanResult.notes` says
+what was excluded and why.
+
 Units: req/s, seconds, tokens.
 """
 from __future__ import annotations
@@ -114,7 +119,9 @@ class PlanResult:
         simulated: every simulated candidate. reasons: why nothing is feasible (binding constraints). analytic_count:
         combinations ranked analytically. sims: simulator runs. wall_s: planning time, s (cpu_s: CPU time of this
         process, s — the wall time grows with other load on a shared machine). rate: the fixed rate or
-        None (maximise). slo, inventory, model, workload: the inputs.
+        None (maximise). slo, inventory, model, workload: the inputs (workload: the requests the model can serve).
+        notes: what the model excluded (TP sizes its heads do not allow, requests beyond its context), one line
+        each. excluded_requests: requests of the sample longer than the model's context limit.
     """
 
     feasible: bool
@@ -132,6 +139,8 @@ class PlanResult:
     model: ModelSpec
     workload: PlanWorkload
     cpu_s: float = 0.0
+    notes: List[str] = field(default_factory=list)
+    excluded_requests: int = 0
 
 
 class Planner:
@@ -144,7 +153,12 @@ class Planner:
         block size (divides 512). seed: simulator seed. progress: ``callback(message, done, total)`` or None.
         engine: overrides of the engine settings every instance gets (:data:`DEFAULTS`: ``max_num_batched_tokens``,
         ``max_num_seqs``, ``t_step``, ``gpu_memory_utilization``). Raises ValueError for a bad rate, SLO, block size
-        or engine key.
+        or engine key, or a model whose head counts are < 1; WorkloadError (a ValueError) when fewer than 2 requests
+        of the workload fit the model's context limit.
+
+    The planner uses ``workload`` without the requests longer than ``model.max_model_len`` (prompt + output
+    tokens; :meth:`PlanWorkload.within`): vLLM rejects them whatever the deployment, so they are counted
+    (:attr:`excluded_requests`) and reported, not planned for; rates and goodputs are those of the requests kept.
     """
 
     def __init__(self, inventory: Inventory, model: ModelSpec, slo: SLO, workload: PlanWorkload,
@@ -159,7 +173,9 @@ class Planner:
         self.inv = inventory
         self.model = model
         self.slo = slo
-        self.wl = workload
+        self.wl, self.excluded_requests = workload.within(model.max_model_len)
+        self.tp_allowed = model.allowed_tp_sizes()
+        self.notes = self._model_notes(workload)
         self.rate = rate
         self.policy = policy
         self.block_size = block_size
@@ -174,6 +190,38 @@ class Planner:
         self.kappa: List[float] = []  # simulated / analytic goodput ratios seen so far
         self._est: Dict[tuple, RoleEstimate] = {}
         self._timing: Dict[str, LinearTiming] = {}
+
+    # ------------------------------------------------------------------ model limits
+    def engine_tp(self, chip: str, size: int) -> int:
+        """The engine's ``tensor_parallel_size`` of an instance of ``size`` chips of ``chip``: ``size``, but 1 on a
+        CPU chip type (an instance of size t is one engine pinned to t cores)."""
+        from dlmix.plan.report import VENDOR_DEVICE  # report imports this module
+
+        return 1 if VENDOR_DEVICE.get(self.inv.catalog.chip(chip).vendor) == "cpu" else size
+
+    def tp_sizes(self, g) -> List[int]:
+        """The instance sizes of group ``g`` the search considers: :meth:`ChipGroup.tp_sizes` whose engine TP
+        (:meth:`engine_tp`) is one the model's head counts allow (:meth:`ModelSpec.allowed_tp_sizes`)."""
+        return [t for t in g.tp_sizes() if self.engine_tp(g.chip, t) in self.tp_allowed]
+
+    def _model_notes(self, workload: PlanWorkload) -> List[str]:
+        """One line per exclusion the model imposes: the TP sizes of each group its heads do not allow, the requests
+        longer than its context limit."""
+        m, out = self.model, []
+        name = m.name or "the model"
+        bad = [(g.chip, [t for t in g.tp_sizes() if t not in self.tp_sizes(g)]) for g in self.inv.groups]
+        bad = [(c, ts) for c, ts in bad if ts]
+        if bad:
+            out.append(f"TP sizes excluded ({'; '.join(f'{c}: ' + ', '.join(map(str, ts)) for c, ts in bad)}): "
+                       f"{name} has {m.q_heads} attention heads and {m.kv_heads} KV heads; vLLM and SGLang run it at "
+                       f"TP {', '.join(map(str, self.tp_allowed))} only")
+        if self.excluded_requests:
+            longest = int(max(workload.input_len + workload.output_len))
+            out.append(f"{self.excluded_requests} of {len(workload.requests)} requests of the sample need more than "
+                       f"the context limit of {name} ({m.max_model_len} tokens, prompt + output; the longest needs "
+                       f"{longest}): no deployment can serve them (vLLM rejects them), so they are left out of the "
+                       f"estimates and simulations")
+        return out
 
     # ------------------------------------------------------------------ analytic
     def estimate(self, chip: str, tp: int, role: str) -> RoleEstimate:
@@ -196,7 +244,7 @@ class Planner:
         whose prefill and decode estimates both pass. Per TP size the ``k`` of largest standalone capacity
         ``min(k · min(p, xfer), (n − k) · d)``; of these the best TP size (``every_tp``: every one)."""
         rows = []
-        for tp in g.tp_sizes():
+        for tp in self.tp_sizes(g):
             n = g.instances(tp)
             ep, ed = self.estimate(g.chip, tp, "prefill"), self.estimate(g.chip, tp, "decode")
             if n < 2 or not (ep.ok and ed.ok):
@@ -216,7 +264,7 @@ class Planner:
             opts: List[Tuple[GroupChoice, ...]] = [(GroupChoice(g.chip, "unused"),)]
             for role in ROLES:
                 cands = []
-                for tp in g.tp_sizes():
+                for tp in self.tp_sizes(g):
                     n = g.instances(tp)
                     e = self.estimate(g.chip, tp, role)
                     if keep_tp is None:
@@ -382,9 +430,11 @@ class Planner:
         ``decode``: the full ITL target)."""
         out = []
         for side, roles, shown in (("prefill", ("prefill", "both"), "both"), ("decode", ("decode", "both"), "decode")):
-            if any(self.estimate(g.chip, tp, r).ok for g in self.inv.groups for tp in g.tp_sizes() for r in roles):
+            if any(self.estimate(g.chip, tp, r).ok
+                   for g in self.inv.groups for tp in self.tp_sizes(g) for r in roles):
                 continue
-            parts = [self.estimate(g.chip, g.tp_sizes()[-1], shown).reason for g in self.inv.groups]
+            parts = [self.estimate(g.chip, self.tp_sizes(g)[-1], shown).reason for g in self.inv.groups
+                     if self.tp_sizes(g)]
             out.append(f"no chip group can {side} within the SLO: " + "; ".join(p for p in parts if p))
         return out
 
@@ -400,7 +450,8 @@ class Planner:
         if not cands:
             reasons = self.infeasible_reasons() or ["no prefill+decode-capable combination of the groups fits"]
             return PlanResult(False, None, [], [], [], reasons, 0, self.sims, time.perf_counter() - t0, self.rate,
-                              self.slo, self.inv, self.model, self.wl, time.process_time() - c0)
+                              self.slo, self.inv, self.model, self.wl, time.process_time() - c0, list(self.notes),
+                              self.excluded_requests)
         # the analytic best of each of the top_k role patterns (which groups prefill / decode / both / unused): the
         # roofline capacities rank candidates of one pattern well but can misjudge PD against aggregation, so the
         # simulator sees every leading pattern; then the runner-up TP variant of the leading pattern
@@ -445,7 +496,7 @@ class Planner:
                 if ch.role == "unused" or ch.chip in split:  # PD inside a group: its TP and split stay
                     continue
                 g = self.inv.group(ch.chip)
-                for tp in g.tp_sizes():
+                for tp in self.tp_sizes(g):
                     if tp == ch.tp or not self.estimate(ch.chip, tp, ch.role).ok:
                         continue
                     chs = list(best.choices)
@@ -479,7 +530,7 @@ class Planner:
         alts = [c for c in sim[1:] if (c.goodput or 0) > 0][:3]
         return PlanResult(feasible, best if feasible else None, alts, pareto_front(sim), sim, reasons, n_an,
                           self.sims, time.perf_counter() - t0, self.rate, self.slo, self.inv, self.model, self.wl,
-                          time.process_time() - c0)
+                          time.process_time() - c0, list(self.notes), self.excluded_requests)
 
     def _sim_order(self, c: Candidate):
         g = c.goodput or 0.0

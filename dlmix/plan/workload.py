@@ -8,7 +8,7 @@ rate is the requested one (the arrival pattern — bursts, order, prefix sharing
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List
+from typing import List, Tuple
 
 import numpy as np
 
@@ -60,6 +60,24 @@ class PlanWorkload:
         """The ``pct``-th percentile prompt length, tokens."""
         return int(np.percentile(self.input_len, pct))
 
+    def within(self, max_len: int) -> Tuple["PlanWorkload", int]:
+        """The sample without the requests no engine of a ``max_len``-token context serves (prompt + output >
+        ``max_len`` tokens: vLLM refuses them, HTTP 400), and how many were dropped. The rest keep their arrival
+        times; the mean rate and the prefix hits are those of the requests kept. ``max_len`` <= 0: unlimited
+        (``self``, 0). Raises WorkloadError when fewer than 2 requests remain."""
+        if max_len <= 0:
+            return self, 0
+        keep = [r for r in self.requests if r.input_len + r.output_len <= max_len]
+        dropped = len(self.requests) - len(keep)
+        if not dropped:
+            return self, 0
+        if len(keep) < 2 or keep[-1].arrival <= keep[0].arrival:
+            longest = int(max(self.input_len + self.output_len))
+            raise WorkloadError(f"workload {self.name!r}: {dropped} of {len(self.requests)} requests need more than "
+                                f"the model's {max_len}-token context (prompt + output, up to {longest} tokens); "
+                                f"{len(keep)} left, a plan needs >= 2 spread over time")
+        return _sample(self.name, keep), dropped
+
 
 def _parse_synthetic(desc: str) -> dict:
     kv = dict(_SYN_KEYS)
@@ -90,6 +108,11 @@ def load_plan_workload(source: str, n: int = 400) -> PlanWorkload:
         reqs = load_trace(source, limit=n)
     if len(reqs) < 2 or reqs[-1].arrival <= reqs[0].arrival:
         raise WorkloadError(f"workload {source!r}: needs >= 2 requests spread over time")
+    return _sample(source, reqs)
+
+
+def _sample(source: str, reqs: List[SimRequest]) -> PlanWorkload:
+    """The :class:`PlanWorkload` of ``reqs`` (arrival-sorted, >= 2, spread over time): rate and ideal prefix hits."""
     seen: set = set()
     hit = []
     for r in reqs:

@@ -5,6 +5,7 @@ Examples::
     dlmix sim --deployment hetero_pd --model llama-3.1-8b --workload mooncake --speedup 0.5 --policy cost,round_robin
     dlmix sim --deployment my.yaml --workload synthetic --groups 16 --prefix-len 6144 --suffix-len 1200 --rate 4
     dlmix sim --deployment smollm2_cpu --model smollm2 --workload trace.jsonl --out results/
+    dlmix sim --deployment out/deploy_sim.yaml --workload mooncake     # judged against the SLO the plan recorded
 
 Output: a table on stdout, ``<out>/sim.json`` (one summary per policy) and PNG plots (TTFT CDF, goodput bars,
 per-instance utilization) when ``--out`` is given. The last stdout line is the JSON list of summaries.
@@ -19,17 +20,54 @@ from typing import List, Optional
 import typer
 
 
+DEFAULT_SLO_TTFT_MS = 2000.0
+DEFAULT_SLO_ITL_MS = 25.0
+
+
 def build_workload(workload: str, speedup: float = 1.0, limit: Optional[int] = None, groups: int = 16,
                    per_group: int = 16, prefix_len: int = 6144, suffix_len: int = 1200, output_len: int = 128,
-                   rate: float = 4.0, seed: int = 0):
-    """Requests for ``workload``: ``synthetic`` (shared-prefix generator; ``rate × speedup`` req/s), a built-in trace
-    name (``mooncake``) or a Mooncake-format JSONL path. Raises WorkloadError."""
+                   rate: float = 4.0, seed: int = 0, block_size: int = 512):
+    """Requests for ``workload``: ``synthetic`` (shared-prefix generator; ``rate × speedup`` req/s, one hash id per
+    ``block_size`` tokens: ``dlmix sim`` passes the deployment's :meth:`~dlmix.sim.config.Deployment.hash_block`),
+    a built-in trace name (``mooncake``) or a Mooncake-format JSONL path (its own 512-token hash blocks;
+    ``block_size`` is not used). Token arguments in tokens, ``rate`` in req/s. Raises WorkloadError."""
     from dlmix.sim.workload import load_trace, shared_prefix
 
     if workload == "synthetic":
-        reqs = shared_prefix(groups, per_group, prefix_len, suffix_len, output_len, rate * speedup, seed)
+        reqs = shared_prefix(groups, per_group, prefix_len, suffix_len, output_len, rate * speedup, seed,
+                             trace_block=block_size)
         return reqs[:limit] if limit else reqs
     return load_trace(workload, speedup=speedup, limit=limit)
+
+
+def resolve_slo(dep, slo_ttft_ms: Optional[float] = None, slo_itl_ms: Optional[float] = None):
+    """The goodput SLO of a run, per target: the flag when given, else the deployment file's ``slo`` (written by
+    ``dlmix plan``: the SLO the deployment was planned for), else the defaults (TTFT 2000 ms, ITL 25 ms).
+
+    Args:
+        dep: :class:`~dlmix.sim.config.Deployment`. slo_ttft_ms / slo_itl_ms: the ``--slo-*`` flags, ms (None: not
+            given).
+    Returns:
+        ``(ttft_s, itl_s, source)``, targets in seconds; ``source`` says where each came from
+        (``flag``/``deployment``/``default``), e.g. ``"ttft: deployment, itl: flag"``.
+    Raises:
+        ValueError: a flag <= 0.
+    """
+    out, src = [], []
+    for name, flag, planned, default in (("ttft", slo_ttft_ms, dep.slo_ttft, DEFAULT_SLO_TTFT_MS),
+                                         ("itl", slo_itl_ms, dep.slo_itl, DEFAULT_SLO_ITL_MS)):
+        if flag is not None:
+            if not flag > 0:
+                raise ValueError(f"--slo-{name}-ms must be > 0, got {flag:g}")
+            out.append(flag / 1000.0)
+            src.append(f"{name}: flag")
+        elif planned is not None:
+            out.append(planned)
+            src.append(f"{name}: deployment")
+        else:
+            out.append(default / 1000.0)
+            src.append(f"{name}: default")
+    return out[0], out[1], ", ".join(src)
 
 
 def sim_command(
@@ -42,8 +80,12 @@ def sim_command(
     speedup: float = typer.Option(1.0, "--speedup", help="arrival time scale (2 = twice the request rate)"),
     limit: Optional[int] = typer.Option(None, "--limit", help="first N requests only"),
     seed: int = typer.Option(0, "--seed", help="seed of the synthetic workload and of policy tie-breaks"),
-    slo_ttft_ms: float = typer.Option(2000.0, "--slo-ttft-ms", help="goodput TTFT target, ms"),
-    slo_itl_ms: float = typer.Option(25.0, "--slo-itl-ms", help="goodput per-request mean ITL (TPOT) target, ms"),
+    slo_ttft_ms: Optional[float] = typer.Option(
+        None, "--slo-ttft-ms", help="goodput TTFT target, ms [default: the deployment file's slo (dlmix plan writes "
+        "it), else 2000]"),
+    slo_itl_ms: Optional[float] = typer.Option(
+        None, "--slo-itl-ms", help="goodput per-request mean ITL (TPOT) target, ms [default: the deployment file's "
+        "slo (dlmix plan writes it), else 25]"),
     kv_event_delay_ms: float = typer.Option(0.0, "--kv-event-delay-ms", help="KV event delay to the router, ms"),
     groups: int = typer.Option(16, "--groups", help="synthetic: prefix groups"),
     per_group: int = typer.Option(16, "--per-group", help="synthetic: requests per group"),
@@ -55,7 +97,8 @@ def sim_command(
     policy_param: Optional[List[str]] = typer.Option(
         None, "--policy-param", help="policy argument KEY=VALUE[,KEY=VALUE] (repeatable; the router's flag), given to "
         "every listed policy that declares it (a name no listed policy declares is an error naming the valid ones); "
-        "the cost policy gets ttft_target/itl_target from --slo-* unless set here"),
+        "the cost policy gets ttft_target/itl_target from the goodput SLO (--slo-* or the deployment's slo) unless "
+        "set here"),
 ) -> None:
     """Simulate a heterogeneous cluster with the router's own policies (see docs/simulator.md)."""
     from dlmix.router.config import ConfigError as RouterConfigError, parse_kv_list
@@ -75,15 +118,16 @@ def sim_command(
         for item in policy_param or []:
             params.update(parse_kv_list(item))
         per_policy = split_params(names, params)
+        dep = load_deployment(deployment)
+        slo_ttft, slo_itl, slo_src = resolve_slo(dep, slo_ttft_ms, slo_itl_ms)
         if "cost" in per_policy:  # the SLO the goodput is measured against is the operator's target for the policy
-            per_policy["cost"].setdefault("ttft_target", slo_ttft_ms / 1000.0)
-            per_policy["cost"].setdefault("itl_target", slo_itl_ms / 1000.0)
+            per_policy["cost"].setdefault("ttft_target", slo_ttft)
+            per_policy["cost"].setdefault("itl_target", slo_itl)
         for n, pp in per_policy.items():  # bad values are refused before any simulation runs
             POLICIES[n].Params.parse(n, pp)
-        dep = load_deployment(deployment)
         spec = load_model(model)
         reqs = build_workload(workload, speedup, limit, groups, per_group, prefix_len, suffix_len, output_len,
-                              rate, seed)
+                              rate, seed, block_size=dep.hash_block())
     except (ConfigError, RouterConfigError, WorkloadError, ValueError) as ex:
         typer.echo(f"error: {ex}", err=True)
         raise typer.Exit(2)
@@ -92,11 +136,12 @@ def sim_command(
         t = time.perf_counter()
         pp = per_policy[n]
         res = Simulator(dep, spec, n, seed=seed, kv_event_delay=kv_event_delay_ms / 1000.0, policy_params=pp).run(
-            reqs, slo_ttft_ms / 1000.0, slo_itl_ms / 1000.0, label=n)
+            reqs, slo_ttft, slo_itl, label=n)
         res.summary["sim_wall_s"] = time.perf_counter() - t
         results.append(res)
     summaries = [r.summary for r in results]
-    typer.echo(format_table(summaries, f"{dep.name} | {spec.name} | {workload} ×{speedup} | {len(reqs)} requests"))
+    typer.echo(format_table(summaries, f"{dep.name} | {spec.name} | {workload} ×{speedup} | {len(reqs)} requests | "
+                                       f"SLO TTFT {slo_ttft * 1e3:g} ms, ITL {slo_itl * 1e3:g} ms ({slo_src})"))
     typer.echo(format_instances(summaries))
     if out:
         from dlmix.sim.plots import plot_results

@@ -3,7 +3,7 @@
 Deployment YAML (a file, or a built-in name: ``dlmix/data/sim_deploy_<name>.yaml``)::
 
     name: hetero-pd                 # free text
-    block_size: 64                  # engine KV block size, tokens (must divide the trace block, 512)
+    block_size: 64                  # engine KV block size, tokens (prefix hits count whole blocks of it)
     max_num_batched_tokens: 8192    # chunked-prefill token budget per iteration (vLLM V1)
     max_num_seqs: 256               # running sequences per instance
     gpu_memory_utilization: 0.9     # fraction of chip memory for weights + KV cache
@@ -16,6 +16,8 @@ Deployment YAML (a file, or a built-in name: ``dlmix/data/sim_deploy_<name>.yaml
       # optional per group: timing: <calibration profile name or JSON path> (replaces the roofline),
       # num_gpu_blocks: <int> (KV capacity override), router_chip: <chip the router believes it is>,
       # block_size / max_num_batched_tokens / max_num_seqs / t_step overrides.
+    slo: {ttft_ms: 2000, itl_ms: 50, pct: 90}   # optional: the SLO the deployment was planned for (``dlmix plan``
+                                    # writes it); ``dlmix sim`` judges goodput against it unless --slo-* are given
 
 Roles: ``both`` (aggregated), ``prefill`` (kv_producer), ``decode`` (kv_consumer). KV capacity per instance, when
 not given: the cost model's :func:`dlmix.hw.cost.kv_capacity_bytes` (``mem_gb·1e9·num_chips·gpu_memory_utilization −
@@ -24,7 +26,9 @@ params·dtype_bytes``) in whole blocks of ``block_size · kv_bytes_per_token`` b
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import reduce
 from importlib import resources
+from math import gcd
 from pathlib import Path
 from typing import List, Optional, Union
 
@@ -81,12 +85,25 @@ class InstanceSpec:
 
 @dataclass
 class Deployment:
-    """A cluster: instances plus defaults. ``gpu_memory_utilization`` sizes KV capacity."""
+    """A cluster: instances plus defaults. ``gpu_memory_utilization`` sizes KV capacity.
+
+    ``slo_ttft`` / ``slo_itl`` (seconds) and ``slo_pct`` (percent of requests): the file's optional ``slo`` mapping,
+    the SLO the deployment was planned for (None when the file has none)."""
 
     name: str
     instances: List[InstanceSpec]
     gpu_memory_utilization: float = 0.9
     catalog: Catalog = field(default_factory=load_catalog, repr=False)
+    slo_ttft: Optional[float] = None
+    slo_itl: Optional[float] = None
+    slo_pct: Optional[float] = None
+
+    def hash_block(self) -> int:
+        """Tokens per hash id of a workload the simulator generates (the synthetic shared prefix): the greatest
+        common divisor of the instances' ``block_size`` (their block size when all agree). Every instance's block
+        is then a whole number of hash blocks, so each instance hits exactly the whole blocks of its own
+        ``block_size`` that a prefix shares (as vLLM counts prefix-cache hits)."""
+        return reduce(gcd, (i.block_size for i in self.instances))
 
     @property
     def disaggregated(self) -> bool:
@@ -163,7 +180,34 @@ def deployment_from_dict(d: dict, origin: str = "<dict>", catalog: Optional[Cata
         gmu = float(d.get("gpu_memory_utilization", 0.9))
     except (TypeError, ValueError):
         raise ConfigError(f"{origin}: gpu_memory_utilization must be a number") from None
-    return Deployment(str(d.get("name", origin)), out, gmu, cat)
+    ttft, itl, pct = _parse_slo(d.get("slo"), origin)
+    return Deployment(str(d.get("name", origin)), out, gmu, cat, ttft, itl, pct)
+
+
+def _parse_slo(slo, origin: str):
+    """``(ttft_s, itl_s, pct)`` from a deployment's optional ``slo: {ttft_ms, itl_ms, pct}`` (missing keys: None).
+    Raises ConfigError for a non-mapping, unknown keys, non-numbers, targets <= 0 or pct outside (0, 100]."""
+    if slo is None:
+        return None, None, None
+    if not isinstance(slo, dict):
+        raise ConfigError(f"{origin}: slo must be a mapping {{ttft_ms, itl_ms, pct}}")
+    bad = set(slo) - {"ttft_ms", "itl_ms", "pct"}
+    if bad:
+        raise ConfigError(f"{origin}: slo has unknown keys {sorted(bad)} (ttft_ms, itl_ms, pct)")
+    vals = {}
+    for k in ("ttft_ms", "itl_ms", "pct"):
+        if slo.get(k) is None:
+            vals[k] = None
+            continue
+        try:
+            v = float(slo[k])
+        except (TypeError, ValueError):
+            raise ConfigError(f"{origin}: slo.{k} must be a number, got {slo[k]!r}") from None
+        if not v > 0 or (k == "pct" and v > 100):
+            raise ConfigError(f"{origin}: slo.{k} must be > 0{' and <= 100' if k == 'pct' else ''}, got {v:g}")
+        vals[k] = v
+    ms = lambda v: None if v is None else v / 1000.0  # noqa: E731
+    return ms(vals["ttft_ms"]), ms(vals["itl_ms"]), vals["pct"]
 
 
 def load_deployment(name_or_path: Union[str, dict], catalog: Optional[Catalog] = None) -> Deployment:

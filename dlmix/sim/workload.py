@@ -2,10 +2,14 @@
 :class:`SimRequest` (hash ids). The trace format, its reader, the hash-level shared-prefix generator and ideal reuse
 live in :mod:`dlmix.workloads` (shared with the benchmark client).
 
-Engine block hashes: a trace block of 512 tokens with id ``h`` is split into ``512 / bs`` engine blocks; engine block
-``j`` of it gets the 64-bit key ``mix(h, j)``. Only full engine blocks of the prompt are hashed (vLLM hashes full
-blocks only), so a prompt of N tokens has ``N // bs`` keys. Because an equal trace id already implies an equal prefix,
-the derived keys have the same "equal key ⇒ equal prefix" property as vLLM's chained hashes.
+Engine block hashes: a trace block of ``tb`` tokens (512 in Mooncake traces; the synthetic generator uses the
+deployment's block size, :meth:`dlmix.sim.config.Deployment.hash_block`) with id ``h`` is split into ``tb / bs``
+engine blocks when ``bs`` divides ``tb``; engine block ``j`` of it gets the 64-bit key ``mix(h, j)``. A ``bs`` that
+does not divide ``tb`` (e.g. a 64-token instance with 16-token synthetic ids) keys each engine block by the trace id
+holding its last token and the offset into it (:meth:`SimRequest.block_keys`). Only full engine blocks of the prompt
+are hashed (vLLM hashes full blocks only), so a prompt of N tokens has ``N // bs`` keys and a prefix hit counts whole
+blocks of the instance's own ``block_size``. Because an equal trace id already implies an equal prefix, the derived
+keys have the same "equal key ⇒ equal prefix" property as vLLM's chained hashes.
 
 Pseudo-text: simulated requests have no text, but DLRouter's ``prefix_cache`` policy keys on the first 100 characters
 of the prompt. :meth:`SimRequest.text` derives a deterministic string from ``hash_ids``: 64 characters per trace
@@ -47,7 +51,8 @@ class SimRequest:
         arrival: arrival time, seconds from the start (after time scaling).
         input_len: prompt tokens. output_len: output tokens to generate (>= 1).
         hash_ids: one id per ``trace_block`` prompt tokens (Mooncake format).
-        trace_block: tokens per hash id (512 for Mooncake traces).
+        trace_block: tokens per hash id (512 for Mooncake traces; the deployment's block size for the synthetic
+            workload of ``dlmix sim``).
     """
 
     rid: int
@@ -61,20 +66,41 @@ class SimRequest:
     def block_keys(self, bs: int) -> List[int]:
         """64-bit keys of the prompt's full engine blocks of ``bs`` tokens (``input_len // bs`` keys; cached).
 
-        Raises ValueError if ``bs`` does not divide the trace block size."""
+        ``bs`` divides the trace block (``trace_block = k·bs``): engine block ``j`` of trace block ``h`` gets
+        ``mix(h, j)``. Any other ``bs`` (a multiple of the trace block, or neither): the engine block ending at
+        token ``e`` gets ``mix(h_t, −o)`` where ``h_t`` is the id of the trace block holding token ``e − 1`` and
+        ``o = e − t·trace_block`` (1..trace_block) the tokens of it the block covers. Both rely on chained ids
+        (equal id ⇒ equal prefix up to the end of that trace block), so equal key ⇒ equal prefix; a prefix shared
+        only part-way into a trace block is not seen (the trace's resolution).
+
+        Args:
+            bs: engine KV block size, tokens (>= 1).
+
+        Raises:
+            ValueError: ``bs < 1``.
+        """
         ks = self._keys.get(bs)
         if ks is None:
+            if bs < 1:
+                raise ValueError(f"engine block size must be >= 1 token, got {bs}")
             tb = self.trace_block
-            if tb % bs:
-                raise ValueError(f"engine block size {bs} must divide the trace block size {tb}")
-            per = tb // bs
             n = self.input_len // bs
+            ids = self.hash_ids
             ks = []
-            for h in self.hash_ids:
-                for j in range(per):
-                    if len(ks) >= n:
+            if tb % bs == 0:
+                per = tb // bs
+                for h in ids:
+                    for j in range(per):
+                        if len(ks) >= n:
+                            break
+                        ks.append(_mix(h, j))
+            else:
+                for j in range(n):
+                    end = (j + 1) * bs
+                    t = (end - 1) // tb
+                    if t >= len(ids):
                         break
-                    ks.append(_mix(h, j))
+                    ks.append(_mix(ids[t], -(end - t * tb)))
             self._keys[bs] = ks
         return ks
 
@@ -130,9 +156,16 @@ def shared_prefix(num_groups: int, requests_per_group: int, prefix_len: int, suf
 
     ``num_groups`` system prompts of ``prefix_len`` tokens, each followed by a unique question of ``suffix_len``
     tokens; ``num_groups × requests_per_group`` requests in random order with Poisson arrivals at ``rate`` req/s.
-    Hash ids from :func:`dlmix.workloads.shared_prefix_hash_ids`. Raises WorkloadError for non-positive sizes.
+    Hash ids from :func:`dlmix.workloads.shared_prefix_hash_ids`, one per ``trace_block`` tokens: only the prefix's
+    full trace blocks are shared, so pass the engine block size (``dlmix sim`` passes the deployment's
+    :meth:`~dlmix.sim.config.Deployment.hash_block`); the default 512 (Mooncake's) shares nothing of a prefix
+    shorter than 512 tokens.
+
+    Raises WorkloadError for non-positive sizes, ``rate`` or ``trace_block``.
     """
     check_shared_prefix(num_groups, requests_per_group, prefix_len, suffix_len, output_len)
+    if trace_block < 1:
+        raise WorkloadError(f"trace_block must be >= 1 token, got {trace_block}")
     n_in = prefix_len + suffix_len
     return [SimRequest(i, t, n_in, output_len, ids, trace_block)
             for i, (_, t, ids) in enumerate(shared_prefix_hash_ids(num_groups, requests_per_group, prefix_len,
@@ -140,7 +173,8 @@ def shared_prefix(num_groups: int, requests_per_group: int, prefix_len: int, suf
 
 
 def write_trace(reqs: Sequence[SimRequest], path: str) -> None:
-    """Write requests as a Mooncake-format JSONL (timestamps in ms, rounded)."""
+    """Write requests as a Mooncake-format JSONL (timestamps in ms, rounded). The format does not carry the block
+    size: reading it back (:func:`load_trace`) needs the requests' ``trace_block`` as its ``trace_block``."""
     with open(path, "w", encoding="utf-8") as f:
         for r in reqs:
             f.write(json.dumps({"timestamp": round(r.arrival * 1000), "input_length": r.input_len,
