@@ -160,8 +160,79 @@ def test_cli_rejects_bad_goodput():
     from dlmix.cli import app
 
     res = CliRunner().invoke(app, ["bench", "--goodput", "itl:5"])
-    assert res.exit_code != 0
-    assert "unknown metric" in res.output
+    assert res.exit_code == 2
+    assert _error_line(res.output) == "Invalid value: --goodput: unknown metric 'itl'; choose from ttft, tpot, e2el"
+
+
+def _error_line(output: str) -> str:
+    """The message of click's usage error, as one line (the rich error box unwrapped, or plain ``Error: ...``)."""
+    import re
+
+    text = re.sub(r"\x1b\[[0-9;]*m", "", output)
+    at = text.index("Invalid value")
+    lines = [ln.strip().strip("│").strip() for ln in text[at:].splitlines()]
+    return " ".join(ln for ln in lines if ln and not ln.startswith("╰"))
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--request-rate", "0"], "Invalid value for '--request-rate': must be > 0 or inf, got 0"),
+    (["--request-rate", "-1"], "Invalid value for '--request-rate': must be > 0 or inf, got -1"),
+    (["--request-rate", "2,inf,0"], "Invalid value for '--request-rate': must be > 0 or inf, got 0"),
+    (["--request-rate", "nan"], "Invalid value for '--request-rate': must be > 0 or inf, got nan"),
+    (["--request-rate", ","], "Invalid value for '--request-rate': needs at least one value"),
+    (["--request-rate", "fast"], "Invalid value for '--request-rate': 'fast' is not a number"),
+    (["--burstiness", "0"], "Invalid value for '--burstiness': must be > 0, got 0"),
+    (["--burstiness", "-0.5"], "Invalid value for '--burstiness': must be > 0, got -0.5"),
+    (["--max-concurrency", "-3"], "Invalid value for '--max-concurrency': must be >= 0 (0 = no limit), got -3"),
+    (["--max-concurrency", "4,-1"], "Invalid value for '--max-concurrency': must be >= 0 (0 = no limit), got -1"),
+    (["--max-concurrency", "1.5"], "Invalid value for '--max-concurrency': must be an integer >= 0, got '1.5'"),
+    (["--max-concurrency", "inf"], "Invalid value for '--max-concurrency': must be an integer >= 0, got 'inf'"),
+    (["--workload", "random", "--num-prompts", "0"], "Invalid value for '--num-prompts': must be >= 1, got 0"),
+    (["--workload", "random", "--num-prompts", "-2"], "Invalid value for '--num-prompts': must be >= 1, got -2"),
+    (["--num-prompts", "8"], "Invalid value for '--num-prompts': not used by shared-prefix; see --gsp-*"),
+    (["--metric-percentiles", "50,101"], "Invalid value for '--metric-percentiles': must be in [0, 100], got 101"),
+    (["--timeout", "0"], "Invalid value for '--timeout': must be > 0, got 0"),
+])
+def test_cli_refuses_out_of_range_load_flags_before_any_request(args, message):
+    from dlmix.cli import app
+
+    eng = MockEngine(model="m")
+    url, stop = _serve_in_thread(eng)
+    try:
+        res = CliRunner().invoke(app, ["bench", "--url", url, *args])
+    finally:
+        stop()
+    assert res.exit_code == 2, res.output
+    assert isinstance(res.exception, SystemExit) and "Traceback" not in res.output
+    assert _error_line(res.output) == message
+    assert eng.requests == 0
+
+
+def test_cli_random_default_is_32_prompts_and_concurrency_0_means_no_limit(tmp_path):
+    """--help says random sends 32 prompts without --num-prompts (vLLM's flag, always >= 1); --max-concurrency 0 is
+    no limit, as in vllm bench serve (no semaphore for a falsy value), recorded as null."""
+    import re
+
+    from dlmix.bench.cli import DEFAULT_RANDOM_PROMPTS
+    from dlmix.cli import app
+
+    out = CliRunner().invoke(app, ["bench", "--help"], env={"COLUMNS": "240"}).output
+    help_text = " ".join(re.sub(r"\x1b\[[0-9;]*m", "", out).replace("│", " ").split())
+    assert "random: default 32;" in help_text and DEFAULT_RANDOM_PROMPTS == 32
+    eng = MockEngine(model="m", ttft=0.0005, itl=0.0005)
+    url, stop = _serve_in_thread(eng)
+    try:
+        res = CliRunner().invoke(app, [
+            "bench", "--url", url, "--workload", "random", "--random-input-len", "4", "--random-output-len", "1",
+            "--max-concurrency", "0,2", "--output-dir", str(tmp_path)])
+    finally:
+        stop()
+    assert res.exit_code == 0, res.output
+    data = json.loads((tmp_path / "run" / "results.json").read_text())
+    assert [lv["level"]["max_concurrency"] for lv in data["levels"]] == [None, 2]
+    assert [lv["level"]["label"] for lv in data["levels"]] == ["rate=inf", "conc=2"]
+    assert [lv["metrics"]["completed"] for lv in data["levels"]] == [32, 32]
+    assert eng.requests == 64
 
 
 def test_cli_takes_urls_from_a_deployment_file(tmp_path):

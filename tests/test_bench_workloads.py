@@ -91,6 +91,13 @@ def test_poisson_arrivals_seeded_and_mean_rate():
         arrival_times(3, 0.0)
 
 
+def test_infinite_burstiness_is_constant_gaps_and_bad_values_are_refused():
+    assert arrival_times(4, 2.0, burstiness=float("inf")) == [0.5, 1.0, 1.5, 2.0]  # vLLM's limit: gaps 1/rate
+    for rate, burst in ((0.0, 1.0), (-1.0, 1.0), (1.0, 0.0), (1.0, -2.0), (float("nan"), 1.0), (1.0, float("nan"))):
+        with pytest.raises(WorkloadError, match="request rate and burstiness must be > 0"):
+            arrival_times(3, rate, burst)
+
+
 def test_builtin_mooncake_conversation_trace_shares_prefixes():
     import gzip
 

@@ -12,19 +12,78 @@ import typer
 
 from dlmix.bench.workloads import WorkloadError
 
-__all__ = ["bench"]
+__all__ = ["bench", "DEFAULT_RANDOM_PROMPTS"]
+
+#: prompts of ``--workload random`` without ``--num-prompts``
+DEFAULT_RANDOM_PROMPTS = 32
 
 
-def _floats(text: str, name: str) -> list[float]:
+def _numbers(text: str) -> list[tuple[str, float]]:
+    """``(token, value)`` of a comma list of numbers (``inf`` allowed). Raises typer.BadParameter."""
     out = []
     for t in text.replace(" ", "").split(","):
         if not t:
             continue
         try:
-            out.append(math.inf if t.lower() in ("inf", "infinity") else float(t))
+            out.append((t, math.inf if t.lower() in ("inf", "infinity") else float(t)))
         except ValueError:
-            raise typer.BadParameter(f"{name}: {t!r} is not a number") from None
+            raise typer.BadParameter(f"{t!r} is not a number") from None
     return out
+
+
+# Parse-time checks (click callbacks: a bad value is "Invalid value for '--flag': ...", exit 2, before any request).
+# Ranges as in ``vllm bench serve`` (vllm/benchmarks/serve.py): rate > 0 (inf = all at once), burstiness > 0,
+# max concurrency None = no limit and 0 also none (vLLM creates no semaphore for a falsy value), prompts >= 1.
+
+def _request_rates(value: str) -> list[Optional[float]]:
+    if value.strip().lower() == "trace":
+        return [None]
+    rates = _numbers(value)
+    if not rates:
+        raise typer.BadParameter("needs at least one value")
+    for tok, v in rates:
+        if not v > 0:
+            raise typer.BadParameter(f"must be > 0 or inf, got {tok}")
+    return [v for _, v in rates]
+
+
+def _max_concurrencies(value: Optional[str]) -> list[Optional[int]]:
+    if value is None:
+        return [None]
+    out: list[Optional[int]] = []
+    for tok in value.replace(" ", "").split(","):
+        if not tok:
+            continue
+        try:
+            n = int(tok)
+        except ValueError:
+            raise typer.BadParameter(f"must be an integer >= 0, got {tok!r}") from None
+        if n < 0:
+            raise typer.BadParameter(f"must be >= 0 (0 = no limit), got {n}")
+        out.append(n or None)
+    if not out:
+        raise typer.BadParameter("needs at least one value")
+    return out
+
+
+def _positive(value: float) -> float:
+    if not value > 0:
+        raise typer.BadParameter(f"must be > 0, got {value:g}")
+    return value
+
+
+def _percentiles(value: str) -> list[float]:
+    out = _numbers(value)
+    for tok, v in out:
+        if not 0 <= v <= 100:
+            raise typer.BadParameter(f"must be in [0, 100], got {tok}")
+    return [v for _, v in out]
+
+
+def _num_prompts(value: Optional[int]) -> Optional[int]:
+    if value is not None and value < 1:
+        raise typer.BadParameter(f"must be >= 1, got {value}")
+    return value
 
 
 def bench(
@@ -36,7 +95,10 @@ def bench(
     endpoint: str = typer.Option("/v1/completions", "--endpoint"),
     workload: str = typer.Option("shared-prefix", "--workload", "--dataset-name",
                                  help="shared-prefix | random | mooncake"),
-    num_prompts: int = typer.Option(0, "--num-prompts", help="random: prompts; mooncake: cap (0 = all)"),
+    num_prompts: Optional[int] = typer.Option(
+        None, "--num-prompts", callback=_num_prompts, show_default=False,
+        help="prompts, >= 1. random: default 32; mooncake: the trace's first N (default: all); shared-prefix: "
+             "not used (--gsp-*)"),
     random_input_len: int = typer.Option(128, "--random-input-len"),
     random_output_len: int = typer.Option(16, "--random-output-len"),
     gsp_num_groups: int = typer.Option(4, "--gsp-num-groups"),
@@ -48,23 +110,31 @@ def bench(
                                        help="Mooncake trace (JSON lines, .gz ok) or mooncake-conversation (built in)"),
     trace_block_tokens: int = typer.Option(512, "--trace-block-tokens",
                                            help="tokens per hash id (512 = as recorded; smaller scales down)"),
-    trace_time_scale: float = typer.Option(1.0, "--trace-time-scale", help="multiply trace timestamps"),
-    max_input_len: int = typer.Option(0, "--max-input-len", help="cut prompts to this many tokens (0 = no cut)"),
-    max_output_len: int = typer.Option(0, "--max-output-len"),
-    request_rate: str = typer.Option("inf", "--request-rate",
-                                     help="req/s; comma list for a sweep (inf = all at once; 'trace' = timestamps)"),
-    max_concurrency: str = typer.Option("", "--max-concurrency", help="cap in-flight requests; comma list sweeps"),
-    burstiness: float = typer.Option(1.0, "--burstiness", help="Gamma shape of arrivals (1 = Poisson)"),
-    seed: int = typer.Option(0, "--seed"),
+    trace_time_scale: float = typer.Option(1.0, "--trace-time-scale", min=0.0, help="multiply trace timestamps"),
+    max_input_len: int = typer.Option(0, "--max-input-len", min=0,
+                                      help="cut prompts to this many tokens (0 = no cut)"),
+    max_output_len: int = typer.Option(0, "--max-output-len", min=0,
+                                       help="cut outputs to this many tokens (0 = no cut)"),
+    request_rate: str = typer.Option("inf", "--request-rate", callback=_request_rates,
+                                     help="req/s > 0; comma list for a sweep (inf = all at once; 'trace' = "
+                                          "timestamps)"),
+    max_concurrency: Optional[str] = typer.Option(None, "--max-concurrency", callback=_max_concurrencies,
+                                                  show_default=False,
+                                                  help="cap in-flight requests, integer >= 1 (default and 0: no "
+                                                       "limit, as vllm bench serve); comma list sweeps"),
+    burstiness: float = typer.Option(1.0, "--burstiness", callback=_positive,
+                                     help="Gamma shape of arrivals, > 0 (1 = Poisson; inf = constant gaps)"),
+    seed: int = typer.Option(0, "--seed", min=0),
     goodput: List[str] = typer.Option([], "--goodput", help="SLOs in ms, e.g. --goodput ttft:500 --goodput tpot:50"),
-    metric_percentiles: str = typer.Option("50,90,99", "--metric-percentiles"),
+    metric_percentiles: str = typer.Option("50,90,99", "--metric-percentiles", callback=_percentiles,
+                                           help="reported percentiles, each in [0, 100]"),
     engine_url: List[str] = typer.Option([], "--engine-url", help="engine roots to scrape for prefix-cache counters"),
     output_dir: Path = typer.Option(Path("bench-results"), "--output-dir"),
     label: str = typer.Option("run", "--label", help="run name (sub-folder; plots compare all labels in the dir)"),
     token_range: str = typer.Option("10:256", "--token-range", help="prompt token ids drawn from [LO, HI)"),
     api_key: Optional[str] = typer.Option(None, "--api-key", envvar="DLMIX_API_KEY"),
     ignore_eos: bool = typer.Option(True, "--ignore-eos/--no-ignore-eos"),
-    timeout: float = typer.Option(600.0, "--timeout", help="per-request timeout, seconds"),
+    timeout: float = typer.Option(600.0, "--timeout", callback=_positive, help="per-request timeout, seconds"),
 ) -> None:
     """Load-test an OpenAI endpoint: request-rate or concurrency sweeps; TTFT/TPOT/ITL/E2EL, throughput, goodput
     and prefix-hit rate as a table, results.json and PNG plots (metric definitions of `vllm bench serve`)."""
@@ -77,7 +147,7 @@ def bench(
     console = Console()
     try:
         slo = parse_goodput(goodput)
-        pcts = _floats(metric_percentiles, "--metric-percentiles")
+        pcts: list = metric_percentiles  # parsed and checked by its callback
         lo, hi = (int(x) for x in token_range.split(":"))
     except (ValueError, TypeError) as e:
         raise typer.BadParameter(str(e)) from None
@@ -98,11 +168,8 @@ def bench(
     if engines == [base_url]:
         engines = []
 
-    if request_rate.strip().lower() == "trace":
-        rates: list = [None]
-    else:
-        rates = _floats(request_rate, "--request-rate")
-    concs = [int(c) for c in _floats(max_concurrency, "--max-concurrency")] if max_concurrency else [None]
+    rates: list = request_rate  # parsed and checked by the callbacks
+    concs: list = max_concurrency
     if len(rates) > 1 and len(concs) > 1:
         raise typer.BadParameter("sweep either --request-rate or --max-concurrency, not both")
     levels = ([Level(r, concs[0]) for r in rates] if len(rates) >= len(concs)
@@ -111,17 +178,21 @@ def bench(
     block_for_reuse = 16
     try:
         if workload == "shared-prefix":
+            if num_prompts is not None:
+                raise typer.BadParameter("not used by shared-prefix; see --gsp-*", param_hint="'--num-prompts'")
+
             def make(s: int):
                 return workloads.shared_prefix(gsp_num_groups, gsp_prompts_per_group, gsp_system_prompt_len,
                                                gsp_question_len, gsp_output_len, seed=s, token_lo=lo, token_hi=hi)
         elif workload == "random":
             def make(s: int):
-                return workloads.random_prompts(num_prompts or 32, random_input_len, random_output_len, seed=s,
+                return workloads.random_prompts(num_prompts or DEFAULT_RANDOM_PROMPTS, random_input_len,
+                                                random_output_len, seed=s,
                                                 token_lo=lo, token_hi=hi)
         elif workload == "mooncake":
             if trace is None:
                 raise typer.BadParameter("--workload mooncake needs --trace FILE")
-            reqs = workloads.load_mooncake_trace(trace, trace_block_tokens, seed, num_prompts or None,
+            reqs = workloads.load_mooncake_trace(trace, trace_block_tokens, seed, num_prompts,
                                                  trace_time_scale, max_input_len or None, max_output_len or None,
                                                  lo, hi)
 

@@ -182,16 +182,19 @@ def arrival_times(n: int, request_rate: float, burstiness: float = 1.0, seed: in
     """Send times (seconds from start) of ``n`` requests.
 
     ``request_rate`` in requests/second; ``inf`` -> all 0. Gaps are Gamma(shape=burstiness,
-    scale=1/(request_rate*burstiness)) (mean ``1/request_rate``); ``burstiness=1`` is Poisson. The first request
-    is sent after the first gap, as in vLLM. Deterministic for a given seed.
+    scale=1/(request_rate*burstiness)) (mean ``1/request_rate``); ``burstiness=1`` is Poisson, ``burstiness=inf``
+    constant gaps of ``1/request_rate`` (the limit, as in vLLM). The first request is sent after the first gap, as
+    in vLLM. Deterministic for a given seed.
 
     Raises:
         WorkloadError: non-positive rate or burstiness.
     """
-    if request_rate <= 0 or burstiness <= 0:
+    if not (request_rate > 0 and burstiness > 0):  # also refuses NaN
         raise WorkloadError(f"request rate and burstiness must be > 0 (got {request_rate}, {burstiness})")
     if math.isinf(request_rate):
         return [0.0] * n
+    if math.isinf(burstiness):
+        return [(i + 1) / request_rate for i in range(n)]
     rng = np.random.default_rng(seed)
     gaps = rng.gamma(shape=burstiness, scale=1.0 / (request_rate * burstiness), size=n)
     return np.cumsum(gaps).tolist()
