@@ -386,7 +386,8 @@ def test_other_weights_refused_by_default_and_change_output_when_relaxed(servers
             _pd_router(m, px.url, dec.url, routers)
         status, out = T.post_json(routers[0].url + "/v1/completions", {
             "model": m, "prompt": "The capital of France is", "max_tokens": MAX_TOKENS, "temperature": 0})
-        assert status == 502 and "weights fingerprint" in out["error"] and "409" in out["error"], (status, out)
+        msg = out["error"]["message"]
+        assert status == 502 and "weights fingerprint" in msg and "409" in msg, (status, out)
         # prompts whose next tokens SmolLM2 is sure of (random words give near-ties that hide a change)
         prompts = ["The capital of France is", "Water boils at a temperature of 100 degrees",
                    "The first president of the United States was", "Monday, Tuesday, Wednesday, Thursday,",

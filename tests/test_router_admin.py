@@ -30,6 +30,7 @@ class FakeConn:
 
     def send(self, status, body, content_type=b"application/json", keep_alive=True, extra=b""):
         self.sent.append((status, body))
+        self.extra = extra
 
 
 def call(router: Router, method: str, path: str, body=None, headers=(), raw: bytes = None):
@@ -67,8 +68,68 @@ def test_bad_registration_fields_are_400_with_the_field_named(patch, reason):
     r = _router()
     status, out = call(r, "POST", "/admin/instances", dict(GOOD, **patch))
     assert status == 400, out
-    assert reason in out["error"], out
+    assert reason in out["error"]["message"], out
     assert r.instances == [] and r.rt == {}
+
+
+def _err(status, message, type_="invalid_request_error", **extra):
+    """The OpenAI error object every router error answer carries."""
+    return {"error": {"message": message, "type": type_, "param": None, "code": status, **extra}}
+
+
+def test_every_404_405_401_answer_is_the_openai_error_object():
+    r = _router(api_keys=["k1"], admin_key="adm")
+    key, adm = [("authorization", "Bearer k1")], [("authorization", "Bearer adm")]
+    bad_key = _err(401, "invalid or missing API key (Authorization: Bearer KEY)", "authentication_error")
+    # client API
+    assert call(r, "GET", "/nowhere", headers=key) == (
+        404, _err(404, "not found: GET /nowhere is not an endpoint of this router"))
+    assert call(r, "GET", "/v1/completions", headers=key) == (
+        405, _err(405, "method not allowed: GET /v1/completions; use POST"))
+    assert call(r, "DELETE", "/health") == (405, _err(405, "method not allowed: DELETE /health; use GET"))
+    assert call(r, "POST", "/v1/completions", {"model": "m", "prompt": "x"}) == (401, bad_key)
+    assert call(r, "POST", "/v1/chat/completions", {"model": "m", "messages": []},
+                headers=[("authorization", "Bearer nope")]) == (401, bad_key)
+    assert call(r, "GET", "/v1/models") == (401, bad_key)
+    assert call(r, "GET", "/metrics") == (401, bad_key)
+    assert call(_router(metrics=False), "GET", "/metrics") == (
+        404, _err(404, "metrics disabled (router option metrics: false)"))
+    # admin API and the instance-facing hand-off
+    need_admin = _err(401, "admin key required (Authorization: Bearer ADMIN_KEY)", "authentication_error")
+    assert call(r, "GET", "/admin/instances") == (401, need_admin)
+    assert call(r, "GET", "/admin/instances", headers=key) == (401, need_admin)
+    assert call(r, "POST", "/dlmix/handoff", {"room": 1}) == (401, need_admin)
+    assert call(r, "GET", "/admin/nothing", headers=adm) == (
+        404, _err(404, "not found: GET /admin/nothing is not an endpoint of this router"))
+    assert call(r, "GET", "/admin/instances/nobody", headers=adm) == (404, _err(404, "unknown instance 'nobody'"))
+    assert call(r, "PUT", "/admin/instances", headers=adm) == (
+        405, _err(405, "method not allowed: PUT /admin/instances; use GET or POST"))
+    assert call(r, "POST", "/admin/instances", raw=b"{nope", headers=adm)[1]["error"]["message"].startswith(
+        "request body is not valid JSON: ")
+    # a refused registration keeps its reasons, inside the error object
+    status, out = call(r, "POST", "/admin/instances", dict(GOOD, num_chips=0), headers=adm)
+    assert status == 400 and out == _err(400, "invalid registration: Expected `int` >= 1 - at `$.num_chips`",
+                                         reasons=[])
+
+
+def test_admin_401_without_an_admin_key_says_loopback_only():
+    r = _router()  # no admin_key: loopback peers only
+    conn = FakeConn()
+    conn.peer = ("10.0.0.5", 40000)
+    asyncio.run(r.handle(conn, proxy.Request(b"GET", b"/admin/instances", [], b"", True)))
+    assert conn.sent[-1][0] == 401 and json.loads(conn.sent[-1][1]) == _err(
+        401, "admin API open to loopback peers only (the router has no admin_key)", "authentication_error")
+
+
+def test_405_names_the_allowed_methods_in_an_allow_header():
+    r = _router()
+    req = proxy.Request(b"PUT", b"/admin/instances", [], b"", True)
+    conn = FakeConn()
+    asyncio.run(r.handle(conn, req))
+    assert conn.sent[-1][0] == 405 and conn.extra == b"allow: GET, POST\r\n"
+    req = proxy.Request(b"GET", b"/v1/chat/completions", [], b"", True)
+    asyncio.run(r.handle(conn, req))
+    assert conn.sent[-1][0] == 405 and conn.extra == b"allow: POST\r\n"
 
 
 def test_num_chips_zero_no_longer_breaks_routing():
@@ -99,7 +160,7 @@ def test_heartbeat_bodies_validated():
     call(r, "POST", "/admin/instances", GOOD)
     for bad in ({"waiting": -1}, {"waiting": "3"}, {"kv_usage": 2.0}, {"running": 1.5}, {"nonsense": 1}, [1], "x"):
         status, out = call(r, "POST", "/admin/instances/p0/heartbeat", bad)
-        assert status == 400 and "heartbeat" in out["error"], (bad, out)
+        assert status == 400 and "heartbeat" in out["error"]["message"], (bad, out)
     assert call(r, "POST", "/admin/instances/p0/heartbeat", {"waiting": 3, "kv_usage": 0})[0] == 200
     ld = r.instances[0].load
     assert (ld.waiting, ld.running, ld.kv_usage) == (3, 0, 0.0)
@@ -163,7 +224,7 @@ def test_registering_the_router_itself_is_refused(host):
         forms += [f"http://{socket.gethostname()}:18999", "http://0.0.0.0:18999"]
     for url in forms:
         status, out = call(r, "POST", "/admin/instances", {"url": url})
-        assert status == 400 and "own listening address" in out["error"], (url, out)
+        assert status == 400 and "own listening address" in out["error"]["message"], (url, out)
     assert r.instances == []
     assert call(r, "POST", "/admin/instances", {"url": "http://127.0.0.1:18998"})[0] == 201  # another port is fine
 
@@ -175,7 +236,7 @@ def test_self_registration_refused_on_a_started_router_with_port_0():
         lt.run(r.start())
         port = r.cfg.port
         res = httpx.post(f"http://127.0.0.1:{port}/admin/instances", json={"url": f"http://localhost:{port}"})
-        assert res.status_code == 400 and "own listening address" in res.json()["error"]
+        assert res.status_code == 400 and "own listening address" in res.json()["error"]["message"]
         assert r.instances == []
         lt.run(r.stop())
     finally:
@@ -406,7 +467,7 @@ def test_routers_registered_in_each_other_loop_once_then_leave_rotation():
         body = {"model": "m", "prompt": "hello", "max_tokens": 1}
         for _ in range(2):
             res = httpx.post(ua + "/v1/completions", json=body, timeout=20)
-            assert res.status_code == 508 and "routing loop" in res.json()["error"], res.text
+            assert res.status_code == 508 and "routing loop" in res.json()["error"]["message"], res.text
         assert httpx.post(ua + "/v1/completions", json=body, headers={"x-dlmix-via": a.router_id}).status_code == 508
         lt.run(a.registry.check(a.rt["B"]))
         lt.run(b.registry.check(b.rt["A"]))

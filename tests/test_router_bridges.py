@@ -324,10 +324,10 @@ def test_router_answers_an_sglang_decode_for_its_rooms():
             p, tok = decode_room_handoff(r.content)
             assert tok == 271 and p == decode_params(_vllm_params())
             r = c.post("/dlmix/handoff", json={"room": room + 1})
-            assert r.status_code == 404 and "unknown" in r.json()["error"]
+            assert r.status_code == 404 and "unknown" in r.json()["error"]["message"]
             for bad in (b"{", b'{"room": -1}', b'{"room": 1, "extra": 2}'):
                 r = c.post("/dlmix/handoff", content=bad)
-                assert r.status_code == 400 and "invalid hand-off request" in r.json()["error"]
+                assert r.status_code == 400 and "invalid hand-off request" in r.json()["error"]["message"]
             assert c.post("/v1/completions", json={"model": "m", "prompt": "x"}).status_code == 401
     finally:
         rt.close()

@@ -1,9 +1,25 @@
 """Router configuration: YAML + flags (every key also a flag), clear errors."""
 from __future__ import annotations
 
-import pytest
+import dataclasses
+import re
 
-from dlmix.router.config import ConfigError, RouterConfig, parse_kv_list
+import pytest
+from typer.testing import CliRunner
+
+from dlmix.router.config import FLAG_ALIASES, KEY_HELP, ConfigError, RouterConfig, parse_kv_list
+
+ALIASES = {"--instance": "instances", "--policy-param": "policy_params", "--chip": "chips", "--api-key": "api_keys",
+           "--etcd": "etcd_endpoints"}
+
+
+def _schema_flags() -> list:
+    """Every config key as a flag, each followed by its aliases (the order --help uses)."""
+    out = []
+    for f in dataclasses.fields(RouterConfig):
+        out.append("--" + f.name.replace("_", "-"))
+        out += [a for a, k in ALIASES.items() if k == f.name]
+    return out
 
 
 def test_yaml_then_flags(tmp_path):
@@ -32,3 +48,61 @@ def test_errors(tmp_path):
         RouterConfig.from_yaml(f)
     with pytest.raises(ConfigError, match="key=value"):
         parse_kv_list("url=http://a:1,oops")
+
+
+def test_every_key_has_a_one_line_description_and_the_aliases_are_the_documented_ones():
+    assert list(KEY_HELP) == [f.name for f in dataclasses.fields(RouterConfig)]
+    assert all(v and "\n" not in v for v in KEY_HELP.values())
+    assert {"--" + a.replace("_", "-"): k for a, k in FLAG_ALIASES.items()} == ALIASES
+    assert RouterConfig.flag_names() == _schema_flags()
+
+
+def _help() -> str:
+    from dlmix.cli import app
+
+    res = CliRunner().invoke(app, ["router", "--help"])
+    assert res.exit_code == 0, res.output
+    return re.sub(r"\x1b\[[0-9;]*m", "", res.output)
+
+
+def test_router_help_lists_every_flag_of_the_schema_with_aliases_descriptions_and_defaults():
+    text = _help()
+    panel = text.split("Config flags (each a router.yaml key; a flag wins over the file)", 1)[1]
+    rows = re.findall(r"^│\s+(--[a-z-]+(?:, --[a-z-]+)*)\s+(\S+)", panel, re.M)
+    listed = [n for names, _ in rows for n in names.split(", ")]
+    assert listed == _schema_flags()
+    assert len(listed) == len(dataclasses.fields(RouterConfig)) + 5
+    assert "--config" in text.split("Config flags")[0]  # click's own option, in its own panel
+    metavars = {names.split(", ")[0]: mv for names, mv in rows}
+    assert metavars["--port"] == "INTEGER" and metavars["--max-body-mb"] == "FLOAT"
+    assert metavars["--allow-open"] == "[BOOL]" and metavars["--instances"] == "K=V,..."
+    flat = " ".join(ln.strip("│ ") for ln in panel.splitlines())
+    flat = re.sub(r"\s+", " ", flat)
+    assert "port to listen on [default: 8000]" in flat
+    assert "--etcd-endpoints, --etcd TEXT etcd endpoint of the fleet's shared state" in flat
+    assert "[default: /dlmix/default]" in flat and "[default: false]" in flat
+
+
+def test_every_listed_flag_and_alias_is_accepted():
+    cfg = RouterConfig().apply_flags(["--instance", "url=http://a:1", "--instances", "http://b:2",
+                                      "--policy-param", "x=1", "--policy-params", "y=2", "--chip", "c.yaml",
+                                      "--api-key", "k1", "--api-keys", "k2", "--etcd", "http://127.0.0.1:2379",
+                                      "--allow-open", "--etcd-allow-open", "false", "--max-body-mb=2"])
+    assert [i["url"] for i in cfg.instances] == ["http://a:1", "http://b:2"]
+    assert cfg.policy_params == {"x": 1, "y": 2} and cfg.chips == ["c.yaml"] and cfg.api_keys == ["k1", "k2"]
+    assert cfg.etcd_endpoints == ["http://127.0.0.1:2379"] and cfg.allow_open is True
+    assert cfg.etcd_allow_open is False and cfg.max_body_mb == 2.0
+
+
+def test_unknown_flag_exits_2_listing_every_flag_and_alias():
+    from dlmix.cli import app
+
+    res = CliRunner().invoke(app, ["router", "--bogus-flag", "1"])
+    assert res.exit_code == 2
+    assert res.stderr == ("error: unknown flag --bogus-flag; known: " + ", ".join(_schema_flags())
+                          + " (dlmix router --help describes them)\n")
+    res = CliRunner().invoke(app, ["router", "--policy-parm", "x=1"])
+    assert res.exit_code == 2
+    assert res.stderr.startswith("error: unknown flag --policy-parm (did you mean --policy-param?); known: --host, ")
+    res = CliRunner().invoke(app, ["router", "--port"])
+    assert res.exit_code == 2 and res.stderr == "error: flag --port needs a value\n"

@@ -291,7 +291,7 @@ def test_backend_garbage_is_502_not_forwarded(lt, garbage, stream):
     try:
         with httpx.Client(timeout=LIVE) as h:
             r = h.post(st.base + "/v1/completions", json=dict(BODY, stream=stream))
-        assert r.status_code == 502 and "bad HTTP from backend" in r.json()["error"]
+        assert r.status_code == 502 and "bad HTTP from backend" in r.json()["error"]["message"]
         assert b"garbage" not in r.content and b"broken" not in r.content
     finally:
         st.close()
@@ -354,7 +354,7 @@ def test_backend_that_hangs_gets_504(lt, fast_path):
             assert h.post(st.base + "/v1/completions", json=BODY).status_code == 200
             # the second request reuses the pooled connection (on the callback path when fast_path is on)
             r = h.post(st.base + "/v1/completions", json=BODY)
-            assert r.status_code == 504 and "sent nothing" in r.json()["error"]
+            assert r.status_code == 504 and "sent nothing" in r.json()["error"]["message"]
             r = h.post(st.base + "/v1/completions", json=BODY)  # a new connection: answered, the router serves on
             assert r.status_code == 200
     finally:
@@ -367,7 +367,7 @@ def test_backend_connect_failure_is_502(lt):
     try:
         with httpx.Client(timeout=LIVE) as h:
             r = h.post(st.base + "/v1/completions", json=BODY)
-        assert r.status_code == 502 and "cannot connect" in r.json()["error"]
+        assert r.status_code == 502 and "cannot connect" in r.json()["error"]["message"]
     finally:
         st.close()
 
@@ -401,6 +401,51 @@ def test_malformed_bodies_get_400_naming_the_problem(lt, path, body, needle):
             assert needle in r.json()["error"]["message"]
             assert not e.received  # refused before any engine saw it
             assert h.post(st.base + "/v1/completions", json=BODY).status_code == 200
+    finally:
+        st.close()
+
+
+@pytest.mark.parametrize("policy", ["cost", "round_robin"])  # cost parses every body; round_robin none (fast path)
+@pytest.mark.parametrize("body", [b"", b" \r\n"])
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_an_empty_body_is_400_saying_it_is_empty(lt, policy, body, path):
+    e = MockEngine(name="a")
+    st = Setup(lt, [e], policy=policy)
+    try:
+        with httpx.Client(timeout=LIVE) as h:
+            r = h.post(st.base + path, content=body, headers={"content-type": "application/json"})
+            assert r.status_code == 400, r.text
+            assert r.json() == {"error": {"message": "request body is empty; expected a JSON object",
+                                          "type": "invalid_request_error", "param": None, "code": 400}}
+            assert not e.received  # refused before any engine saw it
+            assert h.post(st.base + "/v1/completions", json=BODY).status_code == 200
+    finally:
+        st.close()
+
+
+def test_router_errors_on_the_wire_are_openai_error_objects(lt):
+    """404, 405 (with an Allow header), 401 and a client-limit refusal (414) over HTTP: one JSON shape."""
+    st = Setup(lt, [MockEngine(name="a")], api_keys=["k1"])
+    key = {"authorization": "Bearer k1"}
+    try:
+        with httpx.Client(timeout=LIVE) as h:
+            r = h.get(st.base + "/v2/nothing?x=1", headers=key)
+            assert r.status_code == 404 and r.headers["content-type"] == "application/json"
+            assert r.json() == {"error": {"message": "not found: GET /v2/nothing is not an endpoint of this router",
+                                          "type": "invalid_request_error", "param": None, "code": 404}}
+            r = h.put(st.base + "/v1/models", headers=key)
+            assert r.status_code == 405 and r.headers["allow"] == "GET"
+            assert r.json() == {"error": {"message": "method not allowed: PUT /v1/models; use GET",
+                                          "type": "invalid_request_error", "param": None, "code": 405}}
+            r = h.post(st.base + "/v1/completions", json=BODY)
+            assert r.status_code == 401
+            assert r.json() == {"error": {"message": "invalid or missing API key (Authorization: Bearer KEY)",
+                                          "type": "authentication_error", "param": None, "code": 401}}
+            r = h.post(st.base + "/v1/completions?" + "a" * 9000, json=BODY, headers=key)
+            assert r.status_code == 414
+            assert r.json() == {"error": {"message": "request URL too long (max_url)",
+                                          "type": "invalid_request_error", "param": None, "code": 414}}
+            assert h.post(st.base + "/v1/completions", json=BODY, headers=key).status_code == 200
     finally:
         st.close()
 

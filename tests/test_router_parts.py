@@ -141,7 +141,8 @@ def test_admin_api_ids_with_slashes_and_method_errors(lt):
         assert httpx.post(f"{base}/admin/instances/{quoted}/heartbeat", json={"waiting": "x"},
                           headers=auth).status_code == 400
         r = httpx.put(base + "/admin/instances", headers=auth)
-        assert r.status_code == 405 and r.json()["allow"] == ["GET", "POST"]
+        assert r.status_code == 405 and r.headers["allow"] == "GET, POST"
+        assert r.json()["error"]["message"] == "method not allowed: PUT /admin/instances; use GET or POST"
         assert httpx.get(base + "/admin/nothing", headers=auth).status_code == 404
         assert httpx.get(base + "/admin/instances/nobody", headers=auth).status_code == 404
         assert httpx.get(base + "/admin/instances").status_code == 401

@@ -428,7 +428,7 @@ def test_cost_early_rejection_answers_503_without_touching_the_engine(lt):
         with httpx.Client(timeout=10) as h:
             r = h.post(c.base + "/v1/completions", json=BODY)
             assert r.status_code == 503
-            assert "early rejection" in r.json()["error"]
+            assert "early rejection" in r.json()["error"]["message"]
         assert e.requests == 0
         assert c.router.rt["rej"].state.load.inflight == 0
     finally:

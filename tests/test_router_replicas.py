@@ -267,7 +267,7 @@ def test_replicas_keep_serving_without_etcd_and_recover(fleet):
             assert out.status_code == 200, out.text
     r = _register(reps[1], engines[1], heartbeat_ttl_s=0)
     assert r.status_code == 503
-    assert "etcd" in r.json()["error"] and "unavailable" in r.json()["error"]
+    assert "etcd" in r.json()["error"]["message"] and "unavailable" in r.json()["error"]["message"]
     assert engines[1] not in reps[1].instances()
     # a heartbeat still counts on the replica that got it
     assert httpx.post(reps[2].url + f"/admin/instances/{a}/heartbeat", json={"waiting": 1},
@@ -293,7 +293,7 @@ def test_a_frozen_etcd_is_noticed_and_serving_goes_on(fleet):
         for x in reps:
             assert _complete(x.url).status_code == 200
         r = _register(reps[2], engines[1], heartbeat_ttl_s=0)
-        assert r.status_code == 503 and "etcd" in r.json()["error"]
+        assert r.status_code == 503 and "etcd" in r.json()["error"]["message"]
     finally:
         os.kill(etcd.proc.pid, signal.SIGCONT)
     wait_until(lambda: all(x.shared()["connected"] for x in reps), 60, "replicas reconnect")

@@ -196,7 +196,7 @@ def test_no_prefill_left_is_a_502_and_cancels_the_decode_leg(lt):
     try:
         with httpx.Client(timeout=60) as h:
             r = h.post(c.base + "/v1/completions", json=BODY)
-        assert r.status_code == 502 and "no prefill instance could serve" in r.json()["error"], r.text
+        assert r.status_code == 502 and "no prefill instance could serve" in r.json()["error"]["message"], r.text
         assert poll(lambda: d.cancelled == 1 and p.cancelled == 1, 10)
         assert d.inflight == 0 and p.inflight == 0
     finally:
@@ -275,14 +275,14 @@ def test_registration_checks(lt):
         with httpx.Client(timeout=30) as h:
             # a decode-only SGLang instance cannot serve a request alone
             r = h.post(c.base + "/v1/completions", json=BODY)
-            assert r.status_code == 503 and "no prefill instance available" in r.json()["error"], r.text
+            assert r.status_code == 503 and "no prefill instance available" in r.json()["error"]["message"], r.text
             assert d.requests == 0
             adm = c.base + "/admin/instances"
             r = h.post(adm, json={"url": "http://127.0.0.1:9", "role": "prefill", "engine": "sglang", "model": "mock"})
-            assert r.status_code == 400 and "bootstrap_port" in r.json()["error"]
+            assert r.status_code == 400 and "bootstrap_port" in r.json()["error"]["message"]
             r = h.post(adm, json={"url": "http://127.0.0.1:9", "role": "prefill", "engine": "sglang", "model": "mock",
                                   "bootstrap_port": 70000})
-            assert r.status_code == 400 and "bootstrap_port" in r.json()["error"]
+            assert r.status_code == 400 and "bootstrap_port" in r.json()["error"]["message"]
             # a pair of engines no flow or bridge joins is refused with the reason (every pair of the three engines
             # has one now: take the vLLM -> SGLang bridge away)
             from dlmix.router.engines import bridges
@@ -294,7 +294,7 @@ def test_registration_checks(lt):
             finally:
                 bridges.BRIDGES[("vllm", "sglang")] = saved
             assert r.status_code == 409, r.text
-            assert any("PD flow" in x for x in r.json()["reasons"]), r.text
+            assert any("PD flow" in x for x in r.json()["error"]["reasons"]), r.text
             assert [i["id"] for i in h.get(adm).json()["instances"]] == ["d"]
             r = h.post(adm, json={"url": "http://127.0.0.1:9", "role": "prefill", "engine": "vllm", "model": "mock"})
             assert r.status_code == 201, r.text  # with the bridge: the router's rooms (dlmix.router.rooms)

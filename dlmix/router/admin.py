@@ -1,8 +1,9 @@
 """The router's admin / registration API as a route table (see :mod:`dlmix.router.server` for the bodies).
 
 Every call needs ``Authorization: Bearer ADMIN_KEY``; without ``admin_key`` only loopback peers may call it. JSON in
-and out; errors are ``{"error": msg}`` (plus ``"reasons"`` for a refused registration). Instance ids may contain
-``/`` (the default id is the instance URL) and are percent-decoded.
+and out; errors are the router's OpenAI error object ``{"error": {"message", "type", "param", "code"}}``
+(:func:`dlmix.router.proxy.error_body`; plus ``"reasons"`` in it for a refused registration). Instance ids may
+contain ``/`` (the default id is the instance URL) and are percent-decoded.
 
 With a shared store (router replicas, :mod:`dlmix.router.shared`) registration, drain, undrain and removal go through
 etcd, so every replica sees them, and are refused with ``503`` while etcd is unavailable; heartbeats count at once on
@@ -16,12 +17,18 @@ from typing import Any, Optional
 
 import msgspec
 
+from dlmix.router.proxy import error_body, method_not_allowed, not_found
 from dlmix.router.registry import RegistrationError, Registry
 from dlmix.router.routes import Route, RouteTable
 
 __all__ = ["AdminAPI", "LocalState"]
 
 _json = msgspec.json.Encoder()
+
+#: the 401 of the admin API and of the other instance-facing routes (``POST /dlmix/handoff``)
+ADMIN_KEY_REQUIRED = error_body(401, "admin key required (Authorization: Bearer ADMIN_KEY)")
+#: the same without an ``admin_key`` configured: only loopback peers are admitted
+LOOPBACK_ONLY = error_body(401, "admin API open to loopback peers only (the router has no admin_key)")
 
 
 class LocalState:
@@ -123,24 +130,29 @@ class AdminAPI:
         except ValueError:
             return False
 
+    def refusal(self) -> bytes:
+        """The 401 body for a caller :meth:`allowed` refuses."""
+        return ADMIN_KEY_REQUIRED if self._auth is not None else LOOPBACK_ONLY
+
     def handle(self, conn, req):
         """Answer one ``/admin/...`` request on ``conn``. Returns None when answered, or a coroutine to await (a
         handler that writes to the shared store)."""
         if not self.allowed(conn, req):
-            return conn.send(401, b'{"error":"admin key required"}')
+            return conn.send(401, self.refusal())
         route, params, status = self.table.match(req.method, req.path)
         if route is None:
             if status == 405:
-                return conn.send(405, _json.encode({"error": "method not allowed", "allow": params["allow"]}))
-            return conn.send(404, b'{"error":"not found"}')
+                body, allow = method_not_allowed(req, params["allow"])
+                return conn.send(405, body, extra=allow)
+            return conn.send(404, not_found(req))
         try:
             body = msgspec.json.decode(req.body) if req.body else {}
         except msgspec.DecodeError as ex:
-            return conn.send(400, _json.encode({"error": f"invalid JSON: {ex}"}))
+            return conn.send(400, error_body(400, f"request body is not valid JSON: {ex}"))
         if "id" in params:
             b = self.registry.backends.get(params["id"])
             if b is None:
-                return conn.send(404, _json.encode({"error": f"unknown instance {params['id']!r}"}))
+                return conn.send(404, error_body(404, f"unknown instance {params['id']!r}"))
             params = {"backend": b}
         r = route.handler(body, **params)
         if inspect.iscoroutine(r):
@@ -149,6 +161,9 @@ class AdminAPI:
 
     @staticmethod
     def _answer(conn, status: int, out) -> None:
+        if status >= 400 and isinstance(out, dict) and isinstance(out.get("error"), str):
+            # the handlers' (and SharedState's) {"error": msg, ...} -> the OpenAI error object, extras inside it
+            out = error_body(status, out["error"], **{k: v for k, v in out.items() if k != "error"})
         conn.send(status, out if isinstance(out, bytes) else _json.encode(out))
 
     async def _answer_later(self, conn, coro) -> None:

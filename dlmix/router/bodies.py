@@ -12,7 +12,7 @@ from typing import Any, Dict, List, Optional, Union
 
 import msgspec
 
-__all__ = ["BadRequest", "check", "decode", "add_keys", "one_token_leg", "n_choices"]
+__all__ = ["BadRequest", "EMPTY_BODY", "check", "decode", "add_keys", "one_token_leg", "n_choices"]
 
 
 class BadRequest(ValueError):
@@ -74,8 +74,14 @@ def check(d: Any, chat: bool) -> None:
         raise BadRequest("invalid request body: messages must not be empty")
 
 
+EMPTY_BODY = "request body is empty; expected a JSON object"
+
+
 def decode(body: bytes) -> Any:
-    """JSON-decode a client body. Raises BadRequest for invalid JSON, invalid UTF-8 or nesting too deep."""
+    """JSON-decode a client body. Raises BadRequest for an empty body, invalid JSON, invalid UTF-8 or nesting too
+    deep."""
+    if not body or body.isspace():
+        raise BadRequest(EMPTY_BODY)
     try:
         return msgspec.json.decode(body)
     except msgspec.DecodeError as ex:

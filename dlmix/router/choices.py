@@ -33,7 +33,7 @@ import httptools
 import msgspec
 
 from dlmix.router.bodies import n_choices
-from dlmix.router.proxy import Request, response_bytes
+from dlmix.router.proxy import Request, error_body, response_bytes
 
 __all__ = ["FAN_OUT", "ChoiceConn", "wants_fan_out", "choice_body", "run_choices", "merge_answers"]
 
@@ -256,7 +256,7 @@ class _Stream:
 
     def fail(self, msg: str, status: int) -> None:
         """End a started stream with an ``error`` event and the last chunk."""
-        self._chunk(_enc.encode({"error": {"message": msg, "code": status}}))
+        self._chunk(error_body(status, msg))
         self.client.transport.write(b"0\r\n\r\n")
 
 
@@ -324,7 +324,7 @@ async def run_choices(client, req: Request, body: dict, chat: bool,
         elif c.status and c.status != 200 and c.complete:
             client.send(c.status, b"".join(c.body), c.content_type(), req.keep_alive)
         else:
-            client.send(502, _enc.encode({"error": f"backend failed: {msg}"}), b"application/json", req.keep_alive)
+            client.send(502, error_body(502, f"backend failed: {msg}"), b"application/json", req.keep_alive)
         return
     if merged is not None:
         merged.finish()
@@ -335,7 +335,7 @@ async def run_choices(client, req: Request, body: dict, chat: bool,
     try:
         out = merge_answers([_dec.decode(b"".join(c.body)) for c in conns])
     except (msgspec.DecodeError, KeyError, TypeError) as ex:
-        client.send(502, _enc.encode({"error": f"backend answered a choice without choices: {ex}"}),
+        client.send(502, error_body(502, f"backend answered a choice without choices: {ex}"),
                     b"application/json", req.keep_alive)
         return
     client.send(200, _enc.encode(out), b"application/json", req.keep_alive)

@@ -1,18 +1,61 @@
 """``dlmix router --config router.yaml [--KEY VALUE ...]``: every config key is also a flag (see
-:mod:`dlmix.router.config`)."""
+:mod:`dlmix.router.config`); ``--help`` lists them all, generated from the config schema
+(:func:`dlmix.router.config.flag_rows`)."""
 from __future__ import annotations
 
 from typing import Optional
 
+import click
 import typer
+from typer.core import TyperCommand
+
+CONFIG_FLAGS_TITLE = "Config flags (each a router.yaml key; a flag wins over the file)"
+
+
+class RouterCommand(TyperCommand):
+    """The ``router`` command: its help adds a panel with every config flag (they are parsed by
+    :meth:`dlmix.router.config.RouterConfig.apply_flags`, not by click, so click alone would list only ``--config``)."""
+
+    def format_help(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        from dlmix.router.config import flag_rows
+
+        super().format_help(ctx, formatter)
+        rows = flag_rows()
+        from typer import core
+
+        if not core.HAS_RICH or self.rich_markup_mode is None:
+            with formatter.section(CONFIG_FLAGS_TITLE):
+                formatter.write_dl([(", ".join(names) + " " + metavar, text) for names, metavar, text in rows])
+            return
+        from rich import box
+        from rich.console import Console
+        from rich.panel import Panel
+        from rich.table import Table
+        from rich.text import Text
+        from typer import rich_utils
+
+        try:
+            console = rich_utils._get_rich_console()  # typer's own console: same width and theme as its panels
+        except Exception:  # pragma: no cover - a typer without the helper
+            console = Console()
+        table = Table(highlight=False, show_header=False, expand=True, box=None, padding=(0, 1))
+        table.add_column(no_wrap=True, style="bold cyan")
+        table.add_column(no_wrap=True, style="bold yellow")
+        table.add_column(ratio=1, overflow="fold")
+        for names, metavar, text in rows:
+            table.add_row(Text(", ".join(names)), Text(metavar), Text(text))
+        console.print(Panel(table, title=CONFIG_FLAGS_TITLE, title_align="left", border_style="dim",
+                            box=box.ROUNDED))
 
 
 def register(app: typer.Typer) -> None:
     """Add the ``router`` sub-command to the dlmix CLI."""
 
-    @app.command("router", context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
+    @app.command("router", cls=RouterCommand,
+                 context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
                  help="Run the dlmix router (OpenAI endpoint, KV-cache-aware PD placement). Every config key is "
-                      "also a flag: --policy cost --port 8000 --instance url=http://h:8000,role=decode,chip=H20 ...")
+                      "also a flag (listed below): --policy cost --port 8000 --instance "
+                      "url=http://h:8000,role=decode,chip=H20 ...")
     def router(ctx: typer.Context,
                config: Optional[str] = typer.Option(None, "--config", help="router YAML file")) -> None:
         from dlmix.hw.profiles import CatalogError

@@ -35,11 +35,13 @@ Example::
       - {url: "http://10.0.0.2:8000", role: decode, chip: H20, model: llama, cluster: b}
 
 Flags for list keys repeat: ``--instance "url=http://h:8000,role=decode,chip=H20"`` (``instances``),
-``--chips FILE``, ``--api-keys KEY``, ``--etcd URL`` (``etcd_endpoints``); ``--policy-param key=value``.
+``--chips FILE``, ``--api-keys KEY``, ``--etcd URL`` (``etcd_endpoints``); ``--policy-param key=value``. The aliases
+are :data:`FLAG_ALIASES`; ``dlmix router --help`` lists every flag with :data:`KEY_HELP` (:func:`flag_rows`).
 """
 from __future__ import annotations
 
 import dataclasses
+import difflib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional
@@ -107,6 +109,11 @@ class RouterConfig:
     etcd_allow_open: bool = False
 
     @classmethod
+    def flag_names(cls) -> List[str]:
+        """Every flag ``apply_flags`` accepts: each key as ``--key-name``, each followed by its aliases."""
+        return [n for names, _, _ in flag_rows() for n in names]
+
+    @classmethod
     def from_yaml(cls, path: str | Path) -> "RouterConfig":
         """Load a YAML file. Raises ConfigError for unreadable files or unknown keys."""
         try:
@@ -132,19 +139,19 @@ class RouterConfig:
     def apply_flags(self, args: List[str]) -> "RouterConfig":
         """Apply ``--key value`` / ``--key=value`` flags. Raises ConfigError for unknown flags or missing values."""
         names = {f.name: f for f in dataclasses.fields(self)}
-        alias = {"instance": "instances", "policy_param": "policy_params", "chip": "chips", "api_key": "api_keys",
-                 "etcd": "etcd_endpoints"}
         i = 0
         while i < len(args):
             a = args[i]
             if not a.startswith("--"):
                 raise ConfigError(f"unexpected argument {a!r}")
-            k, eq, v = a[2:].partition("=")
-            k = k.replace("-", "_")
-            k = alias.get(k, k)
+            flag, eq, v = a.partition("=")
+            k = flag[2:].replace("-", "_")
+            k = FLAG_ALIASES.get(k, k)
             if k not in names:
-                raise ConfigError(f"unknown flag --{a[2:]}; known: " + ", ".join("--" + n.replace("_", "-")
-                                                                                  for n in names))
+                known = self.flag_names()
+                near = difflib.get_close_matches(flag.replace("_", "-"), known, n=1)
+                raise ConfigError(f"unknown flag {flag}" + (f" (did you mean {near[0]}?)" if near else "")
+                                  + "; known: " + ", ".join(known) + " (dlmix router --help describes them)")
             f = names[k]
             if not eq:
                 if f.type in ("bool",) and (i + 1 == len(args) or args[i + 1].startswith("--")):
@@ -152,7 +159,7 @@ class RouterConfig:
                 else:
                     i += 1
                     if i == len(args):
-                        raise ConfigError(f"flag --{k} needs a value")
+                        raise ConfigError(f"flag {flag} needs a value")
                     v = args[i]
             if k == "instances":
                 self.instances.append(parse_kv_list(v))
@@ -164,6 +171,86 @@ class RouterConfig:
                 setattr(self, k, _coerce(f, yaml.safe_load(v) if v else v))
             i += 1
         return self
+
+
+#: flag aliases (``--ALIAS`` for the key): the singular names of the repeatable list keys, as the docs use them
+FLAG_ALIASES: Dict[str, str] = {"instance": "instances", "policy_param": "policy_params", "chip": "chips",
+                                "api_key": "api_keys", "etcd": "etcd_endpoints"}
+
+#: one line per config key, for ``dlmix router --help`` (tests require one for every :class:`RouterConfig` field)
+KEY_HELP: Dict[str, str] = {
+    "host": "address to listen on",
+    "port": "port to listen on",
+    "policy": "routing policy: round_robin, least_load, prefix, cost or another registered one",
+    "policy_params": "typed policy parameters (repeatable), e.g. itl_target=0.05",
+    "instances": "a static instance (repeatable), e.g. url=http://h:8000,role=decode,chip=H20",
+    "model_spec": "model of the cost model: a preset name or an HF folder with config.json",
+    "chips": "extra chip catalog YAML that adds or overrides profiles (repeatable)",
+    "tokenizer": "HF tokenizer path or id, 'bytes' (tests), or null (approximate character chunks)",
+    "hash_algo": "prefix block hash algorithm: the engines' (vLLM --prefix-caching-hash-algo)",
+    "hash_seed": "the engines' PYTHONHASHSEED (null = unset there)",
+    "api_keys": "client API key, Authorization: Bearer KEY (repeatable; none = open)",
+    "admin_key": "admin/registration key (null = admin API from loopback peers only)",
+    "health_interval_s": "seconds between health checks of each instance",
+    "health_timeout_s": "timeout of one health check, seconds",
+    "health_failures": "failed health checks in a row that take an instance out of rotation",
+    "heartbeat_ttl_s": "default heartbeat TTL of registering instances, seconds (0 = no heartbeats expected)",
+    "breaker_failures": "request failures in a row that open an instance's circuit breaker",
+    "breaker_cooldown_s": "seconds an open circuit breaker keeps its instance out",
+    "prefill_timeout_s": "timeout of a PD prefill leg, seconds (then the leg is placed again)",
+    "connect_timeout_s": "backend connect timeout, seconds",
+    "retries": "retries of a failed request on another instance (before any byte reached the client)",
+    "approx_index_capacity": "blocks the approximate prefix index (prefixes the router sent) remembers",
+    "default_block_size": "KV block size (tokens) of an instance that registers none",
+    "metrics": "serve GET /metrics (Prometheus)",
+    "metrics_instance_series": "instances (by slot) with their own /metrics series; the rest: instance=\"_other\"",
+    "fast_path": "forward non-PD requests with callbacks on idle pooled connections (false: coroutine path only)",
+    "allow_open": "serve a non-loopback host without api_keys (refused otherwise)",
+    "allow_pinning": "honour the x-dlmix-prefill-instance / x-dlmix-decode-instance request headers",
+    "handoff_host": "address SGLang decodes reach this router at for cross-engine rooms (null = host)",
+    "max_body_mb": "largest request body, MB (larger: 413)",
+    "max_url_bytes": "longest request URL, bytes (longer: 414)",
+    "max_header_bytes": "largest request head, bytes (larger: 431)",
+    "max_headers": "most request header lines (more: 431)",
+    "header_timeout_s": "seconds to receive a whole request head (then 408 and close)",
+    "body_timeout_s": "seconds to receive a whole request body (then 408 and close)",
+    "keepalive_timeout_s": "seconds an idle kept-alive client connection stays open",
+    "linger_timeout_s": "seconds a refused request's remaining bytes are drained before the close",
+    "max_connections": "open client connections (more: 503)",
+    "backend_read_timeout_s": "seconds a backend may stay silent (then 504)",
+    "etcd_endpoints": "etcd endpoint of the fleet's shared state for router replicas (repeatable; none = memory)",
+    "etcd_prefix": "key prefix of this fleet in etcd",
+    "etcd_user": "etcd user (required for a non-loopback endpoint)",
+    "etcd_password": "etcd password",
+    "etcd_ca": "CA bundle for https etcd endpoints",
+    "etcd_timeout_s": "timeout of one etcd call, seconds",
+    "etcd_allow_open": "accept a non-loopback etcd without authentication (e.g. behind a NetworkPolicy)",
+}
+
+_METAVARS = {"int": "INTEGER", "float": "FLOAT", "bool": "[BOOL]", "str": "TEXT"}
+
+
+def flag_rows() -> List[tuple]:
+    """``(flag names, metavar, help with default)`` per :class:`RouterConfig` field, in field order: the key as
+    ``--key-name`` then its :data:`FLAG_ALIASES`. Generated from the dataclass, so ``--help`` lists exactly the flags
+    :meth:`RouterConfig.apply_flags` accepts."""
+    rows = []
+    for f in dataclasses.fields(RouterConfig):
+        t = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", "")
+        names = ["--" + f.name.replace("_", "-")] + ["--" + a.replace("_", "-")
+                                                     for a, k in FLAG_ALIASES.items() if k == f.name]
+        base = t.replace("Optional[", "").rstrip("]")
+        if t.startswith("List"):
+            metavar, default = ("K=V,..." if f.name == "instances" else "TEXT"), None
+        elif t.startswith("Dict"):
+            metavar, default = "K=V,...", None
+        else:
+            metavar = _METAVARS.get(base, "TEXT")
+            default = f.default
+            default = "null" if default is None else str(default).lower() if isinstance(default, bool) else default
+        text = KEY_HELP.get(f.name, "")
+        rows.append((names, metavar, text if default is None else f"{text} [default: {default}]"))
+    return rows
 
 
 def parse_kv_list(s: str) -> Dict[str, Any]:

@@ -20,11 +20,9 @@ import asyncio
 import logging
 from typing import Callable, NamedTuple, Optional
 
-import msgspec
-
 from dlmix.router.bodies import n_choices
 from dlmix.router.engines.bridges import get_bridge
-from dlmix.router.proxy import BackendError, build_request, request
+from dlmix.router.proxy import BackendError, build_request, error_body, request
 from dlmix.routing.policies import prefill_work
 from dlmix.routing.state import Decision, InstanceState, NoInstanceError, RouteRequest
 
@@ -170,8 +168,7 @@ class PDOrchestrator:
                 abort()
             if self.metrics:
                 self.metrics.answer(502)
-            conn.send(502, msgspec.json.encode({"error": f"prefill {b.state.id} cannot feed decode "
-                                                         f"{db.state.id}: {ex}"}))
+            conn.send(502, error_body(502, f"prefill {b.state.id} cannot feed decode {db.state.id}: {ex}"))
             return SENT
 
     async def concurrent(self, conn, req, d: dict, rr: RouteRequest, dec: Decision, chat: bool, fwd: bytes,

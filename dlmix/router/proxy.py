@@ -12,6 +12,7 @@ No pydantic, no logging and no per-request allocation beyond the parsed request 
 from __future__ import annotations
 
 import asyncio
+import json
 import socket
 import time
 from typing import Awaitable, Callable, List, Optional, Tuple
@@ -27,7 +28,43 @@ _REASONS = {200: b"OK", 201: b"Created", 204: b"No Content", 400: b"Bad Request"
             403: b"Forbidden", 404: b"Not Found", 405: b"Method Not Allowed", 408: b"Request Timeout",
             409: b"Conflict", 413: b"Payload Too Large", 414: b"URI Too Long",
             431: b"Request Header Fields Too Large", 499: b"Client Closed Request", 500: b"Internal Server Error",
-            502: b"Bad Gateway", 503: b"Service Unavailable", 504: b"Gateway Timeout"}
+            502: b"Bad Gateway", 503: b"Service Unavailable", 504: b"Gateway Timeout", 508: b"Loop Detected"}
+
+
+def error_type(status: int) -> str:
+    """The OpenAI error ``type`` of a router answer with HTTP ``status``: ``authentication_error`` (401),
+    ``invalid_request_error`` (other 4xx), ``server_error`` (5xx)."""
+    if status == 401:
+        return "authentication_error"
+    return "invalid_request_error" if status < 500 else "server_error"
+
+
+def error_body(status: int, message: str, *, type: Optional[str] = None, param: Optional[str] = None,
+               code=None, **extra) -> bytes:
+    """The JSON body of every error the router answers itself: the OpenAI error object
+    ``{"error": {"message", "type", "param", "code"}}`` (``type`` from :func:`error_type` unless given; ``code`` the
+    HTTP status unless given, as vLLM's ``ErrorResponse``). ``extra`` keys (e.g. a refused registration's
+    ``reasons``) go into the error object after those four."""
+    err = {"message": message, "type": type or error_type(status), "param": param,
+           "code": status if code is None else code}
+    err.update(extra)
+    return json.dumps({"error": err}).encode()
+
+
+def _where(req: "Request") -> str:
+    path = req.path.decode("utf-8", "replace")
+    return f"{req.method.decode('ascii', 'replace')} {path if len(path) <= 200 else path[:200] + '...'}"
+
+
+def not_found(req: "Request") -> bytes:
+    """The 404 body for a path the router does not serve."""
+    return error_body(404, f"not found: {_where(req)} is not an endpoint of this router")
+
+
+def method_not_allowed(req: "Request", allow: List[str]) -> Tuple[bytes, bytes]:
+    """The 405 body for a known path under another method, and its ``allow`` header line (``send(extra=...)``)."""
+    return (error_body(405, f"method not allowed: {_where(req)}; use {' or '.join(allow)}"),
+            b"allow: %s\r\n" % ", ".join(allow).encode())
 
 
 def _nodelay(transport) -> None:
@@ -171,11 +208,11 @@ class Hub:
                 r = c._reading
                 if r == 1 and now - c._t > lim.header_timeout:
                     self.timeouts += 1
-                    c.send(408, b'{"error":"request head not received in time (header_timeout_s)"}',
+                    c.send(408, error_body(408, "request head not received in time (header_timeout_s)"),
                            keep_alive=False)
                 elif r == 2 and now - c._t > lim.body_timeout:
                     self.timeouts += 1
-                    c.send(408, b'{"error":"request body not received in time (body_timeout_s)"}',
+                    c.send(408, error_body(408, "request body not received in time (body_timeout_s)"),
                            keep_alive=False)
                 elif r == 0 and now - c._t > lim.keepalive_timeout:
                     c.closed = True
@@ -239,7 +276,7 @@ class ServerProtocol(asyncio.Protocol):
         if hub is not None:
             if len(hub.conns) >= self.lim.max_connections:
                 hub.refused += 1
-                self._refuse(503, b'{"error":"too many connections (max_connections); retry later"}')
+                self._refuse(503, error_body(503, "too many connections (max_connections); retry later"))
                 return
             hub.conns.add(self)
 
@@ -261,15 +298,14 @@ class ServerProtocol(asyncio.Protocol):
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserUpgrade:
-            self.send(400, b'{"error":"upgrade not supported"}', keep_alive=False)
+            self.send(400, error_body(400, "upgrade not supported"), keep_alive=False)
             return
         except httptools.HttpParserError as ex:
             if not self._discard:
-                self._refuse(400, b'{"error":"malformed HTTP request: %s"}' % (
-                    str(ex).replace("\\", "").replace('"', "'").encode("ascii", "replace"),))
+                self._refuse(400, error_body(400, f"malformed HTTP request: {ex}"))
             return
         if self._reading == 1 and self._hb > self.lim.max_header_bytes + self.lim.max_url:
-            self._refuse(431, b'{"error":"request head too large (max_header_bytes)"}')
+            self._refuse(431, error_body(431, "request head too large (max_header_bytes)"))
 
     def _refuse(self, status: int, body: bytes) -> None:
         """Answer ``status`` with ``connection: close``, then read and drop the rest for ``linger_timeout`` (the
@@ -304,7 +340,7 @@ class ServerProtocol(asyncio.Protocol):
     def on_url(self, url: bytes):
         self._url += url
         if len(self._url) > self.lim.max_url:
-            self._refuse(414, b'{"error":"request URL too long (max_url)"}')
+            self._refuse(414, error_body(414, "request URL too long (max_url)"))
             raise _Refused
 
     def on_header(self, name: bytes, value: bytes):
@@ -320,10 +356,10 @@ class ServerProtocol(asyncio.Protocol):
         lim = self.lim
         h = self._headers
         if len(h) > lim.max_headers:
-            self._refuse(431, b'{"error":"too many request headers (max_headers)"}')
+            self._refuse(431, error_body(431, "too many request headers (max_headers)"))
             raise _Refused
         if self._hb > lim.max_header_bytes and sum(len(k) + len(v) + 4 for k, v in h) > lim.max_header_bytes:
-            self._refuse(431, b'{"error":"request headers too large (max_header_bytes)"}')
+            self._refuse(431, error_body(431, "request headers too large (max_header_bytes)"))
             raise _Refused
         self._reading = 2
         self._t = 0.0
@@ -331,8 +367,8 @@ class ServerProtocol(asyncio.Protocol):
         cl = self._clen
         if cl is not None and len(cl) >= self._cl_digits and (len(cl) > 18 or not cl.isdigit()
                                                                or int(cl) > self.max_body):
-            self._refuse(413, b'{"error":"request body too large: %s bytes, limit %d (max_body_mb)"}' % (
-                cl[:32], self.max_body))
+            self._refuse(413, error_body(413, f"request body too large: {cl[:32].decode('ascii', 'replace')} "
+                                              f"bytes, limit {self.max_body} (max_body_mb)"))
             raise _Refused
         if self._expect and not self._busy:
             self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
@@ -340,7 +376,7 @@ class ServerProtocol(asyncio.Protocol):
     def on_body(self, body: bytes):
         n = self._nbody = self._nbody + len(body)  # a running count: 1-byte chunks cost O(1) each
         if n > self.max_body:
-            self._refuse(413, b'{"error":"request body too large: over %d bytes (max_body_mb)"}' % self.max_body)
+            self._refuse(413, error_body(413, f"request body too large: over {self.max_body} bytes (max_body_mb)"))
             raise _Refused
         self._body.append(body)
 
@@ -373,11 +409,8 @@ class ServerProtocol(asyncio.Protocol):
         self.run_async(req, self.handler(self, req))
 
     def _internal_error(self, ex: BaseException) -> None:
-        import json as _j
-
         self._busy = False
-        self.send(500, _j.dumps({"error": f"internal router error: {type(ex).__name__}: {ex}"}).encode(),
-                  keep_alive=False)
+        self.send(500, error_body(500, f"internal router error: {type(ex).__name__}: {ex}"), keep_alive=False)
 
     def run_async(self, req: Request, coro) -> None:
         """Finish ``req`` with a coroutine (slow path: awaits, retries, PD); calls :meth:`done` afterwards."""

@@ -11,7 +11,9 @@ timeouts (414/431/413/408, connection cap 503, backend 502/504) are config keys,
 the problem (:mod:`~dlmix.router.bodies`), a model no instance serves 404.
 
 Admin / registration API (``Authorization: Bearer ADMIN_KEY``; without ``admin_key`` only loopback peers may call it).
-JSON in and out; errors are ``{"error": msg, "reasons": [...]}``:
+JSON in and out. Every error the router answers itself (client API, admin API, limits) is the OpenAI error object
+``{"error": {"message": msg, "type": ..., "param": null, "code": status}}`` (:func:`dlmix.router.proxy.error_body`;
+a refused registration adds ``"reasons": [...]`` to it):
 
 ``POST /admin/instances``
     Register or re-register (same ``id`` or ``url``) an instance. Body: ``url`` (required, ``http://host:port``),
@@ -61,12 +63,13 @@ from dlmix.hw.cost import CostModel, ModelSpec, ewma_ratio
 from dlmix.hw.profiles import load_catalog
 from dlmix.router import proxy
 from dlmix.router.admin import AdminAPI
-from dlmix.router.bodies import BadRequest, check as check_body, decode as decode_body
+from dlmix.router.bodies import EMPTY_BODY, BadRequest, check as check_body, decode as decode_body
 from dlmix.router.choices import run_choices, wants_fan_out
 from dlmix.router.config import ConfigError, RouterConfig
 from dlmix.router.metrics import Metrics
 from dlmix.router.orchestrator import SENT, PDOrchestrator
-from dlmix.router.proxy import BackendError, build_request, forward_headers, request
+from dlmix.router.proxy import (BackendError, build_request, error_body, forward_headers, method_not_allowed,
+                                not_found, request)
 from dlmix.router.registry import Backend, RegistrationError, Registry, Runtime  # noqa: F401 - re-exported
 from dlmix.router.rooms import RoomTable
 from dlmix.router.routes import Route, RouteTable
@@ -253,17 +256,19 @@ class Router:
         route, params, status = self.routes.match(req.method, req.path)
         if route is None:
             if status == 405:
-                return self._send(conn, 405, _json.encode({"error": f"use {' or '.join(params['allow'])}"}))
-            return self._send(conn, 404, b'{"error":"not found"}')
+                body, allow = method_not_allowed(req, params["allow"])
+                return self._send(conn, 405, body, extra=allow)
+            return self._send(conn, 404, not_found(req))
         r = route.handler(conn, req)
         if r is not None:
             await r
 
-    def _send(self, conn, status: int, body: bytes, content_type: bytes = b"application/json") -> None:
+    def _send(self, conn, status: int, body: bytes, content_type: bytes = b"application/json",
+              extra: bytes = b"") -> None:
         """Answer the client from the router itself (counted in ``dlmix_router_client_responses_total``)."""
         if self.metrics is not None:
             self.metrics.answer(status)
-        conn.send(status, body, content_type)
+        conn.send(status, body, content_type, extra=extra)
 
     def _client_ok(self, req) -> bool:
         return not self._client_auth or req.header(b"authorization") in self._client_auth
@@ -281,14 +286,14 @@ class Router:
         from dlmix.pd.contract import RoomHandoffRequest
 
         if not self.admin.allowed(conn, req):
-            return self._send(conn, 401, b'{"error":"admin key required"}')
+            return self._send(conn, 401, self.admin.refusal())
         try:
             ask = msgspec.json.decode(req.body, type=RoomHandoffRequest)
         except (msgspec.ValidationError, msgspec.DecodeError) as ex:
-            return self._send(conn, 400, _json.encode({"error": f"invalid hand-off request: {ex}"}))
+            return self._send(conn, 400, error_body(400, f"invalid hand-off request: {ex}"))
         h = self.rooms.get(ask.room)
         if h is None:
-            return self._send(conn, 404, _json.encode({"error": f"room {ask.room} is unknown here or expired"}))
+            return self._send(conn, 404, error_body(404, f"room {ask.room} is unknown here or expired"))
         self._send(conn, 200, _json.encode(h))
 
     def _health(self, conn, req) -> None:
@@ -308,9 +313,9 @@ class Router:
     def _metrics(self, conn, req) -> None:
         """Prometheus text. With client keys configured it needs one of them (or the admin key)."""
         if self._client_auth and not (self._client_ok(req) or self.admin.key_ok(req)):
-            return self._send(conn, 401, b'{"error":"invalid or missing API key"}')
+            return self._send(conn, 401, _BAD_KEY)
         if self.metrics is None:
-            return self._send(conn, 404, b'{"error":"metrics disabled"}')
+            return self._send(conn, 404, error_body(404, "metrics disabled (router option metrics: false)"))
         body, ctype = self.metrics.render()
         self._send(conn, 200, body, ctype)
 
@@ -318,7 +323,7 @@ class Router:
         """Union of the available instances' model lists (an instance that does not answer contributes its
         registered names)."""
         if not self._client_ok(req):
-            return self._send(conn, 401, b'{"error":"invalid or missing API key"}')
+            return self._send(conn, 401, _BAD_KEY)
         seen: Dict[str, dict] = {}
 
         async def one(b: Backend):
@@ -347,13 +352,16 @@ class Router:
 
     async def _completion(self, conn, req, chat: bool) -> None:
         if not self._client_ok(req):
-            return self._send(conn, 401, b'{"error":"invalid or missing API key"}')
+            return self._send(conn, 401, _BAD_KEY)
         if self._looped(req):
-            return self._send(conn, 508, b'{"error":"routing loop: this request already passed through this router '
-                                         b'(an instance URL leads back to it); remove that instance"}')
+            return self._send(conn, 508, error_body(508, "routing loop: this request already passed through this "
+                                                         "router (an instance URL leads back to it); remove that "
+                                                         "instance"))
         d, rr = None, self._plain
         try:
             pins = self._pins(req)
+            if not req.body or req.body.isspace():
+                raise BadRequest(EMPTY_BODY)
             if self._needs_parse:
                 d = decode_body(req.body)
                 check_body(d, chat)
@@ -410,8 +418,8 @@ class Router:
                 "message": f"The model `{rr.model}` does not exist.", "type": "invalid_request_error",
                 "param": "model", "code": "model_not_found"}}))
         if err is not None:
-            return self._send(conn, err.status, _json.encode({"error": f"backend failed: {err}"}))
-        self._send(conn, 503, _json.encode({"error": str(ex)}))
+            return self._send(conn, err.status, error_body(err.status, f"backend failed: {err}"))
+        self._send(conn, 503, error_body(503, str(ex)))
 
     def _request_from(self, d: dict, chat: bool) -> RouteRequest:
         """The routing view of a parsed client body: model, max tokens, stream, and (when the policy uses prefixes)
@@ -444,6 +452,9 @@ class Router:
             return False
         if self._looped(req):
             return False
+        body = req.body
+        if not body or body.isspace():
+            return False  # the coroutine path answers 400
         for k, _ in req.headers:
             if k in proxy.ROUTER_ONLY:
                 return False  # the coroutine path checks the pins
@@ -595,8 +606,8 @@ class Router:
                 abort()
             raise BackendError(f"instance {dec.decode.id} was removed")
         if dec.prefill is None and dec.decode.role == "decode" and b.engine.DECODE_NEEDS_PREFILL:
-            self._send(conn, 503, _json.encode({"error": f"no prefill instance available for decode-only "
-                                                         f"instance {dec.decode.id} ({dec.decode.engine})"}))
+            self._send(conn, 503, error_body(503, f"no prefill instance available for decode-only "
+                                                  f"instance {dec.decode.id} ({dec.decode.engine})"))
             return SENT
         raw = build_request(req.method, req.url, b.hostport, b.auth + fwd, data)
         if abort is None:
@@ -656,7 +667,7 @@ class Router:
                 conn.closed = True
             return False
         if attempts + 1 > self.cfg.retries:
-            self._send(conn, err.status, _json.encode({"error": f"backend failed: {err}"}))
+            self._send(conn, err.status, error_body(err.status, f"backend failed: {err}"))
             return False
         if m:
             m.retry("decode")
@@ -678,7 +689,10 @@ class Router:
 
 def _bad_request(msg: str) -> bytes:
     """A 400 body naming the problem (OpenAI style)."""
-    return _json.encode({"error": {"message": msg, "type": "invalid_request_error", "param": None, "code": 400}})
+    return error_body(400, msg)
+
+
+_BAD_KEY = error_body(401, "invalid or missing API key (Authorization: Bearer KEY)")
 
 
 def run(cfg: RouterConfig) -> None:
