@@ -386,19 +386,26 @@ def test_frame_reader_refuses_a_bad_frame_in_one_call_as_header_does(bad, why):
             b.close()
 
 
+def _linked_pair(seed: int, mode: str, a_kw: dict, b_kw: dict):
+    """TCP transports ``a`` (owner of 1 MiB of random bytes ``src``, region ``kv``, granted to ``b`` as transfer
+    ``t`` in ``mode``) and ``b`` (1 MiB of zeros ``dst``, connected to ``a``): ``(a, b, src, dst)``."""
+    a = make_transport("tcp", name="a", secret="s3", **a_kw)
+    b = make_transport("tcp", name="b", secret="s3", **b_kw)
+    src = np.random.default_rng(seed).integers(0, 256, 1 << 20, dtype=np.uint8)
+    dst = np.zeros_like(src)
+    a.register("kv", src)
+    b.register("kv", dst)
+    a.grant("b", "t", [("kv", 0, 1 << 20)], mode, None)
+    b.connect(a.descriptor())
+    return a, b, src, dst
+
+
 @pytest.mark.parametrize("spin_us", [0, 100, 10_000])
 def test_a_waiter_polling_or_sleeping_reads_exact_bytes(spin_us):
     """``spin_us`` only changes how a waiter waits for its response (poll, then sleep): reads of 1 B .. 1 MiB and
     a write land the exact bytes either way, and a refused read still fails with the owner's reason."""
-    a = make_transport("tcp", name="a", secret="s3", spin_us=spin_us)
-    b = make_transport("tcp", name="b", secret="s3", spin_us=spin_us)
+    a, b, src, dst = _linked_pair(7, "rw", {"spin_us": spin_us}, {"spin_us": spin_us})
     try:
-        src = np.random.default_rng(7).integers(0, 256, 1 << 20, dtype=np.uint8)
-        dst = np.zeros_like(src)
-        a.register("kv", src)
-        b.register("kv", dst)
-        a.grant("b", "t", [("kv", 0, 1 << 20)], "rw", None)
-        b.connect(a.descriptor())
         for n in (1, 4096, 300_000, 1 << 20):
             dst[:] = 0
             assert b.read("a", [Segment("kv", 0, "kv", 0, n)], "t").result(30) == n
@@ -423,15 +430,8 @@ def test_a_connection_found_dead_at_launch_carries_no_chunk(monkeypatch):
     """A stripe that fails between a transfer's connection lookup and its launch (marked dead, not yet removed from
     the link) gets no chunk: one-chunk and many-chunk reads go over the live stripes and land the exact bytes; with
     every stripe dead the transfer fails with the reason instead of hanging."""
-    a = make_transport("tcp", name="a", secret="s3")
-    b = make_transport("tcp", name="b", secret="s3", stripes=3, chunk_bytes=64 << 10, min_stripe_bytes=64 << 10)
+    a, b, src, dst = _linked_pair(11, "r", {}, {"stripes": 3, "chunk_bytes": 64 << 10, "min_stripe_bytes": 64 << 10})
     try:
-        src = np.random.default_rng(11).integers(0, 256, 1 << 20, dtype=np.uint8)
-        dst = np.zeros_like(src)
-        a.register("kv", src)
-        b.register("kv", dst)
-        a.grant("b", "t", [("kv", 0, 1 << 20)], "r", None)
-        b.connect(a.descriptor())
         link = list(b._out["a"])
         assert len(link) == 3
         dead = link[1]
