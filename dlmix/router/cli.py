@@ -3,11 +3,13 @@
 (:func:`dlmix.router.config.flag_rows`)."""
 from __future__ import annotations
 
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
-import click
 import typer
 from typer.core import TyperCommand
+
+if TYPE_CHECKING:  # typer >= 0.22 vendors click; a plain install may have no top-level click
+    import click
 
 CONFIG_FLAGS_TITLE = "Config flags (each a router.yaml key; a flag wins over the file)"
 
