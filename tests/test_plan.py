@@ -68,6 +68,12 @@ def test_workload_sample_and_rate(wl):
     syn = load_plan_workload("synthetic:groups=3,per_group=4,prefix=1024,suffix=100,output=16")
     assert len(syn.requests) == 12 and set(syn.input_len) == {1124}
     assert syn.hit.max() == 1024  # the shared prefix's two 512-token blocks
+    assert {r.trace_block for r in syn.requests} == {32}  # gcd(64, 32, 128)
+    # a 300-token prefix: hits of whole hash blocks of gcd(block size, 32, 128) tokens (512-token ids saw none)
+    for bs, tb in ((64, 32), (16, 16), (48, 16), (128, 32)):
+        s = load_plan_workload("synthetic:groups=2,per_group=3,prefix=300,suffix=50,output=8", block_size=bs)
+        assert {r.trace_block for r in s.requests} == {tb}
+        assert s.hit.max() == 300 // tb * tb and sorted(s.hit)[:2] == [0, 0]  # each group's first request: no hit
     with pytest.raises(WorkloadError, match="unknown key 'grups'"):
         load_plan_workload("synthetic:grups=3")
     with pytest.raises(ValueError):
@@ -286,6 +292,10 @@ def test_measured_timing_replaces_the_roofline(tmp_path, calib):
     assert d["instances"][0]["timing"] == str(tmp_path / "calib_1.json")
     with pytest.raises(ValueError, match="unknown engine setting"):
         Planner(inv, load_model("smollm2"), slo, wl, engine={"max_batch": 3})
+    # any block size of at least one token (the simulator keys blocks that do not divide the hash block, too)
+    assert Planner(inv, load_model("smollm2"), slo, wl, block_size=48).block_size == 48
+    with pytest.raises(ValueError, match="block_size must be >= 1 token, got 0"):
+        Planner(inv, load_model("smollm2"), slo, wl, block_size=0)
 
 
 def test_timing_errors(tmp_path):

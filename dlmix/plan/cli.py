@@ -32,7 +32,7 @@ def plan_command(
     slo_itl_ms: float = typer.Option(50.0, "--slo-itl-ms", help="ITL target (a request's mean inter-token time), ms"),
     slo_pct: float = typer.Option(90.0, "--slo-pct", help="percent of requests that must meet both targets"),
     policy: str = typer.Option("cost", "--policy", "-p", help="router policy simulated for every candidate"),
-    block_size: int = typer.Option(64, "--block-size", help="default KV block size, tokens (divides 512)"),
+    block_size: int = typer.Option(64, "--block-size", help="default KV block size, tokens"),
     top_k: int = typer.Option(4, "--top-k", help="analytically best role patterns simulated"),
     no_refine: bool = typer.Option(False, "--no-refine", help="skip the refinement (TP local search, "
                                    "policy and block-size variants)"),
@@ -66,7 +66,7 @@ def plan_command(
         cat = load_catalog(chips)
         inv = load_inventory(inventory, cat)
         spec = load_model(model)
-        wl = load_plan_workload(workload, requests)
+        wl = load_plan_workload(workload, requests, block_size)
         slo = SLO(slo_ttft_ms / 1000.0, slo_itl_ms / 1000.0, slo_pct)
         import dlmix.sim  # noqa: F401  (registers the simulator-only oracle)
         from dlmix.routing.policies import POLICIES

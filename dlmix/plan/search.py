@@ -150,7 +150,8 @@ class Planner:
         inventory: :class:`Inventory`. model: :class:`ModelSpec`. slo: :class:`SLO`. workload: :class:`PlanWorkload`.
         rate: request rate to plan for, req/s, or None to maximise the goodput.
         policy: router policy simulated (default ``cost``, given the SLO as its targets). block_size: default KV
-        block size (divides 512). seed: simulator seed. progress: ``callback(message, done, total)`` or None.
+        block size, tokens (>= 1; a Mooncake trace resolves shared prefixes per 512 tokens, a synthetic workload
+        per :func:`dlmix.plan.workload.synthetic_trace_block`). seed: simulator seed. progress: ``callback(message, done, total)`` or None.
         engine: overrides of the engine settings every instance gets (:data:`DEFAULTS`: ``max_num_batched_tokens``,
         ``max_num_seqs``, ``t_step``, ``gpu_memory_utilization``). Raises ValueError for a bad rate, SLO, block size
         or engine key, or a model whose head counts are < 1; WorkloadError (a ValueError) when fewer than 2 requests
@@ -168,8 +169,8 @@ class Planner:
             raise ValueError(f"rate must be > 0 (or None to maximise), got {rate}")
         if slo.ttft <= 0 or slo.itl <= 0 or not (0 < slo.pct <= 100):
             raise ValueError("SLO targets must be > 0 and the percentile in (0, 100]")
-        if 512 % block_size:
-            raise ValueError(f"block_size must divide 512, got {block_size}")
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1 token, got {block_size}")
         self.inv = inventory
         self.model = model
         self.slo = slo

@@ -2,11 +2,12 @@
 
 Sources: a built-in trace name (``mooncake``) or a Mooncake-format JSONL path (first ``n`` requests), or a synthetic
 shared-prefix description ``synthetic:groups=16,per_group=16,prefix=6144,suffix=1200,output=128`` (generated with
-:func:`dlmix.sim.workload.shared_prefix`). :meth:`PlanWorkload.at` rescales the arrival times so the sample's mean
+:func:`dlmix.sim.workload.shared_prefix`, one hash id per :func:`synthetic_trace_block` tokens). :meth:`PlanWorkload.at` rescales the arrival times so the sample's mean
 rate is the requested one (the arrival pattern — bursts, order, prefix sharing — is kept).
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import List, Tuple
 
@@ -14,7 +15,7 @@ import numpy as np
 
 from dlmix.sim.workload import SimRequest, WorkloadError, load_trace, shared_prefix
 
-__all__ = ["PlanWorkload", "load_plan_workload"]
+__all__ = ["PlanWorkload", "load_plan_workload", "synthetic_trace_block"]
 
 class _Replay(SimRequest):
     """A replayed copy that shares its block-key cache with the sample's request (keys depend on the prompt only),
@@ -36,7 +37,8 @@ class PlanWorkload:
         name: source description. requests: :class:`SimRequest` sample (arrival-sorted).
         base_rate: mean arrival rate of the sample as read, req/s (``(n − 1) / (last − first arrival)``).
         input_len, output_len: per-request prompt and output tokens (numpy int arrays).
-        hit: per-request ideal prefix-hit tokens (leading 512-token trace blocks already seen by an earlier request).
+        hit: per-request ideal prefix-hit tokens (leading trace blocks already seen by an earlier request; 512 tokens
+        each for a Mooncake trace, :func:`synthetic_trace_block` for a synthetic one).
     """
 
     name: str
@@ -95,15 +97,29 @@ def _parse_synthetic(desc: str) -> dict:
     return kv
 
 
-def load_plan_workload(source: str, n: int = 400) -> PlanWorkload:
-    """Build the sample: ``source`` is a trace name/path (first ``n`` requests) or ``synthetic[:k=v,...]``.
+def synthetic_trace_block(block_size: int) -> int:
+    """Tokens per hash id of a synthetic plan workload: ``gcd(block_size, *REFINE_BLOCKS)`` (32 and 128), so a shared prefix is seen to
+    the token block of the plan's block size and of both block sizes the refinement tries (32 and 128; a
+    Mooncake trace's 512 would share nothing of a prefix under 512 tokens). Raises ValueError for ``block_size < 1``."""
+    from dlmix.plan.search import REFINE_BLOCKS  # search imports this module
 
-    Raises WorkloadError for a bad source or a sample of fewer than 2 requests / zero duration."""
+    if block_size < 1:
+        raise ValueError(f"block_size must be >= 1 token, got {block_size}")
+    return math.gcd(block_size, *REFINE_BLOCKS)
+
+
+def load_plan_workload(source: str, n: int = 400, block_size: int = 64) -> PlanWorkload:
+    """Build the sample: ``source`` is a trace name/path (first ``n`` requests) or ``synthetic[:k=v,...]``
+    (hash ids per :func:`synthetic_trace_block` of ``block_size`` tokens).
+
+    Raises WorkloadError for a bad source or a sample of fewer than 2 requests / zero duration; ValueError for
+    ``block_size < 1``."""
     if n < 2:
         raise WorkloadError(f"the workload sample needs at least 2 requests, got {n}")
     if source == "synthetic" or source.startswith("synthetic:"):
         k = _parse_synthetic(source)
-        reqs = shared_prefix(k["groups"], k["per_group"], k["prefix"], k["suffix"], k["output"], 1.0, k["seed"])
+        reqs = shared_prefix(k["groups"], k["per_group"], k["prefix"], k["suffix"], k["output"], 1.0, k["seed"],
+                             synthetic_trace_block(block_size))
     else:
         reqs = load_trace(source, limit=n)
     if len(reqs) < 2 or reqs[-1].arrival <= reqs[0].arrival:
