@@ -151,7 +151,8 @@ class Planner:
         rate: request rate to plan for, req/s, or None to maximise the goodput.
         policy: router policy simulated (default ``cost``, given the SLO as its targets). block_size: default KV
         block size, tokens (>= 1; a Mooncake trace resolves shared prefixes per 512 tokens, a synthetic workload
-        per :func:`dlmix.plan.workload.synthetic_trace_block`). seed: simulator seed. progress: ``callback(message, done, total)`` or None.
+        per :func:`dlmix.plan.workload.synthetic_trace_block`). seed: simulator seed. progress:
+        ``callback(message, done, total)`` or None.
         engine: overrides of the engine settings every instance gets (:data:`DEFAULTS`: ``max_num_batched_tokens``,
         ``max_num_seqs``, ``t_step``, ``gpu_memory_utilization``). Raises ValueError for a bad rate, SLO, block size
         or engine key, or a model whose head counts are < 1; WorkloadError (a ValueError) when fewer than 2 requests

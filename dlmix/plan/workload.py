@@ -2,8 +2,9 @@
 
 Sources: a built-in trace name (``mooncake``) or a Mooncake-format JSONL path (first ``n`` requests), or a synthetic
 shared-prefix description ``synthetic:groups=16,per_group=16,prefix=6144,suffix=1200,output=128`` (generated with
-:func:`dlmix.sim.workload.shared_prefix`, one hash id per :func:`synthetic_trace_block` tokens). :meth:`PlanWorkload.at` rescales the arrival times so the sample's mean
-rate is the requested one (the arrival pattern — bursts, order, prefix sharing — is kept).
+:func:`dlmix.sim.workload.shared_prefix`, one hash id per :func:`synthetic_trace_block` tokens).
+:meth:`PlanWorkload.at` rescales the arrival times so the sample's mean rate is the requested one (the arrival
+pattern — bursts, order, prefix sharing — is kept).
 """
 from __future__ import annotations
 
@@ -98,8 +99,8 @@ def _parse_synthetic(desc: str) -> dict:
 
 
 def synthetic_trace_block(block_size: int) -> int:
-    """Tokens per hash id of a synthetic plan workload: ``gcd(block_size, *REFINE_BLOCKS)`` (32 and 128), so a shared prefix is seen to
-    the token block of the plan's block size and of both block sizes the refinement tries (32 and 128; a
+    """Tokens per hash id of a synthetic plan workload: ``gcd(block_size, *REFINE_BLOCKS)`` (32 and 128), so a
+    shared prefix is seen to the token block of the plan's block size and of both block sizes the refinement tries (a
     Mooncake trace's 512 would share nothing of a prefix under 512 tokens). Raises ValueError for ``block_size < 1``."""
     from dlmix.plan.search import REFINE_BLOCKS  # search imports this module
 
