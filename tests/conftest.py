@@ -22,7 +22,8 @@ def pytest_collection_modifyitems(config, items):
     one unit of work they form (:class:`_Lanes`) goes out first; each module's own order is kept."""
     if not hasattr(config, "workerinput"):
         return
-    slow = {_module(it) for it in items if it.get_closest_marker("slow") is not None}
+    slow = {_module(it) for it in items
+            if it.get_closest_marker("slow") is not None and it.get_closest_marker("no_engine_servers") is None}
     items.sort(key=lambda it: _module(it) not in slow)
 
 
@@ -36,8 +37,9 @@ def pytest_xdist_make_scheduler(config, log):
     root = Path(config.rootpath)
 
     class _Lanes(LoadScopeScheduling):
-        """Two lanes. Every module with slow tests (``pytest.mark.slow`` in its source: they start engine servers)
-        is in one unit of work, so those modules run one after another on one worker, as in a serial run: their
+        """Two lanes. Every module with slow tests (``pytest.mark.slow`` in its source: they start engine servers),
+        unless its source also says ``pytest.mark.no_engine_servers`` (slow, but no engine server: a pip install, a
+        child pytest, vLLM's kernels in process), is in one unit of work, so those modules run one after another on one worker, as in a serial run: their
         servers are never alive together. On two cores, engine modules run side by side starved each other (a vLLM
         worker's step timed out after minutes, the kernel reported CPU stalls) and took 23 of 24 GB. Every other
         module is a unit of its own, for the other worker meanwhile (module fixtures start once). Units go out in
@@ -49,7 +51,8 @@ def pytest_xdist_make_scheduler(config, log):
             module = nodeid.split("::", 1)[0]
             if module not in self._slow:
                 try:
-                    self._slow[module] = "pytest.mark.slow" in (root / module).read_text(errors="replace")
+                    text = (root / module).read_text(errors="replace")
+                    self._slow[module] = "pytest.mark.slow" in text and "pytest.mark.no_engine_servers" not in text
                 except OSError:
                     self._slow[module] = False
             return "engine-servers" if self._slow[module] else module

@@ -16,7 +16,7 @@ pytest.importorskip("vllm")
 
 from dlmix.kv import KVLayout, ModelIdentity, allocate, convert, read_kv, write_kv  # noqa: E402
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.no_engine_servers]  # vLLM's kernel in this process
 
 
 def _vllm_write(kv: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor, dtype: torch.dtype,

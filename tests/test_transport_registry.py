@@ -20,6 +20,7 @@ from dlmix.testing import poll
 
 SECRET = "registry-secret"
 REPO = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.no_engine_servers  # its slow test runs a child pytest: no engine server
 
 PLUGIN = '''
 """A third-party dlmix transport: the built-in TCP data path under its own kind, with a marker in its descriptor."""
