@@ -290,6 +290,79 @@ def test_aborts_on_either_side_leave_no_blocks_held(servers, tok):
     assert _wait_idle(P.url) == 0.0
 
 
+def _choices(resp, stream: bool) -> dict[int, list[int]]:
+    """Generated token ids per choice index of a completion answer (SSE text when ``stream``)."""
+    out: dict[int, list[int]] = {}
+    if not stream:
+        for ch in resp.json()["choices"]:
+            out[ch["index"]] = list(ch["token_ids"])
+        return out
+    from dlmix.net import sse_lines
+
+    for line in sse_lines(resp.text):
+        if line.startswith("data: ") and line[6:].strip() != "[DONE]":
+            for ch in json.loads(line[6:]).get("choices") or []:
+                out.setdefault(ch["index"], []).extend(ch.get("token_ids") or [])
+    return out
+
+
+def test_n2_through_router_shares_the_prefill_kv(servers, smollm2_dir):
+    """``n=2`` through the router on P1 -> D1: both greedy (``top_k=1``) choices equal the single instance's greedy
+    answer, seeded sampled choices equal the single instance's own ``n=2`` answer (streamed), each prefill ran once,
+    the decode pulled and no pull failed, the prefill refused nothing ("not held here"), and both instances end at
+    0 % KV usage (nothing held)."""
+    import httpx
+
+    from dlmix.router.config import RouterConfig
+    from dlmix.testing import RouterThread
+
+    P, D = servers["P1"], servers["D1"]
+    insts = [{"id": "P", "url": P.url, "role": "prefill", "engine": "vllm", "model": "smollm2", "chip": "cpu-x86",
+              "block_size": 128},
+             {"id": "D", "url": D.url, "role": "decode", "engine": "vllm", "model": "smollm2", "chip": "cpu-x86",
+              "block_size": 128}]
+    rt = RouterThread(RouterConfig(host="127.0.0.1", port=0, policy="cost", policy_params={"local_max_uncached": 0},
+                                   model_spec=str(smollm2_dir), instances=insts, health_interval_s=1.0))
+    try:
+        prompts = [[(i * 37 + 11 * k) % 3000 + 100 for i in range(300)] for k in range(2)]
+        base = {"model": "smollm2", "max_tokens": 12, "return_token_ids": True}
+        # vLLM refuses n > 1 with temperature 0; top_k=1 samples the argmax (greedy), a seed fixes sampled choices
+        greedy_n2 = dict(base, temperature=1.0, top_k=1, n=2)
+        seeded_n2 = dict(base, temperature=0.8, seed=7, n=2, stream=True)
+        with httpx.Client(timeout=300) as c:
+            T.reset_prefix_cache(D.url)
+            ref0 = c.post(D.url + "/v1/completions", json=dict(base, prompt=prompts[0], temperature=0)).json()
+            ref0 = ref0["choices"][0]["token_ids"]
+            T.reset_prefix_cache(D.url)
+            r = c.post(D.url + "/v1/completions", json=dict(seeded_n2, prompt=prompts[1]))
+            ref1 = _choices(r, True)  # the single instance's own two seeded choices
+            assert len(ref1) == 2, r.text[:300]
+            T.reset_prefix_cache(D.url)
+            pulls0 = T.metric_sum(D.url, "vllm:dlmix_kv_transfers_total")
+            failed0 = T.metric_sum(D.url, "vllm:dlmix_kv_failed_transfers_total")
+            prefills0 = T.metric_sum(P.url, "vllm:request_success_total")
+            refused0 = P.log.read_text(errors="replace").count("not held here")
+            r = c.post(rt.url + "/v1/completions", json=dict(greedy_n2, prompt=prompts[0]))
+            assert r.status_code == 200, r.text[:500]
+            assert _choices(r, False) == {0: ref0, 1: ref0}
+            r = c.post(rt.url + "/v1/completions", json=dict(seeded_n2, prompt=prompts[1]))
+            assert r.status_code == 200, r.text[:500]
+            assert _choices(r, True) == ref1  # same seed semantics as the single instance (child i: seed + i)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and (T.kv_usage(P.url) > 0 or T.kv_usage(D.url) > 0
+                                               or T.metric_sum(D.url, "vllm:dlmix_kv_transfers_total") - pulls0 < 4):
+            time.sleep(0.5)
+        pulls = T.metric_sum(D.url, "vllm:dlmix_kv_transfers_total") - pulls0
+        print(f"n=2 through PD: {pulls:.0f} pulls for 2 requests x 2 choices")
+        assert 2 <= pulls <= 4  # a choice scheduled after its sibling's load may find the prompt cached locally
+        assert T.metric_sum(D.url, "vllm:dlmix_kv_failed_transfers_total") - failed0 == 0
+        assert T.kv_usage(P.url) == 0.0 and T.kv_usage(D.url) == 0.0
+        assert P.log.read_text(errors="replace").count("not held here") == refused0
+        assert T.metric_sum(P.url, "vllm:request_success_total") - prefills0 == 2  # one prefill per request
+    finally:
+        rt.close()
+
+
 def test_prefill_killed_between_steps_decode_recomputes(servers, tok):
     """Runs last: kills P1. D1 fails the load fast, reports the blocks, recomputes, and nothing stays held."""
     P, D = servers["P1"], servers["D1"]
