@@ -413,7 +413,7 @@ def test_engine_registers_with_the_router_and_heartbeats_its_load(smollm2_dir, t
     """With ``router_url`` and ``public_url`` in ``DLMIX_LMDEPLOY_CONFIG`` the engine registers itself with the
     dlmix router (engine ``lmdeploy``, its role, block size and DLMix layout) and heartbeats LMDeploy's own load: a
     prefill that holds a request's blocks for a decode shows KV usage; once the hold expires (``hold_timeout_s``
-    20 s, no decode came) the blocks are free and the usage it reports is 0 again."""
+    10 s, no decode came) the blocks are free and the usage it reports is 0 again."""
     from dlmix.router.config import RouterConfig
     from dlmix.router.engines import lmdeploy as lmd
     from dlmix.testing import RouterThread, poll
@@ -425,7 +425,7 @@ def test_engine_registers_with_the_router_and_heartbeats_its_load(smollm2_dir, t
         port = T.free_port()
         url = f"http://127.0.0.1:{port}"
         env = {"DLMIX_LMDEPLOY_CONFIG": json.dumps({"router_url": rt.url, "public_url": url, "model_name": m,
-                                                    "heartbeat_s": 0.5, "hold_timeout_s": 20})}
+                                                    "heartbeat_s": 0.5, "hold_timeout_s": 10})}
         T.start_ready(m, tmp_path, started, role="Prefill", dtype="bfloat16", block_size=16, num_blocks=64,
                       port=port, env=env)
 
