@@ -46,6 +46,18 @@ def pair(smollm2_dir, tmp_path_factory):
         yield p
 
 
+#: answers given one at a time, by prompt (the two tests below send the same six prompts: computed once)
+_ALONE: dict[str, str] = {}
+
+
+def _alone(pair, prompts: list[str]) -> list[str]:
+    """Each prompt's answer (8 greedy tokens through the router) given one at a time, computed once per prompt."""
+    for p in prompts:
+        if p not in _ALONE:
+            _ALONE[p] = T.router_request(pair.router.url, pair.model, "completion", p, 8)
+    return [_ALONE[p] for p in prompts]
+
+
 def _idle(pair, names=("P", "D"), timeout_s: float = 90) -> dict:
     """Wait until each engine reports at most the idle figure (a block or two LMDeploy may keep for itself); returns
     the last figures in blocks. Fails naming the engine that still holds blocks."""
@@ -120,7 +132,7 @@ def test_prompts_beyond_the_prefill_pool_keep_their_held_blocks(pair):
     when its request ends). Every answer equals the one given one at a time, twice over."""
     rt, m = pair.router, pair.model
     prompts = [_prompt(10 + i, 250 + 40 * i) for i in range(6)]
-    want = [T.router_request(rt.url, m, "completion", p, 8) for p in prompts]
+    want = _alone(pair, prompts)
     for _ in range(2):
         with ThreadPoolExecutor(6) as ex:
             got = list(ex.map(lambda p: T.post_json(rt.url + "/v1/completions", _body(m, p, 8), timeout=300),
@@ -168,7 +180,7 @@ def test_killed_prefill_fails_its_requests_readably_and_the_decode_frees_everyth
     prefill)."""
     rt, m = pair.router, pair.model
     prompts = [_prompt(10 + i, 250 + 40 * i) for i in range(6)]
-    want = [T.router_request(rt.url, m, "completion", p, 8) for p in prompts]
+    want = _alone(pair, prompts)
     _idle(pair)
 
     def one(p: str):
