@@ -45,57 +45,17 @@ def _launch(name: str, model: str, wd, tp: int, role: str, extra: dict):
                     extra_args=["--tensor-parallel-size", str(tp)] if tp > 1 else None)
 
 
-#: (KV heads of the model, prefill TP, decode TP), in the order the cases run
-CASES = [(2, 2, 1), (2, 1, 2), (1, 2, 1)]
-
-
-class _Pairs:
-    """The prefill/decode pair of each case, launched (not waited for) on demand: a case launches the next case's
-    pair once its own is ready, so that the next start-up (mostly one process importing at a time) overlaps this
-    case's requests instead of running alone. At most two pairs are alive; a pair never taken is stopped at the
-    module's end."""
-
-    def __init__(self, models: dict[int, str], tmp_path_factory):
-        self.models, self.tmp, self.launched = models, tmp_path_factory, {}
-
-    def launch(self, case: tuple[int, int, int]) -> None:
-        if case in self.launched:
-            return
-        kv_heads, ptp, dtp = case
-        model = self.models[kv_heads]
-        wd = self.tmp.mktemp(f"tp-{kv_heads}kv-p{ptp}-d{dtp}")
-        # Generous timeouts: on a loaded two-core machine one transfer waited 40 s for the prefill rank's answer;
-        # this test checks the bytes and the tokens, not the speed (benchmarks/ does).
-        P = _launch("P", model, wd, ptp, "kv_producer", {"hold_timeout_s": 600})
-        D = _launch("D", model, wd, dtp, "kv_consumer", {"io_timeout_s": 120, "stats_dir": str(wd / "stats")})
-        self.launched[case] = (P, D, wd)
-
-    def take(self, case: tuple[int, int, int]):
-        self.launch(case)
-        return self.launched.pop(case)
-
-    def stop(self) -> None:
-        stop_all([s for P, D, _ in self.launched.values() for s in (P, D)])
-
-
-@pytest.fixture(scope="module")
-def pairs(tiny_model_dir, tiny_model_1kv_dir, tmp_path_factory):
-    p = _Pairs({2: str(tiny_model_dir), 1: str(tiny_model_1kv_dir)}, tmp_path_factory)
-    try:
-        yield p
-    finally:
-        p.stop()
-
-
-@pytest.mark.parametrize("kv_heads, ptp, dtp", CASES, ids=["p-tp2_d-tp1", "p-tp1_d-tp2", "1kv_p-tp2_d-tp1"])
-def test_tp_mismatch_identical_to_single_decode_instance(pairs, kv_heads, ptp, dtp):
-    case = (kv_heads, ptp, dtp)
-    P, D, wd = pairs.take(case)
-    stats = wd / "stats"
+@pytest.mark.parametrize("kv_heads, ptp, dtp", [(2, 2, 1), (2, 1, 2), (1, 2, 1)],
+                         ids=["p-tp2_d-tp1", "p-tp1_d-tp2", "1kv_p-tp2_d-tp1"])
+def test_tp_mismatch_identical_to_single_decode_instance(request, tmp_path, kv_heads, ptp, dtp):
+    model = str(request.getfixturevalue("tiny_model_dir" if kv_heads == 2 else "tiny_model_1kv_dir"))
+    stats = tmp_path / "stats"
+    # Generous timeouts: on a loaded two-core machine one transfer waited 40 s for the prefill rank's answer; this
+    # test checks the bytes and the tokens, not the speed (benchmarks/ does).
+    P = _launch("P", model, tmp_path, ptp, "kv_producer", {"hold_timeout_s": 600})
+    D = _launch("D", model, tmp_path, dtp, "kv_consumer", {"io_timeout_s": 120, "stats_dir": str(stats)})
     try:
         T.wait_ready([P, D], timeout_s=600)
-        if CASES.index(case) + 1 < len(CASES):
-            pairs.launch(CASES[CASES.index(case) + 1])
         items = T.id_prompts(20, seed=4321, max_len=600)  # the tiny vocabulary, 10..600 tokens
         refs = T.single_references(D.url, items, MAX_TOKENS, extra=NO_EOS)
         got, loaded = {}, {}
