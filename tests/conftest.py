@@ -39,11 +39,11 @@ def pytest_xdist_make_scheduler(config, log):
     class _Lanes(LoadScopeScheduling):
         """Two lanes. Every module with slow tests (``pytest.mark.slow`` in its source: they start engine servers),
         unless its source also says ``pytest.mark.no_engine_servers`` (slow, but no engine server: a pip install, a
-        child pytest, vLLM's kernels in process), is in one unit of work, so those modules run one after another on one worker, as in a serial run: their
-        servers are never alive together. On two cores, engine modules run side by side starved each other (a vLLM
-        worker's step timed out after minutes, the kernel reported CPU stalls) and took 23 of 24 GB. Every other
-        module is a unit of its own, for the other worker meanwhile (module fixtures start once). Units go out in
-        the workers' collection order (:func:`pytest_collection_modifyitems`), not largest first."""
+        child pytest, vLLM's kernels in process), is in one unit of work, so those modules run one after another on one
+        worker, as in a serial run: their servers are never alive together. On two cores, engine modules run side by
+        side starved each other (a vLLM worker's step timed out after minutes, the kernel reported CPU stalls) and took
+        23 of 24 GB. Every other module is a unit of its own, for the other worker meanwhile (module fixtures start
+        once). Units go out in the workers' collection order (:func:`pytest_collection_modifyitems`), not largest first."""
 
         _slow: dict = {}
 
