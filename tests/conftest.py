@@ -43,7 +43,8 @@ def pytest_xdist_make_scheduler(config, log):
         worker, as in a serial run: their servers are never alive together. On two cores, engine modules run side by
         side starved each other (a vLLM worker's step timed out after minutes, the kernel reported CPU stalls) and took
         23 of 24 GB. Every other module is a unit of its own, for the other worker meanwhile (module fixtures start
-        once). Units go out in the workers' collection order (:func:`pytest_collection_modifyitems`), not largest first."""
+        once). Units go out in the workers' collection order (:func:`pytest_collection_modifyitems`), not largest
+        first."""
 
         _slow: dict = {}
 
