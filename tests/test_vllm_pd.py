@@ -293,16 +293,9 @@ def test_aborts_on_either_side_leave_no_blocks_held(servers, tok):
 def _choices(resp, stream: bool) -> dict[int, list[int]]:
     """Generated token ids per choice index of a completion answer (SSE text when ``stream``)."""
     out: dict[int, list[int]] = {}
-    if not stream:
-        for ch in resp.json()["choices"]:
-            out[ch["index"]] = list(ch["token_ids"])
-        return out
-    from dlmix.net import sse_lines
-
-    for line in sse_lines(resp.text):
-        if line.startswith("data: ") and line[6:].strip() != "[DONE]":
-            for ch in json.loads(line[6:]).get("choices") or []:
-                out.setdefault(ch["index"], []).extend(ch.get("token_ids") or [])
+    for ev in T.parse_sse(resp.text) if stream else [resp.json()]:
+        for ch in ev.get("choices") or []:
+            out.setdefault(ch["index"], []).extend(ch.get("token_ids") or [])
     return out
 
 
