@@ -245,23 +245,27 @@ class _Conn:
                 self.disarmed_at = time.monotonic()
 
     def poke(self) -> None:
-        """Wake the reader thread although the socket has no new bytes (a frame is already buffered in ``rx``)."""
+        """Wake the reader thread although the socket has no new bytes (a frame is already buffered in ``rx``, or
+        the connection was dropped: closing a socket does not wake an ``epoll_wait`` on it)."""
         if self.wake_fd >= 0:
-            try:
-                os.eventfd_write(self.wake_fd, 1)
-            except OSError:
-                pass
+            with self.arm_lock:  # not after close_poll: the descriptor's number may already belong to another file
+                if self.wake_fd >= 0:
+                    try:
+                        os.eventfd_write(self.wake_fd, 1)
+                    except OSError:
+                        pass
 
     def close_poll(self) -> None:
         """Release the reader's epoll and eventfd (the reader thread, on exit)."""
-        if self.ep is not None:
-            self.ep.close()
-        if self.wake_fd >= 0:
-            try:
-                os.close(self.wake_fd)
-            except OSError:
-                pass
-            self.wake_fd = -1
+        with self.arm_lock:
+            if self.ep is not None:
+                self.ep.close()
+            if self.wake_fd >= 0:
+                try:
+                    os.close(self.wake_fd)
+                except OSError:
+                    pass
+                self.wake_fd = -1
 
     def shutdown(self) -> None:
         self.alive = False
@@ -395,6 +399,10 @@ class Endpoint(Transport):
             self._closed = True
             conns = [c for cs in list(self._out.values()) + list(self._in.values()) for c in cs]
             xfers = list(self._xfers.values())
+        try:
+            self._lsock.shutdown(socket.SHUT_RDWR)  # wakes the accept thread (close alone does not, on Linux)
+        except OSError:
+            pass
         try:
             self._lsock.close()
         except OSError:
@@ -849,6 +857,7 @@ class Endpoint(Transport):
 
     def _drop_conn(self, conn: _Conn, reason: str) -> None:
         conn.shutdown()
+        conn.poke()  # an outbound reader thread asleep in its epoll (disarmed, or racing the close) exits now
         try:
             conn.sock.close()
         except OSError:

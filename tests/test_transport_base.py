@@ -456,3 +456,42 @@ def test_a_connection_found_dead_at_launch_carries_no_chunk(monkeypatch):
             c.alive = True
         a.close()
         b.close()
+
+
+def _threads_of(*names: str) -> list[str]:
+    import threading
+
+    return sorted(t.name for t in threading.enumerate() if t.is_alive() and any(t.name.endswith(f"-{n}") for n in names))
+
+
+def _wait_threads_gone(*names: str, timeout: float = 10.0) -> list[str]:
+    end = time.monotonic() + timeout
+    while (left := _threads_of(*names)) and time.monotonic() < end:
+        time.sleep(0.02)
+    return left
+
+
+def test_close_and_a_dropped_link_leave_no_thread_behind():
+    """``close()`` ends the endpoint's accept thread and every reader thread, also the reader of an outbound link
+    whose epoll is disarmed (a one-chunk read disarms it while its waiter reads the response itself). Before, closing
+    the listening socket did not wake ``accept`` and closing a connection did not wake an ``epoll_wait`` on it: three
+    threads (and an epoll and an eventfd) stayed per closed endpoint, and one per dropped link."""
+    a, b, src, dst = _linked_pair(13, "r", {}, {"stripes": 2})
+    try:
+        assert b.read("a", [Segment("kv", 0, "kv", 0, 4096)], "t").result(30) == 4096  # one chunk: disarms a link
+        assert np.array_equal(dst[:4096], src[:4096])
+        assert _threads_of("a").count("dlmix-kv-rd-a") == 2, _threads_of("a")
+        link = list(b._out["a"])
+        b._drop_conn(link[0], "test drop")  # one stripe dropped while the endpoint lives on
+        def readers_of_link() -> int:  # b's reader threads of its outbound connections to a
+            return _threads_of("a").count("dlmix-kv-rd-a")
+
+        end = time.monotonic() + 10
+        while readers_of_link() > 1 and time.monotonic() < end:
+            time.sleep(0.02)
+        assert readers_of_link() == 1, _threads_of("a")
+        assert b.read("a", [Segment("kv", 0, "kv", 0, 4096)], "t").result(30) == 4096  # the other stripe serves
+    finally:
+        a.close()
+        b.close()
+    assert _wait_threads_gone("a", "b") == []
