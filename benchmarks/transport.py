@@ -11,6 +11,10 @@ Measured in one run, interleaved round by round so load changes hit every conten
   ``UCX_NET_DEVICES=lo``; the like-for-like rival of dlmix ``tcp``) and ``nixl_sm`` = UCX's defaults, which on one
   host move the bytes through shared memory / CMA (the rival of dlmix ``shm``).
 
+Each round starts every transport's peer and endpoint afresh and closes them once its sizes are measured, so no
+transport's idle threads load another's measurement (an idle NIXL agent's UCX progress thread spins a whole core, and
+each NIXL contender has two agents: with them all alive, a 2-core machine measured everything else under load).
+
 Sizes 4 KiB, 256 KiB, 4 MiB, 64 MiB. For each contender and size: ``lat_us`` = median seconds per transfer;
 ``GBps`` = bytes / fastest transfer (on a shared, oversubscribed box noise only ever adds time, so the minimum is the
 stable estimate of what the path can do; timeit's rule) and ``GBps_median`` = bytes / median. The ratios use
@@ -200,27 +204,43 @@ def main() -> None:
     if args.kinds:
         want = args.kinds.split(",")
         kinds = [k for k in kinds if k in want]
-    contenders = [SocketBaseline(), Memcpy()]
-    for k in kinds:
-        try:
-            contenders.append(TransportBench(k))
-        except Exception as e:  # report and go on
-            skipped[k] = f"failed to start: {type(e).__name__}: {e}"
-            print(f"[transport] {k}: {skipped[k]}", file=sys.stderr)
-    samples: dict[str, dict[int, list[float]]] = {c.name: {s: [] for s in SIZES} for c in contenders}
+    baselines = [SocketBaseline(), Memcpy()]
+    names = [c.name for c in baselines] + kinds
+    samples: dict[str, dict[int, list[float]]] = {n: {s: [] for s in SIZES} for n in names}
+    extra: dict[str, dict] = {}
+
+    def measure(c) -> None:
+        for s in SIZES:
+            c.once(s)  # warm
+            t_end = time.perf_counter() + budget_s
+            for i in range(iters[s]):  # up to iters[s] transfers, at least 3, within the time budget
+                samples[c.name][s].append(c.once(s))
+                if i >= 2 and time.perf_counter() > t_end:
+                    break
+
+    # A transport's processes live only while it is measured: an idle NIXL agent's progress thread spins a whole core
+    # (two agents per contender), which would load every other contender's measurement on a small machine.
     for r in range(rounds):
-        for c in contenders:
-            for s in SIZES:
-                c.once(s)  # warm
-                t_end = time.perf_counter() + budget_s
-                for i in range(iters[s]):  # up to iters[s] transfers, at least 3, within the time budget
-                    samples[c.name][s].append(c.once(s))
-                    if i >= 2 and time.perf_counter() > t_end:
-                        break
+        for c in baselines:
+            measure(c)
+        for k in kinds:
+            if k in skipped:
+                continue
+            try:
+                c = TransportBench(k)
+            except Exception as e:  # report and go on
+                skipped[k] = f"failed to start: {type(e).__name__}: {e}"
+                print(f"[transport] {k}: {skipped[k]}", file=sys.stderr)
+                continue
+            try:
+                extra.setdefault(k, c.extra)
+                measure(c)
+            finally:
+                c.close()
         print(f"[transport] round {r + 1}/{rounds} done", file=sys.stderr)
-    extra = {c.name: getattr(c, "extra", {}) for c in contenders}
-    for c in contenders:
+    for c in baselines:
         c.close()
+    samples = {n: per for n, per in samples.items() if n not in skipped}
 
     res: dict[str, dict] = {}
     for name, per in samples.items():

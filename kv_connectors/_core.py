@@ -34,7 +34,7 @@ import socket
 import threading
 import time
 import uuid
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from typing import Any, Callable, Mapping
 
 import msgspec
 
@@ -47,7 +47,6 @@ from .base import (
     ProtocolError,
     Region,
     Segment,
-    TransferCancelled,
     TransferHandle,
     TransferTimeout,
     Transport,
