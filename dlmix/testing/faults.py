@@ -677,6 +677,10 @@ class LinkProxy:
     def close(self) -> None:
         self._closed = True
         self.drop()
+        try:
+            self.ls.shutdown(socket.SHUT_RDWR)  # wakes the accept thread; closing alone does not (Linux)
+        except OSError:
+            pass
         self.ls.close()
 
     def _accept(self) -> None:
