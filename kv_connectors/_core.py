@@ -31,6 +31,7 @@ import os
 import queue
 import select
 import socket
+import struct
 import threading
 import time
 import uuid
@@ -537,6 +538,8 @@ class Endpoint(Transport):
             raise ValueError("descriptor name/host must be str and port int")
         timeout = self.timeout_s if timeout_s is None else timeout_s
         with self._lock:
+            if self._closed:
+                raise PeerError("transport closed")
             self._desc[peer] = dict(descriptor)
             live = [c for c in self._out.get(peer, []) if c.alive]
         if not live:
@@ -549,13 +552,17 @@ class Endpoint(Transport):
         try:
             for _ in range(self.stripes):
                 conns.append(self._dial(desc, timeout))
+            # a failing data-path hook (an adapter's library cannot reach the peer) must not leave the stripes
+            # just dialed alive outside _out, where neither a later connect nor close() would find them
+            self._dp_link_up(peer, desc, conns)
+            with self._lock:
+                if self._closed:  # close() ran while we dialed: it did not see these connections
+                    raise PeerError("transport closed")
+                self._out[peer] = [c for c in self._out.get(peer, []) if c.alive] + conns
         except BaseException:
             for c in conns:
                 self._drop_conn(c, "link setup failed")
             raise
-        self._dp_link_up(peer, desc, conns)
-        with self._lock:
-            self._out[peer] = [c for c in self._out.get(peer, []) if c.alive] + conns
         return conns
 
     def _dial(self, desc: Mapping, timeout: float) -> _Conn:
@@ -1200,18 +1207,51 @@ class Endpoint(Transport):
             raise ValueError(f"notification is not JSON-able: {e}") from None
         if len(frame) - W.HEADER_SIZE > self.max_body:
             raise ValueError(f"notification of {len(frame)} B exceeds the {self.max_body} B control-frame limit")
+        deadline = time.monotonic() + (self.timeout_s if timeout_s is None else float(timeout_s))
         with self._lock:
             conns = [c for c in self._out.get(peer_id, []) if c.alive] + \
                     [c for c in self._in.get(peer_id, []) if c.alive]
         if not conns:
             conns = self._conns_for(peer_id)
+        timed_out = False
         for c in conns:
             try:
-                self._send(c, [frame])
+                self._send_until(c, [frame], deadline)
                 return
+            except TimeoutError:  # a peer that stopped reading: its send buffer is full (or another send is stuck)
+                timed_out = True
             except OSError as e:
                 self._drop_conn(c, f"send failed: {e}")
+        if timed_out:
+            raise TransferTimeout(f"notification to {peer_id!r} not handed to the kernel within its timeout; "
+                                  f"peer stalled")
         raise PeerError(f"could not deliver notification to {peer_id!r}")
+
+    def _send_until(self, conn: _Conn, views: list, deadline: float) -> None:
+        """``_send`` bounded by ``deadline`` (monotonic s): raises TimeoutError when the send lock or the socket's
+        send buffer does not free up in time. A send cut short that way may leave a frame half sent (the stream out
+        of step): the connection is dropped then."""
+        if not conn.send_lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
+            raise TimeoutError("send lock busy")
+        try:
+            left = max(0.001, deadline - time.monotonic())
+            conn.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO,
+                                 struct.pack("ll", int(left), int((left % 1) * 1e6)))
+            try:
+                W.send_views(conn.sock, views)
+            finally:
+                try:
+                    conn.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, struct.pack("ll", 0, 0))
+                except OSError:
+                    pass
+        except BlockingIOError:  # SO_SNDTIMEO expired, possibly mid-frame
+            conn.send_lock.release()
+            self._drop_conn(conn, "notification send timed out")
+            raise TimeoutError("send timed out") from None
+        except BaseException:
+            conn.send_lock.release()
+            raise
+        conn.send_lock.release()
 
     def _deliver(self, n: Notification) -> None:
         h = self._handler

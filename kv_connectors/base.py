@@ -566,8 +566,10 @@ class Transport(abc.ABC):
     @abc.abstractmethod
     def notify(self, peer_id: str, msg: Mapping[str, Any], timeout_s: float | None = None) -> None:
         """Send a small JSON-able dict to a connected peer (over the authenticated control channel). Blocks until the
-        message is handed to the kernel. Raises ``PeerError`` if not connected, ``ValueError`` if not JSON-able or
-        larger than the control-frame limit."""
+        message is handed to the kernel, at most ``timeout_s`` seconds (None: the transport's own timeout). Raises
+        ``PeerError`` if not connected, ``ValueError`` if not JSON-able or larger than the control-frame limit,
+        ``TransferTimeout`` if the peer stopped reading and the message could not be handed over in time (that
+        connection is dropped: a frame may have been cut)."""
 
     @abc.abstractmethod
     def get_notification(self, timeout: float | None = 0.0) -> Notification | None:

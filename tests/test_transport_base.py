@@ -495,3 +495,111 @@ def test_close_and_a_dropped_link_leave_no_thread_behind():
         a.close()
         b.close()
     assert _wait_threads_gone("a", "b") == []
+
+
+def _link_threads(peer: str) -> list[str]:
+    """Reader and sender threads of outbound links to ``peer`` in this process."""
+    return [t for t in _threads_of(peer) if t in (f"dlmix-kv-rd-{peer}", f"dlmix-kv-tx-{peer}")]
+
+
+def _settle(pred, timeout: float = 10.0) -> bool:
+    end = time.monotonic() + timeout
+    while not pred() and time.monotonic() < end:
+        time.sleep(0.02)
+    return pred()
+
+
+def test_a_link_whose_data_path_hook_fails_is_closed_not_leaked():
+    """When the data-path hook fails after the stripes are dialed (an adapter whose library cannot reach the peer),
+    ``connect`` raises and the stripes are dropped: no reader or sender thread stays, the peer sees them go, and a
+    later ``close()`` has nothing left to miss. Before, each failed ``connect`` left two threads, a socket, an epoll
+    and an eventfd per stripe."""
+
+    class FailingHook(TcpTransport):
+        def _dp_link_up(self, peer, desc, conns):
+            raise PeerError("library cannot reach the peer")
+
+    a = make_transport("tcp", name="ha", secret="s")
+    b = FailingHook(name="hb", secret="s")
+    try:
+        for _ in range(3):
+            with pytest.raises(PeerError, match="library cannot reach"):
+                b.connect(a.descriptor())
+        assert b._out == {}
+        assert _settle(lambda: _link_threads("ha") == []), _threads_of("ha")
+        assert _settle(lambda: a.peers() == []), a.peers()
+    finally:
+        b.close()
+        a.close()
+    assert _wait_threads_gone("ha", "hb") == []
+
+
+def test_connect_on_a_closed_endpoint_or_racing_close_opens_nothing():
+    """``connect`` after ``close()`` raises PeerError("transport closed"); a ``close()`` that runs while a
+    ``connect`` is in its handshake makes that ``connect`` raise and drop the stripes it dialed, instead of adding a
+    link nothing would close."""
+    import threading
+
+    a = make_transport("tcp", name="ca", secret="s")
+    b = make_transport("tcp", name="cb", secret="s")
+    c = make_transport("tcp", name="cc", secret="s")
+    try:
+        b.close()
+        with pytest.raises(PeerError, match="transport closed"):
+            b.connect(a.descriptor())
+        in_handshake, go = threading.Event(), threading.Event()
+        real = c._handshake_client
+
+        def slow_handshake(sock, expect):
+            info = real(sock, expect)
+            in_handshake.set()
+            go.wait(10)
+            return info
+
+        c._handshake_client = slow_handshake
+        err = []
+        th = threading.Thread(target=lambda: err.append(pytest.raises(PeerError, c.connect, a.descriptor())))
+        th.start()
+        assert in_handshake.wait(10)
+        c.close()
+        go.set()
+        th.join(10)
+        assert not th.is_alive() and err and "transport closed" in str(err[0].value)
+        assert c._out == {}
+    finally:
+        for t in (a, b, c):
+            t.close()
+    assert _wait_threads_gone("ca", "cb", "cc") == []
+
+
+def test_notify_to_a_peer_that_stopped_reading_times_out():
+    """``notify(..., timeout_s)`` to an authenticated peer that never reads (a stopped decode process) raises
+    TransferTimeout within about its timeout once the socket buffers are full, and drops that connection, so later
+    notifications and the caller's other peers are not held behind it. Before, it blocked in ``sendall`` forever."""
+    import threading
+
+    from dlmix_kv_connectors import TransferTimeout
+    from dlmix_kv_connectors.testing import raw_auth
+
+    a = make_transport("tcp", name="na", secret="s")
+    s = raw_auth(a.host, a.port, "stalled", "s")  # authenticated, never reads again
+    out: dict = {"sent": 0, "err": None}
+
+    def flood():
+        try:
+            for _ in range(200):  # 200 MiB: far beyond any loopback socket buffer
+                a.notify("stalled", {"pad": "x" * (1 << 20)}, timeout_s=1.0)
+                out["sent"] += 1
+        except Exception as e:
+            out["err"] = e
+
+    th = threading.Thread(target=flood, daemon=True)
+    try:
+        th.start()
+        th.join(30)
+        assert not th.is_alive(), f"notify still blocked after 30 s ({out['sent']} MiB handed over)"
+        assert isinstance(out["err"], TransferTimeout), out
+        assert out["sent"] < 200
+    finally:
+        s.close()
+        a.close()
