@@ -102,28 +102,33 @@ class KVEndpoint:
         num_blocks = check_caches(layout, layers)
         self.t = make_transport(kind, name=name, secret=secret, host=host, port=port, timeout_s=io_timeout_s,
                                 **(transport_cfg or {}))
-        self.outbox = None
-        if needs_outbox(self.t, layout, layers):
-            self.outbox = HostOutbox(layout, layers, outbox_bytes)
-            self.outbox.register(self.t)
-        else:
-            register_regions(self.t, layout, layers)
-        self.staging = None
-        if staging_bytes:
-            pin = torch.cuda.is_available() and any(
-                p.device.type == "cuda" for p in layer_planes(layout, layers[0]))
-            self.staging = torch.empty(int(staging_bytes), dtype=torch.uint8, pin_memory=pin)
-            self.t.register("staging", self.staging)
-        self.producer = Producer(self.t, layout, num_blocks, hold_timeout_s=hold_timeout_s,
-                                 registration_wait_s=registration_wait_s, io_timeout_s=io_timeout_s,
-                                 verify_weights=verify_weights, on_released=on_released, outbox=self.outbox)
-        self._slots = _Slots()
-        self.consumer = Consumer(self.t, layout, layers, self.staging, slots=self._slots, io_timeout_s=io_timeout_s,
-                                 registration_wait_s=registration_wait_s, verify_weights=verify_weights)
-        self._work: queue.Queue = queue.Queue()
-        self._stop = threading.Event()
-        self._worker = threading.Thread(target=self._serve, name="dlmix-kv-ctl", daemon=True)
-        self._worker.start()
+        try:
+            self.outbox = None
+            if needs_outbox(self.t, layout, layers):
+                self.outbox = HostOutbox(layout, layers, outbox_bytes)
+                self.outbox.register(self.t)
+            else:
+                register_regions(self.t, layout, layers)
+            self.staging = None
+            if staging_bytes:
+                pin = torch.cuda.is_available() and any(
+                    p.device.type == "cuda" for p in layer_planes(layout, layers[0]))
+                self.staging = torch.empty(int(staging_bytes), dtype=torch.uint8, pin_memory=pin)
+                self.t.register("staging", self.staging)
+            self.producer = Producer(self.t, layout, num_blocks, hold_timeout_s=hold_timeout_s,
+                                     registration_wait_s=registration_wait_s, io_timeout_s=io_timeout_s,
+                                     verify_weights=verify_weights, on_released=on_released, outbox=self.outbox)
+            self._slots = _Slots()
+            self.consumer = Consumer(self.t, layout, layers, self.staging, slots=self._slots,
+                                     io_timeout_s=io_timeout_s, registration_wait_s=registration_wait_s,
+                                     verify_weights=verify_weights)
+            self._work: queue.Queue = queue.Queue()
+            self._stop = threading.Event()
+            self._worker = threading.Thread(target=self._serve, name="dlmix-kv-ctl", daemon=True)
+            self._worker.start()
+        except BaseException:  # do not leave the transport's threads running and its port bound
+            self.t.close()
+            raise
         self.t.on_notify(self._on_notify)
 
     @classmethod
