@@ -223,3 +223,72 @@ def test_one_transport_for_a_producer_of_other_tp_is_refused_with_the_reason():
     finally:
         p.close()
         d.close()
+
+
+def test_a_failed_read_cancels_the_other_ranks_reads_before_the_pull_returns():
+    """A round reads from every producer rank at once. When one read fails (rank 0's engine aborted the request
+    between answering and the read: refused), the pull fails with the reason and first cancels the other ranks' reads
+    (``cancel()`` returns once none of their bytes can still land), so nothing lands in the staging region after the
+    pull gave it up. Before, rank 1's read (slowed here by a stalled link) wrote its bytes there seconds later."""
+    import time
+
+    from dlmix.testing.faults import LinkProxy
+
+    n = 64
+    src0, dst = _layout(32, "bf16", "vllm_cpu", 2), _layout(64, "fp32", "vllm_cpu", 1)
+    ref = _global_kv(src0, n)
+    sblocks, digest = [3, 4], prompt_digest(range(n))
+    prods = [KVEndpoint("tcp", f"p{r}", SECRET, "127.0.0.1", 0, src0.with_rank(r),
+                        _rank_caches(src0.with_rank(r), ref, sblocks, n), 0, registration_wait_s=2.0,
+                        io_timeout_s=20.0) for r in range(2)]
+    d = KVEndpoint("tcp", "d0", SECRET, "127.0.0.1", 0, dst, allocate(dst, 4), 1 << 20, registration_wait_s=2.0,
+                   io_timeout_s=20.0)
+    proxy = LinkProxy()
+    try:
+        proxy.upstream = (prods[1].t.host, prods[1].t.port)
+        descs = [prods[0].descriptor(), dict(prods[1].descriptor(), host=proxy.host, port=proxy.port)]
+        for p in prods:
+            p.add_hold("req", sblocks, n, digest)
+        params = TransferParams.make(engine="reference", instance_id="p0", transports=descs, request_id="req",
+                                     block_ids=sblocks, num_tokens=n, layout=src0, digest=digest)
+        c = claim(params.to_dict(), dst, n + 1, 0, prompt_token_ids=list(range(n + 1)))
+        real_read = d.t.read
+
+        def read(peer, segs, transfer_id, timeout_s=None):
+            if peer == "p0":
+                prods[0].engine_abort("req")  # rank 0's engine drops the request: its read is refused
+            else:
+                proxy.stall(3.0)  # rank 1's link is slow for a moment: its read is still running
+            return real_read(peer, segs, transfer_id=transfer_id, timeout_s=timeout_s)
+
+        d.t.read = read
+        res = d.pull_params(c.params, c.start, c.end, [1], digest=digest)
+        assert res.error and "GrantError" in res.error and "no active grant" in res.error, res.error
+        assert [x for x in list(d.t._xfers.values()) if not x.handle._state] == []
+        d.staging.zero_()  # the staging region is free now: the next pull would use it
+        time.sleep(4)  # past the stall: a read left running would land now
+        assert int(d.staging.count_nonzero()) == 0
+    finally:
+        proxy.close()
+        for e in prods + [d]:
+            e.close()
+
+
+def test_an_endpoint_whose_construction_fails_closes_its_transport():
+    """``KVEndpoint`` makes its transport first; when a later step fails (here a staging region too large to
+    allocate) the transport is closed before the error propagates: no transport thread stays and the port can be
+    bound again at once. Before, the accept and reaper threads ran on and the retry failed with EADDRINUSE."""
+    import socket
+    import threading
+
+    lay = _layout(32, "bf16", "vllm_cpu")
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    with pytest.raises((RuntimeError, MemoryError, ValueError)):
+        KVEndpoint("tcp", "ctor", SECRET, "127.0.0.1", port, lay, allocate(lay, 8), 1 << 62)
+    assert poll(lambda: not [t for t in threading.enumerate() if t.name.endswith("-ctor")], timeout_s=5), \
+        [t.name for t in threading.enumerate()]
+    ep = KVEndpoint("tcp", "ctor", SECRET, "127.0.0.1", port, lay, allocate(lay, 8), 1 << 20)
+    ep.close()

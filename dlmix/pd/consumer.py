@@ -356,32 +356,40 @@ class Consumer:
                 c1 = min(b1, c0 + cap)
                 n = c1 - c0
                 handles, areas, base = [], [], 0
-                for peer, tid, sub, runs, sp, pp, rblocks in spec:
-                    segs = []
-                    for layer in range(L):
-                        for pl in range(P):
-                            at = base + (layer * P + pl) * n * sp
-                            if len(runs[pl]) == 1:  # the whole page or one run of it: merge consecutive blocks
-                                off0, ln = runs[pl][0]
-                                i = 0
-                                while i < n:
-                                    j = i + 1
-                                    while ln == pp and j < n and rblocks[c0 + j] == rblocks[c0 + j - 1] + 1:
-                                        j += 1
-                                    segs.append(("staging", at + i * sp, names[layer][pl],
-                                                 rblocks[c0 + i] * pp + off0, (j - i) * ln))
-                                    i = j
-                            else:
-                                for i in range(n):
-                                    o = at + i * sp
-                                    for off, ln in runs[pl]:
-                                        segs.append(("staging", o, names[layer][pl], rblocks[c0 + i] * pp + off, ln))
-                                        o += ln
-                    handles.append(self.t.read(peer, segs, transfer_id=tid, timeout_s=self.io_timeout_s))
-                    areas.append((base, sub, sp))
-                    base += L * P * n * sp
-                for h in handles:
-                    res.bytes_received += h.result(timeout=self.io_timeout_s + 5)
+                try:
+                    for peer, tid, sub, runs, sp, pp, rblocks in spec:
+                        segs = []
+                        for layer in range(L):
+                            for pl in range(P):
+                                at = base + (layer * P + pl) * n * sp
+                                if len(runs[pl]) == 1:  # the whole page or one run of it: merge consecutive blocks
+                                    off0, ln = runs[pl][0]
+                                    i = 0
+                                    while i < n:
+                                        j = i + 1
+                                        while ln == pp and j < n and rblocks[c0 + j] == rblocks[c0 + j - 1] + 1:
+                                            j += 1
+                                        segs.append(("staging", at + i * sp, names[layer][pl],
+                                                     rblocks[c0 + i] * pp + off0, (j - i) * ln))
+                                        i = j
+                                else:
+                                    for i in range(n):
+                                        o = at + i * sp
+                                        for off, ln in runs[pl]:
+                                            segs.append(("staging", o, names[layer][pl],
+                                                         rblocks[c0 + i] * pp + off, ln))
+                                            o += ln
+                        handles.append(self.t.read(peer, segs, transfer_id=tid, timeout_s=self.io_timeout_s))
+                        areas.append((base, sub, sp))
+                        base += L * P * n * sp
+                    for h in handles:
+                        res.bytes_received += h.result(timeout=self.io_timeout_s + 5)
+                except BaseException:
+                    # a failed (or refused) read must not leave the other ranks' reads landing in the staging
+                    # region after this pull gave it up: cancel() returns once no byte of theirs can still land
+                    for h in handles:
+                        h.cancel()
+                    raise
                 res.peak_staging_bytes = max(res.peak_staging_bytes, base)
                 res.rounds += 1
                 # convert tokens [t0, t1) from the staged producer pages into our blocks
