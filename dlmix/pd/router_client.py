@@ -8,7 +8,8 @@ Contract (the router's admin API, :mod:`dlmix.router.admin`):
   a bad field) is logged with the router's reason and retried slowly (``5 x heartbeat_s``, at least 5 s).
 * ``POST {router}/admin/instances/{id}/heartbeat`` with ``{"waiting", "running", "kv_usage"}`` (requests, requests,
   fraction 0..1) every ``heartbeat_s`` seconds; ``404`` (the router restarted or expired the instance) -> register
-  again.
+  again, at once the first time and after ``heartbeat_s`` while the fresh registration's heartbeats keep getting
+  ``404``.
 
 ``Authorization: Bearer <admin_key>`` is sent when a key is given. The engine's own loop never waits on the network:
 the body and the load figures are read through callables, without locks (approximate by design).
@@ -67,6 +68,7 @@ class RouterClient:
 
         self._stop.wait(self.first_wait_s)
         headers = {"Authorization": f"Bearer {self.admin_key}"} if self.admin_key else {}
+        lost_in_a_row = 0  # heartbeats answered 404 since the last accepted one
         with httpx.Client(timeout=5.0, headers=headers) as http:
             while not self._stop.is_set():
                 try:
@@ -89,9 +91,15 @@ class RouterClient:
                     r = http.post(f"{self.base}/admin/instances/{self.instance_id}/heartbeat", json=hb)
                     if r.status_code == 404:
                         self.instance_id = None
-                        continue
-                    if r.status_code == 200:
+                        lost_in_a_row += 1
+                        self.last_error = "heartbeat: HTTP 404 (instance unknown to the router): registering again"
+                        if lost_in_a_row == 1:
+                            continue  # the router restarted or expired us: register again at once
+                        # again at once after a fresh registration (e.g. replicas that do not share their
+                        # instances): retry at the heartbeat period, not in a tight loop
+                    elif r.status_code == 200:
                         self.heartbeats += 1
+                        lost_in_a_row = 0
                 except Exception as e:  # router down, or a body that cannot be built yet: retry, never raise
                     self.last_error = f"{type(e).__name__}: {e}"
                     log.debug("dlmix: router unreachable: %s", self.last_error)
