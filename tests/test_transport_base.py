@@ -461,7 +461,8 @@ def test_a_connection_found_dead_at_launch_carries_no_chunk(monkeypatch):
 def _threads_of(*names: str) -> list[str]:
     import threading
 
-    return sorted(t.name for t in threading.enumerate() if t.is_alive() and any(t.name.endswith(f"-{n}") for n in names))
+    return sorted(t.name for t in threading.enumerate()
+                  if t.is_alive() and any(t.name.endswith(f"-{n}") for n in names))
 
 
 def _wait_threads_gone(*names: str, timeout: float = 10.0) -> list[str]:
