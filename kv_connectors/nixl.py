@@ -10,9 +10,10 @@ WRITE descriptor lists (host ``DRAM``) with the owner's addresses handed out aft
 it emulates in software (TCP RMA, rendezvous), so an endpoint that others read from or write to keeps NIXL's progress
 thread; it costs CPU (measured on a 2-core VM with NIXL 1.5.1: a whole core per idle agent, its progress thread
 polls without sleeping). An endpoint that only initiates (e.g. a decode worker pulling) can pass
-``enable_prog_thread=False`` and progress happens in its polling loop. ``UCX_TLS`` (environment, read when the agent starts) picks UCX's transports;
-``tcp`` alone is the cross-host setting, the default lets UCX use shared memory / CMA on one host. Without RDMA
-devices, ``UCX_MODULES=^ib`` is set (if unset): UCX's IB modules otherwise segfault the process at exit.
+``enable_prog_thread=False`` and progress happens in its polling loop. ``UCX_TLS`` (environment, read when the
+agent starts) picks UCX's transports; ``tcp`` alone is the cross-host setting, the default lets UCX use shared memory
+/ CMA on one host. Without RDMA devices, ``UCX_MODULES=^ib`` is set (if unset): UCX's IB modules otherwise segfault
+the process at exit.
 """
 from __future__ import annotations
 
