@@ -467,3 +467,67 @@ def test_unknown_model_is_404_openai_style(lt, policy):
 def test_non_positive_limit_is_refused_at_construction(key):
     with pytest.raises(ConfigError, match=f"{key} must be a positive number"):
         Router(RouterConfig(port=0, **{key: 0}))
+
+
+# ------------------------------------------------------------------- admin API and token-id prompts out of range
+ADMIN_DEEP = b"[" * 100_000 + b"]" * 100_000
+
+
+@pytest.mark.parametrize("path,body,needle", [
+    ("/admin/instances", ADMIN_DEEP, "nested too deeply"),
+    ("/admin/instances/i0/heartbeat", ADMIN_DEEP, "nested too deeply"),
+    ("/nodes/add", ADMIN_DEEP, "nested too deeply"),
+    ("/admin/instances/i0/heartbeat", b'{"waiting": 1' + b"0" * 400 + b"}", "waiting"),
+    ("/admin/instances/i0/heartbeat", b'{"waiting": 1, "running": 4294967296}', "running"),
+    ("/admin/instances", {"url": "http://127.0.0.1:1", "transport": {"link": ["rdma-100g"]}}, "bad transport"),
+    ("/admin/instances", {"url": "http://127.0.0.1:1", "transport": {"bandwidth_gbps": 0}}, "bandwidth_gbps"),
+    ("/admin/instances", {"url": "http://127.0.0.1:1", "transport": {"bandwidth_gbps": -5}}, "bandwidth_gbps"),
+    ("/admin/instances", {"url": "http://127.0.0.1:1", "transport": {"bandwidth_gbps": "nan"}}, "bandwidth_gbps"),
+    ("/nodes/add", {"url": "http://127.0.0.1:7", "status": {"role": [2]}}, "unknown LMDeploy role"),
+    ("/nodes/add", {"url": "http://127.0.0.1:7", "status": {"role": {"x": 1}}}, "unknown LMDeploy role"),
+])
+def test_admin_bodies_out_of_range_are_400_and_routing_goes_on(lt, path, body, needle):
+    """Admin bodies that once got 500 or were accepted and then broke routing: a body nested too deeply, a heartbeat
+    count beyond 2**31 (a 401-digit one was accepted and made every request under least_load a 500: the score
+    overflowed a float), a transport with a list for its link or a bandwidth of 0, below 0 or NaN (0 made every PD
+    placement under the cost policy a 500; NaN won every placement), an LMDeploy role that is a list or an object.
+    Each is 400 with the reason; nothing registered; client requests still answered."""
+    e = MockEngine(name="a")
+    st = Setup(lt, [e], policy="least_load")
+    try:
+        raw = body if isinstance(body, bytes) else json.dumps(body).encode()
+        with httpx.Client(timeout=LIVE) as h:
+            r = h.post(st.base + path, content=raw, headers={"content-type": "application/json"})
+            assert r.status_code == 400, r.text
+            assert needle in r.json()["error"]["message"], r.text
+            assert [i["id"] for i in h.get(st.base + "/admin/instances").json()["instances"]] == ["i0"]
+            assert h.post(st.base + "/v1/completions", json=BODY).status_code == 200
+    finally:
+        st.close()
+
+
+@pytest.mark.parametrize("prompt", [[-5] * 40, [10 ** 20] * 40, [[1, 2, 3, 2 ** 64] * 10]])
+def test_token_id_prompts_out_of_range_are_400(lt, prompt):
+    """A token-id prompt with a negative id or one beyond 2**63 - 1 is 400 naming the prompt (was 500 from the
+    block hashing under the default cost policy); the engine never sees it."""
+    e = MockEngine(name="a")
+    st = Setup(lt, [e], policy="cost")
+    try:
+        with httpx.Client(timeout=LIVE) as h:
+            r = h.post(st.base + "/v1/completions", json={"model": "mock", "prompt": prompt, "max_tokens": 2})
+            assert r.status_code == 400, r.text
+            assert "$.prompt" in r.json()["error"]["message"], r.text
+            assert not e.received
+    finally:
+        st.close()
+
+
+def test_the_token_encoding_cache_is_bounded():
+    """The block hashes' per-token encoding cache keeps at most ``_ENC_CACHE_MAX`` entries: token ids come from
+    clients, and every distinct one was kept forever (600,000 entries after three requests)."""
+    from dlmix.routing import hashing
+
+    start = 2 ** 40
+    for t in range(start, start + hashing._ENC_CACHE_MAX + 1000):
+        assert hashing._cbor_token(t) == hashing._cbor_uint(t)
+    assert len(hashing._enc_cache) <= hashing._ENC_CACHE_MAX

@@ -596,3 +596,27 @@ def test_a_choice_that_fails_after_the_stream_started_ends_it_with_an_error_even
         assert poll(lambda: all(i.load.inflight == 0 for i in c.router.instances), 10)
     finally:
         c.close()
+
+
+def test_n_beyond_the_fan_out_limit_is_400_before_any_leg():
+    """A decode that takes one choice per request turns ``n`` into ``n`` requests of its own (two legs each): ``n``
+    above :data:`dlmix.router.choices.MAX_FAN_OUT` (128, OpenAI's own limit on ``n``) is 400 naming it, and no leg
+    starts (``n=2000`` became 4,000 backend requests before); ``n`` at the limit is served."""
+    from dlmix.router.choices import MAX_FAN_OUT
+
+    lt = LoopThread()
+    p, d = _prefill(), _decode()
+    c = Cluster(lt, [p], [d], **PD)
+    try:
+        with httpx.Client(timeout=60) as h:
+            r = h.post(c.base + "/v1/completions", json=dict(BODY, n=MAX_FAN_OUT + 1))
+            assert r.status_code == 400, r.text
+            assert f"n must be at most {MAX_FAN_OUT}" in r.json()["error"]["message"]
+            assert p.prefill_legs == 0 and not d.received
+            ok = h.post(c.base + "/v1/completions", json=dict(BODY, n=MAX_FAN_OUT, max_tokens=1))
+            assert ok.status_code == 200, ok.text
+            assert len(ok.json()["choices"]) == MAX_FAN_OUT
+        assert poll(lambda: all(i.load.inflight == 0 for i in c.router.instances), 30)
+    finally:
+        c.close()
+        lt.close()

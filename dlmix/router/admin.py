@@ -79,7 +79,8 @@ def lmdeploy_registration(body: Any) -> dict | str:
     status = body.get("status") or {}
     if not isinstance(status, dict):
         return "status must be an object"
-    role = LMDEPLOY_ROLES.get(status.get("role", 1))
+    rv = status.get("role", 1)
+    role = LMDEPLOY_ROLES.get(rv) if isinstance(rv, int) and not isinstance(rv, bool) else None
     if role is None:
         return f"unknown LMDeploy role {status.get('role')!r} (1 Hybrid, 2 Prefill, 3 Decode)"
     # LMDeploy sends no heartbeats: the router's health checks alone keep it in rotation
@@ -149,6 +150,8 @@ class AdminAPI:
             body = msgspec.json.decode(req.body) if req.body else {}
         except msgspec.DecodeError as ex:
             return conn.send(400, error_body(400, f"request body is not valid JSON: {ex}"))
+        except RecursionError:
+            return conn.send(400, error_body(400, "request body is not valid JSON: nested too deeply"))
         if "id" in params:
             b = self.registry.backends.get(params["id"])
             if b is None:

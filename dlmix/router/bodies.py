@@ -8,7 +8,7 @@ through unchecked, and engines keep their own validation (ranges, sampling rules
 """
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Union
+from typing import Annotated, Any, Dict, List, Optional, Union
 
 import msgspec
 
@@ -17,6 +17,10 @@ __all__ = ["BadRequest", "EMPTY_BODY", "check", "decode", "add_keys", "one_token
 
 class BadRequest(ValueError):
     """A client body the router refuses (400); the message names the problem."""
+
+
+#: a token id of a token-id prompt: what the router's block hashes can encode (engines check the vocabulary)
+_TokenId = Annotated[int, msgspec.Meta(ge=0, le=(1 << 63) - 1)]
 
 
 class _Part(msgspec.Struct):
@@ -45,7 +49,7 @@ class _Common(msgspec.Struct):
 
 
 class _Completion(_Common, kw_only=True):
-    prompt: Union[str, List[Union[str, int, List[int]]]]
+    prompt: Union[str, List[Union[str, _TokenId, List[_TokenId]]]]
 
 
 class _Chat(_Common, kw_only=True):

@@ -39,6 +39,8 @@ __all__ = ["FAN_OUT", "ChoiceConn", "wants_fan_out", "choice_body", "run_choices
 
 #: the value of an engine adapter's ``PD_CHOICES`` whose decode instances get one request per choice
 FAN_OUT = "fan_out"
+#: the most choices one request may fan out into (each is a request of its own, with its own backend connections)
+MAX_FAN_OUT = 128
 
 _enc = msgspec.json.Encoder()
 _dec = msgspec.json.Decoder()

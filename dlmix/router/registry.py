@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import heapq
+import math
 import re
 import time
 from typing import Annotated, Callable, Dict, List, Optional, Tuple
@@ -44,7 +45,9 @@ _KV_EVENT_SCHEMES = ("tcp://", "ipc://", "inproc://")
 _json_sorted = msgspec.json.Encoder(order="sorted").encode
 
 
-_Count = Annotated[int, msgspec.Meta(ge=0)]
+#: a request count an engine may report (bounded: a huge integer would overflow the policies' float scores)
+MAX_COUNT = 1 << 31
+_Count = Annotated[int, msgspec.Meta(ge=0, le=MAX_COUNT)]
 
 
 def _router_id(body: bytes) -> str:
@@ -315,12 +318,19 @@ class Registry:
         extra = {k: v for k, v in d.items() if k != "api_key"}
         if transport is not None:
             try:
-                self.catalog.link(transport)
+                lk = self.catalog.link(transport)
             except KeyError as ex:  # unknown link name: keep the descriptor, price it as the default link
                 extra["transport_warning"] = str(ex.args[0])
                 transport = dict(transport, link=None)
-            except (TypeError, ValueError) as ex:
+            except (TypeError, ValueError, AttributeError, RecursionError) as ex:
                 raise RegistrationError(400, f"bad transport: {ex}") from None
+            else:
+                # the cost policy divides by the bandwidth: 0, negative or NaN would raise or poison every score
+                if not (math.isfinite(lk.bandwidth_gbps) and lk.bandwidth_gbps > 0 and math.isfinite(lk.setup_ms)
+                        and lk.setup_ms >= 0 and 0 < lk.eff <= 1):
+                    raise RegistrationError(400, f"bad transport: bandwidth_gbps must be a finite number > 0, "
+                                                 f"setup_ms a finite number >= 0 and eff in (0, 1]; got "
+                                                 f"{lk.bandwidth_gbps!r}, {lk.setup_ms!r}, {lk.eff!r}")
         model = reg.model or ()
         model = (model,) if isinstance(model, str) else tuple(model)
         if reg.lora_adapters:  # an adapter is served under its name: requests naming it may go here

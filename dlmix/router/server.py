@@ -63,8 +63,8 @@ from dlmix.hw.cost import CostModel, ModelSpec, ewma_ratio
 from dlmix.hw.profiles import load_catalog
 from dlmix.router import proxy
 from dlmix.router.admin import AdminAPI
-from dlmix.router.bodies import EMPTY_BODY, BadRequest, check as check_body, decode as decode_body
-from dlmix.router.choices import run_choices, wants_fan_out
+from dlmix.router.bodies import EMPTY_BODY, BadRequest, check as check_body, decode as decode_body, n_choices
+from dlmix.router.choices import MAX_FAN_OUT, run_choices, wants_fan_out
 from dlmix.router.config import ConfigError, RouterConfig
 from dlmix.router.metrics import Metrics
 from dlmix.router.orchestrator import SENT, PDOrchestrator
@@ -527,6 +527,10 @@ class Router:
             if dec.prefill is not None and dec.decode.role == "decode" and d is not None:
                 db = self.rt.get(dec.decode.id)
                 if db is not None and wants_fan_out(db.engine, d):  # n > 1 on a decode that takes one choice
+                    if n_choices(d) > MAX_FAN_OUT:
+                        return self._send(conn, 400, _bad_request(
+                            f"invalid request body: n must be at most {MAX_FAN_OUT} on this router's "
+                            f"{dec.decode.engine} decode instances, got {n_choices(d)}"))
                     return await run_choices(conn, req, d, chat, self._one_choice(rr, chat))
             self._dispatch(rr, dec, view)
             state = [False]  # prefilled

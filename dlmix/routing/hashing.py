@@ -41,6 +41,7 @@ DEFAULT_SEED = "vllm-none-hash"
 ALGOS = ("sha256_cbor", "sha256")
 
 _enc_cache: dict = {}
+_ENC_CACHE_MAX = 1 << 18
 
 
 def _cbor_uint(n: int) -> bytes:
@@ -65,7 +66,9 @@ def _cbor_token(t: int) -> bytes:
     if b is None:
         if t < 0:
             raise ValueError(f"negative token id {t}")
-        b = _enc_cache[t] = _cbor_uint(t)
+        b = _cbor_uint(t)
+        if len(_enc_cache) < _ENC_CACHE_MAX:  # bounded: token ids come from clients
+            _enc_cache[t] = b
     return b
 
 
