@@ -292,3 +292,47 @@ def test_an_endpoint_whose_construction_fails_closes_its_transport():
         [t.name for t in threading.enumerate()]
     ep = KVEndpoint("tcp", "ctor", SECRET, "127.0.0.1", port, lay, allocate(lay, 8), 1 << 20)
     ep.close()
+
+
+@pytest.mark.parametrize("ptp, dtp", [(3, 5), (5, 3)])
+def test_tp_sizes_whose_head_shares_straddle_ranks_pull_exactly(ptp, dtp):
+    """15 KV heads between TP 3 (5 heads per rank) and TP 5 (3 per rank): the heads one producer rank gives one
+    consumer rank may be no rank of any equal split (heads 3..4: two heads, and no split of 15 has ranks of two), so
+    that share is read as whole pages and the conversion picks the heads out. Every consumer rank gets exactly its
+    heads; the pair check accepted these sizes, and every pull used to fail ("not one rank of an equal split")."""
+    H, n, bs = 15, 40, 16
+    src0 = _layout(bs, "bf16", "vllm_flashinfer_nhd", ptp, heads=H)
+    dst0 = _layout(bs, "bf16", "vllm_flashinfer_nhd", dtp, heads=H)
+    ref = _global_kv(src0, n)
+    sblocks, dblocks = [3, 4, 5], [0, 1, 2]
+    prods = [KVEndpoint("tcp", f"p{r}", SECRET, "127.0.0.1", 0, src0.with_rank(r),
+                        _rank_caches(src0.with_rank(r), ref, sblocks, n, num_blocks=8), 0, registration_wait_s=2.0,
+                        io_timeout_s=20.0) for r in range(ptp)]
+    conss = []
+    try:
+        for p in prods:
+            p.add_hold("req", sblocks, n)
+        params = TransferParams.make(engine="reference", instance_id="p0", transports=[p.descriptor() for p in prods],
+                                     request_id="req", block_ids=sblocks, num_tokens=n, layout=src0)
+        for r in range(dtp):
+            lay = dst0.with_rank(r)
+            dc = allocate(lay, 8)
+            d = KVEndpoint("tcp", f"d{r}", SECRET, "127.0.0.1", 0, lay, dc, 1 << 16, registration_wait_s=2.0,
+                           io_timeout_s=20.0)
+            conss.append(d)
+            c = claim(params.to_dict(), lay, n, 0)
+            assert c.refused is None
+            res = d.pull_params(c.params, c.start, c.end, dblocks)
+            assert res.error is None and res.loaded_upto == n, res.error
+            heads = list(lay.heads_for_rank())
+            for t in range(n):
+                for layer in range(2):
+                    k, v = read_kv(lay, dc, dblocks, t, layer)
+                    rk, rv = ref[(t, layer)]
+                    assert torch.equal(k, rk[heads]) and torch.equal(v, rv[heads]), (r, t, layer)
+            d.release(list(params.transports), "req", consumed=True)
+        for p in prods:
+            assert poll(p.take_finished, timeout_s=60) == {"req"} and p.held_count() == 0
+    finally:
+        for e in prods + conss:
+            e.close()

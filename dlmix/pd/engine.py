@@ -124,8 +124,9 @@ def check_caches(layout: KVLayout, layers: Sequence[Any]) -> int:
 def head_subset(layout: KVLayout, heads: Sequence[int]) -> KVLayout:
     """The layout of a rank that holds exactly the KV heads ``heads`` (global ids, consecutive ascending) in
     ``layout``'s arrangement, block size and dtype: ``layout`` re-ranked to the equal split of the model's heads
-    whose rank ``heads`` is. The intersection of two ranks of equal splits (prefill and decode TP) is always such a
-    run. Raises ValueError when ``heads`` is not a rank of an equal split or ``layout`` does not hold it."""
+    whose rank ``heads`` is. The intersection of two ranks of equal splits (prefill and decode TP) is often, not
+    always, such a run (15 heads, TP 3 and TP 5: heads 3..4 are not; :func:`page_runs` then returns None). Raises
+    ValueError when ``heads`` is not a rank of an equal split or ``layout`` does not hold it."""
     heads = tuple(int(h) for h in heads)
     have = layout.heads_for_rank()
     if heads == tuple(have):
@@ -156,7 +157,14 @@ def _page_runs(layout_json: str, heads: tuple[int, ...]) -> list[list[tuple[int,
     import torch
 
     src = KVLayout.from_json(layout_json)
-    sub = head_subset(src, heads)
+    try:
+        sub = head_subset(src, heads)
+    except ValueError:
+        if not heads or not set(heads) <= set(src.heads_for_rank()):
+            raise  # heads this rank does not hold: a caller error
+        # a run that is no rank of an equal split (e.g. heads 3..4 of 15 between TP 3 and TP 5): read whole pages,
+        # the conversion picks the heads out
+        return None
     P = plane_count(src)
     if sub is src:
         return [[(0, plane_page_bytes(src))] for _ in range(P)]
