@@ -626,3 +626,47 @@ def test_fused_row_path_on_shared_buffers_matches_separate_caches(monkeypatch: p
             assert len(fused_calls) >= 2 * tp, (sa, da)  # several chunks, every source rank fused
         for a, b in zip(tensors(ref), tensors(got)):
             assert torch.equal(bits(a), bits(b)), (sa, da, case)
+
+
+def test_empty_heads_are_a_value_error():
+    """``heads=[]`` asks for no KV head: ValueError naming it from ``convert``, ``pack`` and ``wire_chunks`` (was
+    IndexError or ZeroDivisionError)."""
+    m = ModelIdentity("L", 1, 2, 8)
+    s, d = KVLayout(m, 4, "bf16", "vllm_flashinfer_nhd"), KVLayout(m, 4, "bf16", "lmdeploy")
+    sc, dc = allocate(s, 4), allocate(d, 4)
+    for call in (lambda: convert(s, sc, [0], d, dc, [1], 4, heads=[]),
+                 lambda: pack(s, sc, [0], d, 0, 4, heads=[]),
+                 lambda: wire_chunks(d, 0, 8, 1024, heads=[])):
+        with pytest.raises(ValueError, match="at least one KV head"):
+            call()
+
+
+def test_a_destination_whose_blocks_are_not_one_dense_run_converts_exactly():
+    """SGLang NHD K/V buffers ``[slots, H, D]`` carved out of wider rows (slot stride 19 elements, not H x D = 16):
+    the arrangement accepts them and conversion into them is exact (was an IndexError from ``index_copy_``)."""
+    m = ModelIdentity("L", 1, 2, 8)
+    src, dst = KVLayout(m, 4, "bf16", "sglang_hnd"), KVLayout(m, 4, "bf16", "sglang_nhd")
+    sc = allocate(src, 4)
+    g = torch.Generator().manual_seed(0)
+    n = 8
+    vals = {t: (torch.randn(2, 8, generator=g).bfloat16(), torch.randn(2, 8, generator=g).bfloat16()) for t in range(n)}
+    for t, (k, v) in vals.items():
+        write_kv(src, sc, [1, 2], t, 0, k, v)
+    bufs = [torch.zeros(16, 2 * 8 + 3, dtype=torch.bfloat16) for _ in range(2)]
+    dc = [tuple(b[:, :16].view(16, 2, 8) for b in bufs)]
+    assert dc[0][0].stride() == (19, 8, 1)
+    convert(src, sc, [1, 2], dst, dc, [2, 0], n)
+    for t in range(n):
+        k, v = read_kv(dst, dc, [2, 0], t, 0)
+        assert torch.equal(k, vals[t][0]) and torch.equal(v, vals[t][1])
+    assert all(not b[:, 16:].any() for b in bufs)  # the padding is untouched
+
+
+@pytest.mark.parametrize("scale", [1e-50, 1e39])
+def test_fp8_scales_float32_cannot_hold_are_refused(scale):
+    """fp8 re-scaling runs in float32: a scale outside its normal range (1e-50 flushed to 0 and converted to NaN,
+    1e39 overflowed) is refused by the layout itself; the extremes inside it convert."""
+    m = ModelIdentity("L", 1, 1, 4)
+    with pytest.raises(ValueError, match="float32's normal range"):
+        KVLayout(m, 4, "fp8_e4m3", "vllm_flashinfer_nhd", k_scale=scale, v_scale=scale)
+    KVLayout(m, 4, "fp8_e4m3", "vllm_flashinfer_nhd", k_scale=1.2e-38, v_scale=3.4e38)

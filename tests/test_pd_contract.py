@@ -254,3 +254,47 @@ def test_fuzz_control_messages_refused_with_reason(m):
         assert e.reason and isinstance(e.reason, str)
         return
     assert encode(msg)["type"] == m["type"] and msg.v == CONTRACT_VERSION
+
+
+def test_a_digest_with_a_trailing_newline_is_refused_as_malformed():
+    """``$`` in a pattern also matches before a final newline: ``"sha256:<64 hex>\\n"`` passed as a digest and was
+    then refused as a different prompt. Now it is a contract error, in the parameters and in a want."""
+    import json
+
+    good = prompt_digest([1, 2, 3])
+    params = TransferParams.make(engine="e", instance_id="i", transports=[TRANSPORT], request_id="r",
+                                 block_ids=[1], num_tokens=20, layout=_layout(), digest=good).to_dict()
+    with pytest.raises(ContractError, match="prompt digest must be"):
+        decode_params({**params, "remote_prompt_digest": good + "\n"})
+    want = {"type": "want", "req": "r", "block_ids": [1], "layout": _layout().to_dict()}
+    assert isinstance(decode_message(json.dumps({**want, "digest": good})), Want)
+    with pytest.raises(ContractError, match="prompt digest must be"):
+        decode_message(json.dumps({**want, "digest": good + "\n"}))
+
+
+@pytest.mark.parametrize("model,top", [
+    ({"num_kv_heads": 2 ** 40}, {}),  # heads_for_rank would build a 2**40-element tuple: MemoryError
+    ({"num_kv_heads": 10 ** 30}, {}),  # OverflowError from the shape arithmetic
+    ({"num_layers": 2 ** 21}, {}),
+    ({}, {"block_size": 2 ** 40}),
+    ({}, {"tp_size": 2 ** 40}),
+    ({}, {"k_scale": 10 ** 400}),  # an int beyond float range for a float field: OverflowError in isfinite
+])
+def test_layout_numbers_out_of_range_are_refused_with_a_reason_everywhere(model, top):
+    """A layout with a count above ``MAX_DIM`` (2**20) or a number beyond float range is refused with the module's
+    own error by every decoder (parameters, want, registration) and by the pair check (a reason, never a raise).
+    Before, MemoryError or OverflowError escaped, and 2**24 heads cost seconds and gigabytes per message."""
+    import json
+
+    lay = _layout().to_dict()
+    bad = {**lay, **top, "model": {**lay["model"], **model}}
+    params = TransferParams.make(engine="e", instance_id="i", transports=[TRANSPORT], request_id="r",
+                                 block_ids=[1], num_tokens=20, layout=_layout()).to_dict()
+    with pytest.raises(ContractError):
+        decode_params({**params, "remote_layout": bad})
+    with pytest.raises(ContractError):
+        decode_message(json.dumps({"type": "want", "req": "r", "block_ids": [1], "layout": bad}))
+    with pytest.raises(ContractError):
+        decode_registration({"url": "http://h:1", "kv_layout": bad})
+    reasons = check_pair(bad, lay)
+    assert reasons and reasons[0].startswith("malformed layout descriptor"), reasons

@@ -65,6 +65,13 @@ _DTYPE_ALIASES = {
 ARRANGEMENTS: Mapping[str, tuple[bool, bool]] = ARRANGEMENT_TABLE
 
 ATTENTION_KINDS = ("mha", "gqa", "mla")
+
+#: float32's smallest normal and largest finite value: the range of an fp8 scale (re-scaling runs in float32)
+_F32_TINY, _F32_MAX = 1.1754943508222875e-38, 3.4028234663852886e38
+
+#: Bound of every count in a layout (layers, KV heads, head size, block size, TP size): far above any model, low
+#: enough that a hostile descriptor cannot make :func:`heads_for_rank` or a shape computation exhaust memory.
+MAX_DIM = 1 << 20
 SCALE_CONVENTIONS = ("per_tensor",)
 
 
@@ -127,6 +134,8 @@ class ModelIdentity:
         for name in ("num_layers", "num_kv_heads", "head_size"):
             if int(getattr(self, name)) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+            if int(getattr(self, name)) > MAX_DIM:
+                raise ValueError(f"{name} must be at most {MAX_DIM}, got {getattr(self, name)}")
         if self.attention == "mla":
             if self.num_kv_heads != 1:
                 raise ValueError("an MLA latent cache has no KV heads: num_kv_heads must be 1")
@@ -170,10 +179,17 @@ class KVLayout:
         arr = get_arrangement(self.arrangement)  # ValueError naming the known ones
         if int(self.block_size) <= 0:
             raise ValueError(f"block_size must be positive, got {self.block_size}")
+        if int(self.block_size) > MAX_DIM or int(self.tp_size) > MAX_DIM:
+            raise ValueError(f"block_size and tp_size must be at most {MAX_DIM}, got {self.block_size}, "
+                             f"{self.tp_size}")
         if self.scale_convention not in SCALE_CONVENTIONS:
             raise ValueError(f"scale_convention must be one of {SCALE_CONVENTIONS}")
         if not (self.k_scale > 0 and self.v_scale > 0):
             raise ValueError("k_scale and v_scale must be positive")
+        if not all(_F32_TINY <= s <= _F32_MAX for s in (self.k_scale, self.v_scale)):
+            # fp8 re-scaling runs in float32 (dlmix.kv.cast): a scale it cannot hold would give inf/NaN
+            raise ValueError(f"k_scale/v_scale must lie in float32's normal range {_F32_TINY:g}..{_F32_MAX:g}, got "
+                             f"{self.k_scale!r}/{self.v_scale!r}")
         if not self.is_fp8 and (self.k_scale != 1.0 or self.v_scale != 1.0):
             raise ValueError(f"k_scale/v_scale apply only to fp8 caches, not {self.dtype}")
         if arr.latent != (self.model.attention == "mla"):
@@ -317,7 +333,10 @@ def _check_types(d: Mapping[str, Any], types: Mapping[str, str], prefix: str) ->
         if kind == "int":
             ok = isinstance(v, int) and not isinstance(v, bool)
         elif kind == "float":
-            ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+            try:
+                ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+            except OverflowError:  # an int beyond the float range
+                ok = False
         elif kind == "str?":
             ok = v is None or isinstance(v, str)
         else:

@@ -85,6 +85,8 @@ def _gather_raw(layout: KVLayout, layer_cache: Any, bids: torch.Tensor, work: _W
     runs = _merge([(b, i, 1) for i, b in enumerate(bids.tolist())]) if bids.device.type == "cpu" else None
     for s, d in zip(_raw_blocks(layout, layer_cache), _raw_blocks(layout, temp)):
         s2, d2 = _widen(_rows(s), _rows(d))
+        if d2.dim() != s2.dim():  # source blocks are not one dense run: gather into the scratch in their shape
+            d2 = d2.view(d2.shape[0], *s2.shape[1:])
         if runs is None or not _memmove_rows(d2, s2, runs):
             torch.index_select(s2, 0, bids, out=d2)
     return temp
@@ -95,6 +97,8 @@ def _scatter_raw(layout: KVLayout, layer_cache: Any, temp: Any, bids: torch.Tens
     runs = _merge([(i, b, 1) for i, b in enumerate(bids.tolist())]) if bids.device.type == "cpu" else None
     for d, s in zip(_raw_blocks(layout, layer_cache), _raw_blocks(layout, temp)):
         d2, s2 = _widen(_rows(d), _rows(s))
+        if d2.dim() != s2.dim():  # destination blocks are not one dense run: scatter the scratch in their shape
+            s2 = s2.view(s2.shape[0], *d2.shape[1:])
         if runs is None or not _memmove_rows(d2, s2, runs):
             d2.index_copy_(0, bids, s2)
 

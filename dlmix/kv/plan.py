@@ -105,6 +105,8 @@ def _resolve_heads(src: KVLayout | None, dst: KVLayout, heads: Sequence[int] | N
             raise ValueError(f"source rank {src.tp_rank} holds none of destination rank {dst.tp_rank}'s KV heads "
                              f"{list(d)}")
     heads = tuple(int(h) for h in heads)
+    if not heads:
+        raise ValueError("heads must name at least one KV head")
     if list(heads) != list(range(heads[0], heads[0] + len(heads))):
         raise ValueError(f"heads must be consecutive ascending global ids, got {list(heads)}")
     return heads

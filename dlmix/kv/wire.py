@@ -40,6 +40,8 @@ def wire_chunks(dst_layout: KVLayout, start: int, end: int, max_bytes: int,
     Ranges end on destination block boundaries where the budget allows. Raises ValueError when even one token
     does not fit.
     """
+    if heads is not None and not len(heads):
+        raise ValueError("heads must name at least one KV head")
     per = dst_layout.wire_bytes(1, heads)
     if per > max_bytes:
         raise ValueError(f"one token needs {per} wire bytes, more than the {max_bytes}-byte budget")

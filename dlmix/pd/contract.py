@@ -192,7 +192,7 @@ def _check_layout(d: Any, what: str) -> KVLayout:
 
 
 def _check_digest(d: str | None) -> None:
-    if d is not None and not _DIGEST_RE.match(d):
+    if d is not None and not _DIGEST_RE.fullmatch(d):
         raise ValueError("prompt digest must be 'sha256:' followed by 64 lowercase hex digits")
 
 

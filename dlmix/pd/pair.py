@@ -35,7 +35,7 @@ def check_pair(src: dict[str, Any] | KVLayout, dst: dict[str, Any] | KVLayout, *
     """
     try:
         s, d = layout_of(src), layout_of(dst)
-    except (ValueError, TypeError) as e:
+    except (ValueError, TypeError, OverflowError) as e:
         return [f"malformed layout descriptor: {e}"]
     reasons = list(check_compat(s, d, relax_fingerprint=not verify_weights, src_name=src_name,
                                 dst_name=dst_name).reasons)

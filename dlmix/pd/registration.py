@@ -118,5 +118,5 @@ def decode_registration(obj: Any) -> Registration:
         return msgspec.convert(obj, Registration, strict=True)
     except msgspec.ValidationError as e:
         raise ContractError(f"invalid registration: {e}") from None
-    except (TypeError, ValueError) as e:
+    except (TypeError, ValueError, OverflowError) as e:
         raise ContractError(f"invalid registration: {e}") from None
