@@ -483,6 +483,7 @@ ADMIN_DEEP = b"[" * 100_000 + b"]" * 100_000
     ("/admin/instances", {"url": "http://127.0.0.1:1", "transport": {"bandwidth_gbps": 0}}, "bandwidth_gbps"),
     ("/admin/instances", {"url": "http://127.0.0.1:1", "transport": {"bandwidth_gbps": -5}}, "bandwidth_gbps"),
     ("/admin/instances", {"url": "http://127.0.0.1:1", "transport": {"bandwidth_gbps": "nan"}}, "bandwidth_gbps"),
+    ("/admin/instances", {"url": "http://127.0.0.1:1", "api_key": "k\n"}, "api_key"),  # would end an HTTP header
     ("/nodes/add", {"url": "http://127.0.0.1:7", "status": {"role": [2]}}, "unknown LMDeploy role"),
     ("/nodes/add", {"url": "http://127.0.0.1:7", "status": {"role": {"x": 1}}}, "unknown LMDeploy role"),
 ])
@@ -490,7 +491,8 @@ def test_admin_bodies_out_of_range_are_400_and_routing_goes_on(lt, path, body, n
     """Admin bodies that once got 500 or were accepted and then broke routing: a body nested too deeply, a heartbeat
     count beyond 2**31 (a 401-digit one was accepted and made every request under least_load a 500: the score
     overflowed a float), a transport with a list for its link or a bandwidth of 0, below 0 or NaN (0 made every PD
-    placement under the cost policy a 500; NaN won every placement), an LMDeploy role that is a list or an object.
+    placement under the cost policy a 500; NaN won every placement), an api_key ending in a newline (``$`` matched
+    before it; it becomes a header of every request to the engine), an LMDeploy role that is a list or an object.
     Each is 400 with the reason; nothing registered; client requests still answered."""
     e = MockEngine(name="a")
     st = Setup(lt, [e], policy="least_load")

@@ -284,7 +284,7 @@ class Registry:
             raise RegistrationError(400, f"instance url must be http://host:port (the router speaks plain HTTP to "
                                          f"engines), got {reg.url!r}")
         host = u.hostname or ""
-        if not _HOST.match(host):
+        if not _HOST.fullmatch(host):
             raise RegistrationError(400, f"instance url has an invalid host {host!r}")
         if u.path or u.query or u.fragment or u.username or u.password:
             raise RegistrationError(400, f"instance url must be http://host:port without path, query or user, "
@@ -293,7 +293,7 @@ class Registry:
         if self_reason:
             raise RegistrationError(400, f"refusing to register {url}: {self_reason} (the router would forward "
                                          "requests to itself)")
-        if reg.api_key is not None and not _TOKEN.match(reg.api_key):
+        if reg.api_key is not None and not _TOKEN.fullmatch(reg.api_key):
             raise RegistrationError(400, "api_key must be 1-4096 visible ASCII characters (it becomes an HTTP header)")
         try:
             eng = get_engine(reg.engine)
