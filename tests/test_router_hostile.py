@@ -12,6 +12,7 @@ import json
 import select
 import socket
 import threading
+import time
 
 import httpx
 import pytest
@@ -484,6 +485,8 @@ ADMIN_DEEP = b"[" * 100_000 + b"]" * 100_000
     ("/admin/instances", {"url": "http://127.0.0.1:1", "transport": {"bandwidth_gbps": -5}}, "bandwidth_gbps"),
     ("/admin/instances", {"url": "http://127.0.0.1:1", "transport": {"bandwidth_gbps": "nan"}}, "bandwidth_gbps"),
     ("/admin/instances", {"url": "http://127.0.0.1:1", "api_key": "k\n"}, "api_key"),  # would end an HTTP header
+    ("/admin/instances", {"url": "http://127.0.0.1:1", "num_chips": 10 ** 30}, "num_chips"),
+    ("/admin/instances", {"url": "http://127.0.0.1:1", "block_size": 2 ** 40}, "block_size"),
     ("/nodes/add", {"url": "http://127.0.0.1:7", "status": {"role": [2]}}, "unknown LMDeploy role"),
     ("/nodes/add", {"url": "http://127.0.0.1:7", "status": {"role": {"x": 1}}}, "unknown LMDeploy role"),
 ])
@@ -533,3 +536,51 @@ def test_the_token_encoding_cache_is_bounded():
     for t in range(start, start + hashing._ENC_CACHE_MAX + 1000):
         assert hashing._cbor_token(t) == hashing._cbor_uint(t)
     assert len(hashing._enc_cache) <= hashing._ENC_CACHE_MAX
+
+
+# ------------------------------------------------------------------------------------ a client that does not read
+@pytest.mark.parametrize("fast_path", [True, False])
+def test_a_client_that_does_not_read_holds_the_backend_not_router_memory(lt, fast_path):
+    """A client asks for a long streamed answer (30,000 events, about 3 MB) and reads nothing: once its connection's
+    write buffer passes asyncio's high-water mark the router stops reading the backend (backpressure), so the router
+    holds at most a few hundred KiB for it instead of the whole answer, and another client is served meanwhile.
+    When the client reads, the answer arrives whole. Before, the router read the backend at full speed and buffered
+    everything for the client."""
+    e = MockEngine(name="a")
+    st = Setup(lt, [e], fast_path=fast_path)
+    s = socket.socket()
+    try:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # the kernel holds little for it either
+        s.connect(("127.0.0.1", st.port))
+        body = json.dumps({"model": "mock", "prompt": "hi", "max_tokens": 30_000, "stream": True}).encode()
+        s.sendall(HEAD + b"content-length: %d\r\n\r\n" % len(body) + body)
+
+        def client_conn():
+            return next((c for c in st.router.hub.conns if c.backends or c.transport.get_write_buffer_size()), None)
+
+        def buffered() -> int:
+            c = client_conn()
+            return c.transport.get_write_buffer_size() if c is not None else -1
+
+        end = time.monotonic() + LIVE
+        while buffered() <= 0 and time.monotonic() < end:
+            time.sleep(0.05)
+        time.sleep(2.0)  # had it kept reading the backend, the buffer would hold megabytes by now
+        print("router buffered for the client:", buffered(), "B")
+        assert 0 < buffered() < 1 << 20, buffered()
+        c = client_conn()
+        assert c.write_paused and any(b.held for b in c.backends)
+        with httpx.Client(timeout=LIVE) as h:  # others are served meanwhile
+            assert h.post(st.base + "/v1/completions", json=BODY).status_code == 200
+        s.settimeout(LIVE)
+        got = bytearray()
+        while not got.endswith(b"0\r\n\r\n"):
+            chunk = s.recv(1 << 16)
+            assert chunk, "connection closed before the answer ended"
+            got += chunk
+        text = bytes(got)
+        assert text.startswith(b"HTTP/1.1 200") and text.count(b"data: ") == 30_000 + 1  # every event, then [DONE]
+        assert b"data: [DONE]" in text
+    finally:
+        s.close()
+        st.close()

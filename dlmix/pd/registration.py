@@ -22,7 +22,7 @@ from urllib.parse import urlparse
 
 import msgspec
 
-from dlmix.kv.layout import KVLayout
+from dlmix.kv.layout import MAX_DIM, KVLayout
 
 from .contract import CONTRACT_VERSION, ContractError
 
@@ -41,9 +41,9 @@ class Registration(msgspec.Struct, kw_only=True, omit_defaults=True, forbid_unkn
     engine: Annotated[str, msgspec.Meta(min_length=1)] = "vllm"
     model: str | list[str] | None = None
     chip: str | None = None
-    num_chips: Annotated[int, msgspec.Meta(ge=1)] | None = None
+    num_chips: Annotated[int, msgspec.Meta(ge=1, le=MAX_DIM)] | None = None
     cluster: str | None = None
-    block_size: Annotated[int, msgspec.Meta(ge=1)] | None = None
+    block_size: Annotated[int, msgspec.Meta(ge=1, le=MAX_DIM)] | None = None
     kv_layout: dict[str, Any] | None = None
     transport: dict[str, Any] | None = None
     kv_events: str | None = None

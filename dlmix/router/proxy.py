@@ -199,8 +199,10 @@ class Hub:
                         if b.t_io == 0.0:
                             b.t_io = now  # activity since the last sweep: the silence starts now
                         elif now - b.t_io > lim.backend_read_timeout:
-                            b.fail(BackendError(f"backend {b.pool.name} sent nothing for "
-                                                f"{lim.backend_read_timeout:.3g} s", b.forwarded, timeout=True))
+                            why = (f"the client read none of backend {b.pool.name}'s answer for" if b.held else
+                                   f"backend {b.pool.name} sent nothing for")
+                            b.fail(BackendError(f"{why} {lim.backend_read_timeout:.3g} s", b.forwarded,
+                                                timeout=True))
                     continue
                 if c._t == 0.0:
                     c._t = now  # a new phase began since the last sweep: time it from now
@@ -241,7 +243,7 @@ class ServerProtocol(asyncio.Protocol):
 
     __slots__ = ("handler", "transport", "parser", "_url", "_headers", "_body", "_queue", "_task", "closed",
                  "peer", "backends", "max_body", "fast", "_busy", "hub", "lim", "_reading", "_t", "_hb", "_nbody",
-                 "_clen", "_discard", "_expect", "_paused", "_cl_digits")
+                 "_clen", "_discard", "_expect", "_paused", "_cl_digits", "write_paused")
 
     def __init__(self, handler: Handler, max_body: int = 64 << 20, fast=None, hub: Optional[Hub] = None):
         self.handler = handler
@@ -266,8 +268,19 @@ class ServerProtocol(asyncio.Protocol):
         self._discard = False  # refused: read and drop whatever the client still sends
         self._expect = False
         self._paused = False
+        #: the client is not reading: its transport's write buffer is above the high-water mark (asyncio's
+        #: ``pause_writing``); backends forwarding to it stop reading until ``resume_writing``
+        self.write_paused = False
 
     # asyncio callbacks
+    def pause_writing(self):
+        self.write_paused = True
+
+    def resume_writing(self):
+        self.write_paused = False
+        for b in self.backends:
+            b.unhold()
+
     def connection_made(self, transport):
         self.transport = transport
         self.peer = transport.get_extra_info("peername")
@@ -482,7 +495,8 @@ class BackendConn(asyncio.Protocol):
     backend that stays silent."""
 
     __slots__ = ("pool", "transport", "parser", "fut", "sink", "status", "headers", "body", "nchunks", "t_first",
-                 "t_last", "gap_sum", "usable", "forwarded", "first_cb", "done_cb", "t_io", "hdr_done", "pending")
+                 "t_last", "gap_sum", "usable", "forwarded", "first_cb", "done_cb", "t_io", "hdr_done", "pending",
+                 "held", "client")
 
     def __init__(self, pool: "Pool"):
         self.pool = pool
@@ -497,11 +511,27 @@ class BackendConn(asyncio.Protocol):
         self.t_io = 0.0
         self.hdr_done = False
         self.pending = None
+        #: reading paused because the client's write buffer is full (:meth:`ServerProtocol.pause_writing`)
+        self.held = False
+        self.client: Optional[ServerProtocol] = None
 
     def connection_made(self, transport):
         self.transport = transport
         self.usable = True
         _nodelay(transport)
+
+    def hold(self) -> None:
+        """Stop reading the backend: the client it forwards to is not reading (backpressure)."""
+        if not self.held and self.transport is not None and not self.transport.is_closing():
+            self.held = True
+            self.transport.pause_reading()
+
+    def unhold(self) -> None:
+        """Read the backend again (the client's write buffer drained)."""
+        if self.held:
+            self.held = False
+            if self.transport is not None and not self.transport.is_closing():
+                self.transport.resume_reading()
 
     def connection_lost(self, exc):
         self.usable = False
@@ -535,9 +565,13 @@ class BackendConn(asyncio.Protocol):
         (the connection is then closed; on success it is NOT returned to the pool: call ``pool.release``)."""
         self.first_cb = first_cb
         self.done_cb = done_cb
+        self.unhold()
         self.parser = httptools.HttpResponseParser(self)
         self.fut = None if done_cb is not None else asyncio.get_event_loop().create_future()
         self.sink = sink
+        get = getattr(sink, "get_protocol", None)  # a client connection's transport (not a choice's parser sink)
+        client = get() if get is not None else None
+        self.client = client if isinstance(client, ServerProtocol) else None
         self.forwarded = False
         self.status = 0
         self.headers = [] if sink is None else None
@@ -561,6 +595,9 @@ class BackendConn(asyncio.Protocol):
                 return
             if self.hdr_done:
                 sink.write(data)
+                c = self.client
+                if c is not None and c.write_paused:
+                    self.hold()  # the client is not reading: stop reading its answer until it drains
             else:  # held back until the status line and headers parsed (on_headers_complete)
                 self.pending = data if self.pending is None else self.pending + data
         elif self.fut is None and self.done_cb is None:
@@ -583,6 +620,9 @@ class BackendConn(asyncio.Protocol):
             if sink is not None:
                 sink.write(p)
                 self.forwarded = True
+                c = self.client
+                if c is not None and c.write_paused:
+                    self.hold()
 
     def on_header(self, name: bytes, value: bytes):
         if self.headers is not None:
