@@ -355,6 +355,20 @@ def test_scheduler_side_prefill_and_decode_bookkeeping(sched_factory):
     assert d.build_connector_meta(None).releases[0].remote_req_id == "p1"
 
 
+def test_a_decode_instance_holds_nothing_for_a_client_asking_do_remote_decode(sched_factory):
+    """A client may send ``{"do_remote_decode": true}`` to a kv_consumer: it knows the worker transports too (their
+    handshakes), but only a producer's worker ever reports ``finished_sending``, so a hold made there would keep the
+    request's blocks for ever. Nothing is held and vLLM frees the blocks at once; a producer still holds."""
+    from vllm.v1.request import RequestStatus
+
+    d = sched_factory("kv_consumer")
+    r = _req("c1", {"do_remote_decode": True}, 64, RequestStatus.FINISHED_LENGTH_CAPPED, computed=64)
+    assert d.request_finished(r, [3, 4]) == (False, None)
+    assert d.build_connector_meta(None).holds == {}
+    p = sched_factory("kv_producer")
+    assert p.request_finished(r, [3, 4])[0] is True and set(p.build_connector_meta(None).holds) == {"c1"}
+
+
 def test_cancelled_pull_stops_between_rounds_and_prefill_frees(pair):
     src = _layout(32, "bf16")
     page = 2 * 32 * 2 * 32 * 2

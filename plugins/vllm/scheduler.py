@@ -213,7 +213,11 @@ class DLMixConnectorScheduler:
         self._running.discard(rid)
         if not params:
             return False, None
-        if params.get("do_remote_decode"):
+        if params.get("do_remote_decode") and not self.ktc.is_kv_producer:
+            # only a producer's worker reports finished_sending: a hold kept here would never be freed
+            log.warning("DLMixConnector: %s asks for do_remote_decode on a %s instance; its blocks are not held",
+                        rid, self.ktc.kv_role)
+        elif params.get("do_remote_decode"):
             if request.status not in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED) \
                     or not block_ids or not self._transports:
                 if not self._transports:
