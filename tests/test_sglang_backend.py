@@ -67,3 +67,19 @@ print("fp32 products:", seen)
     assert out.returncode == 0, out.stderr[-3000:]
     last = out.stdout.strip().splitlines()[-1]
     assert last == ("fp32 products: [(20, 64)]" if aids else "fp32 products: []"), out.stdout
+
+
+@pytest.mark.skipif(PY is None, reason="no SGLang venv (run scripts/setup_sglang.sh, or set DLMIX_SGLANG_VENV)")
+def test_a_decode_aborted_during_a_pull_round_keeps_its_pages_until_the_round_ends():
+    """``tests/sglang_abort_inproc.py``: the receiver of a decode aborted while a pull round runs polls Transferring
+    until the round has ended (SGLang frees a Failed room's pages at once), so none of the 272 token slots that go to
+    another request afterwards is overwritten by the aborted room's KV, and no failure record stays behind. Before,
+    it polled Failed at once, and 256 slots of the reused pages were overwritten."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env.update({"SGLANG_USE_CPU_ENGINE": "1", "SGLANG_HOST_IP": "127.0.0.1"})
+    script = Path(__file__).with_name("sglang_abort_inproc.py")
+    out = subprocess.run([PY, str(script)], capture_output=True, text=True, timeout=600, env=env)
+    rows = [json.loads(x) for x in out.stdout.splitlines() if x.startswith("{")]
+    assert out.returncode == 0 and rows, out.stdout[-3000:] + out.stderr[-3000:]
+    assert rows[0] == {"case": "abort-during-pull", "failed_while_pulling": False, "overwritten_slots": 0,
+                       "failure_record_left": False, "status_left": False}, rows[0]

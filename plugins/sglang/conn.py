@@ -147,6 +147,9 @@ class DLMixKVManager(CommonKVManager):
         self._dst: dict[int, tuple[list[int], Optional[int], str]] = {}
         #: rooms whose pull started (decode): a room's further READYs, one per prefill rank, are ignored
         self._pulled: dict[int, None] = {}
+        #: decode: rooms whose pull may still write into their pages or aux row (their receivers report
+        #: Transferring, not Failed, until it stopped: SGLang frees a Failed room's pages at once)
+        self._pulling: dict[int, int] = {}
         self.incompatible: dict[str, str] = {}
         #: decode: every rank's transport (rank order) of each prefill whose attention TP size differs from ours
         self.prefill_transports: dict[str, list[dict[str, Any]]] = {}
@@ -449,6 +452,8 @@ class DLMixKVManager(CommonKVManager):
 
     def _fail(self, room: int, reason: str) -> None:
         log.warning("dlmix transfer backend: room %s failed on decode: %s", room, reason)
+        if room not in self.request_status:  # cleared already: a record now would stay for ever
+            return
         self.record_failure(room, reason)
         self.update_status(room, KVPoll.Failed)
 
@@ -503,6 +508,16 @@ class DLMixKVManager(CommonKVManager):
                              f"{self.layout.block_size} (the two engines tokenized the prompt differently?)")
             self._release(c.params, room, consumed=False)
             return
+        self._pulling[room] = self._pulling.get(room, 0) + 1
+        try:
+            self._pull_into(room, c, pages, aux_index, aux, t0)
+        finally:
+            n = self._pulling.pop(room, 1) - 1
+            if n > 0:
+                self._pulling[room] = n
+
+    def _pull_into(self, room: int, c: Any, pages: list[int], aux_index: Optional[int], aux: list[bytes],
+                   t0: float) -> None:
         res = self.endpoint.pull_params(c.params, c.start, c.end, pages, cancelled=lambda: room not in self._dst)
         if res.error is not None:
             self._fail(room, f"dlmix: KV transfer failed: {res.error}")
@@ -618,6 +633,11 @@ class DLMixKVReceiver(CommonKVReceiver):
                                   "transfer backend does not support (start decode with --disable-radix-cache)")
                 return
             self.kv_mgr.fetch_and_pull(self.bootstrap_addr, self.bootstrap_room)
+
+    def poll(self) -> KVPoll:
+        if self.bootstrap_room in self.kv_mgr._pulling:  # its pages are still being written: not free yet
+            return KVPoll.Transferring
+        return super().poll()
 
     def _clear(self) -> None:
         self.kv_mgr.drop_destination(self.bootstrap_room)
