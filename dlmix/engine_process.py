@@ -594,18 +594,18 @@ class EngineProcess:
 
     def start(self) -> "EngineProcess":
         """Spawn the child (non-blocking). Raises ``EngineStartError`` if the port is already taken."""
-        with socket.socket() as s:
+        # the host's address family (an IPv4 socket cannot bind "::1"): as port_free
+        with socket.socket(socket.AF_INET6 if ":" in self.spec.host else socket.AF_INET) as s:
             s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             try:
                 s.bind((self.spec.host, self.spec.port))
             except OSError as e:
-                raise EngineStartError(f"{self.name}: port {self.spec.port} on {self.spec.host} is in use ({e})")
+                raise EngineStartError(f"port {self.spec.port} on {self.spec.host} is in use ({e})")
         env = self.spec.child_env()
         env.setdefault("VLLM_CACHE_ROOT", str(self.log_path.parent / f"{self.name}-vllm-cache"))
-        log = open(self.log_path, "ab")
-        self.proc = subprocess.Popen(self.spec.argv(), stdout=log, stderr=subprocess.STDOUT, env=env,
-                                     stdin=subprocess.DEVNULL, start_new_session=True)
-        log.close()
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(self.spec.argv(), stdout=log, stderr=subprocess.STDOUT, env=env,
+                                         stdin=subprocess.DEVNULL, start_new_session=True)
         self.pgid = self.proc.pid
         return self
 

@@ -110,6 +110,10 @@ def sse_lines(text: str) -> list:
     return lines + ([rest] if rest else [])
 
 
+#: largest core id :func:`parse_cpus` accepts (Linux' CONFIG_NR_CPUS is at most 8192)
+MAX_CPU_ID = 65535
+
+
 def parse_cpus(cpus: str) -> list:
     """Core ids of a core list (``"0"``, ``"0-3"``, ``"0,2-3"``; spaces ignored), sorted, without repeats: the
     syntax of ``cpus:`` in a ``dlmix launch`` file and of ``VLLM_CPU_OMP_THREADS_BIND``.
@@ -121,6 +125,8 @@ def parse_cpus(cpus: str) -> list:
         if not lo.isdigit() or (sep and not hi.isdigit()):
             raise ValueError(f"cpus must be a core list like '0', '0-3' or '0,2-3', got {cpus!r}")
         a, b = int(lo), int(hi) if sep else int(lo)
+        if b > MAX_CPU_ID:
+            raise ValueError(f"cpus: core id {b} in {part!r} is larger than {MAX_CPU_ID}")
         if b < a:
             raise ValueError(f"cpus: range {part!r} runs backwards")
         out.update(range(a, b + 1))

@@ -390,3 +390,49 @@ def test_check_refuses_a_tp_size_or_context_the_model_cannot_run(tmp_path, smoll
     f.write_text(text.replace("tensor_parallel_size: 3}", "tensor_parallel_size: 2}"))
     res = CliRunner().invoke(app, ["launch", str(f), "--check"])
     assert res.exit_code == 0 and ": ok (7 instance(s)" in res.output, res.output
+
+
+@pytest.mark.parametrize("extra, needle", [
+    ("    name: router\n", "instances[0].name: instance name 'router' cannot be used"),
+    ("    name: a/b\n", "instances[0].name: instance name 'a/b' cannot be used"),
+    ("    name: '..'\n", "instances[0].name: instance name '..' cannot be used"),
+    ("    tensor_parallel_size: 100000\n",
+     "instances[0].tensor_parallel_size: Input should be less than or equal to 1024"),
+    ("    cpus: 0-2000000000\n", "larger than 65535"),
+])
+def test_names_and_numbers_a_launch_cannot_use_are_refused_by_the_check(extra, needle):
+    """Found by trying them: an instance named ``router`` (the router's own log file and supervision entry: killing
+    the router then spawned two), a name with ``/`` or ``..`` (its log file outside LOG_DIR, or a start failure
+    after ``--check`` said ok), a TP size of 100,000 (a traceback from the port search) and a core list of two
+    billion ids (built in memory) are ConfigErrors naming the field."""
+    assert needle in _err(BASE + extra)
+
+
+@pytest.mark.parametrize("args", ["[--disaggregation-bootstrap-port]", "[--disaggregation-bootstrap-port, x]",
+                                  "[--disaggregation-bootstrap-port, '18000']"])
+def test_an_sglang_bootstrap_port_that_cannot_work_is_refused_by_the_check(args):
+    """SGLang's ``--disaggregation-bootstrap-port`` in ``extra_args`` without a port number, or on a port the router
+    uses: a ConfigError (was a traceback at ``--dry-run`` and a bare IndexError at launch)."""
+    msg = _err("model: m\nrouter: {port: 18000}\ninstances:\n"
+               f"  - {{name: p, engine: sglang, role: prefill, port: 18100, extra_args: {args}}}\n"
+               "  - {name: d, engine: sglang, role: decode, port: 18200}\n")
+    assert "--disaggregation-bootstrap-port" in msg
+
+
+def test_a_file_that_is_not_utf8_or_expands_exponentially_is_an_error_not_a_hang(tmp_path):
+    """A deployment file that is not UTF-8 is a ConfigError (was a UnicodeDecodeError traceback); a few hundred bytes
+    of nested YAML aliases are checked at once (locating fields walked every expanded path: over a minute, millions
+    of entries)."""
+    import time
+
+    f = tmp_path / "latin1.yaml"
+    f.write_bytes(BASE.encode() + b"    name: caf\xe9\n")
+    with pytest.raises(ConfigError, match="cannot read deployment file"):
+        Deployment.from_file(f)
+    bomb = "a: &a [x, x, x, x, x, x, x, x, x]\n" + "".join(
+        f"{c}: &{c} [*{p}, *{p}, *{p}, *{p}, *{p}, *{p}, *{p}, *{p}, *{p}]\n"
+        for p, c in zip("abcdefgh", "bcdefghi")) + BASE
+    t = time.monotonic()
+    with pytest.raises(ConfigError, match="unknown key"):
+        Deployment.from_yaml(bomb, "bomb.yaml")
+    assert time.monotonic() - t < 30  # generous: it takes milliseconds; the unfixed walk never ended

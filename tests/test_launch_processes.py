@@ -131,3 +131,87 @@ def test_engine_dying_after_ready_is_reported_and_everything_stops_when_unsuperv
             running.wait(poll_s=0.05)
     assert "b exited with code -9" in str(ei.value)
     orphans.assert_gone()
+
+
+def test_an_instance_whose_python_cannot_run_fails_the_launch_with_its_reason(tmp_path, orphans):
+    """An instance ``python`` that exists but is not executable passes the machine check; starting it fails with
+    ProcessFailedError naming the instance and the OS error, and what had started (router, engine a) is stopped.
+    Before, any start failure was reported as a port in use ("Nothing was started") although processes had run."""
+    bad = tmp_path / "python-not-executable"
+    bad.write_text("#!/bin/sh\n")
+    f = _deployment(tmp_path)
+    text = f.read_text()
+    i = text.index("{name: b, engine: mock, ")  # instance b only
+    f.write_text(text[:i] + text[i:].replace("engine: mock, ", f"engine: mock, python: {bad}, ", 1))
+    logs = tmp_path / "logs"
+    with pytest.raises(ProcessFailedError) as ei:
+        with launch(Deployment.from_file(f), log_dir=logs):
+            pytest.fail("launch must not succeed")
+    assert "'b' could not be started" in str(ei.value) and "Permission denied" in str(ei.value)
+    orphans.track(logs=logs).assert_gone()
+
+
+def _marked(mark: str) -> set[int]:
+    """Live, non-zombie processes whose environment holds ``DLMIX_TEST_MARK=mark``."""
+    out = set()
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            env = (d / "environ").read_bytes().split(b"\0")
+            state = (d / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if f"DLMIX_TEST_MARK={mark}".encode() in env and state != "Z":
+            out.add(int(d.name))
+    return out
+
+
+def test_dlmix_demo_stopped_with_sigterm_leaves_no_process(tmp_path, orphans):
+    """``dlmix demo --deployment FILE`` stopped with SIGTERM (``kill``, a CI timeout) stops its deployment as Ctrl-C
+    does: no router, engine or grandchild is left. Before, the default SIGTERM ended the interpreter and left them
+    all running (they run in their own sessions)."""
+    import subprocess
+    import sys
+
+    mark = f"demo-{os.getpid()}"
+    f = _deployment(tmp_path)
+    f.write_text(f.read_text().replace('extra_args: ["--ttft-ms", "1"]', 'extra_args: ["--startup-s", "60"]'))
+    env = {**os.environ, "DLMIX_TEST_MARK": mark}
+    cli = subprocess.Popen([sys.executable, "-m", "dlmix.cli", "demo", "--deployment", str(f)],
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True, env=env)
+    try:
+        wait_until(lambda: len(_marked(mark) - {cli.pid}) >= 4, 120, "router, two engines and a grandchild")
+        orphans.track(pids=_marked(mark) - {cli.pid})
+        cli.send_signal(signal.SIGTERM)
+        cli.wait(120)
+        wait_until(lambda: not _marked(mark), 30, "every process of the deployment to end")
+        orphans.assert_gone()
+    finally:
+        if cli.poll() is None:
+            cli.kill()
+        for pid in _marked(mark):
+            os.kill(pid, signal.SIGKILL)
+
+
+def _ipv6_loopback() -> bool:
+    try:
+        with socket.socket(socket.AF_INET6) as s:
+            s.bind(("::1", 0))
+        return True
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not _ipv6_loopback(), reason="no IPv6 loopback on this machine")
+def test_an_instance_bound_to_ipv6_loopback_starts(tmp_path, orphans):
+    """``host: '::1'``: the start-time port check uses an IPv6 socket (an IPv4 one can never bind ``::1``, so every
+    IPv6 instance failed with "port ... is in use" for a free port)."""
+    p = free_port_block(1)
+    f = tmp_path / "dep.yaml"
+    f.write_text(f"name: v6\ninstances:\n  - {{name: a, engine: mock, host: '::1', port: {p}, ready_timeout_s: 60}}\n")
+    logs = tmp_path / "logs"
+    with launch(Deployment.from_file(f), log_dir=logs) as running:
+        assert f"[::1]:{p}" in running.processes[0].url
+        assert httpx.get(f"http://[::1]:{p}/health", timeout=30).status_code == 200
+    orphans.track(logs=logs).assert_gone()

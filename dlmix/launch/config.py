@@ -220,7 +220,7 @@ class Instance(_Strict):
     device: str = "cpu"
     devices: Optional[str] = None
     cpus: Optional[str] = None
-    tensor_parallel_size: int = Field(default=1, ge=1)
+    tensor_parallel_size: int = Field(default=1, ge=1, le=1024)
     max_model_len: int = Field(default=2048, ge=16)
     enforce_eager: Optional[bool] = None
     kv: KVSettings = Field(default_factory=KVSettings)
@@ -338,7 +338,7 @@ class Deployment(_Strict):
         p = Path(path)
         try:
             text = p.read_text()
-        except OSError as e:
+        except (OSError, UnicodeDecodeError) as e:
             raise ConfigError([f"{p}: cannot read deployment file: {e}"]) from None
         dep = parse_deployment(text, str(p))
         dep.source = str(p)
@@ -394,9 +394,15 @@ Path_ = Tuple[Any, ...]
 
 
 def _marks(node: yaml.Node, path: Path_, out: Dict[Path_, Tuple[int, int]], problems: List[str],
-           origin: str) -> None:
-    """Record (line, column), 1-based, of every node by its path; report duplicate mapping keys."""
+           origin: str, seen_nodes: Optional[set] = None) -> None:
+    """Record (line, column), 1-based, of every node by its path; report duplicate mapping keys. A node reached
+    again through a YAML alias is not walked again (nested aliases would otherwise expand exponentially); paths
+    under it fall back to the alias's own mark (:func:`_where`)."""
     out[path] = (node.start_mark.line + 1, node.start_mark.column + 1)
+    seen_nodes = set() if seen_nodes is None else seen_nodes
+    if id(node) in seen_nodes:
+        return
+    seen_nodes.add(id(node))
     if isinstance(node, yaml.MappingNode):
         seen: Dict[Any, int] = {}
         for k, v in node.value:
@@ -406,10 +412,10 @@ def _marks(node: yaml.Node, path: Path_, out: Dict[Path_, Tuple[int, int]], prob
                                 f"{_fmt(path + (key,))}: duplicate key (first on line {seen[key]})")
             seen[key] = k.start_mark.line + 1
             out[path + (key, "__key__")] = (k.start_mark.line + 1, k.start_mark.column + 1)
-            _marks(v, path + (key,), out, problems, origin)
+            _marks(v, path + (key,), out, problems, origin, seen_nodes)
     elif isinstance(node, yaml.SequenceNode):
         for i, v in enumerate(node.value):
-            _marks(v, path + (i,), out, problems, origin)
+            _marks(v, path + (i,), out, problems, origin, seen_nodes)
 
 
 def _fmt(path: Path_) -> str:
@@ -541,6 +547,18 @@ def _cross_checks(dep: Deployment, marks: Dict[Path_, Tuple[int, int]], origin: 
         if name in names:
             bad(("instances", i, "name"), f"duplicate instance name {name!r} (also instances[{names[name]}])")
         names[name] = i
+        if name == "router" or name in (".", "..") or "/" in name or "\\" in name or "\0" in name:
+            bad(("instances", i, "name"), f"instance name {name!r} cannot be used: it names the log file "
+                "LOG_DIR/NAME.log ('/', '\\', '.', '..' are not allowed) and 'router' is the router's own name")
+        if inst.engine == "sglang" and "--disaggregation-bootstrap-port" in inst.extra_args:
+            k = inst.extra_args.index("--disaggregation-bootstrap-port")
+            v = inst.extra_args[k + 1] if k + 1 < len(inst.extra_args) else ""
+            if not v.isdigit() or not 1 <= int(v) <= 65535:
+                bad(("instances", i, "extra_args"), f"--disaggregation-bootstrap-port needs a port number (1-65535) "
+                    f"after it, got {v or 'nothing'!r}")
+            elif ("*", int(v)) in ports:
+                bad(("instances", i, "extra_args"), f"--disaggregation-bootstrap-port {v} is also used by "
+                    f"{ports[('*', int(v))]}")
         key = ("*", inst.port)
         if key in ports:
             bad(("instances", i, "port"), f"port {inst.port} is also used by {ports[key]}")

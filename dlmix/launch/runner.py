@@ -39,8 +39,8 @@ from typing import Callable, Dict, Iterator, List, Optional
 
 import httpx
 
-from dlmix.engine_process import (EngineProcess, LMDeployServerSpec, SGLangServerSpec, VLLMServerSpec,
-                                  free_port_block, port_free as _port_free)
+from dlmix.engine_process import (EngineProcess, EngineStartError, LMDeployServerSpec, SGLangServerSpec,
+                                  VLLMServerSpec, free_port_block, port_free as _port_free)
 from dlmix.launch.config import DEVICE_VISIBILITY_ENV, Deployment, Instance
 from dlmix.launch.supervisor import Supervised, Supervisor, SupervisorEvent, console_printer, group_members
 from dlmix.net import url_host
@@ -672,11 +672,9 @@ def start(dep: Deployment | str | os.PathLike, *, log_dir: Optional[str | os.Pat
             finally:
                 client.close()
         if supervise:
-            items = []
-            for pl in plans:
-                proc = running.router if pl.kind == "router" else next(
-                    p for p in running.processes if p.name == pl.name)
-                items.append(Supervised(plan=pl, process=proc, policy=dep.restart_of(pl.index)))
+            # the very process each plan started (by plan, not by name: one process per item)
+            started = ([(router_plan, running.router)] if router_plan else []) + list(engines)
+            items = [Supervised(plan=pl, process=proc, policy=dep.restart_of(pl.index)) for pl, proc in started]
             if on_event is None and console is not None:
                 on_event = console_printer(console)
             running.supervisor = Supervisor(items, on_event=on_event, poll_s=min(poll_s, 0.5),
@@ -709,8 +707,10 @@ def _spawn(pl: ProcessPlan, ldir: Path, running: RunningDeployment) -> EnginePro
     running.processes.append(proc)
     try:
         proc.start()
-    except Exception as e:  # port taken in the meantime
-        raise PortInUseError(f"{pl.name}: {e}") from None
+    except EngineStartError as e:  # port taken in the meantime
+        raise PortInUseError(f"{pl.name}: {e}; every process started before it has been stopped") from None
+    except OSError as e:  # the command cannot be executed (e.g. `python` is not an executable file)
+        raise ProcessFailedError(f"{pl.kind} {pl.name!r} could not be started: {e}") from None
     return proc
 
 
