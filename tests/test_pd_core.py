@@ -318,41 +318,22 @@ def test_router_client_backs_off_when_fresh_registrations_keep_getting_404():
     """A router that accepts each registration but answers every heartbeat 404 (e.g. replicas that do not share their
     instances): the client registers again at once after the first 404, then only once per ``heartbeat_s``, instead
     of looping on the router as fast as it answers."""
-    import json as _json
-    import threading
     import time
-    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
     from dlmix.pd.router_client import RouterClient
+    from dlmix.testing import JsonStandIn
 
-    posts: list[str] = []
-
-    class H(BaseHTTPRequestHandler):
-        def do_POST(self):  # noqa: N802
-            self.rfile.read(int(self.headers["Content-Length"]))
-            posts.append(self.path)
-            code, out = (201, {"id": f"i{len(posts)}"}) if self.path == "/admin/instances" else (404, {})
-            data = _json.dumps(out).encode()
-            self.send_response(code)
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
-
-        def log_message(self, *a):
-            pass
-
-    srv = ThreadingHTTPServer(("127.0.0.1", 0), H)
-    threading.Thread(target=srv.serve_forever, daemon=True).start()
-    rc = RouterClient(f"http://127.0.0.1:{srv.server_address[1]}", lambda: {"url": "http://e", "role": "both"},
-                      lambda: {"waiting": 0, "running": 0}, heartbeat_s=0.5, first_wait_s=0)
+    router = JsonStandIn(lambda method, path, body: (201, {"id": "i"}) if path == "/admin/instances" else (404, {}))
+    rc = RouterClient(router.url, lambda: {"url": "http://e", "role": "both"}, lambda: {"waiting": 0, "running": 0},
+                      heartbeat_s=0.5, first_wait_s=0)
     rc.start()
     try:
         assert rc.registered.wait(30)
         time.sleep(3)
     finally:
         rc.stop()
-        srv.shutdown()
-    regs = posts.count("/admin/instances")
+        router.close()
+    regs = [p for p, _ in router.calls].count("/admin/instances")
     # 3 s at one try per 0.5 s: ~6 registrations (a slow machine makes fewer); a tight loop made hundreds
-    assert 2 <= regs <= 10, (regs, len(posts))
+    assert 2 <= regs <= 10, (regs, len(router.calls))
     assert "404" in (rc.last_error or "")
