@@ -399,12 +399,14 @@ def test_check_refuses_a_tp_size_or_context_the_model_cannot_run(tmp_path, smoll
     ("    tensor_parallel_size: 100000\n",
      "instances[0].tensor_parallel_size: Input should be less than or equal to 1024"),
     ("    cpus: 0-2000000000\n", "larger than 65535"),
+    ("    ready_timeout_s: .inf\n", "instances[0].ready_timeout_s: Input should be a finite number"),
+    ("    restart: {backoff_s: .nan}\n", "instances[0].restart.backoff_s: Input should be a finite number"),
 ])
 def test_names_and_numbers_a_launch_cannot_use_are_refused_by_the_check(extra, needle):
     """Found by trying them: an instance named ``router`` (the router's own log file and supervision entry: killing
     the router then spawned two), a name with ``/`` or ``..`` (its log file outside LOG_DIR, or a start failure
-    after ``--check`` said ok), a TP size of 100,000 (a traceback from the port search) and a core list of two
-    billion ids (built in memory) are ConfigErrors naming the field."""
+    after ``--check`` said ok), a TP size of 100,000 (a traceback from the port search), a core list of two billion
+    ids (built in memory) and an infinite readiness wait or NaN back-off are ConfigErrors naming the field."""
     assert needle in _err(BASE + extra)
 
 

@@ -104,8 +104,8 @@ class RestartPolicy(_Strict):
     """
 
     max_restarts: int = Field(default=5, ge=0)
-    backoff_s: float = Field(default=1.0, ge=0)
-    backoff_max_s: float = Field(default=60.0, ge=0)
+    backoff_s: float = Field(default=1.0, ge=0, allow_inf_nan=False)
+    backoff_max_s: float = Field(default=60.0, ge=0, allow_inf_nan=False)
     reset_after_s: float = Field(default=300.0, gt=0)
 
     def delay(self, k: int) -> float:
@@ -228,7 +228,7 @@ class Instance(_Strict):
     python: Optional[str] = None
     extra_args: List[str] = Field(default_factory=list)
     env: Dict[str, str] = Field(default_factory=dict)
-    ready_timeout_s: float = Field(default=600.0, gt=0)
+    ready_timeout_s: float = Field(default=600.0, gt=0, allow_inf_nan=False)
     restart: Optional[RestartPolicy] = None
     k8s: K8sInstanceSettings = Field(default_factory=K8sInstanceSettings)
 
@@ -293,7 +293,7 @@ class RouterSettings(_Strict):
     chips: List[str] = Field(default_factory=list)
     kv_events: bool = False
     config: Dict[str, Any] = Field(default_factory=dict)
-    ready_timeout_s: float = Field(default=120.0, gt=0)
+    ready_timeout_s: float = Field(default=120.0, gt=0, allow_inf_nan=False)
     restart: Optional[RestartPolicy] = None
     replicas: int = Field(default=1, ge=1)
 
