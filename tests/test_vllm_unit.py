@@ -369,6 +369,26 @@ def test_a_decode_instance_holds_nothing_for_a_client_asking_do_remote_decode(sc
     assert p.request_finished(r, [3, 4])[0] is True and set(p.build_connector_meta(None).holds) == {"c1"}
 
 
+def test_n_children_sharing_one_params_dict_each_pull(sched_factory):
+    """With the engine in process, vLLM's ``n`` child requests share their parent's ``kv_transfer_params`` dict (a
+    shallow copy of the sampling params): the first child's allocation must not turn the others' remote prefill
+    off. Each child claims and gets its own receive job; the shared dict is left as the client sent it."""
+    from types import SimpleNamespace
+
+    from vllm.v1.request import RequestStatus
+
+    p = sched_factory("kv_producer")
+    done = _req("p1", {"do_remote_decode": True}, 300, RequestStatus.FINISHED_LENGTH_CAPPED, computed=300)
+    shared = p.request_finished(done, list(range(10)))[1]
+    d = sched_factory("kv_consumer", block_size=128)
+    kids = [_req(f"c{i}", shared, 300) for i in range(2)]
+    for r in kids:
+        assert d.get_num_new_matched_tokens(r, 0) == (300, True)
+        d.update_state_after_alloc(r, SimpleNamespace(get_block_ids=lambda: ([1, 2, 3],)), 300)
+    assert [j.req_id for j in d.build_connector_meta(None).recvs] == ["c0", "c1"]
+    assert shared["do_remote_prefill"] is True and "_dlmix_consumer" not in shared
+
+
 def test_cancelled_pull_stops_between_rounds_and_prefill_frees(pair):
     src = _layout(32, "bf16")
     page = 2 * 32 * 2 * 32 * 2

@@ -153,6 +153,9 @@ class DLMixConnectorScheduler:
         params = request.kv_transfer_params
         if not params or not params.get("do_remote_prefill"):
             return
+        # n > 1 with the engine in process: vLLM's child requests share their parent's kv_transfer_params dict (a
+        # shallow copy of the sampling params), so mark this request's own copy, not its siblings'
+        params = request.kv_transfer_params = dict(params)
         params["do_remote_prefill"] = False
         params["_dlmix_consumer"] = True
         info = self._info.setdefault(rid, {})
@@ -246,6 +249,7 @@ class DLMixConnectorScheduler:
             return True, {"do_remote_prefill": True, "do_remote_decode": False, **tp.to_dict()}
         if params.get("do_remote_prefill"):
             # Finished (aborted) before allocation: P still holds the blocks; let it free them now.
+            params = request.kv_transfer_params = dict(params)  # this request's own copy (see above)
             params["do_remote_prefill"] = False
             try:
                 p = decode_params(params)
