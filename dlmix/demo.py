@@ -327,25 +327,17 @@ def run_demo(deployment: str | Path | List[str | Path] | None = None, max_tokens
     else:
         paths = [Path(d) for d in (deployment if isinstance(deployment, (list, tuple)) else [deployment])]
     rc, rows = 0, []
-    import signal
-    import threading
+    from dlmix.launch.cli import stopping_on_signals
 
-    from dlmix.launch.cli import _STOP_SIGNALS, _raise_interrupt
-
-    # SIGTERM/SIGHUP (kill, a CI timeout) must stop the deployment as Ctrl-C does, and a second signal must not
-    # abort that stop half-way: the same one-shot handler as `dlmix launch`
-    old = ({s: signal.signal(s, _raise_interrupt) for s in _STOP_SIGNALS}
-           if threading.current_thread() is threading.main_thread() else {})
-    try:
+    # SIGTERM/SIGHUP (kill, a CI timeout) stop the deployment as Ctrl-C does, and a second signal does not cut that
+    # stop short: the same handling as `dlmix launch`
+    with stopping_on_signals():
         for path in paths:
             r, part = _run_one(console, path, max_tokens, free_ports)
             rows += part
             rc = max(rc, r)
             if r == 2:
                 break
-    finally:
-        for s, h in old.items():
-            signal.signal(s, h)
     if json_out:
         Path(json_out).write_text(json.dumps([r.__dict__ for r in rows], indent=1, default=str))
     return rc

@@ -9,7 +9,7 @@ from typing import Optional, Tuple
 
 import typer
 
-__all__ = ["launch_cmd"]
+__all__ = ["launch_cmd", "stopping_on_signals"]
 
 
 _STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
@@ -25,6 +25,23 @@ def _raise_interrupt(signum, frame):  # SIGINT/SIGTERM/SIGHUP -> the same clean 
 def _hold_signals() -> None:
     for s in _STOP_SIGNALS:
         signal.signal(s, signal.SIG_IGN)
+
+
+@contextlib.contextmanager
+def stopping_on_signals():
+    """While inside, SIGINT, SIGTERM and SIGHUP raise KeyboardInterrupt once (then are ignored, so a stop under way
+    is never cut short); the previous handlers are restored on exit. SIGINT too: a process started with SIGINT
+    ignored (a background job of a non-interactive shell) gets no KeyboardInterrupt from Python, and its children
+    would inherit the ignored SIGINT. Installs nothing outside the main thread (Python allows handlers only there)."""
+    import threading
+
+    main = threading.current_thread() is threading.main_thread()
+    old = {s: signal.signal(s, _raise_interrupt) for s in _STOP_SIGNALS} if main else {}
+    try:
+        yield
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
 
 
 def _stop(running, grace: float) -> None:
@@ -103,38 +120,36 @@ def launch_cmd(
         for p in local_problems(dep):
             console.print(f"[yellow]note:[/] {p}", highlight=False, soft_wrap=True)
         return
-    # SIGINT too: a process started with SIGINT ignored (a background job of a non-interactive shell) gets no
-    # KeyboardInterrupt from Python, and its children would inherit the ignored SIGINT; an explicit handler fixes both
-    old = {s: signal.signal(s, _raise_interrupt) for s in _STOP_SIGNALS}
-    running = None
-    try:
-        running = start(dep, log_dir=log_dir, console=console, follow_logs=follow_logs, grace_s=grace)
-        model = running.instances[0].served_model_name
-        console.print(f"\n[bold green]ready[/]: send OpenAI requests to [bold]{running.url}[/]  (model {model!r})")
-        if running.router_url:
-            console.print(f"  router admin: {running.router_url}/admin/instances (Bearer key in "
-                          f"{running.log_dir / 'router.yaml'}), metrics: {running.router_url}/metrics")
-        for inst in running.instances:
-            console.print(f"  {inst.name}: {inst.role} {inst.engine} {inst.url}  log {inst.log_path}")
-        console.print(f"  try: curl -s {running.url}/v1/completions -H 'Content-Type: application/json' "
-                      f"-d '{{\"model\": \"{model}\", \"prompt\": \"Hello\", \"max_tokens\": 16}}'", highlight=False,
-                      soft_wrap=True)
-        console.print("Ctrl-C stops everything.")
-        running.wait()
-    except KeyboardInterrupt:
-        console.print("\n[yellow]stopping every process...[/]")
-        _stop(running, grace)
-        console.print("stopped.")
-        raise typer.Exit(130)
-    except LaunchError as e:
-        _stop(running, grace)
-        tail = "" if getattr(e, "nothing_started", False) else "\nEvery process that was started has been stopped."
-        console.print(f"[red]launch failed:[/] {e}{tail}", highlight=False, soft_wrap=True)
-        raise typer.Exit(1)
-    except Exception as e:  # model preparation and other failures
-        _stop(running, grace)
-        console.print(f"[red]launch failed:[/] {type(e).__name__}: {e}", highlight=False)
-        raise typer.Exit(1)
-    finally:
-        for s, h in old.items():
-            signal.signal(s, h)
+    with stopping_on_signals():  # Ctrl-C, SIGTERM and SIGHUP stop every process, once
+        running = None
+        try:
+            running = start(dep, log_dir=log_dir, console=console, follow_logs=follow_logs, grace_s=grace)
+            model = running.instances[0].served_model_name
+            console.print(f"\n[bold green]ready[/]: send OpenAI requests to [bold]{running.url}[/]  "
+                          f"(model {model!r})")
+            if running.router_url:
+                console.print(f"  router admin: {running.router_url}/admin/instances (Bearer key in "
+                              f"{running.log_dir / 'router.yaml'}), metrics: {running.router_url}/metrics")
+            for inst in running.instances:
+                console.print(f"  {inst.name}: {inst.role} {inst.engine} {inst.url}  log {inst.log_path}")
+            console.print(f"  try: curl -s {running.url}/v1/completions -H 'Content-Type: application/json' "
+                          f"-d '{{\"model\": \"{model}\", \"prompt\": \"Hello\", \"max_tokens\": 16}}'",
+                          highlight=False, soft_wrap=True)
+            console.print("Ctrl-C stops everything.")
+            running.wait()
+        except KeyboardInterrupt:
+            console.print("\n[yellow]stopping every process...[/]")
+            _stop(running, grace)
+            console.print("stopped.")
+            raise typer.Exit(130)
+        except LaunchError as e:
+            _stop(running, grace)
+            tail = ("" if getattr(e, "nothing_started", False)
+                    else "\nEvery process that was started has been stopped.")
+            console.print(f"[red]launch failed:[/] {e}{tail}", highlight=False, soft_wrap=True)
+            raise typer.Exit(1)
+        except Exception as e:  # model preparation and other failures
+            _stop(running, grace)
+            console.print(f"[red]launch failed:[/] {type(e).__name__}: {e}", highlight=False)
+            raise typer.Exit(1)
+
