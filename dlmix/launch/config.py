@@ -418,6 +418,19 @@ def _marks(node: yaml.Node, path: Path_, out: Dict[Path_, Tuple[int, int]], prob
             _marks(v, path + (i,), out, problems, origin, seen_nodes)
 
 
+def sglang_bootstrap_port(extra_args: List[str]) -> Optional[int]:
+    """The port SGLang's ``--disaggregation-bootstrap-port`` names in an instance's ``extra_args``, or None when it
+    is not there. Raises ValueError when no port number (1-65535) follows it."""
+    if "--disaggregation-bootstrap-port" not in extra_args:
+        return None
+    k = extra_args.index("--disaggregation-bootstrap-port")
+    v = extra_args[k + 1] if k + 1 < len(extra_args) else ""
+    if not v.isdigit() or not 1 <= int(v) <= 65535:
+        raise ValueError(f"--disaggregation-bootstrap-port needs a port number (1-65535) after it, got "
+                         f"{v or 'nothing'!r}")
+    return int(v)
+
+
 def _fmt(path: Path_) -> str:
     s = ""
     for p in path:
@@ -550,15 +563,15 @@ def _cross_checks(dep: Deployment, marks: Dict[Path_, Tuple[int, int]], origin: 
         if name == "router" or name in (".", "..") or "/" in name or "\\" in name or "\0" in name:
             bad(("instances", i, "name"), f"instance name {name!r} cannot be used: it names the log file "
                 "LOG_DIR/NAME.log ('/', '\\', '.', '..' are not allowed) and 'router' is the router's own name")
-        if inst.engine == "sglang" and "--disaggregation-bootstrap-port" in inst.extra_args:
-            k = inst.extra_args.index("--disaggregation-bootstrap-port")
-            v = inst.extra_args[k + 1] if k + 1 < len(inst.extra_args) else ""
-            if not v.isdigit() or not 1 <= int(v) <= 65535:
-                bad(("instances", i, "extra_args"), f"--disaggregation-bootstrap-port needs a port number (1-65535) "
-                    f"after it, got {v or 'nothing'!r}")
-            elif ("*", int(v)) in ports:
-                bad(("instances", i, "extra_args"), f"--disaggregation-bootstrap-port {v} is also used by "
-                    f"{ports[('*', int(v))]}")
+        if inst.engine == "sglang":
+            try:
+                bp = sglang_bootstrap_port(inst.extra_args)
+            except ValueError as e:
+                bad(("instances", i, "extra_args"), str(e))
+            else:
+                if bp is not None and ("*", bp) in ports:
+                    bad(("instances", i, "extra_args"), f"--disaggregation-bootstrap-port {bp} is also used by "
+                        f"{ports[('*', bp)]}")
         key = ("*", inst.port)
         if key in ports:
             bad(("instances", i, "port"), f"port {inst.port} is also used by {ports[key]}")

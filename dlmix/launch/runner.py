@@ -41,7 +41,7 @@ import httpx
 
 from dlmix.engine_process import (EngineProcess, EngineStartError, LMDeployServerSpec, SGLangServerSpec,
                                   VLLMServerSpec, free_port_block, port_free as _port_free)
-from dlmix.launch.config import DEVICE_VISIBILITY_ENV, Deployment, Instance
+from dlmix.launch.config import DEVICE_VISIBILITY_ENV, Deployment, Instance, sglang_bootstrap_port
 from dlmix.launch.supervisor import Supervised, Supervisor, SupervisorEvent, console_printer, group_members
 from dlmix.net import url_host
 from dlmix.pd.registration import registration_body
@@ -215,9 +215,9 @@ def _sglang_spec(dep: Deployment, i: int, model: str, secret: str, kv_events: Op
     args = list(inst.extra_args)
     bp = None
     if mode == "prefill":
-        if "--disaggregation-bootstrap-port" in args:
+        bp = sglang_bootstrap_port(args)  # checked with the file (a ConfigError names a bad one)
+        if bp is not None:
             k = args.index("--disaggregation-bootstrap-port")
-            bp = int(args[k + 1])
             del args[k:k + 2]
         else:
             bp = _free_block(1, taken)
