@@ -358,27 +358,7 @@ class Consumer:
                 handles, areas, base = [], [], 0
                 try:
                     for peer, tid, sub, runs, sp, pp, rblocks in spec:
-                        segs = []
-                        for layer in range(L):
-                            for pl in range(P):
-                                at = base + (layer * P + pl) * n * sp
-                                if len(runs[pl]) == 1:  # the whole page or one run of it: merge consecutive blocks
-                                    off0, ln = runs[pl][0]
-                                    i = 0
-                                    while i < n:
-                                        j = i + 1
-                                        while ln == pp and j < n and rblocks[c0 + j] == rblocks[c0 + j - 1] + 1:
-                                            j += 1
-                                        segs.append(("staging", at + i * sp, names[layer][pl],
-                                                     rblocks[c0 + i] * pp + off0, (j - i) * ln))
-                                        i = j
-                                else:
-                                    for i in range(n):
-                                        o = at + i * sp
-                                        for off, ln in runs[pl]:
-                                            segs.append(("staging", o, names[layer][pl],
-                                                         rblocks[c0 + i] * pp + off, ln))
-                                            o += ln
+                        segs = _round_segments(names, runs, sp, pp, rblocks, c0, n, base)
                         handles.append(self.t.read(peer, segs, transfer_id=tid, timeout_s=self.io_timeout_s))
                         areas.append((base, sub, sp))
                         base += L * P * n * sp
@@ -427,3 +407,32 @@ class Consumer:
         if src.separate_kv:
             return tuple(area[i * n * pp:(i + 1) * n * pp].view(sdt).view(shape[i]) for i in range(2))
         return area.view(sdt).view(shape)
+
+
+def _round_segments(names: list, runs: list, sp: int, pp: int, rblocks: list, c0: int, n: int, base: int) -> list:
+    """Segments ``(local region, local offset, remote region, remote offset, bytes)`` that read blocks ``c0 ..
+    c0 + n`` of one producer rank into the staging region from byte ``base``: per layer and region plane
+    (``names[layer][plane]``), ``n`` staged pages of ``sp`` bytes, each the byte ``runs`` of the producer's page of
+    ``pp`` bytes at block ``rblocks[c0 + i]``. Whole pages (or one run each) of consecutive blocks merge into one
+    segment."""
+    segs = []
+    P = len(runs)
+    for layer, planes in enumerate(names):
+        for pl in range(P):
+            at = base + (layer * P + pl) * n * sp
+            if len(runs[pl]) == 1:  # the whole page or one run of it: merge consecutive blocks
+                off0, ln = runs[pl][0]
+                i = 0
+                while i < n:
+                    j = i + 1
+                    while ln == pp and j < n and rblocks[c0 + j] == rblocks[c0 + j - 1] + 1:
+                        j += 1
+                    segs.append(("staging", at + i * sp, planes[pl], rblocks[c0 + i] * pp + off0, (j - i) * ln))
+                    i = j
+            else:
+                for i in range(n):
+                    o = at + i * sp
+                    for off, ln in runs[pl]:
+                        segs.append(("staging", o, planes[pl], rblocks[c0 + i] * pp + off, ln))
+                        o += ln
+    return segs
