@@ -19,7 +19,7 @@ import pytest
 
 from dlmix.router.config import ConfigError, RouterConfig
 from dlmix.router.server import Router
-from dlmix.testing import LoopThread, free_port
+from dlmix.testing import LoopThread, free_port, poll
 from dlmix.testing.mock_engine import MockEngine
 
 LIVE = 20.0  # liveness bound (s): a socket that stays silent this long means the router never acted
@@ -562,9 +562,7 @@ def test_a_client_that_does_not_read_holds_the_backend_not_router_memory(lt, fas
             c = client_conn()
             return c.transport.get_write_buffer_size() if c is not None else -1
 
-        end = time.monotonic() + LIVE
-        while buffered() <= 0 and time.monotonic() < end:
-            time.sleep(0.05)
+        poll(lambda: buffered() > 0, timeout_s=LIVE)
         time.sleep(2.0)  # had it kept reading the backend, the buffer would hold megabytes by now
         print("router buffered for the client:", buffered(), "B")
         assert 0 < buffered() < 1 << 20, buffered()

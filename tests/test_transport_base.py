@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 
+from dlmix.testing import poll
 from dlmix_kv_connectors import (
     GrantError,
     PeerError,
@@ -466,10 +467,9 @@ def _threads_of(*names: str) -> list[str]:
 
 
 def _wait_threads_gone(*names: str, timeout: float = 10.0) -> list[str]:
-    end = time.monotonic() + timeout
-    while (left := _threads_of(*names)) and time.monotonic() < end:
-        time.sleep(0.02)
-    return left
+    """The threads of ``names`` still alive after waiting up to ``timeout`` s for none to be left."""
+    poll(lambda: not _threads_of(*names), timeout_s=timeout, interval_s=0.02)
+    return _threads_of(*names)
 
 
 def test_close_and_a_dropped_link_leave_no_thread_behind():
@@ -487,9 +487,7 @@ def test_close_and_a_dropped_link_leave_no_thread_behind():
         def readers_of_link() -> int:  # b's reader threads of its outbound connections to a
             return _threads_of("a").count("dlmix-kv-rd-a")
 
-        end = time.monotonic() + 10
-        while readers_of_link() > 1 and time.monotonic() < end:
-            time.sleep(0.02)
+        poll(lambda: readers_of_link() <= 1, timeout_s=10, interval_s=0.02)
         assert readers_of_link() == 1, _threads_of("a")
         assert b.read("a", [Segment("kv", 0, "kv", 0, 4096)], "t").result(30) == 4096  # the other stripe serves
     finally:
@@ -501,13 +499,6 @@ def test_close_and_a_dropped_link_leave_no_thread_behind():
 def _link_threads(peer: str) -> list[str]:
     """Reader and sender threads of outbound links to ``peer`` in this process."""
     return [t for t in _threads_of(peer) if t in (f"dlmix-kv-rd-{peer}", f"dlmix-kv-tx-{peer}")]
-
-
-def _settle(pred, timeout: float = 10.0) -> bool:
-    end = time.monotonic() + timeout
-    while not pred() and time.monotonic() < end:
-        time.sleep(0.02)
-    return pred()
 
 
 def test_a_link_whose_data_path_hook_fails_is_closed_not_leaked():
@@ -527,8 +518,8 @@ def test_a_link_whose_data_path_hook_fails_is_closed_not_leaked():
             with pytest.raises(PeerError, match="library cannot reach"):
                 b.connect(a.descriptor())
         assert b._out == {}
-        assert _settle(lambda: _link_threads("ha") == []), _threads_of("ha")
-        assert _settle(lambda: a.peers() == []), a.peers()
+        assert poll(lambda: _link_threads("ha") == [], timeout_s=10), _threads_of("ha")
+        assert poll(lambda: a.peers() == [], timeout_s=10), a.peers()
     finally:
         b.close()
         a.close()
