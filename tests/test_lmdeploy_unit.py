@@ -396,3 +396,102 @@ print("ok")
     out = subprocess.run([py, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.split() == ["ok"], out.stdout
+
+
+def test_rank_failure_paths_leave_no_session_held_and_never_raise_into_the_engine():
+    """The adapter's :class:`dlmix_lmdeploy.backend.Rank` on its failure paths (run in the LMDeploy venv, stand-in
+    engine and endpoint, the real core :class:`~dlmix.pd.producer.Producer` where it decides):
+
+    * a hold the core refuses (100 prompt tokens in 2 blocks of 32) leaves the session unheld, so LMDeploy's own
+      end/stop of it runs, and a later hold of the same session is made;
+    * a migration request naming a negative block id (the body's ``migration_request`` is client input) fails that
+      pull with the reason instead of raising into LMDeploy's migration loop (which would stop the decode engine);
+    * one ``end_session`` that raises in the prefill's poller does not keep the other released sessions of that
+      round held."""
+    from dlmix_lmdeploy import testing as T
+
+    py = T.lmdeploy_python()
+    if py is None:
+        pytest.skip("no LMDeploy venv (run scripts/setup_lmdeploy.sh, or set DLMIX_LMDEPLOY_VENV)")
+    code = """
+import asyncio
+import lmdeploy.pytorch.disagg.backend.backend  # the backend registry first, as in an engine process
+from dlmix.kv import KVLayout, ModelIdentity
+from dlmix.pd.endpoint import PullResult
+from dlmix.pd.producer import Producer
+from dlmix_lmdeploy.backend import Peer, Rank
+
+layout = KVLayout(model=ModelIdentity("LlamaForCausalLM", 2, 2, 16, "gqa", weights_fingerprint="sha256:aa"),
+                  block_size=32, dtype="bf16", arrangement="vllm_cpu")
+
+class Transport:
+    def grant(self, *a, **k): pass
+    def revoke(self, tid): return False
+    def notify(self, peer, msg): pass
+
+class Endpoint:
+    def __init__(self):
+        self.producer = Producer(Transport(), layout, num_blocks=16)
+        self.pulled = 0
+    def add_hold(self, *a, **k): self.producer.add_hold(*a, **k)
+    def engine_abort(self, key): self.producer.engine_abort(key)
+    def take_finished(self): return self.producer.take_finished()
+    def pull(self, *a, **k):
+        self.pulled += 1
+        return PullResult(loaded_upto=0, error="refused", failed_block_ids=list(a[5]))
+    def release(self, *a, **k): pass
+
+class Scheduler:
+    def __init__(self, fail_first=False):
+        self.fail, self.ended = fail_first, []
+    def get_session(self, sid): return object()
+    def end_session(self, sid):
+        if self.fail:
+            self.fail = False
+            raise RuntimeError("session in an unexpected state")
+        self.ended.append(sid)
+
+async def refused_hold():
+    ep, sched = Endpoint(), Scheduler()
+    rank = Rank(role="Prefill", layout=layout, endpoint=ep)
+    try:
+        rank.hold(sched, 7, [1, 2], list(range(100)))
+    except ValueError as e:
+        assert "need more" in str(e), e
+    else:
+        raise AssertionError("the core accepted 100 tokens in 2 blocks of 32")
+    assert not rank.is_held(7) and not rank.drop(7) and rank.key_of == {} and rank.session_of == {}
+    rank.hold(sched, 7, [1, 2, 3, 4], list(range(100)))
+    assert rank.is_held(7) and ep.producer.is_held(rank.key_of[7])
+    print("refused hold: ok")
+
+def bad_migration():
+    ep = Endpoint()
+    rank = Rank(role="Decode", layout=None, endpoint=ep)
+    rank.peers["http://prefill"] = Peer({"kind": "tcp"}, None)
+    res = rank.pull("http://prefill", 0, [-1, 3], [5, 6], [1, 2, 3])
+    assert res.loaded_upto == 0 and res.failed_block_ids == [5, 6] and "bad migration request" in res.error, res
+    assert ep.pulled == 0
+    print("bad migration: ok")
+
+async def poller_keeps_going():
+    ep, sched = Endpoint(), Scheduler(fail_first=True)
+    rank = Rank(role="Prefill", layout=layout, endpoint=ep)
+    for sid, blocks in ((1, [1]), (2, [2]), (3, [3])):
+        rank.hold(sched, sid, blocks, list(range(20)))
+    for sid in (1, 2, 3):
+        assert rank.drop(sid)
+    for _ in range(100):
+        await asyncio.sleep(0.05)
+        if len(sched.ended) == 2:
+            break
+    assert len(sched.ended) == 2 and not any(rank.is_held(s) for s in (1, 2, 3)), (sched.ended, rank.key_of)
+    print("poller: ok")
+
+asyncio.run(refused_hold())
+bad_migration()
+asyncio.run(poller_keeps_going())
+"""
+    out = subprocess.run([py, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split("\n")[:3] == ["refused hold: ok", "bad migration: ok", "poller: ok"], out.stdout

@@ -152,6 +152,8 @@ class Rank:
         session). The engine's session is ended by :meth:`poll` once the core releases the hold. Must run on the
         engine's event loop (it starts the poller there)."""
         key = hold_key(block_ids)
+        alias = block_ids_session_alias(block_ids)
+        digest = prompt_digest(token_ids)
         with self.lock:
             if session_id in self.key_of:
                 return
@@ -160,9 +162,17 @@ class Rank:
         with self.lock:
             self.key_of[session_id] = key
             self.session_of[key] = session_id
-            alias = self.alias_of[key] = block_ids_session_alias(block_ids)
+            self.alias_of[key] = alias
             self.key_of_alias[alias] = key
-        self.endpoint.add_hold(key, [int(b) for b in block_ids], len(token_ids), prompt_digest(token_ids))
+        try:
+            self.endpoint.add_hold(key, [int(b) for b in block_ids], len(token_ids), digest)
+        except BaseException:  # no core hold: the session is not held (its END/STOP_SESSION must end it)
+            with self.lock:
+                self.key_of.pop(session_id, None)
+                if self.session_of.get(key) == session_id:
+                    del self.session_of[key]
+                    self.key_of_alias.pop(self.alias_of.pop(key, None), None)
+            raise
         if self.scheduler is None:
             self.scheduler = scheduler
             self._loop = asyncio.get_running_loop()
@@ -172,7 +182,12 @@ class Rank:
         """End the engine sessions whose holds the core released (consumed, aborted, expired), on the engine's
         event loop; re-arms itself every :data:`POLL_S` seconds."""
         try:
-            for key in self.endpoint.take_finished():
+            finished = self.endpoint.take_finished()
+        except Exception as e:  # never let the poller die
+            log.error("DLMix: freeing released prefill sessions failed: %s", e)
+            finished = set()
+        for key in finished:  # each on its own: the core has let go of all of them
+            try:
                 with self.lock:
                     sid = self.session_of.pop(key, None)
                     if sid is not None:
@@ -180,8 +195,8 @@ class Rank:
                     self.key_of_alias.pop(self.alias_of.pop(key, None), None)
                 if sid is not None and self.scheduler.get_session(sid) is not None:
                     self.scheduler.end_session(sid)
-        except Exception as e:  # never let the poller die
-            log.error("DLMix: freeing released prefill sessions failed: %s", e)
+            except Exception as e:  # never let the poller die, nor one session keep the others
+                log.error("DLMix: freeing released prefill session of %s failed: %s", key, e)
         self._loop.call_later(POLL_S, self.poll)
 
     def is_held(self, session_id: int) -> bool:
@@ -213,12 +228,16 @@ class Rank:
         if peer is None:
             return PullResult(loaded_upto=0, error=f"DLMix: {remote_engine_id} is not connected to this decode engine",
                               failed_block_ids=list(local_block_ids))
-        rid = hold_key(remote_block_ids)
         local = [int(b) for b in local_block_ids]
+        try:  # the migration request's block ids come from the request body: never raise into the engine loop
+            rid = hold_key(remote_block_ids)
+            digest = prompt_digest(token_ids)
+        except ValueError as e:
+            return PullResult(loaded_upto=0, error=f"DLMix: bad migration request: {e}", failed_block_ids=local)
         shadow = self.quant.shadow(len(local)) if self.quant is not None else None
         res = self.endpoint.pull(peer.transport, rid, list(remote_block_ids), 0, len(token_ids),
                                  list(range(len(local))) if shadow is not None else local,
-                                 src_layout=peer.layout, digest=prompt_digest(token_ids), dst_layers=shadow)
+                                 src_layout=peer.layout, digest=digest, dst_layers=shadow)
         try:
             self.endpoint.release(peer.transport, rid, consumed=res.error is None)
         except Exception as e:  # the prefill is gone: its hold timeout (or its death) frees its blocks
