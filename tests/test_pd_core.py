@@ -190,6 +190,23 @@ def test_abort_from_consumer_releases_and_late_messages_are_harmless():
         p.add_hold("x", [1], 100)
 
 
+def test_a_refused_consumers_abort_leaves_the_grantees_hold_alone():
+    """A second decode that names the held blocks with another prompt is refused; the abort it then sends (every
+    adapter aborts after a failed pull) must not release the hold under the granted decode's read: the grant stays,
+    the engine is not told to free the blocks, and the grantee's own consumed notice releases them."""
+    p, t = _producer()
+    p.add_hold("r", [3, 4], 40, digest=prompt_digest(range(40)))
+    want = dict(req="r", block_ids=[3, 4], layout=_layout(128, "fp32").to_dict())
+    p.handle("decodeA", Want(digest=prompt_digest(range(40)), **want))
+    assert t.sent[-1][1]["type"] == "blocks_ready" and "r" in t.grants
+    p.handle("decodeB", Want(digest=prompt_digest(range(1, 41)), **want))
+    assert t.sent[-1][1]["type"] == "refused" and "prompt of r differs" in t.sent[-1][1]["reasons"][0]
+    p.handle("decodeB", Abort(req="r"))
+    assert "r" in t.grants and p.take_finished() == set() and p.stats["aborted"] == 0
+    p.handle("decodeA", Consumed(req="r"))
+    assert "r" not in t.grants and p.take_finished() == {"r"} and p.stats["consumed"] == 1
+
+
 def test_claim_decides_tokens_pair_and_prompt_identity():
     lay = _layout(128, "fp32")
     params = TransferParams.make(engine="ref", instance_id="p", transports=[{"kind": "tcp", "name": "w"}],

@@ -237,7 +237,14 @@ class Producer:
         elif isinstance(msg, (Consumed, Abort)):
             with self.cv:
                 h = self._hold(msg.req)
-                if h is not None and not h.done:
+                if h is not None and not h.done and h.peers and peer not in h.peers \
+                        and max(h.ranks, msg.ranks) == 1:
+                    # granted to another peer (one consumer rank): this peer's want was refused or never made; its
+                    # notice must not end the hold (and free the blocks) under the grantee's read
+                    self.stats["bad_messages"] += 1
+                    log.warning("dlmix.pd: ignoring %s of %s from %s: granted to %s", type(msg).__name__, msg.req,
+                                peer, h.granted_to)
+                elif h is not None and not h.done:
                     consumed = isinstance(msg, Consumed)
                     self.stats["consumed" if consumed else "aborted"] += 1
                     h.ranks = max(h.ranks, msg.ranks)
