@@ -495,3 +495,86 @@ asyncio.run(poller_keeps_going())
     out = subprocess.run([py, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.split("\n")[:3] == ["refused hold: ok", "bad migration: ok", "poller: ok"], out.stdout
+
+
+def test_a_decodes_stop_and_end_wait_until_the_pull_writing_their_blocks_is_over():
+    """LMDeploy's api_server stops and ends the session of a client that went away at once, and its scheduler then
+    frees (or may evict) the session's blocks. A decode pulls a migrating request's KV into those blocks in a thread
+    while the engine loop goes on, so without a guard another request could be given the blocks and then have them
+    overwritten by the pull. LMDeploy's own handlers (``Engine._on_stop_session``/``_on_end_session``) and migration
+    step (``EngineLoop._migration_loop_process_ready``), patched, run here on a stand-in scheduler: a stop and an end
+    that come while the pull runs reach the scheduler only once it is over, in order; one that comes when no pull runs
+    reaches it at once. Run in the LMDeploy venv."""
+    from dlmix_lmdeploy import testing as T
+
+    py = T.lmdeploy_python()
+    if py is None:
+        pytest.skip("no LMDeploy venv (run scripts/setup_lmdeploy.sh, or set DLMIX_LMDEPLOY_VENV)")
+    code = """
+import asyncio, contextlib, threading
+from types import SimpleNamespace
+import lmdeploy.pytorch.disagg.backend.backend  # the backend registry first, as in an engine process
+from lmdeploy.pytorch.engine import engine as E, engine_loop as EL
+from dlmix.pd.endpoint import PullResult
+from dlmix_lmdeploy import backend
+
+calls = []
+started, go = threading.Event(), threading.Event()
+
+class Endpoint:
+    def pull(self, *a, **k):
+        calls.append("pull begins")
+        started.set()
+        assert go.wait(30)
+        calls.append("pull ends")
+        return PullResult(loaded_upto=3, bytes_received=10, seconds=0.01)
+    def release(self, *a, **k): pass
+
+class Scheduler:
+    def get_session(self, sid): return SimpleNamespace(sequences={})
+    def stop_session(self, sid): calls.append(f"stop {sid}")
+    def end_session(self, sid): calls.append(f"end {sid}")
+    def get_block_tables(self, msgs): return [[5]]
+    @contextlib.contextmanager
+    def seqs_migration_activation(self, ok):
+        yield ok
+
+rank = backend.Rank(role="Decode", layout=None, endpoint=Endpoint())
+rank.peers["http://prefill"] = backend.Peer({"kind": "tcp"}, None)
+backend._rank = rank
+engine = SimpleNamespace(scheduler=Scheduler(), _response=lambda resp, t: None,
+                         req_manager=SimpleNamespace(reject_request=lambda r: None))
+engine.end_session = lambda sid: engine.scheduler.end_session(sid)
+
+async def outputs(ok):
+    calls.append("outputs " + ",".join(str(m.session_id) for m in ok))
+
+loop = SimpleNamespace(executor=SimpleNamespace(cache_config=SimpleNamespace(migration_backend=SimpleNamespace(name="DLMix"))),
+                       scheduler=engine.scheduler, _migration_loop_get_outputs=outputs,
+                       has_runable_event=asyncio.Event())
+msg = SimpleNamespace(session_id=11, num_all_ids=3, all_ids=[1, 2, 3],
+                      migration_request=SimpleNamespace(is_dummy_prefill=False, remote_engine_id="http://prefill",
+                                                        remote_session_id=0, remote_block_ids=[4]))
+
+def req(sid):
+    return SimpleNamespace(data={"session_id": sid, "response": False}, resp=None)
+
+async def main():
+    task = asyncio.create_task(EL.EngineLoop._migration_loop_process_ready(loop, [msg]))
+    while not started.is_set():
+        await asyncio.sleep(0.01)
+    E.Engine._on_stop_session(engine, [req(11), req(12)])  # the client of 11 went away; 12 is not migrating
+    E.Engine._on_end_session(engine, [req(11)])
+    calls.append("handlers returned")
+    go.set()
+    await task
+
+asyncio.run(main())
+print(calls)
+assert calls == ["pull begins", "stop 12", "handlers returned", "pull ends", "outputs 11", "stop 11", "end 11"], calls
+assert rank.pulling == set() and rank.deferred == {}
+print("ok")
+"""
+    out = subprocess.run([py, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:] + out.stdout[-2000:]
+    assert out.stdout.split("\n")[-2] == "ok", out.stdout

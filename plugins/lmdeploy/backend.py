@@ -112,6 +112,10 @@ class Rank:
     _loop: Any = None
     quant: QuantCache | None = None  # --quant-policy 4/8: a decode quantizes on arrival, a prefill dequantizes holds
     export: list[Any] | None = None  # quantized prefill: the fp32 copy of its pool its decodes read
+    # decode, touched on the engine's event loop only: sessions whose pull is writing their blocks, and the engine
+    # stop/end requests for them held back until it is over (:meth:`defer`)
+    pulling: set[int] = field(default_factory=set)
+    deferred: dict[int, list[Any]] = field(default_factory=dict)
 
     # ------------------------------------------------------------------ connection
     def endpoint_info(self) -> dict[str, Any]:
@@ -218,6 +222,26 @@ class Rank:
         return True
 
     # ------------------------------------------------------------------ decode side
+    def defer(self, session_id: int, call: Any) -> bool:
+        """Hold back ``call`` (an engine stop/end of ``session_id``, no arguments) while that session's pull runs:
+        LMDeploy stops or ends a session whose client went away at once, which frees (or makes evictable) the blocks
+        the pull is still writing, so another request could get them and then have them overwritten. Returns False
+        (call it now) when no pull of that session runs. Event loop only."""
+        if session_id not in self.pulling:
+            return False
+        self.deferred.setdefault(session_id, []).append(call)
+        return True
+
+    def pull_over(self, session_id: int) -> None:
+        """The pull of ``session_id`` is over (its blocks are written or it failed): run what :meth:`defer` held
+        back, in order. Event loop only; never raises."""
+        self.pulling.discard(session_id)
+        for call in self.deferred.pop(session_id, []):
+            try:
+                call()
+            except Exception as e:  # the engine's own handler: log, keep the migration loop alive
+                log.error("DLMix: a stop/end of session %s held back during its pull failed: %s", session_id, e)
+
     def pull(self, remote_engine_id: str, remote_session_id: int, remote_block_ids: list[int],
              local_block_ids: list[int], token_ids: list[int]) -> PullResult:
         """Load a migrating request's KV (all ``len(token_ids)`` prompt tokens) into ``local_block_ids`` and release

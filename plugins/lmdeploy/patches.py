@@ -159,15 +159,24 @@ def _engine_loop(m: Any) -> None:
 
     def make_process_ready(original):
         async def _migration_loop_process_ready(self, migration_ready):
-            if not is_dlmix(self.executor.cache_config) or current() is None:
+            rank = current()
+            if not is_dlmix(self.executor.cache_config) or rank is None:
                 return await original(self, migration_ready)
-            failed = await _dlmix_migrate(self, migration_ready)
-            ok = [msg for msg in migration_ready if msg.session_id not in failed]
-            with self.scheduler.seqs_migration_activation(ok):
-                await self._migration_loop_get_outputs(ok)
-            for msg in migration_ready:
-                if msg.session_id in failed:
-                    _fail(self, msg, failed[msg.session_id])
+            # from now until every pull of this batch is over, their sessions' stop/end wait (Rank.defer): the
+            # blocks get_block_tables names below must not be freed before (or while) a pull writes them
+            rank.pulling.update(msg.session_id for msg in migration_ready)
+            try:
+                failed = await _dlmix_migrate(self, migration_ready)
+                ok = [msg for msg in migration_ready if msg.session_id not in failed]
+                with self.scheduler.seqs_migration_activation(ok):
+                    await self._migration_loop_get_outputs(ok)
+                for msg in migration_ready:
+                    if msg.session_id in failed:
+                        _fail(self, msg, failed[msg.session_id])
+            finally:
+                # a stop/end that came during the pulls runs now, as if it had come just after the migration
+                for msg in migration_ready:
+                    rank.pull_over(msg.session_id)
             self.has_runable_event.set()
         return _migration_loop_process_ready
 
@@ -244,8 +253,21 @@ def _engine(m: Any) -> None:
             if req.data.get("response", True):
                 self._response(req.resp, ResponseType.SUCCESS)
 
+    def _defer_pulling(self, original, reqs, kwargs):
+        """A decode's stop/end requests naming a session whose pull is writing its blocks are held back until the
+        pull is over (:meth:`~dlmix_lmdeploy.backend.Rank.defer`); returns the others."""
+        rank = current()
+        if rank is None or rank.role != "Decode" or not rank.pulling:
+            return list(reqs)
+        rest = []
+        for req in reqs:
+            if not rank.defer(int(req.data["session_id"]), lambda req=req: original(self, [req], **kwargs)):
+                rest.append(req)
+        return rest
+
     def make_end(original):
         def _on_end_session(self, reqs, **kwargs):
+            reqs = _defer_pulling(self, original, reqs, kwargs)
             # LMDeploy's engine instance ends every session once its request finished; for a prefill that keeps its
             # cache this turns the sequence STOPPED, whose blocks the scheduler may then evict for the next prompt
             # (recompute eviction) while the decode has not read them. A session the rank holds stays as it is
@@ -259,6 +281,7 @@ def _engine(m: Any) -> None:
 
     def make_stop(original):
         def _on_stop_session(self, reqs, **kwargs):
+            reqs = _defer_pulling(self, original, reqs, kwargs)
             # LMDeploy's api_server stops a session whose client went away, also after its prefill finished and
             # kept the blocks for a decode (non-streaming: it looks only once the answer is there): free that hold
             # (at once, or once a read in progress is over; the poller ends the session then). Stopping the
