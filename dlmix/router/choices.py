@@ -33,7 +33,7 @@ import httptools
 import msgspec
 
 from dlmix.router.bodies import n_choices
-from dlmix.router.proxy import Request, error_body, response_bytes
+from dlmix.router.proxy import MAX_COLLECTED, Request, error_body, response_bytes
 
 __all__ = ["FAN_OUT", "ChoiceConn", "wants_fan_out", "choice_body", "run_choices", "merge_answers"]
 
@@ -99,6 +99,11 @@ class _Sink:
     def get_extra_info(self, name: str, default=None):
         return self.conn.parent.transport.get_extra_info(name, default)
 
+    def get_protocol(self):
+        """The client's connection: a backend forwarding here stops reading while the client is not reading (its
+        write buffer is full), as it does when it forwards to the client itself."""
+        return self.conn.parent
+
 
 class ChoiceConn:
     """Stands in for the client's connection while one choice runs: what the router would send the client is parsed
@@ -113,7 +118,7 @@ class ChoiceConn:
     """
 
     __slots__ = ("parent", "index", "transport", "backends", "status", "headers", "body", "complete", "broken",
-                 "on_event", "on_end", "_line", "_done", "_closed")
+                 "on_event", "on_end", "_line", "_done", "_closed", "_nbody")
 
     def __init__(self, parent, index: int, on_event: Optional[Callable] = None, on_end: Optional[Callable] = None):
         self.parent = parent
@@ -128,7 +133,8 @@ class ChoiceConn:
         self.broken: Optional[str] = None
         self.on_event = on_event
         self.on_end = on_end
-        self._line = b""
+        self._line = bytearray()
+        self._nbody = 0
         self._done = False
         self._closed = False
         self.transport = _Sink(self)
@@ -158,11 +164,18 @@ class ChoiceConn:
 
     def on_body(self, data: bytes) -> None:
         if self.status != 200 or self.on_event is None:
+            self._nbody += len(data)
+            if self._nbody > MAX_COLLECTED:
+                return self._too_big("answer")
             self.body.append(data)
             return
-        buf = self._line + data
-        lines = buf.split(b"\n")
-        self._line = lines.pop()
+        if b"\n" not in data:  # the pending line grows in place: no copy of it per chunk
+            self._line += data
+            if len(self._line) > MAX_COLLECTED:
+                self._too_big("event line")
+            return
+        lines = (bytes(self._line) + data).split(b"\n")
+        self._line = bytearray(lines.pop())
         for line in lines:
             line = line.rstrip(b"\r")
             if line.startswith(b"data:"):
@@ -171,6 +184,11 @@ class ChoiceConn:
     def on_message_complete(self) -> None:
         self.complete = True
         self.ended()
+
+    def _too_big(self, what: str) -> None:
+        self.body, self._line = [], bytearray()
+        self.broken = self.broken or f"choice {self.index}'s {what} is larger than {MAX_COLLECTED} bytes"
+        self.transport.abort()
 
     def ended(self) -> None:
         if not self._done:

@@ -163,13 +163,22 @@ class PDOrchestrator:
             call = ready(b.state.url, db.state.url, kvp)
         try:
             return Handoff(await call, abort)
-        except ValueError as ex:
+        except Exception as ex:  # ValueError by contract; a malformed engine answer may raise KeyError/TypeError
             if abort is not None:
                 abort()
             if self.metrics:
                 self.metrics.answer(502)
-            conn.send(502, error_body(502, f"prefill {b.state.id} cannot feed decode {db.state.id}: {ex}"))
+            if isinstance(ex, ValueError):
+                why = str(ex)
+            else:  # an engine answer of an unexpected shape, or a bug here: keep the traceback in the log
+                log.warning("pair hand-off %s -> %s failed", b.state.id, db.state.id, exc_info=ex)
+                why = f"{type(ex).__name__}: {ex}"
+            conn.send(502, error_body(502, f"prefill {b.state.id} cannot feed decode {db.state.id}: {why}"))
             return SENT
+        except BaseException:  # cancelled (the client went away): the decode leg will never take the hold
+            if abort is not None:
+                abort()
+            raise
 
     async def concurrent(self, conn, req, d: dict, rr: RouteRequest, dec: Decision, chat: bool, fwd: bytes,
                          first: Callable[[], None]):

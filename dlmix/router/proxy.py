@@ -225,6 +225,9 @@ class Hub:
 
 
 _MAX_PIPELINED = 32  # queued pipelined requests per connection before it stops reading
+#: the most bytes of a backend answer the router holds in memory (an answer it collects: a PD prefill leg's, a model
+#: list, a fanned-out choice's); a larger one fails its request with a BackendError (502) and closes the connection
+MAX_COLLECTED = 64 << 20
 
 
 class _Refused(Exception):
@@ -496,7 +499,7 @@ class BackendConn(asyncio.Protocol):
 
     __slots__ = ("pool", "transport", "parser", "fut", "sink", "status", "headers", "body", "nchunks", "t_first",
                  "t_last", "gap_sum", "usable", "forwarded", "first_cb", "done_cb", "t_io", "hdr_done", "pending",
-                 "held", "client")
+                 "held", "client", "nbody")
 
     def __init__(self, pool: "Pool"):
         self.pool = pool
@@ -576,6 +579,7 @@ class BackendConn(asyncio.Protocol):
         self.status = 0
         self.headers = [] if sink is None else None
         self.body = []
+        self.nbody = 0
         self.nchunks = 0
         self.t_first = 0.0
         self.t_last = 0.0
@@ -640,6 +644,13 @@ class BackendConn(asyncio.Protocol):
         self.t_last = t
         self.nchunks += 1
         if self.sink is None:
+            n = self.nbody = self.nbody + len(body)
+            if n > MAX_COLLECTED:
+                self.body = []
+                if self.fut is not None or self.done_cb is not None:
+                    self.fail(BackendError(f"backend {self.pool.name} answered more than {MAX_COLLECTED} bytes",
+                                           self.forwarded))
+                return
             self.body.append(body)
 
     def on_message_complete(self):

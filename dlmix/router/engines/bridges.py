@@ -103,10 +103,12 @@ async def _call(client: Any, method: str, url: str, body: Any = None) -> Any:
     with the engine's answer."""
     import httpx
 
-    try:
-        r = await client.request(method, url, json=body)
+    try:  # httpx's timeout bounds each read, not the answer: a whole answer within INFO_TIMEOUT_S
+        r = await asyncio.wait_for(client.request(method, url, json=body), INFO_TIMEOUT_S)
     except httpx.HTTPError as ex:
         raise ValueError(f"{method} {url}: {type(ex).__name__}: {ex}") from None
+    except asyncio.TimeoutError:
+        raise ValueError(f"{method} {url}: no whole answer within {INFO_TIMEOUT_S:.3g} s") from None
     if r.status_code != 200:
         raise ValueError(f"{method} {url} answered {r.status_code}: {r.text[:500]} (see that engine's log)")
     out = r.json()

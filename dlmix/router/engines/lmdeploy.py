@@ -149,10 +149,12 @@ async def connect_pair(prefill_url: str, decode_url: str) -> None:
 
     async with httpx.AsyncClient(timeout=CONNECT_TIMEOUT_S, trust_env=False) as client:
         async def call(method: str, url: str, body: Any = None) -> Any:
-            try:
-                r = await client.request(method, url, json=body)
+            try:  # httpx's timeout bounds each read, not the answer: a whole answer within CONNECT_TIMEOUT_S
+                r = await asyncio.wait_for(client.request(method, url, json=body), CONNECT_TIMEOUT_S)
             except httpx.HTTPError as ex:
                 raise ValueError(f"{method} {url}: {type(ex).__name__}: {ex}") from None
+            except asyncio.TimeoutError:
+                raise ValueError(f"{method} {url}: no whole answer within {CONNECT_TIMEOUT_S:.3g} s") from None
             if r.status_code != 200:
                 raise ValueError(f"{method} {url} answered {r.status_code}: {r.text[:500]} (see that engine's log "
                                  "for the reason)")
