@@ -27,7 +27,7 @@ from typing import ClassVar
 from pathlib import Path
 
 
-__all__ = ["EngineProcess", "ServerChild", "VLLMServerSpec", "SGLangServerSpec", "LMDeployServerSpec", "SGLANG_CPU_FLAGS", "SGLANG_CPU_PD_FLAGS",
+__all__ = ["EngineProcess", "die_with_parent", "ServerChild", "VLLMServerSpec", "SGLangServerSpec", "LMDeployServerSpec", "SGLANG_CPU_FLAGS", "SGLANG_CPU_PD_FLAGS",
            "pd_test_spec", "free_port", "EngineStartError"]
 
 
@@ -570,12 +570,26 @@ class ServerChild:
             pass
 
 
+def die_with_parent(argv: list[str]) -> list[str]:
+    """``argv`` run so that the child gets SIGTERM when the thread that spawned it dies, even by SIGKILL (Linux's
+    ``PR_SET_PDEATHSIG``, set by util-linux's ``setpriv --pdeathsig`` before it execs ``argv``: same pid, same
+    process). Where ``setpriv`` is missing (not Linux), ``argv`` unchanged. A launcher killed with SIGKILL then
+    leaves no engine serving behind; each engine stops its own children on SIGTERM."""
+    setpriv = shutil.which("setpriv") if sys.platform.startswith("linux") else None
+    if not setpriv or not argv or shutil.which(argv[0]) is None:
+        # a program that cannot run is left to fail in Popen itself, with the OS error (not setpriv's exit code)
+        return list(argv)
+    return [setpriv, "--pdeathsig", "TERM", "--", *argv]
+
+
 class EngineProcess:
     """One engine server child process in its own process group, with its log in a file.
 
     Use as a context manager (``with EngineProcess(spec) as p: ...``) or call :meth:`start`/:meth:`stop`.
     :meth:`stop` sends SIGINT to the whole group, then SIGKILL after ``grace_s`` seconds, so the engine's own
-    children (EngineCore, workers) never outlive it.
+    children (EngineCore, workers) never outlive it. The child gets SIGTERM if the thread that started it dies
+    (:func:`die_with_parent`): start it from a thread that lives as long as it should (``dlmix launch``: the main
+    thread, and the supervisor thread for restarts, which ends only when the deployment stops).
     """
 
     def __init__(self, spec: VLLMServerSpec, name: str = "vllm", log_dir: str | os.PathLike | None = None):
@@ -604,7 +618,7 @@ class EngineProcess:
         env = self.spec.child_env()
         env.setdefault("VLLM_CACHE_ROOT", str(self.log_path.parent / f"{self.name}-vllm-cache"))
         with open(self.log_path, "ab") as log:
-            self.proc = subprocess.Popen(self.spec.argv(), stdout=log, stderr=subprocess.STDOUT, env=env,
+            self.proc = subprocess.Popen(die_with_parent(self.spec.argv()), stdout=log, stderr=subprocess.STDOUT, env=env,
                                          stdin=subprocess.DEVNULL, start_new_session=True)
         self.pgid = self.proc.pid
         return self

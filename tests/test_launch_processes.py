@@ -105,6 +105,25 @@ def test_cli_sigint_stops_every_child(tmp_path, orphans, cli_launch):
     orphans.assert_gone()
 
 
+def test_cli_killed_with_sigkill_leaves_no_engine_serving(tmp_path, orphans, cli_launch):
+    """``kill -9`` of ``dlmix launch`` (or the OOM killer) runs none of its stop code: its router and engines, each in
+    its own session, get SIGTERM from the kernel when it dies (``PR_SET_PDEATHSIG``) and stop with their children."""
+    import shutil
+
+    if shutil.which("setpriv") is None:
+        pytest.skip("no setpriv (util-linux): children are not tied to the launcher's life")
+    f = _deployment(tmp_path)
+    logs = tmp_path / "logs"
+    cli = cli_launch(f, logs, columns=200)
+    cli.wait_for(b"Ctrl-C stops everything", 180, "the deployment to be ready")
+    children = orphans.logged_pids(logs) | orphans.cmdline_pids(str(logs))
+    assert len(children) >= 5                                      # router, 2 engines, 1 grandchild, ...
+    orphans.track(pids=children, logs=logs)
+    os.kill(cli.proc.pid, signal.SIGKILL)
+    cli.proc.wait(30)
+    orphans.assert_gone()
+
+
 def test_cli_second_sigint_while_stopping_still_stops_every_child(tmp_path, orphans, cli_launch):
     """A second Ctrl-C while the CLI stops (engine a takes 3 s to stop) must not abort the stop half-way: before
     the fix it raised inside the stop and the CLI exited with the router and engines still running."""

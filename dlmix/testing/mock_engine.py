@@ -442,6 +442,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     a, unknown = ap.parse_known_args(argv)
     ports = [int(p) for p in a.ports.split(",")] if a.ports else [a.port if a.port is not None else 0]
     print(f"mock engine pid {os.getpid()} args {sys.argv[1:]} ignored {unknown}", flush=True)
+    child = None
     if a.spawn_child:
         child = subprocess.Popen(["sleep", "600"])
         print(f"grandchild pid {child.pid}", flush=True)
@@ -473,6 +474,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         await asyncio.sleep(a.stop_delay_s)
         for e in engines:
             await e.stop()
+        if child is not None:  # as an engine stops its own children (EngineCore, workers) on SIGTERM
+            child.terminate()
 
     asyncio.run(run())
     return 0
