@@ -91,14 +91,21 @@ def test_port_in_use_is_named_and_nothing_starts(tmp_path, orphans):
     assert not list(logs.glob("*.log")) and not orphans.cmdline_pids(str(logs))
 
 
-def test_cli_sigint_stops_every_child(tmp_path, orphans, cli_launch):
-    f = _deployment(tmp_path)
+def _ready_cli(tmp_path, orphans, cli_launch, a_args: str = ""):
+    """``dlmix launch`` of the two-mock deployment as a CLI child, waited until ready, with its router, engines and
+    the engines' grandchildren tracked by ``orphans``."""
+    f = _deployment(tmp_path, a_args=a_args)
     logs = tmp_path / "logs"
     cli = cli_launch(f, logs, columns=200)
     cli.wait_for(b"Ctrl-C stops everything", 180, "the deployment to be ready")
     children = orphans.logged_pids(logs) | orphans.cmdline_pids(str(logs))
     assert len(children) >= 5                                      # router, 2 engines, 1 grandchild, ...
     orphans.track(pids=children, logs=logs)
+    return cli
+
+
+def test_cli_sigint_stops_every_child(tmp_path, orphans, cli_launch):
+    cli = _ready_cli(tmp_path, orphans, cli_launch)
     text = cli.interrupt()
     assert cli.proc.returncode == 130, text
     assert "stopping every process" in text and "stopped." in text
@@ -112,13 +119,7 @@ def test_cli_killed_with_sigkill_leaves_no_engine_serving(tmp_path, orphans, cli
 
     if shutil.which("setpriv") is None:
         pytest.skip("no setpriv (util-linux): children are not tied to the launcher's life")
-    f = _deployment(tmp_path)
-    logs = tmp_path / "logs"
-    cli = cli_launch(f, logs, columns=200)
-    cli.wait_for(b"Ctrl-C stops everything", 180, "the deployment to be ready")
-    children = orphans.logged_pids(logs) | orphans.cmdline_pids(str(logs))
-    assert len(children) >= 5                                      # router, 2 engines, 1 grandchild, ...
-    orphans.track(pids=children, logs=logs)
+    cli = _ready_cli(tmp_path, orphans, cli_launch)
     os.kill(cli.proc.pid, signal.SIGKILL)
     cli.proc.wait(30)
     orphans.assert_gone()
@@ -127,13 +128,7 @@ def test_cli_killed_with_sigkill_leaves_no_engine_serving(tmp_path, orphans, cli
 def test_cli_second_sigint_while_stopping_still_stops_every_child(tmp_path, orphans, cli_launch):
     """A second Ctrl-C while the CLI stops (engine a takes 3 s to stop) must not abort the stop half-way: before
     the fix it raised inside the stop and the CLI exited with the router and engines still running."""
-    f = _deployment(tmp_path, a_args=', \"--stop-delay-s\", \"3\"')
-    logs = tmp_path / "logs"
-    cli = cli_launch(f, logs, columns=200)
-    cli.wait_for(b"Ctrl-C stops everything", 180, "the deployment to be ready")
-    children = orphans.logged_pids(logs) | orphans.cmdline_pids(str(logs))
-    assert len(children) >= 5
-    orphans.track(pids=children, logs=logs)
+    cli = _ready_cli(tmp_path, orphans, cli_launch, a_args=', \"--stop-delay-s\", \"3\"')
     text = cli.interrupt(again_after=b"stopping every process")
     assert cli.proc.returncode == 130, text
     assert "stopped." in text

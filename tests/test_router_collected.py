@@ -82,18 +82,23 @@ class FanOut:
 
 
 # ---- an LMDeploy pair whose DistServe handshake answers JSON of the wrong shape
-class HandshakeStandIn(JsonStandIn):
-    def __init__(self, role):
+class LMDeployStandIn(JsonStandIn):
+    """An LMDeploy api_server stand-in whose DistServe handshake routes answer ``handshake`` (default: the right
+    shape) after ``delay_s`` seconds; ``free_cache`` calls are recorded in ``freed``."""
+
+    def __init__(self, role, handshake=None, delay_s=0.0):
         self.freed = []
+        answer = {"engine_endpoint_info": {}, "kvtransfer_endpoint_info": []} if handshake is None else handshake
 
         def route(method, path, body):
-            if method == "GET":
+            if method == "GET" and path != "/distserve/engine_info":
                 return 200, {"data": [{"id": "m"}]} if path == "/v1/models" else {}
             if path == "/distserve/free_cache":
                 self.freed.append(body)
                 return 200, {"status": "SUCCESS"}
             if path.startswith("/distserve/"):
-                return 200, {}  # wrong shape: no engine_endpoint_info / kvtransfer_endpoint_info
+                time.sleep(delay_s)
+                return 200, answer
             if role == "prefill":
                 return 200, {"id": "-1", "choices": [{"text": "x"}], "cache_block_ids": [7, 3, 11],
                              "remote_token_ids": [42], "usage": {"prompt_tokens": 40}}
@@ -108,14 +113,13 @@ class HandshakeStandIn(JsonStandIn):
 def test_malformed_handshake_answer_is_502_and_frees_the_hold():
     """p2p_initialize answers ``{}``: the request gets a 502 naming the pair (not a 500), and the prefill's hold is
     freed at once (``/distserve/free_cache``) instead of waiting for its hold timeout."""
-    p, d = HandshakeStandIn("prefill"), HandshakeStandIn("decode")
+    p, d = LMDeployStandIn("prefill", handshake={}), LMDeployStandIn("decode", handshake={})
     rt = RouterThread(RouterConfig(host="127.0.0.1", port=0, policy="round_robin", retries=0))
     try:
         with httpx.Client(base_url=rt.url, timeout=30) as c:
             for url, role in ((p.url, 2), (d.url, 3)):
                 assert c.post("/nodes/add", json={"url": url, "status": {"models": ["m"], "role": role}}).status_code == 200
             r = c.post("/v1/completions", json={"model": "m", "prompt": "hello", "max_tokens": 4})
-            print(r.status_code, r.text)
             assert r.status_code == 502, (r.status_code, r.text)
             assert "internal router error" not in r.text
             assert poll(lambda: p.freed, 5), "prefill hold was not freed"
@@ -315,34 +319,10 @@ def test_a_long_sse_line_in_small_chunks_is_read_in_linear_time():
 
 
 # ---- a client that goes away during the pair handshake
-class SlowHandshakeStandIn(JsonStandIn):
-    def __init__(self, role, slow_handshake=0.0):
-        self.freed = []
-
-        def route(method, path, body):
-            if method == "GET" and path != "/distserve/engine_info":
-                return 200, {"data": [{"id": "m"}]} if path == "/v1/models" else {}
-            if path == "/distserve/free_cache":
-                self.freed.append(body)
-                return 200, {"status": "SUCCESS"}
-            if path.startswith("/distserve/"):
-                time.sleep(slow_handshake)
-                return 200, {"engine_endpoint_info": {}, "kvtransfer_endpoint_info": []}
-            if role == "prefill":
-                return 200, {"id": "-1", "choices": [{"text": "x"}], "cache_block_ids": [7, 3, 11],
-                             "remote_token_ids": [42], "usage": {"prompt_tokens": 40}}
-            return 200, {"choices": [{"text": "answer"}]}
-        super().__init__(route)
-
-    def close(self):
-        super().close()
-        lmd.forget(self.url)
-
-
 def test_client_gone_during_pair_handshake_frees_the_prefill_hold():
     """The client gives up while the router runs the LMDeploy pair handshake: the prefill's hold is freed then, not
     left to its hold timeout."""
-    p, d = SlowHandshakeStandIn("prefill", slow_handshake=1.5), SlowHandshakeStandIn("decode", slow_handshake=1.5)
+    p, d = LMDeployStandIn("prefill", delay_s=1.5), LMDeployStandIn("decode", delay_s=1.5)
     rt = RouterThread(RouterConfig(host="127.0.0.1", port=0, policy="round_robin", retries=0))
     try:
         with httpx.Client(base_url=rt.url, timeout=30) as c:
