@@ -184,7 +184,7 @@ def test_pull_converts_block_size_and_dtype_and_moves_only_missing_blocks(pair):
             k, v = read_kv(dst, dc, dst_blocks, t, layer)
             rk, rv = ref[(t, layer)]
             assert torch.equal(k, rk.to(torch.bfloat16).float()) and torch.equal(v, rv.to(torch.bfloat16).float())
-    p._handle("d-x", {"type": "blocks_consumed", "req": "req-1"})
+    p._handle(d.t.name, {"type": "blocks_consumed", "req": "req-1"})  # the peer that read it
     assert p.take_finished() == {"req-1"}
 
 
