@@ -83,3 +83,18 @@ def test_a_decode_aborted_during_a_pull_round_keeps_its_pages_until_the_round_en
     assert out.returncode == 0 and rows, out.stdout[-3000:] + out.stderr[-3000:]
     assert rows[0] == {"case": "abort-during-pull", "failed_while_pulling": False, "overwritten_slots": 0,
                        "failure_record_left": False, "status_left": False}, rows[0]
+
+
+@pytest.mark.skipif(PY is None, reason="no SGLang venv (run scripts/setup_sglang.sh, or set DLMIX_SGLANG_VENV)")
+def test_a_prefill_aborted_while_its_decode_reads_leaves_no_failure_record():
+    """``tests/sglang_prefill_abort_inproc.py``: the prefill's request is aborted while its decode reads the hold; the
+    read finishes (blocks_consumed), the room ends Success and SGLang clears the sender, and the abort's failure
+    record goes with it (before, one record per such abort stayed for ever, and a reused room inherited it)."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env.update({"SGLANG_USE_CPU_ENGINE": "1", "SGLANG_HOST_IP": "127.0.0.1"})
+    script = Path(__file__).with_name("sglang_prefill_abort_inproc.py")
+    out = subprocess.run([PY, str(script)], capture_output=True, text=True, timeout=600, env=env)
+    rows = [json.loads(x) for x in out.stdout.splitlines() if x.startswith("{")]
+    assert out.returncode == 0 and rows, out.stdout[-3000:] + out.stderr[-3000:]
+    assert rows[0]["prefill_final"] == "Success" and rows[0]["failure_record_left"] is None \
+        and rows[0]["status_left"] is False, rows[0]

@@ -548,3 +548,27 @@ def test_connector_loggers_write_through_vllms_handler():
         for lg, hs, lvl, prop in saved:
             lg.handlers, lg.propagate = hs, prop
             lg.setLevel(lvl)
+
+
+def test_kv_both_request_with_remote_prefill_and_decode_leaves_no_record(sched_factory):
+    """A kv_both instance given both do_remote_prefill and do_remote_decode (one request length-capped, one aborted)
+    keeps no per-request transfer record after they finish (before, one stayed per such request for ever)."""
+    from types import SimpleNamespace
+
+    from vllm.v1.request import RequestStatus
+
+    p = sched_factory("kv_producer")
+    params = p.request_finished(_req("p1", {"do_remote_decode": True}, 300, RequestStatus.FINISHED_LENGTH_CAPPED,
+                                     computed=300), list(range(10)))[1]
+    d = sched_factory("kv_both")
+    blocks = SimpleNamespace(get_block_ids=lambda: ([1, 2, 3, 4, 5, 6, 7, 8, 9, 10],))
+    for i, status in enumerate((RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_ABORTED)):
+        r = _req(f"d{i}", dict(params, do_remote_decode=True), 300, RequestStatus.WAITING)
+        d.on_new_request(r)
+        n, _ = d.get_num_new_matched_tokens(r, 0)
+        assert n == 300
+        d.update_state_after_alloc(r, blocks, n)
+        r.status, r.num_computed_tokens = status, 300
+        d.request_finished(r, blocks.get_block_ids()[0])
+    d.build_connector_meta(None)
+    assert d.connector_scheduler._info == {}, d.connector_scheduler._info

@@ -593,6 +593,11 @@ class DLMixKVSender(CommonKVSender):
         self.kv_mgr._pending.pop(room, None)
         if self.kv_mgr.endpoint.is_held(str(room)) and self.conclude_state != KVPoll.Success:
             self.kv_mgr.endpoint.engine_abort(str(room))
+        elif self.conclude_state == KVPoll.Success:
+            # an abort that came while (or after) decode read the hold recorded a reason but could not fail the room:
+            # SGLang's Success path never pops it, and a later request of this room would inherit it
+            with self.kv_mgr.failure_lock:
+                self.kv_mgr.failure_records.pop(room, None)
         super().clear()
 
 

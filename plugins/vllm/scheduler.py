@@ -214,6 +214,8 @@ class DLMixConnectorScheduler:
         rid = request.request_id
         self._waiting.discard(rid)
         self._running.discard(rid)
+        # every way out: a kv_both request that pulled (do_remote_prefill) may also be held below (do_remote_decode)
+        info = self._info.pop(rid, None)
         if not params:
             return False, None
         if params.get("do_remote_decode") and not self.ktc.is_kv_producer:
@@ -260,7 +262,7 @@ class DLMixConnectorScheduler:
             self._info.pop(rid, None)
             return False, {"dlmix": {"refused": "request finished before its KV was loaded"}}
         if params.get("_dlmix_consumer"):
-            return False, {"dlmix": self._info.pop(rid, {})}
+            return False, {"dlmix": info or {}}
         return False, None
 
     def shutdown(self) -> None:
