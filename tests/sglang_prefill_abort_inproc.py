@@ -72,7 +72,8 @@ def main():
     H.wait(rcv.poll, (KVPoll.Success, KVPoll.Failed))
     with pmgr.failure_lock:
         left = pmgr.failure_records.get(room)
-    out = {"poll_right_after_abort": KVPoll(st_after_abort).name, "prefill_final": KVPoll(st).name, "failure_record_left": left,
+    name = {v: k for k, v in vars(KVPoll).items() if not k.startswith("_") and isinstance(v, int)}
+    out = {"poll_right_after_abort": name[st_after_abort], "prefill_final": name[st], "failure_record_left": left,
            "status_left": room in pmgr.request_status}
     print(json.dumps(out))
     sys.stdout.flush()
