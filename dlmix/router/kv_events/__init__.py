@@ -82,7 +82,9 @@ async def subscribe(endpoint: str, index, slot_of: Callable[[], int], on_error: 
     """Run forever: SUB to the ZMQ ``endpoint`` and apply every message's last frame, decoded by ``decoder`` (a
     module from :data:`DECODERS` with ``decode``, or a callable ``payload -> list``, see :func:`decode_fn`), to
     ``index`` for slot ``slot_of()`` (a callable, so a re-slotted instance keeps working). Bad payloads are reported
-    to ``on_error(exc)`` and skipped. Cancel the task to stop."""
+    to ``on_error(exc)`` and skipped. A sequence number (the 8-byte big-endian frame before the payload) lower than
+    the last one means a new publisher process (the engine restarted with an empty cache): the slot's entries are
+    cleared first (and a stateful decoder's ``reset()`` called). Cancel the task to stop."""
     import zmq
     import zmq.asyncio
 
@@ -92,12 +94,21 @@ async def subscribe(endpoint: str, index, slot_of: Callable[[], int], on_error: 
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(endpoint)
     decode = decoder if callable(decoder) else decoder.decode
+    last_seq = -1
     try:
         while True:
             frames: List[bytes] = await sock.recv_multipart()
+            if len(frames) >= 3 and len(frames[-2]) == 8:
+                seq = int.from_bytes(frames[-2], "big")
+                if seq < last_seq:  # the publisher restarted: what the old process stored is gone
+                    apply(index, slot_of(), [Cleared()])
+                    reset = getattr(decode, "reset", None)
+                    if reset is not None:
+                        reset()
+                last_seq = seq
             try:
                 apply(index, slot_of(), decode(frames[-1]))
-            except (msgspec.DecodeError, msgspec.ValidationError, ValueError, IndexError) as ex:
+            except Exception as ex:  # noqa: BLE001 - a bad payload must not stop this instance's events for good
                 if on_error is not None:
                     on_error(ex)
     except asyncio.CancelledError:

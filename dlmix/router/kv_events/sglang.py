@@ -12,7 +12,8 @@ decoder re-hashes the published token ids with the router's :class:`~dlmix.routi
 the instance's registered ``block_size`` (any multiple or fraction of SGLang's ``--page-size``; a page's tokens that
 do not fill a router block wait in the page's state for the child page), so the index holds exactly the keys a
 request's prompt produces (``cache_salt`` included). It keeps, per cached page, the router chain state after it
-(bounded: ``max_pages``; when full, it is cleared and the chains restart with the next root page). Events of
+(bounded: ``max_pages``; when full, it is cleared, the instance's index entries with it (a ``Cleared``
+update), and the chains restart with the next root page). Events of
 LoRA adapters (``lora_name``) and of offloaded tiers (``medium`` other than ``GPU``) are skipped.
 """
 from __future__ import annotations
@@ -48,6 +49,10 @@ class Decoder:
         self.max_pages = max_pages
         self.pages: Dict[Any, _PageState] = {}
 
+    def reset(self) -> None:
+        """Forget every page's chain state (the publisher restarted)."""
+        self.pages.clear()
+
     def __call__(self, payload: bytes) -> list:
         return self.updates(decode_batch(payload))
 
@@ -60,6 +65,14 @@ class Decoder:
             if isinstance(ev, BlockStored):
                 if ev.medium not in ("GPU", None) or ev.lora_name is not None:
                     continue
+                n = len(ev.block_hashes)
+                if n > self.max_pages:
+                    continue  # more pages than the state table holds: not tracked
+                if len(self.pages) + n > self.max_pages:
+                    # the chain states go, so must the keys they produced: their evictions could no longer be
+                    # mapped to keys and would stay in the index for ever
+                    self.pages.clear()
+                    out.append(Cleared())
                 keys = self._store(ev)
                 if keys:
                     out.append(Stored(keys))
@@ -89,13 +102,9 @@ class Decoder:
             if state is None:  # the parent's chain is unknown (evicted state, or events before we subscribed)
                 return []
         toks = ev.token_ids
-        if toks and not isinstance(toks[0], int):  # bigram keys (EAGLE): not a prompt's token ids
-            return []
+        if not all(type(t) is int for t in toks):  # bigram keys (EAGLE), or malformed: not a prompt's token ids
+            return []  # skipped, not raised: the batch's other events (evictions) must still be applied
         per = max(len(toks) // n, 1)
-        if len(self.pages) + n > self.max_pages:
-            self.pages.clear()
-            if ev.parent_block_hash is not None:
-                return []
         B = self.block_size
         out: List[int] = []
         parent, pending, salt, _ = state

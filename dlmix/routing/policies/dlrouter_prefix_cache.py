@@ -90,3 +90,18 @@ class DLRouterPrefixCache(Policy):
             e[1][chosen.slot] = self._clock
             node = e[0]
         return chosen
+
+    def on_remove(self, inst: InstanceState) -> None:
+        """Forget the instance in every trie node (its slot is reused by the next instance that registers); nodes
+        left without owners are dropped."""
+        slot = inst.slot
+        stack = [self._root]
+        while stack:
+            node = stack.pop()
+            for ch in list(node):
+                children, owners = node[ch]
+                owners.pop(slot, None)
+                if children:
+                    stack.append(children)
+                if not owners and not children:
+                    del node[ch]
