@@ -150,7 +150,8 @@ def test_want_refused_with_reasons_and_nothing_granted():
 
 
 def test_hold_expires_unless_a_read_extends_it(clock):
-    p, t = _producer(hold_timeout_s=0.05, io_timeout_s=0.3)
+    released = []
+    p, t = _producer(hold_timeout_s=0.05, io_timeout_s=0.3, on_released=lambda rid, why: released.append((rid, why)))
     p.add_hold("idle", [1], 10)
     p.add_hold("read", [2], 10)
     p.handle("d", _want(req="read", blocks=(2,)))
@@ -160,7 +161,24 @@ def test_hold_expires_unless_a_read_extends_it(clock):
     clock.sleep(0.2)
     assert p.take_finished() == set()
     clock.sleep(0.25)
-    assert p.take_finished() == {"read"} and t.grants == {} and p.stats["expired"] == 2
+    # granted: revoked at its deadline, but freed only io_timeout_s later (a read being served may still touch it)
+    assert p.take_finished() == set() and t.grants == {} and p.stats["expired"] == 2
+    p.handle("d", Extend(req="read"))  # too late: no new grant, no new deadline
+    assert t.grants == {}
+    clock.sleep(0.29)
+    assert p.take_finished() == set()
+    clock.sleep(0.02)
+    assert p.take_finished() == {"read"} and released == [("idle", "expired"), ("read", "expired")]
+
+
+def test_an_expired_granted_hold_is_freed_at_once_when_its_consumer_reports(clock):
+    p, t = _producer(hold_timeout_s=0.05, io_timeout_s=0.3)
+    p.add_hold("r", [2], 10)
+    p.handle("d", _want(req="r", blocks=(2,)))
+    clock.sleep(0.31)
+    assert p.take_finished() == set() and t.grants == {}
+    p.handle("d", Abort(req="r"))  # the consumer gave up its read: nothing can touch the blocks any more
+    assert p.take_finished() == {"r"}
 
 
 def test_engine_abort_frees_ungranted_at_once_and_granted_after_reads_can_end(clock):

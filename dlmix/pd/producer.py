@@ -17,7 +17,9 @@ Rules:
   revoked and the hold released. With different TP sizes each decode rank is a consumer peer of its own (``want``
   states how many, ``ranks``), gets its own grant, and the hold waits for ``consumers * ranks`` notices.
 * deadline passed (``hold_timeout_s`` after the hold began, or ``io_timeout_s`` after the last want/extend):
-  revoked and released (``expired``); a later read fails and the consumer recomputes.
+  revoked and released (``expired``); a later read fails and the consumer recomputes. A hold that was granted is
+  released only ``io_timeout_s`` after that (or at the consumer's ``blocks_consumed``/``abort``), as after
+  :meth:`engine_abort`: a read already being served may still touch its blocks.
 * every message may name a hold by its request id or by :func:`dlmix.pd.contract.block_ids_transfer_id` of its
   block ids (a consumer that learnt the blocks but not the request id: an LMDeploy decode fed by a vLLM prefill);
   the grant is made under the name the consumer used.
@@ -197,11 +199,17 @@ class Producer:
             for rid, h in list(self.holds.items()):
                 if h.free_after:
                     if now >= h.free_after:
-                        self._release(h, "engine_abort")
+                        self._release(h, h.why or "engine_abort")
                 elif not h.done and now >= h.expiry:
                     self.stats["expired"] += 1
-                    log.warning("dlmix.pd: KV hold of %s expired (no consumer read it); freeing its blocks", rid)
-                    self._release(h, "expired")
+                    if h.granted_to is None:
+                        log.warning("dlmix.pd: KV hold of %s expired (no consumer read it); freeing its blocks", rid)
+                        self._release(h, "expired")
+                    else:  # a read already being served may still touch the blocks: as engine_abort of a granted hold
+                        log.warning("dlmix.pd: KV hold of %s expired (its consumer went silent); freeing its blocks "
+                                    "in %.0f s", rid, self.io_timeout_s)
+                        h.revoke(self.t)
+                        h.why, h.expiry, h.free_after = "expired", -1.0, now + self.io_timeout_s
                 if h.done:
                     out.add(rid)
                     del self.holds[rid]
