@@ -15,7 +15,9 @@ Rules:
 * ``blocks_consumed`` / ``abort``: one of the hold's ``consumers`` is done; when all are (1 unless the engine or a
   ``want`` said more: a request with ``n > 1`` choices whose decode fans out into ``n`` pulls of the one prefill), the grant is
   revoked and the hold released. With different TP sizes each decode rank is a consumer peer of its own (``want``
-  states how many, ``ranks``), gets its own grant, and the hold waits for ``consumers * ranks`` notices.
+  states how many, ``ranks``), gets its own grant, and the hold waits for ``consumers * ranks`` notices. With one
+  consumer rank, a notice from a peer the granted hold was not granted to (its ``want`` was refused: another decode
+  named the same blocks) is ignored, so it cannot end the hold under the grantee's read.
 * deadline passed (``hold_timeout_s`` after the hold began, or ``io_timeout_s`` after the last want/extend):
   revoked and released (``expired``); a later read fails and the consumer recomputes. A hold that was granted is
   released only ``io_timeout_s`` after that (or at the consumer's ``blocks_consumed``/``abort``), as after
