@@ -8,7 +8,6 @@ import json
 import sys
 
 import httpx
-import msgspec
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -480,3 +479,37 @@ def test_routers_registered_in_each_other_loop_once_then_leave_rotation():
             lt.run(r.stop())
     finally:
         lt.close()
+
+
+class _EqCounter(bytes):
+    used_eq = 0
+
+    def __eq__(self, other):
+        _EqCounter.used_eq += 1
+        return bytes.__eq__(self, other)
+
+    __hash__ = bytes.__hash__
+
+
+def _auth_req(value):
+    from types import SimpleNamespace
+
+    return SimpleNamespace(header=lambda name: value if name == b"authorization" else None)
+
+
+def test_admin_key_is_compared_in_constant_time():
+    """The admin key check never uses ``==`` (which stops at the first differing byte: a timing oracle); it uses
+    ``hmac.compare_digest``. A header value that counts ``__eq__`` calls shows it; no time is measured."""
+    from types import SimpleNamespace
+
+    from dlmix.router.admin import AdminAPI
+
+    api = AdminAPI(registry=SimpleNamespace(backends={}), admin_key="s3cret")
+    conn = SimpleNamespace(peer=("10.0.0.9", 1234))
+    _EqCounter.used_eq = 0
+    assert api.allowed(conn, _auth_req(_EqCounter(b"Bearer s3creX"))) is False
+    assert api.key_ok(_auth_req(_EqCounter(b"Bearer s3creX"))) is False
+    assert api.allowed(conn, _auth_req(_EqCounter(b"Bearer s3cret"))) is True
+    assert api.key_ok(_auth_req(_EqCounter(b"Bearer s3cret"))) is True
+    assert api.allowed(conn, _auth_req(None)) is False and api.key_ok(_auth_req(None)) is False
+    assert _EqCounter.used_eq == 0, f"admin key compared with == ({_EqCounter.used_eq} times), not hmac.compare_digest"

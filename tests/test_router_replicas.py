@@ -358,3 +358,106 @@ def test_etcd_flags_parse():
                                       "--etcd-prefix", "/dlmix/prod"])
     assert cfg.etcd_endpoints == ["http://127.0.0.1:2379", "http://127.0.0.1:2380"]
     assert cfg.etcd_prefix == "/dlmix/prod"
+
+
+# ------------------------------------------------------------------ in-process replicas: consistency of the store
+_NOBODY = f"http://127.0.0.1:{free_port()}"  # an instance url nobody listens on: routing is not exercised
+
+
+@pytest.fixture()
+def replicas(tmp_path):
+    """``replica()``: a new in-process router replica of one fleet over its own etcd (all closed at the end)."""
+    if ETCD is None:
+        pytest.skip("etcd not installed (scripts/setup.sh installs etcd-server)")
+    from dlmix.testing import RouterThread
+
+    etcd = Etcd(str(tmp_path / "etcd"))
+    etcd.start()
+    prefix = f"/dlmix/consistency-{os.getpid()}-{time.time_ns()}"
+    made = []
+
+    def replica(**kw):
+        r = RouterThread(RouterConfig(port=0, policy="round_robin", etcd_endpoints=[etcd.url], etcd_prefix=prefix,
+                                      health_interval_s=3600, **kw))
+        made.append(r)
+        return r
+
+    try:
+        yield replica
+    finally:
+        for r in made:
+            r.close()
+        etcd.stop()
+
+
+def _ids(r):
+    return r.call(lambda: sorted(r.router.registry.backends))
+
+
+def test_reregistering_a_url_under_a_new_id_leaves_no_zombie(replicas):
+    """The same url registered again under another id (an engine restart) replaces the old id everywhere, in etcd
+    too: once the new id is removed, no replica (not even one started later) brings the old id back; before, its
+    keys stayed in etcd, a late replica resurrected it and no one could remove it (404 on every replica)."""
+    a = replicas()
+    body = {"url": _NOBODY, "model": "m", "heartbeat_ttl_s": 0}
+    assert httpx.post(a.url + "/admin/instances", json={**body, "id": "old"}, timeout=10).status_code == 201
+    # the engine restarts and registers again under another id (same url): it replaces "old"
+    assert httpx.post(a.url + "/admin/instances", json={**body, "id": "new"}, timeout=10).status_code == 201
+    assert _ids(a) == ["new"]
+    # the operator removes the instance
+    assert httpx.delete(a.url + "/admin/instances/new", timeout=10).status_code == 200
+    assert _ids(a) == []
+    assert httpx.delete(a.url + "/admin/instances/old", timeout=10).status_code == 404  # cannot remove it either
+    # a replica started now must agree with a: no instance
+    late = replicas()
+    assert _ids(late) == [], "a replica started later resurrected the replaced id"
+    # and so must the shared store itself
+    keys = late.call(lambda: sorted(late.router.shared._applied))
+    assert keys == []
+
+
+def test_replicas_agree_after_two_registrations_that_interact(replicas, monkeypatch):
+    """Two registrations of one url under different ids through two replicas, while replica A's watch is held back
+    (etcd orders no watch event before the answer to a later put): A applies its own write only after the older
+    change, so every replica (and a late one) ends with the same fleet; before, A and B kept different instances
+    for good."""
+    import asyncio
+
+
+    held = set()          # EtcdClients whose watch events are held back
+    hold = threading.Event()
+    orig = EtcdClient.watch
+
+    async def delayed_watch(self, prefix, start):
+        async for evs in orig(self, prefix, start):
+            while hold.is_set() and self in held:
+                await asyncio.sleep(0.01)
+            yield evs
+
+    monkeypatch.setattr(EtcdClient, "watch", delayed_watch)
+    a, b = replicas(), replicas()
+    held.add(a.router.shared.client)
+    hold.set()
+    body = {"url": _NOBODY, "model": "m", "heartbeat_ttl_s": 0}
+    assert httpx.post(b.url + "/admin/instances", json={**body, "id": "from-b"}, timeout=10).status_code == 201
+
+    def release():  # the watch delay ends soon after A's write is in the store (B has applied it)
+        wait_until(lambda: _ids(b) == ["from-a"], 30, "A's registration in the store")
+        time.sleep(0.3)  # scheduling slack only (A's reply to its own put is back by then); nothing timed
+        hold.clear()
+
+    t = threading.Thread(target=release)
+    t.start()
+    try:
+        assert httpx.post(a.url + "/admin/instances", json={**body, "id": "from-a"}, timeout=10).status_code == 201
+    finally:
+        t.join(60)
+        hold.clear()
+    # both replicas have caught up with the store
+    rev = b.call(lambda: b.router.shared.revision)
+    wait_until(lambda: a.call(lambda: a.router.shared.revision) >= rev
+               and b.call(lambda: b.router.shared.revision) >= a.call(lambda: a.router.shared.revision), 30,
+               "both replicas caught up")
+    late = replicas()
+    views = {"a": _ids(a), "b": _ids(b), "late": _ids(late)}
+    assert views["a"] == views["b"] == views["late"], views

@@ -11,6 +11,7 @@ the replica that received them and are shared in the background.
 """
 from __future__ import annotations
 
+import hmac
 import ipaddress
 import inspect
 from typing import Any, Optional
@@ -119,12 +120,17 @@ class AdminAPI:
 
     def key_ok(self, req) -> bool:
         """True if ``req`` carries the admin key (False when no admin key is configured)."""
-        return self._auth is not None and req.header(b"authorization") == self._auth
+        return self._auth is not None and self._key_matches(req)
+
+    def _key_matches(self, req) -> bool:
+        """The ``Authorization`` header equals ``Bearer ADMIN_KEY``, compared in constant time."""
+        got = req.header(b"authorization")
+        return got is not None and hmac.compare_digest(got, self._auth)
 
     def allowed(self, conn, req) -> bool:
         """True if the caller may use the admin API (right bearer token, or a loopback peer without a key)."""
         if self._auth is not None:
-            return req.header(b"authorization") == self._auth
+            return self._key_matches(req)
         peer = conn.peer[0] if conn.peer else ""
         try:
             return ipaddress.ip_address(peer).is_loopback

@@ -268,6 +268,7 @@ class SharedState:
         self._task: Optional[asyncio.Task] = None
         self._bg: set = set()
         self._synced = asyncio.Event()
+        self._advanced = asyncio.Event()  # set (and replaced) each time the follower applied more of the store
 
     # ------------------------------------------------------------------ keys
     def _key(self, kind: str, iid: str) -> str:
@@ -309,6 +310,7 @@ class SharedState:
                 rev, kvs = await self.client.get_prefix(self.prefix)
                 self._resync(kvs, rev)
                 self.revision = rev
+                self._wake()
                 self.connected, self.error = True, ""
                 self._synced.set()
                 await self._watch(rev + 1)
@@ -333,6 +335,7 @@ class SharedState:
                 for e in sorted(evs, key=self._order):
                     self._apply(e)
                     self.revision = max(self.revision, e.revision)
+                self._wake()
 
         w = asyncio.ensure_future(consume())
         try:
@@ -344,6 +347,25 @@ class SharedState:
                 await self.client.call("/v3/maintenance/status", {})
         finally:
             w.cancel()
+
+    def _wake(self) -> None:
+        ev, self._advanced = self._advanced, asyncio.Event()
+        ev.set()
+
+    async def _until_applied(self, rev: int) -> None:
+        """Wait (at most the etcd call timeout) until the follower applied the store up to revision ``rev``: a
+        change another replica wrote before this replica's own write at ``rev`` is then applied before it, in the
+        order every other replica applies them."""
+        loop = asyncio.get_event_loop()
+        deadline = loop.time() + self.client.timeout_s
+        while self.revision < rev and self.connected:
+            left = deadline - loop.time()
+            if left <= 0:
+                return
+            try:
+                await asyncio.wait_for(self._advanced.wait(), left)
+            except asyncio.TimeoutError:
+                return
 
     def _order(self, e: Event) -> tuple:
         kind, _ = self._split(e.key)
@@ -474,7 +496,7 @@ class SharedState:
         400/409 for a refused body (with ``reasons``), 503 while etcd is unavailable."""
         reg = self.registry
         try:
-            st, ttl, _, _ = reg.validate(body, self.ttl_default)
+            st, ttl, _, old = reg.validate(body, self.ttl_default)
         except RegistrationError as ex:
             return ex.status, {"error": str(ex), "reasons": ex.reasons}
         if not self.connected:
@@ -482,7 +504,14 @@ class SharedState:
         value = _json.encode(body)
         try:
             rev = await self.client.put(self._key("instances", st.id), value)
+            await self._until_applied(rev)  # older changes first (no-op below when the watch applied it)
             self._apply(Event("put", self._key("instances", st.id), value, 0, rev))
+            if old is not None and old.state.id != st.id and old.state.id in self._applied:
+                # the same url under another id replaced that instance: its keys go too, or a replica that reads
+                # the store later would bring the replaced id back (and no one could remove it any more)
+                for kind in ("alive", "drain", "calib", "instances"):
+                    rev = await self.client.delete(self._key(kind, old.state.id))
+                    self._apply(Event("delete", self._key(kind, old.state.id), b"", 0, rev))
             if ttl > 0:
                 lease = await self.client.grant(ttl)
                 rev = await self.client.put(self._key("alive", st.id), b"{}", lease)
