@@ -159,7 +159,13 @@ class Inventory:
 
 
 def _link(cat: Catalog, desc) -> LinkProfile:
-    return cat.link(desc if isinstance(desc, dict) else str(desc))
+    """The link profile of ``desc``. Raises KeyError for an unknown name, ValueError for a bandwidth <= 0, an
+    ``eff`` outside (0, 1] or a negative ``setup_ms``."""
+    ln = cat.link(desc if isinstance(desc, dict) else str(desc))
+    if not (ln.bandwidth_gbps > 0 and 0 < ln.eff <= 1 and ln.setup_ms >= 0):
+        raise ValueError(f"link {ln.name!r}: bandwidth_gbps must be > 0, eff in (0, 1] and setup_ms >= 0, got "
+                         f"{ln.bandwidth_gbps}, {ln.eff}, {ln.setup_ms}")
+    return ln
 
 
 def inventory_from_dict(d: dict, origin: str = "<dict>", catalog: Optional[Catalog] = None) -> Inventory:
@@ -185,7 +191,11 @@ def inventory_from_dict(d: dict, origin: str = "<dict>", catalog: Optional[Catal
                 raise InventoryError(f"{origin}: host {h.name!r}: {ex.args[0]}") from None
             if int(n) < 1:
                 raise InventoryError(f"{origin}: host {h.name!r}: count of {chip} must be >= 1, got {n}")
-            by_chip.setdefault(canon, []).append((h.name, int(n)))
+            rows = by_chip.setdefault(canon, [])
+            if rows and rows[-1][0] == h.name:  # the same chip under another name (alias) on this host
+                rows[-1] = (h.name, rows[-1][1] + int(n))
+            else:
+                rows.append((h.name, int(n)))
         try:
             _link(cat, h.link)
         except (KeyError, ValueError, TypeError) as ex:

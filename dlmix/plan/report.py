@@ -7,7 +7,7 @@ from typing import Dict, List, Optional
 
 import yaml
 
-from dlmix.plan.search import Candidate, PlanResult, Planner
+from dlmix.plan.search import Candidate, PlanResult, Planner, kv_link
 
 __all__ = ["sim_deployment", "launch_deployment", "result_dict", "tables", "plot_pareto", "write_outputs",
            "VENDOR_DEVICE", "HUB_IDS"]
@@ -38,7 +38,8 @@ def launch_deployment(pl: Planner, c: Candidate, model_ref: Optional[str] = None
     (``--max-num-batched-tokens``, ``--max-num-seqs`` in ``extra_args``), the router with the plan's policy.
     ``max_model_len``: the power of two from 2048 covering the sample's longest request (prompt + output tokens),
     at most 131072 and never above the model's context limit (``ModelSpec.max_model_len``; the planner's sample holds
-    no longer request). ``dlmix launch`` starts processes on one host: instances of other hosts need their ``host``
+    no longer request) nor, on an accelerator, above the instance's KV capacity in tokens (vLLM does not start an
+    engine whose KV cache cannot hold one ``max_model_len`` sequence). ``dlmix launch`` starts processes on one host: instances of other hosts need their ``host``
     set there."""
     model = model_ref or HUB_IDS.get(pl.model.name, pl.model.name or "model")
     insts: List[dict] = []
@@ -55,6 +56,9 @@ def launch_deployment(pl: Planner, c: Candidate, model_ref: Optional[str] = None
         g = pl.inv.group(ch.chip)
         prof = pl.inv.catalog.chip(ch.chip)
         device = VENDOR_DEVICE.get(prof.vendor, "cuda")
+        # vLLM refuses to start an engine whose KV cache cannot hold one max_model_len sequence: no more than the
+        # instance's KV capacity (the longer requests are the ones the simulator could not serve there either)
+        cap = pl.cost.kv_capacity_tokens(ch.chip, ch.tp, float(pl.engine["gpu_memory_utilization"])) or mlen
         left = ch.instances
         for host, cnt in g.per_host:
             while left > 0 and next_dev.get(host, 0) + ch.tp <= cnt:  # PD inside a group: parts share the hosts
@@ -65,7 +69,7 @@ def launch_deployment(pl: Planner, c: Candidate, model_ref: Optional[str] = None
                 e = {"name": f"{host}-{ch.chip}-{ch.role}-{len(insts)}", "role": ch.role, "port": 8100 + len(insts),
                      "chip": c.router_chip or ch.chip, "device": device,
                      "tensor_parallel_size": pl.engine_tp(ch.chip, ch.tp),
-                     "max_model_len": mlen, "kv": {"block_size": c.block_size},
+                     "max_model_len": mlen if device == "cpu" else min(mlen, cap), "kv": {"block_size": c.block_size},
                      # the engine settings the plan simulated (vLLM's flags)
                      "extra_args": ["--max-num-batched-tokens", str(int(pl.engine["max_num_batched_tokens"])),
                                     "--max-num-seqs", str(int(pl.engine["max_num_seqs"]))]}
@@ -147,7 +151,10 @@ def tables(r: PlanResult, base: Optional[Dict[str, Candidate]] = None):
         rec.add_column(col)
     for ch in b.choices:
         g = r.inventory.group(ch.chip)
-        link = g.link if isinstance(g.link, str) else f"{g.link}"
+        link = "-"
+        if ch.role != "unused":  # the link the deployment uses (deploy_sim.yaml), not the analytic optimistic one
+            link = kv_link(r.inventory, b, ch)
+            link = link if isinstance(link, str) else f"{link}"
         rec.add_row(ch.chip, f"{ch.chips}/{g.count}", ch.role, str(ch.tp or "-"), str(ch.instances or "-"),
                     str(b.block_size) if ch.role != "unused" else "-", link if ch.role != "unused" else "-")
     out.append(rec)

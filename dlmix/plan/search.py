@@ -166,10 +166,11 @@ class Planner:
     def __init__(self, inventory: Inventory, model: ModelSpec, slo: SLO, workload: PlanWorkload,
                  rate: Optional[float] = None, policy: str = "cost", block_size: int = 64, seed: int = 0,
                  progress: Optional[Callable[[str, int, int], None]] = None, engine: Optional[dict] = None):
-        if rate is not None and rate <= 0:
-            raise ValueError(f"rate must be > 0 (or None to maximise), got {rate}")
-        if slo.ttft <= 0 or slo.itl <= 0 or not (0 < slo.pct <= 100):
-            raise ValueError("SLO targets must be > 0 and the percentile in (0, 100]")
+        if rate is not None and not (0 < rate < math.inf):
+            raise ValueError(f"rate must be > 0 and finite (or None to maximise), got {rate}")
+        if not (0 < slo.ttft < math.inf and 0 < slo.itl < math.inf and 0 < slo.pct <= 100):
+            raise ValueError(f"SLO targets must be > 0 and finite and the percentile in (0, 100], got TTFT "
+                             f"{slo.ttft} s, ITL {slo.itl} s, p{slo.pct}")
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1 token, got {block_size}")
         self.inv = inventory
@@ -332,10 +333,8 @@ class Planner:
         inst = []
         used = [ch for ch in c.choices if ch.role != "unused"]
         for ch in used:
-            peer_roles = {"prefill": ("decode", "both"), "decode": ("prefill",), "both": ("prefill",)}[ch.role]
-            peers = sorted({p.chip for p in used if p.role in peer_roles})
             e = {"chip": ch.chip, "count": ch.instances, "role": ch.role, "num_chips": ch.tp,
-                 "link": self.inv.link_to(ch.chip, peers)}
+                 "link": kv_link(self.inv, c, ch)}
             prof = self.inv.group(ch.chip).timing_profile(ch.tp)
             if prof is not None:
                 e["timing"] = prof
@@ -442,7 +441,11 @@ class Planner:
 
     def plan(self, top_k: int = 4, pareto_points: int = 3, refine: bool = True, top_split: int = 2) -> PlanResult:
         """Run the search (module docstring): ``top_k`` role patterns without PD inside a group and ``top_split``
-        with it are simulated. Returns a :class:`PlanResult`."""
+        with it are simulated. Returns a :class:`PlanResult`. Raises ValueError for ``top_k < 1`` or a negative
+        ``pareto_points`` / ``top_split``."""
+        if top_k < 1 or pareto_points < 0 or top_split < 0:
+            raise ValueError(f"top_k must be >= 1 and pareto_points, top_split >= 0, got {top_k}, {pareto_points}, "
+                             f"{top_split}")
         t0 = time.perf_counter()
         c0 = time.process_time()
         self.progress("analytic pruning", 0, 1)
@@ -558,6 +561,13 @@ class Planner:
             out.append(f"only {100 * s.get('good_fraction', 0):.1f} % of requests meet both targets "
                        f"(< {q:g} %) at the lowest rate tried ({c.label()})")
         return out
+
+
+def kv_link(inv: Inventory, c: Candidate, ch: GroupChoice):
+    """The KV link descriptor of choice ``ch`` in deployment ``c``: the slowest between its hosts and the hosts of the
+    chip types it exchanges KV with (:meth:`Inventory.link_to`)."""
+    peer_roles = {"prefill": ("decode", "both"), "decode": ("prefill",), "both": ("prefill",)}[ch.role]
+    return inv.link_to(ch.chip, sorted({p.chip for p in c.choices if p.role in peer_roles}))
 
 
 def _has_split(c: Candidate) -> bool:

@@ -1,0 +1,125 @@
+"""The planner under odd input and the files it writes, as a user runs it: bad numbers and links are input errors
+(exit 2), aliases of one chip on a host are one group, the launch file never asks for more context than an
+instance's KV cache holds, and the table names the KV link the deployment uses."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from dlmix.plan.analytic import SLO
+from dlmix.plan.inventory import InventoryError, load_inventory
+from dlmix.plan.report import launch_deployment, tables
+from dlmix.plan.search import Candidate, GroupChoice, Planner, PlanResult
+from dlmix.plan.workload import load_plan_workload
+from dlmix.sim.config import load_model
+
+DLMIX = [sys.executable, "-m", "dlmix.cli"]
+
+
+# ---- dlmix plan recommends instances whose launch file max_model_len exceeds the instance's own KV capacity
+INV1 = {"name": "rtx4090-1x4", "default_link": "rdma-100g",
+       "hosts": [{"name": h, "chips": {"RTX4090": 1}} for h in "abcd"]}
+
+
+def test_launch_max_model_len_fits_kv_cache():
+    kv_bpt = 2 * 32 * 8 * 128 * 2
+    cap_indep = int((0.9 * 24e9 - 8.03e9 * 2) / kv_bpt)
+    assert cap_indep == 42266
+    pl = Planner(load_inventory(INV1), load_model("llama-3.1-8b"), SLO(30.0, 0.2, 80.0),
+                 load_plan_workload("mooncake", 300), None)
+    res = pl.plan(top_k=2, refine=False)
+    assert res.feasible
+    assert [(c.chip, c.tp) for c in res.best.choices] == [("RTX4090", 1)]
+    assert pl.cost.kv_capacity_tokens("RTX4090", 1) == cap_indep
+    ld = launch_deployment(pl, res.best)
+    for inst in ld["instances"]:
+        assert inst["max_model_len"] <= cap_indep, (
+            f"{inst['name']}: max_model_len {inst['max_model_len']} > the {cap_indep} KV tokens the planner itself "
+            f"computes for 1x RTX4090: vLLM refuses to start this engine")
+
+
+# ---- `dlmix plan --top-k 0` (or any value < 1) crashes with an IndexError traceback (exit 1) instead of a
+
+
+def test_top_k_zero_is_an_input_error():
+    r = subprocess.run([*DLMIX, "plan", "-i", "s4000x2", "-m", "smollm2", "-w",
+                        "synthetic:groups=2,per_group=3,prefix=256,suffix=64,output=16", "-n", "6",
+                        "--no-baselines", "--no-refine", "--top-k", "0"], capture_output=True, text=True, timeout=60)
+    assert "Traceback" not in r.stderr + r.stdout and "IndexError" not in r.stderr + r.stdout, r.stderr[-800:]
+    assert r.returncode == 2, r.returncode
+
+
+# ---- non-finite numbers pass the planner's input checks. `--rate nan` / `--slo-ttft-ms nan` give "NO FEASIBLE
+BASE = [*DLMIX, "plan", "-i", "s4000x2", "-m", "smollm2", "-w",
+        "synthetic:groups=2,per_group=3,prefix=256,suffix=64,output=16", "-n", "6", "--no-baselines", "--no-refine"]
+
+
+@pytest.mark.parametrize("extra", [["--rate", "nan"], ["--rate", "inf"], ["--slo-ttft-ms", "nan"]])
+def test_non_finite_inputs_rejected(extra):
+    r = subprocess.run(BASE + extra, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2, (r.returncode, r.stdout.strip().splitlines()[-1][:300] if r.stdout.strip() else "")
+
+
+def test_json_line_is_strict_json_for_nan_rate():
+    r = subprocess.run(BASE + ["--rate", "nan"], capture_output=True, text=True, timeout=60)
+    last = r.stdout.strip().splitlines()[-1] if r.stdout.strip() else "{}"
+    if last.startswith("{"):
+        json.loads(last, parse_constant=lambda c: (_ for _ in ()).throw(ValueError(f"non-JSON constant {c}")))
+
+
+# ---- an inventory link with a negative (or zero) bandwidth is accepted; the planner then plans PD over it
+@pytest.mark.parametrize("where", ["links", "host", "default_link"])
+@pytest.mark.parametrize("link", [{"bandwidth_gbps": -100}, {"bandwidth_gbps": 0}, {"bandwidth_gbps": 100, "eff": -1},
+                                  {"bandwidth_gbps": 100, "setup_ms": -5}])
+def test_bad_link_figures_rejected(where, link):
+    d = {"hosts": [{"name": "a", "chips": {"H100": 2}}, {"name": "b", "chips": {"H20": 2}}]}
+    if where == "links":
+        d["links"] = [{"hosts": ["a", "b"], "link": link}]
+    elif where == "host":
+        d["hosts"][0]["link"] = link
+    else:
+        d["default_link"] = link
+    with pytest.raises(InventoryError):
+        inv = load_inventory(d)
+        lp = inv.catalog.link(inv.between("a", "b") if where != "host" else inv.between("a", "a"))
+        print("accepted:", lp, "transfer of 1 MB takes", lp.transfer_time(1e6), "s")
+
+
+# ---- one host listing the same chip under two catalog names (an alias, e.g. H100 and H100-SXM) becomes two
+INV5 = {"hosts": [{"name": "a", "chips": {"H100": 2, "H100-SXM": 2}}]}
+
+
+def test_alias_counts_merge_per_host():
+    inv = load_inventory(INV5)
+    g = inv.group("H100")
+    assert g.count == 4
+    assert g.instances(4) == 1, f"4 H100 on host a but instances(4) = {g.instances(4)}; per_host {g.per_host}"
+
+
+def test_launch_has_every_planned_instance():
+    inv = load_inventory(INV5)
+    pl = Planner(inv, load_model("llama-3.1-8b"), SLO(5.0, 0.05, 90.0),
+                 load_plan_workload("synthetic:groups=2,per_group=3,prefix=256,suffix=64,output=16", 6))
+    c = Candidate((GroupChoice("H100", "both", 2, inv.group("H100").instances(2)),))
+    ld = launch_deployment(pl, c)
+    assert len(ld["instances"]) == c.choices[0].instances == 2, [i["devices"] for i in ld["instances"]]
+
+
+# ---- the "Recommended deployment" table's KV link column shows the group's optimistic analytic link
+def test_table_link_is_the_deployments_link():
+    inv = load_inventory("h100x4_h20x4")
+    pl = Planner(inv, load_model("llama-3.1-8b"), SLO(5.0, 0.05, 80.0), load_plan_workload("mooncake", 20))
+    c = Candidate((GroupChoice("H100", "prefill", 1, 4), GroupChoice("H20", "prefill", 2, 1),
+                   GroupChoice("H20", "decode", 2, 1)), goodput=8.0, summary={})
+    dep = pl.deployment_dict(c)
+    used = {(i["chip"], i["role"]): i["link"] for i in dep["instances"]}
+    assert used[("H20", "prefill")] == "nvlink"
+    r = PlanResult(True, c, [], [c], [c], [], 1, 0, 0.0, None, pl.slo, inv, pl.model, pl.wl)
+    rec = tables(r)[0]
+    rows = list(zip(*[col._cells for col in rec.columns]))
+    shown = {(row[0], row[2]): row[6] for row in rows}
+    for k, link in used.items():
+        assert shown[k] == link, f"table says {k} uses {shown[k]}, deployment uses {link}"
