@@ -19,6 +19,7 @@ Adjacent segments are coalesced first (DLSlime opens one TCP connection per assi
 """
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 from typing import Any, Mapping
@@ -37,6 +38,9 @@ MAX_ASSIGN = 32  # DLSlime 0.1.23 TCP: more than 32 assignments per call can com
 # calls in flight per chunk: measured here (2048 x 4 KiB blocks, 32 per call) 0.4-0.9 s with one call at a time,
 # 11-15 s with 4-64 calls in flight, so calls are issued one after another.
 MAX_INFLIGHT = 1
+# DLSlime keys memory regions by name and has no unregister: a second registration of a name returns handle -1 and the
+# first one stays in force. Every registration (serving side, client side, peer regions) gets a fresh DLSlime name.
+_seq = itertools.count(1)
 
 
 def coalesce(items: list[tuple[int, int, int, int, int]]) -> list[tuple[int, int, int, int, int]]:
@@ -57,8 +61,8 @@ class _Peer:
     def __init__(self, ep, remote_info: dict):
         self.ep = ep
         self.info = remote_info
-        self.local: dict[str, int] = {}
-        self.remote: dict[str, int] = {}
+        self.local: dict[str, tuple[int, int, int]] = {}  # region name -> (ptr, length, handle)
+        self.remote: dict[str, tuple[int, int]] = {}  # peer region name -> (its address in the descriptor, handle)
         self.lock = threading.Lock()  # chunks complete on several receiver threads at once
 
 
@@ -89,10 +93,22 @@ class DLSlimeTransport(AdapterEndpoint):
         self._srv_handles: dict[str, int] = {}
 
     def _lib_descriptor(self) -> dict:
-        return dict(self._srv.endpoint_info())
+        info = dict(self._srv.endpoint_info())
+        mrs = info.get("mr_info", {})
+        # the regions registered now, by their dlmix name (the server also still lists unregistered ones)
+        info["mr_info"] = {n: mrs[r.extra["slime"]] for n, r in self.regions().items() if r.extra.get("slime") in mrs}
+        return info
 
     def _lib_register(self, reg: Region) -> None:
-        self._srv_handles[reg.name] = self._srv.register_memory_region(reg.name, reg.ptr, 0, reg.length)
+        sname = f"{reg.name}#{next(_seq)}"
+        h = self._srv.register_memory_region(sname, reg.ptr, 0, reg.length)
+        if h < 0:
+            raise PeerError(f"DLSlime refused to register region {reg.name!r} (handle {h})")
+        reg.extra["slime"] = sname
+        self._srv_handles[reg.name] = h
+
+    def _lib_unregister(self, reg: Region) -> None:
+        self._srv_handles.pop(reg.name, None)
 
     def _lib_connect(self, peer: str, desc: Mapping) -> Any:
         old = self._lib_peers.get(peer)
@@ -111,37 +127,41 @@ class DLSlimeTransport(AdapterEndpoint):
     def _handles(p: _Peer, local: Region, remote: str) -> tuple[int, int]:
         """DLSlime handles of a local region and a peer region on ``p``'s endpoint, registered on first use.
 
-        Registration runs under ``p.lock``: chunks of one transfer complete on several receiver threads, and DLSlime
-        answers a second registration of the same local name with handle -1 (which its ``read`` then rejects).
-        Raises PeerError when the peer region is unknown or DLSlime refuses a registration."""
-        lh = p.local.get(local.name)
-        rh = p.remote.get(remote)
-        if lh is not None and rh is not None:
-            return lh, rh
+        A local region registered again (other memory under the same name) and a peer region refreshed by
+        ``connect`` get new DLSlime registrations under fresh names. Registration runs under ``p.lock``: chunks of
+        one transfer complete on several receiver threads. Raises PeerError when the peer region is unknown or
+        DLSlime refuses a registration."""
+        lc = p.local.get(local.name)
+        rc = p.remote.get(remote)
+        if lc is not None and rc is not None and lc[0] == local.ptr and lc[1] == local.length:
+            return lc[2], rc[1]
         with p.lock:
-            lh = p.local.get(local.name)
-            if lh is None:
-                lh = p.ep.register_memory_region(local.name, local.ptr, 0, local.length)
+            lc = p.local.get(local.name)
+            if lc is None or lc[0] != local.ptr or lc[1] != local.length:
+                lh = p.ep.register_memory_region(f"{local.name}#{next(_seq)}", local.ptr, 0, local.length)
                 if lh < 0:
                     raise PeerError(f"DLSlime refused to register local region {local.name!r} (handle {lh})")
-                p.local[local.name] = lh
-            rh = p.remote.get(remote)
-            if rh is None:
+                lc = p.local[local.name] = (local.ptr, local.length, lh)
+            rc = p.remote.get(remote)
+            if rc is None:
                 mr = p.info.get("mr_info", {}).get(remote)
                 if mr is None:
                     raise PeerError(f"peer region {remote!r} unknown to DLSlime; call connect() with a fresh "
                                     "descriptor")
-                rh = p.ep.register_remote_memory_region(remote, mr)
+                rh = p.ep.register_remote_memory_region(f"{remote}#{next(_seq)}", mr)
                 if rh < 0:
                     raise PeerError(f"DLSlime refused to register peer region {remote!r} (handle {rh})")
-                p.remote[remote] = rh
-        return lh, rh
+                rc = p.remote[remote] = (int(mr["addr"]), rh)
+        return lc[2], rc[1]
 
     def _lib_transfer(self, op, peer, local, remote, remote_addrs, deadline) -> None:
         p: _Peer = self._lib_peers[peer]
         items = []
-        for (reg, loff, n), (rname, roff, _n) in zip(local, remote):
+        for (reg, loff, n), (rname, roff, _n), addr in zip(local, remote, remote_addrs):
             lh, rh = self._handles(p, reg, rname)
+            rc = p.remote.get(rname)
+            if rc is None or rc[1] != rh or rc[0] + roff != addr:  # the owner re-registered it since our descriptor
+                raise PeerError(f"peer region {rname!r} of {peer!r} moved; call connect() with a fresh descriptor")
             items.append((lh, rh, roff, loff, n))
         items = coalesce(items)
         fn = p.ep.read if op == "r" else p.ep.write

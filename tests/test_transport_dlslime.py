@@ -4,6 +4,7 @@ from __future__ import annotations
 import os
 import sys
 
+import numpy as np
 import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(__file__)))
@@ -85,3 +86,57 @@ def test_dlslime_registers_a_local_region_once_under_concurrent_first_use():
     for t in ts:
         t.join()
     assert got == [(0, 7)] * 8 and ep.calls == 1
+
+
+_N = 4096
+
+
+@pytest.fixture(params=["tcp", "dlslime"])
+def rereg_pair(request):
+    """An owner and an initiator in this process: the reference (``tcp``) and ``dlslime``."""
+    why = skip_reason(request.param)
+    if why:
+        pytest.skip(why)
+    a = make_transport(request.param, name="owner", secret="s")
+    b = make_transport(request.param, name="init", secret="s")
+    yield a, b
+    b.close()
+    a.close()
+
+
+def test_reregistered_local_region_receives_the_read(rereg_pair):
+    """A local region unregistered and registered again (other memory, same name) receives the next read; the old
+    buffer gets nothing (before, DLSlime kept the first registration of the name: the bytes landed in freed memory)."""
+    a, b = rereg_pair
+    src = np.full(_N, 7, np.uint8)
+    a.register("kv", src)
+    a.grant("init", "t", [("kv", 0, _N)], "r")
+    old = np.zeros(_N, np.uint8)
+    b.register("dst", old)
+    b.connect(a.descriptor())
+    assert b.read("owner", [Segment("dst", 0, "kv", 0, _N)], "t").result(30) == _N
+    b.unregister("dst")
+    old[:] = 0
+    new = np.zeros(_N, np.uint8)
+    b.register("dst", new)
+    assert b.read("owner", [Segment("dst", 0, "kv", 0, _N)], "t").result(30) == _N
+    assert int(np.count_nonzero(old)) == 0  # the unregistered buffer is not written
+    assert int(np.count_nonzero(new == 7)) == _N  # the registered one is
+
+
+def test_reregistered_owner_region_is_what_is_read(rereg_pair):
+    """An owner region unregistered and registered again is what a reader with a fresh descriptor reads (before,
+    DLSlime served the unregistered buffer)."""
+    a, b = rereg_pair
+    src = np.full(_N, 7, np.uint8)
+    a.register("kv", src)
+    dst = np.zeros(_N, np.uint8)
+    b.register("dst", dst)
+    b.connect(a.descriptor())
+    a.unregister("kv")
+    src2 = np.full(_N, 9, np.uint8)
+    a.register("kv", src2)
+    a.grant("init", "t2", [("kv", 0, _N)], "r")
+    b.connect(a.descriptor())  # fresh descriptor after the owner's re-registration
+    assert b.read("owner", [Segment("dst", 0, "kv", 0, _N)], "t2").result(30) == _N
+    assert int(np.count_nonzero(dst == 9)) == _N  # the new region's bytes, not the unregistered one's (7)
