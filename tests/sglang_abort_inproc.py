@@ -8,7 +8,6 @@ release). The pull looks at cancellation only between rounds, so the receiver mu
 round that is running has ended, and a failure recorded after SGLang cleared the room would stay for ever."""
 import json
 import os
-import random
 import sys
 import threading
 import time
@@ -20,36 +19,13 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import numpy as np  # noqa: E402
 import sglang_inproc as H  # noqa: E402  (sets up SGLang's runtime context)
-import tempfile  # noqa: E402
-import torch  # noqa: E402
 from sglang.srt.disaggregation.base.conn import KVPoll  # noqa: E402
-from sglang.srt.disaggregation.utils import DisaggregationMode, KVClassType, TransferBackend, get_kv_class  # noqa
 
-import dlmix.kv.ops as ops  # noqa: E402
 
 
 def main() -> int:
-    model = H.make_model(os.path.join(tempfile.mkdtemp(), "m"), 0)
-    port = H._free_port()
-    H.DIS.disaggregation_bootstrap_port = port
-    get_kv_class(TransferBackend("dlmix"), KVClassType.BOOTSTRAP_SERVER)(host="127.0.0.1", port=port)
-    time.sleep(0.5)
-    ppool, dpool = H.Pool(16, 40, torch.float32), H.Pool(16, 20, torch.float32)
-    pmgr = H.manager(DisaggregationMode.PREFILL, ppool, model)
-    dmgr = H.manager(DisaggregationMode.DECODE, dpool, model)
-    baddr = f"127.0.0.1:{port}"
-    in_round, go = threading.Event(), threading.Event()
-    real = ops.convert
-
-    def held_convert(*a, **k):  # the round's conversion into the decode pages waits until the test lets it go
-        in_round.set()
-        go.wait(30)
-        return real(*a, **k)
-
-    ops.convert = held_convert
-    room = random.getrandbits(62)
-    snd = get_kv_class(TransferBackend("dlmix"), KVClassType.SENDER)(pmgr, baddr, room)
-    rcv = get_kv_class(TransferBackend("dlmix"), KVClassType.RECEIVER)(dmgr, baddr, room)
+    # the decode's conversion waits for `go` (in_round: it has started)
+    ppool, dpool, pmgr, dmgr, baddr, room, snd, rcv, in_round, go = H.abort_rig()
     assert dmgr.try_ensure_parallel_info(baddr)
     rcv.init(0)
     rcv.send_metadata(np.arange(2, 19, dtype=np.int32), aux_index=3)  # 17 decode pages

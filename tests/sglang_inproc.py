@@ -108,6 +108,42 @@ def manager(mode: DisaggregationMode, pool: Pool, model: str):
     return cls(pool.kv_args(), mode, sa, False)
 
 
+def abort_rig(decode_pages: int = 20):
+    """What the abort scripts (``sglang_abort_inproc.py``, ``sglang_prefill_abort_inproc.py``) share: a bootstrap
+    server, a prefill and a decode manager over fp32 pools (40 and ``decode_pages`` pages of 16 tokens), one sender
+    and one receiver of a fresh room, and the decode's conversion held until the script lets it go.
+
+    Returns ``(ppool, dpool, pmgr, dmgr, baddr, room, snd, rcv, in_round, go)``: ``in_round`` is set once a conversion
+    waits, ``go`` lets it (and every later one) run."""
+    import tempfile
+    import threading
+
+    import dlmix.kv.ops as ops
+
+    model = make_model(os.path.join(tempfile.mkdtemp(), "m"), 0)
+    port = _free_port()
+    DIS.disaggregation_bootstrap_port = port
+    get_kv_class(TransferBackend("dlmix"), KVClassType.BOOTSTRAP_SERVER)(host="127.0.0.1", port=port)
+    time.sleep(0.5)
+    ppool, dpool = Pool(16, 40, torch.float32), Pool(16, decode_pages, torch.float32)
+    pmgr = manager(DisaggregationMode.PREFILL, ppool, model)
+    dmgr = manager(DisaggregationMode.DECODE, dpool, model)
+    baddr = f"127.0.0.1:{port}"
+    in_round, go = threading.Event(), threading.Event()
+    real = ops.convert
+
+    def held_convert(*a, **k):
+        in_round.set()
+        go.wait(30)
+        return real(*a, **k)
+
+    ops.convert = held_convert
+    room = random.getrandbits(62)
+    snd = get_kv_class(TransferBackend("dlmix"), KVClassType.SENDER)(pmgr, baddr, room)
+    rcv = get_kv_class(TransferBackend("dlmix"), KVClassType.RECEIVER)(dmgr, baddr, room)
+    return ppool, dpool, pmgr, dmgr, baddr, room, snd, rcv, in_round, go
+
+
 def wait(fn, want, timeout=30.0):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

@@ -10,46 +10,20 @@ tests/test_sglang_backend.py runs it)
 """
 import json
 import os
-import random
 import sys
-import threading
-import time
 
 os.environ["DLMIX_SGLANG_CONFIG"] = '{"staging_bytes": 65536}'
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import numpy as np  # noqa: E402
 import sglang_inproc as H  # noqa: E402
-import tempfile  # noqa: E402
-import torch  # noqa: E402
 from sglang.srt.disaggregation.base.conn import KVPoll  # noqa: E402
-from sglang.srt.disaggregation.utils import DisaggregationMode, KVClassType, TransferBackend, get_kv_class  # noqa
 
-import dlmix.kv.ops as ops  # noqa: E402
 
 
 def main():
-    model = H.make_model(os.path.join(tempfile.mkdtemp(), "m"), 0)
-    port = H._free_port()
-    H.DIS.disaggregation_bootstrap_port = port
-    get_kv_class(TransferBackend("dlmix"), KVClassType.BOOTSTRAP_SERVER)(host="127.0.0.1", port=port)
-    time.sleep(0.5)
-    ppool, dpool = H.Pool(16, 40, torch.float32), H.Pool(16, 20, torch.float32)
-    pmgr = H.manager(DisaggregationMode.PREFILL, ppool, model)
-    dmgr = H.manager(DisaggregationMode.DECODE, dpool, model)
-    baddr = f"127.0.0.1:{port}"
-    in_round, go = threading.Event(), threading.Event()
-    real = ops.convert
-
-    def held_convert(*a, **k):  # the decode's first round waits until the prefill abort went through
-        in_round.set()
-        go.wait(30)
-        return real(*a, **k)
-
-    ops.convert = held_convert
-    room = random.getrandbits(62)
-    snd = get_kv_class(TransferBackend("dlmix"), KVClassType.SENDER)(pmgr, baddr, room)
-    rcv = get_kv_class(TransferBackend("dlmix"), KVClassType.RECEIVER)(dmgr, baddr, room)
+    # the decode's conversion waits for `go` (in_round: it has started)
+    ppool, dpool, pmgr, dmgr, baddr, room, snd, rcv, in_round, go = H.abort_rig()
     assert dmgr.try_ensure_parallel_info(baddr)
     rcv.init(0)
     rcv.send_metadata(np.arange(2, 4, dtype=np.int32), aux_index=3)

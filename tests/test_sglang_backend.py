@@ -69,18 +69,24 @@ print("fp32 products:", seen)
     assert last == ("fp32 products: [(20, 64)]" if aids else "fp32 products: []"), out.stdout
 
 
+def _inproc_rows(name: str) -> list[dict]:
+    """Run the in-process script ``tests/NAME`` with the SGLang venv's python; its JSON lines (it must exit 0)."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env.update({"SGLANG_USE_CPU_ENGINE": "1", "SGLANG_HOST_IP": "127.0.0.1"})
+    out = subprocess.run([PY, str(Path(__file__).with_name(name))], capture_output=True, text=True, timeout=600,
+                         env=env)
+    rows = [json.loads(x) for x in out.stdout.splitlines() if x.startswith("{")]
+    assert out.returncode == 0 and rows, out.stdout[-3000:] + out.stderr[-3000:]
+    return rows
+
+
 @pytest.mark.skipif(PY is None, reason="no SGLang venv (run scripts/setup_sglang.sh, or set DLMIX_SGLANG_VENV)")
 def test_a_decode_aborted_during_a_pull_round_keeps_its_pages_until_the_round_ends():
     """``tests/sglang_abort_inproc.py``: the receiver of a decode aborted while a pull round runs polls Transferring
     until the round has ended (SGLang frees a Failed room's pages at once), so none of the 272 token slots that go to
     another request afterwards is overwritten by the aborted room's KV, and no failure record stays behind. Before,
     it polled Failed at once, and 256 slots of the reused pages were overwritten."""
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    env.update({"SGLANG_USE_CPU_ENGINE": "1", "SGLANG_HOST_IP": "127.0.0.1"})
-    script = Path(__file__).with_name("sglang_abort_inproc.py")
-    out = subprocess.run([PY, str(script)], capture_output=True, text=True, timeout=600, env=env)
-    rows = [json.loads(x) for x in out.stdout.splitlines() if x.startswith("{")]
-    assert out.returncode == 0 and rows, out.stdout[-3000:] + out.stderr[-3000:]
+    rows = _inproc_rows("sglang_abort_inproc.py")
     assert rows[0] == {"case": "abort-during-pull", "failed_while_pulling": False, "overwritten_slots": 0,
                        "failure_record_left": False, "status_left": False}, rows[0]
 
@@ -90,11 +96,6 @@ def test_a_prefill_aborted_while_its_decode_reads_leaves_no_failure_record():
     """``tests/sglang_prefill_abort_inproc.py``: the prefill's request is aborted while its decode reads the hold; the
     read finishes (blocks_consumed), the room ends Success and SGLang clears the sender, and the abort's failure
     record goes with it (before, one record per such abort stayed for ever, and a reused room inherited it)."""
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    env.update({"SGLANG_USE_CPU_ENGINE": "1", "SGLANG_HOST_IP": "127.0.0.1"})
-    script = Path(__file__).with_name("sglang_prefill_abort_inproc.py")
-    out = subprocess.run([PY, str(script)], capture_output=True, text=True, timeout=600, env=env)
-    rows = [json.loads(x) for x in out.stdout.splitlines() if x.startswith("{")]
-    assert out.returncode == 0 and rows, out.stdout[-3000:] + out.stderr[-3000:]
+    rows = _inproc_rows("sglang_prefill_abort_inproc.py")
     assert rows[0]["prefill_final"] == "Success" and rows[0]["failure_record_left"] is None \
         and rows[0]["status_left"] is False, rows[0]
