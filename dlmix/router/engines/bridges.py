@@ -99,20 +99,11 @@ def forget(url: str) -> None:
 
 
 async def _call(client: Any, method: str, url: str, body: Any = None) -> Any:
-    """One call to an LMDeploy engine's DistServe route; its JSON (a JSON string is decoded too). Raises ValueError
-    with the engine's answer."""
-    import httpx
+    """One call to an LMDeploy engine's DistServe route, whole answer within INFO_TIMEOUT_S
+    (:func:`dlmix.router.engines.lmdeploy.distserve_call`)."""
+    from dlmix.router.engines.lmdeploy import distserve_call
 
-    try:  # httpx's timeout bounds each read, not the answer: a whole answer within INFO_TIMEOUT_S
-        r = await asyncio.wait_for(client.request(method, url, json=body), INFO_TIMEOUT_S)
-    except httpx.HTTPError as ex:
-        raise ValueError(f"{method} {url}: {type(ex).__name__}: {ex}") from None
-    except asyncio.TimeoutError:
-        raise ValueError(f"{method} {url}: no whole answer within {INFO_TIMEOUT_S:.3g} s") from None
-    if r.status_code != 200:
-        raise ValueError(f"{method} {url} answered {r.status_code}: {r.text[:500]} (see that engine's log)")
-    out = r.json()
-    return json.loads(out) if isinstance(out, str) else out
+    return await distserve_call(client, method, url, body, INFO_TIMEOUT_S)
 
 
 async def _lmdeploy_endpoint(prefill_url: str, decode_url: str) -> dict:

@@ -24,7 +24,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from typing import Any
+from typing import Any, Optional
 
 import msgspec
 
@@ -142,6 +142,28 @@ def forget(url: str) -> None:
         del _connected[key]
 
 
+async def distserve_call(client: Any, method: str, url: str, body: Any = None,
+                         timeout_s: Optional[float] = None) -> Any:
+    """One call to an LMDeploy engine's DistServe route with ``client`` (an ``httpx.AsyncClient``); its JSON (a JSON
+    string is decoded too). The whole answer must come within ``timeout_s`` (default :data:`CONNECT_TIMEOUT_S`):
+    httpx's own timeout bounds each read only, so an engine dribbling bytes would hold the call for ever. Raises
+    ValueError with the engine's answer."""
+    import httpx
+
+    limit = CONNECT_TIMEOUT_S if timeout_s is None else timeout_s
+    try:
+        r = await asyncio.wait_for(client.request(method, url, json=body), limit)
+    except httpx.HTTPError as ex:
+        raise ValueError(f"{method} {url}: {type(ex).__name__}: {ex}") from None
+    except asyncio.TimeoutError:
+        raise ValueError(f"{method} {url}: no whole answer within {limit:.3g} s") from None
+    if r.status_code != 200:
+        raise ValueError(f"{method} {url} answered {r.status_code}: {r.text[:500]} (see that engine's log for the "
+                         "reason)")
+    out = r.json()
+    return json.loads(out) if isinstance(out, str) else out
+
+
 async def connect_pair(prefill_url: str, decode_url: str) -> None:
     """LMDeploy's DistServe connection handshake between a prefill and a decode engine (module doc). Raises
     ValueError with the engines' answers when a step fails."""
@@ -149,17 +171,7 @@ async def connect_pair(prefill_url: str, decode_url: str) -> None:
 
     async with httpx.AsyncClient(timeout=CONNECT_TIMEOUT_S, trust_env=False) as client:
         async def call(method: str, url: str, body: Any = None) -> Any:
-            try:  # httpx's timeout bounds each read, not the answer: a whole answer within CONNECT_TIMEOUT_S
-                r = await asyncio.wait_for(client.request(method, url, json=body), CONNECT_TIMEOUT_S)
-            except httpx.HTTPError as ex:
-                raise ValueError(f"{method} {url}: {type(ex).__name__}: {ex}") from None
-            except asyncio.TimeoutError:
-                raise ValueError(f"{method} {url}: no whole answer within {CONNECT_TIMEOUT_S:.3g} s") from None
-            if r.status_code != 200:
-                raise ValueError(f"{method} {url} answered {r.status_code}: {r.text[:500]} (see that engine's log "
-                                 "for the reason)")
-            out = r.json()
-            return json.loads(out) if isinstance(out, str) else out
+            return await distserve_call(client, method, url, body)
 
         p_cfg = await call("GET", f"{prefill_url}/distserve/engine_info")
         d_cfg = await call("GET", f"{decode_url}/distserve/engine_info")
