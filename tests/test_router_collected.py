@@ -16,7 +16,7 @@ import pytest
 from dlmix.router.config import RouterConfig
 from dlmix.router.engines import lmdeploy as lmd
 from dlmix.router.server import Router
-from dlmix.testing import JsonStandIn, LoopThread, RouterThread, poll
+from dlmix.testing import JsonStandIn, LoopThread, RouterThread, poll, raw_server, read_http_request
 from dlmix.testing.mock_engine import MockEngine
 
 
@@ -24,14 +24,11 @@ from dlmix.testing.mock_engine import MockEngine
 PD = {"policy": "cost", "policy_params": {"local_max_uncached": 0}, "model_spec": "llama-3.1-8b"}
 
 
-async def _read_request(reader):
-    head = await reader.readuntil(b"\r\n\r\n")
-    n = next((int(ln.split(b":")[1]) for ln in head.lower().split(b"\r\n") if ln.startswith(b"content-length:")), 0)
-    await reader.readexactly(n)
-    return head
-
-
 class FanOut:
+    """A router (cost policy) over a raw SGLang prefill that answers ``{}`` at once and a raw SGLang decode whose
+    answer ``decode_answer(writer, state)`` writes; ``state`` counts bytes ``sent``, connections ``cut`` and
+    ``decode_reqs``."""
+
     def __init__(self, decode_answer, **cfg):
         self.lt, self.blt = LoopThread(), LoopThread()
         self.state = {"sent": 0, "cut": 0, "decode_reqs": 0}
@@ -40,7 +37,7 @@ class FanOut:
         async def prefill(reader, writer):
             try:
                 while True:
-                    await _read_request(reader)
+                    await read_http_request(reader)
                     writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 2\r\n\r\n{}")
                     await writer.drain()
             except (asyncio.IncompleteReadError, ConnectionError, asyncio.CancelledError):
@@ -50,7 +47,7 @@ class FanOut:
 
         async def decode(reader, writer):
             try:
-                await _read_request(reader)
+                await read_http_request(reader)
                 st["decode_reqs"] += 1
                 await decode_answer(writer, st)
                 await asyncio.sleep(3600)
@@ -59,12 +56,8 @@ class FanOut:
             finally:
                 writer.close()
 
-        async def start():
-            ps = await asyncio.start_server(prefill, "127.0.0.1", 0)
-            ds = await asyncio.start_server(decode, "127.0.0.1", 0)
-            return ps, ds
-        self.ps, self.ds = self.blt.run(start())
-        pp, dp = (s.sockets[0].getsockname()[1] for s in (self.ps, self.ds))
+        self.ps, pp = self.blt.run(raw_server(prefill))
+        self.ds, dp = self.blt.run(raw_server(decode))
         insts = [{"url": f"http://127.0.0.1:{pp}", "model": "mock", "role": "prefill", "id": "p", "chip": "H100",
                   "engine": "sglang", "bootstrap_port": 7021},
                  {"url": f"http://127.0.0.1:{dp}", "model": "mock", "role": "decode", "id": "d", "chip": "H20",
@@ -159,11 +152,7 @@ def test_a_huge_collected_prefill_answer_is_cut_off():
         finally:
             writer.close()
 
-    async def start():
-        srv = await asyncio.start_server(conn, "127.0.0.1", 0)
-        return srv, srv.sockets[0].getsockname()[1]
-
-    srv, port = blt.run(start())
+    srv, port = blt.run(raw_server(conn))
     d = MockEngine(name="d", role="decode")
     durl = lt.run(d.start())
     insts = [{"url": f"http://127.0.0.1:{port}", "model": "mock", "role": "prefill", "id": "p", "chip": "H100",
@@ -355,9 +344,7 @@ def test_a_dribbling_handshake_answer_does_not_hold_the_request_for_ever(monkeyp
 
     async def conn(reader, writer):
         try:
-            head = await reader.readuntil(b"\r\n\r\n")
-            n = next((int(l.split(b":")[1]) for l in head.lower().split(b"\r\n") if l.startswith(b"content-length:")), 0)
-            await reader.readexactly(n)
+            head = await read_http_request(reader)
             if b"/distserve/" not in head.split(b"\r\n")[0]:
                 body = (b'{"data":[{"id":"m"}]}' if b"/v1/models" in head else
                         b'{"id":"-1","cache_block_ids":[7],"remote_token_ids":[42],"choices":[{"text":"x"}]}')
@@ -375,10 +362,7 @@ def test_a_dribbling_handshake_answer_does_not_hold_the_request_for_ever(monkeyp
         finally:
             writer.close()
 
-    async def start():
-        s = await asyncio.start_server(conn, "127.0.0.1", 0)
-        return s, s.sockets[0].getsockname()[1]
-    srv, port = blt.run(start())
+    srv, port = blt.run(raw_server(conn))
     d = JsonStandIn(lambda m, p, b: (200, {"choices": [{"text": "answer"}]}))
     rt = RouterThread(RouterConfig(host="127.0.0.1", port=0, policy="round_robin", retries=0,
                                    health_interval_s=3600.0))

@@ -19,7 +19,7 @@ import pytest
 
 from dlmix.router.config import ConfigError, RouterConfig
 from dlmix.router.server import Router
-from dlmix.testing import LoopThread, free_port, poll
+from dlmix.testing import LoopThread, free_port, poll, raw_server, read_http_request
 from dlmix.testing.mock_engine import MockEngine
 
 LIVE = 20.0  # liveness bound (s): a socket that stays silent this long means the router never acted
@@ -267,10 +267,7 @@ async def _fake_backend(*answers: bytes) -> tuple:
     async def conn(reader, writer):
         try:
             for a in answers:
-                head = await reader.readuntil(b"\r\n\r\n")
-                n = next((int(ln.split(b":")[1]) for ln in head.lower().split(b"\r\n")
-                          if ln.startswith(b"content-length:")), 0)
-                await reader.readexactly(n)
+                await read_http_request(reader)
                 writer.write(a)
                 await writer.drain()
             await asyncio.sleep(3600)
@@ -278,8 +275,8 @@ async def _fake_backend(*answers: bytes) -> tuple:
             pass
         finally:
             writer.close()
-    srv = await asyncio.start_server(conn, "127.0.0.1", 0)
-    return f"http://127.0.0.1:{srv.sockets[0].getsockname()[1]}", srv
+    srv, port = await raw_server(conn)
+    return f"http://127.0.0.1:{port}", srv
 
 
 @pytest.mark.parametrize("garbage", [b"garbage that is not HTTP\r\n\r\n",

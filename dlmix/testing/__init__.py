@@ -26,7 +26,8 @@ from dlmix.engine_process import free_port, free_port_block, port_free
 
 __all__ = ["free_port", "free_port_block", "port_free", "LoopThread", "RouterThread", "JsonStandIn", "wait_http", "poll",
            "wait_until", "MockEngine", "compare_greedy", "output_logprobs", "fill_tokens",
-           "hold_and_pull", "side_by_side", "pd_router", "fleet_router", "stop_all"]
+           "hold_and_pull", "side_by_side", "pd_router", "fleet_router", "stop_all", "read_http_request",
+           "raw_server"]
 
 
 class LoopThread:
@@ -64,6 +65,21 @@ class LoopThread:
         """Stop the loop and join the thread (5 s at most)."""
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(5)
+
+
+async def read_http_request(reader: asyncio.StreamReader) -> bytes:
+    """Read one HTTP/1.1 request (head, then a ``content-length`` body) from ``reader``; returns the head bytes.
+    Raises ``asyncio.IncompleteReadError`` when the peer closes. For hand-written broken or hostile backends."""
+    head = await reader.readuntil(b"\r\n\r\n")
+    n = next((int(ln.split(b":")[1]) for ln in head.lower().split(b"\r\n") if ln.startswith(b"content-length:")), 0)
+    await reader.readexactly(n)
+    return head
+
+
+async def raw_server(conn) -> tuple:
+    """An asyncio server running ``conn(reader, writer)`` on a free loopback port: ``(server, port)``."""
+    srv = await asyncio.start_server(conn, "127.0.0.1", 0)
+    return srv, srv.sockets[0].getsockname()[1]
 
 
 class JsonStandIn:
