@@ -71,7 +71,7 @@ class Decoder:
                 if len(self.pages) + n > self.max_pages:
                     # the chain states go, so must the keys they produced: their evictions could no longer be
                     # mapped to keys and would stay in the index for ever
-                    self.pages.clear()
+                    self.reset()
                     out.append(Cleared())
                 keys = self._store(ev)
                 if keys:
