@@ -87,7 +87,7 @@ class Decoder:
                 if gone:
                     out.append(Removed(gone))
             elif isinstance(ev, AllBlocksCleared):
-                self.pages.clear()
+                self.reset()
                 out.append(Cleared())
         return out
 
