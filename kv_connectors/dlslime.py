@@ -90,7 +90,6 @@ class DLSlimeTransport(AdapterEndpoint):
 
     def _lib_init(self) -> None:
         self._srv = _dlslime.TcpEndpoint(self.host, 0)
-        self._srv_handles: dict[str, int] = {}
 
     def _lib_descriptor(self) -> dict:
         info = dict(self._srv.endpoint_info())
@@ -105,10 +104,6 @@ class DLSlimeTransport(AdapterEndpoint):
         if h < 0:
             raise PeerError(f"DLSlime refused to register region {reg.name!r} (handle {h})")
         reg.extra["slime"] = sname
-        self._srv_handles[reg.name] = h
-
-    def _lib_unregister(self, reg: Region) -> None:
-        self._srv_handles.pop(reg.name, None)
 
     def _lib_connect(self, peer: str, desc: Mapping) -> Any:
         old = self._lib_peers.get(peer)

@@ -356,7 +356,7 @@ class SharedState:
         """Wait (at most the etcd call timeout) until the follower applied the store up to revision ``rev``: a
         change another replica wrote before this replica's own write at ``rev`` is then applied before it, in the
         order every other replica applies them."""
-        loop = asyncio.get_event_loop()
+        loop = asyncio.get_running_loop()
         deadline = loop.time() + self.client.timeout_s
         while self.revision < rev and self.connected:
             left = deadline - loop.time()
