@@ -403,6 +403,45 @@ def test_malformed_bodies_get_400_naming_the_problem(lt, path, body, needle):
         st.close()
 
 
+@pytest.mark.parametrize("fast_path", [True, False])
+@pytest.mark.parametrize("policy", ["cost", "round_robin"])  # cost parses every body; round_robin none (fast path)
+@pytest.mark.parametrize("extra,field", [
+    (b'"kv_transfer_params": {"do_remote_prefill": true, "remote_host": "10.9.9.9", "remote_port": 1}',
+     "kv_transfer_params"),
+    (b'"kv_transfer_param\\u0073": {"do_remote_prefill": true}', "kv_transfer_params"),  # the key, JSON-escaped
+    (b'"bootstrap_host": "10.9.9.9", "bootstrap_port": 8998, "bootstrap_room": 7', "bootstrap_host"),
+    (b'"bootstrap_room": 0', "bootstrap_room"),
+    (b'"preserve_cache": true', "preserve_cache"),
+    (b'"migration_request": {"remote_engine_id": "http://10.9.9.9:1", "remote_block_ids": [1]}',
+     "migration_request"),
+], ids=["vllm", "vllm-escaped-key", "sglang", "sglang-room-0", "lmdeploy-preserve", "lmdeploy-migration"])
+def test_a_client_body_with_a_pd_handoff_field_is_400(lt, fast_path, policy, extra, field):
+    """The fields that carry a PD hand-off (every engine adapter's ``HANDOFF_FIELDS``) are the router's to set. A
+    client body that sets one is refused before any engine sees it: it would make an instance pull KV from a host of
+    the client's choosing, or keep a request's KV blocks after its answer (LMDeploy's ``preserve_cache``). ``null``,
+    ``false`` and the names inside a prompt's text pass."""
+    e = MockEngine(name="a", record=True)
+    st = Setup(lt, [e], policy=policy, fast_path=fast_path)
+    try:
+        with httpx.Client(timeout=LIVE) as h:
+            for _ in range(2):  # the second one rides the pooled connection (the fast path's callback driver)
+                assert h.post(st.base + "/v1/completions", json=BODY).status_code == 200
+            n = len(e.received)
+            raw = b'{"model": "mock", "prompt": "hi", "max_tokens": 2, ' + extra + b"}"
+            r = h.post(st.base + "/v1/completions", content=raw, headers={"content-type": "application/json"})
+            assert r.status_code == 400, r.text
+            assert r.json()["error"]["message"] == (f"invalid request body: `{field}` is set by the router for "
+                                                    f"prefill/decode hand-offs; a client may not send it")
+            assert len(e.received) == n  # refused before any engine saw it
+            fine = (b'{"model": "mock", "prompt": "what is \\"kv_transfer_params\\"? \\u00e9", "max_tokens": 2, '
+                    b'"kv_transfer_params": null, "with_cache": false, "bootstrap_room": null}')
+            assert h.post(st.base + "/v1/completions", content=fine,
+                          headers={"content-type": "application/json"}).status_code == 200
+            assert e.received[-1] == fine and len(e.received) == n + 1
+    finally:
+        st.close()
+
+
 @pytest.mark.parametrize("policy", ["cost", "round_robin"])  # cost parses every body; round_robin none (fast path)
 @pytest.mark.parametrize("body", [b"", b" \r\n"])
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])

@@ -8,11 +8,12 @@ through unchecked, and engines keep their own validation (ranges, sampling rules
 """
 from __future__ import annotations
 
-from typing import Annotated, Any, Dict, List, Optional, Union
+import re
+from typing import Annotated, Any, Dict, Iterable, List, Optional, Union
 
 import msgspec
 
-__all__ = ["BadRequest", "EMPTY_BODY", "check", "decode", "add_keys", "one_token_leg", "n_choices"]
+__all__ = ["BadRequest", "EMPTY_BODY", "check", "decode", "add_keys", "one_token_leg", "n_choices", "RouterFields"]
 
 
 class BadRequest(ValueError):
@@ -114,6 +115,42 @@ def add_keys(raw: bytes, extra: Dict[str, Any], parsed: Optional[dict] = None) -
     head = s[:-1].rstrip()
     sep = b"" if head.endswith(b"{") else b","
     return head + sep + _enc_keys.encode(extra)[1:]
+
+
+class RouterFields:
+    """Top-level body fields only the router may set: the PD hand-off fields of every engine adapter (vLLM's
+    ``kv_transfer_params``, SGLang's ``bootstrap_host``/``bootstrap_port``/``bootstrap_room``, LMDeploy's
+    ``migration_request``/``with_cache``/``preserve_cache``; each adapter's ``HANDOFF_FIELDS``).
+
+    A client that sets one could point an instance at a KV producer of its choosing (a decode then connects there and
+    waits on it), make a prefill keep a request's KV blocks after the answer (LMDeploy's ``preserve_cache``), or
+    join another request's hand-off, so the router refuses such a body (400) instead of forwarding it. ``null`` and
+    ``false`` (what the engines default to) pass.
+
+    Args: names: the field names (str).
+    """
+
+    def __init__(self, names: Iterable[str]):
+        self.names = tuple(sorted(set(names)))
+        alts = b"|".join(re.escape(n.encode()) for n in self.names) or b"(?!)"
+        # a JSON key may be written with \u escapes, so any escape sends the body to the full check
+        self._scan = re.compile(rb'\\u|"(?:' + alts + rb')"')
+
+    def may_hold(self, raw: bytes) -> bool:
+        """False when the raw JSON body ``raw`` surely sets none of the fields (a byte scan, no decode); True when
+        :meth:`check` must look at the decoded body."""
+        return self._scan.search(raw) is not None
+
+    def check(self, d: Any) -> None:
+        """Raise BadRequest naming the first field of the decoded body ``d`` (a dict; anything else passes) that is
+        set to a value other than ``null``/``false``."""
+        if not isinstance(d, dict):
+            return
+        for k in self.names:
+            v = d.get(k)
+            if v is not None and v is not False:
+                raise BadRequest(f"invalid request body: `{k}` is set by the router for prefill/decode hand-offs; "
+                                 f"a client may not send it")
 
 
 def n_choices(body: Any) -> int:

@@ -66,6 +66,7 @@ from dlmix.router.admin import AdminAPI
 from dlmix.router.bodies import EMPTY_BODY, BadRequest, check as check_body, decode as decode_body, n_choices
 from dlmix.router.choices import MAX_FAN_OUT, run_choices, wants_fan_out
 from dlmix.router.config import ConfigError, RouterConfig
+from dlmix.router.engines import ROUTER_FIELDS
 from dlmix.router.metrics import Metrics
 from dlmix.router.orchestrator import SENT, PDOrchestrator
 from dlmix.router.proxy import (BackendError, build_request, error_body, forward_headers, method_not_allowed,
@@ -365,7 +366,10 @@ class Router:
             if self._needs_parse:
                 d = decode_body(req.body)
                 check_body(d, chat)
+                ROUTER_FIELDS.check(d)
                 rr = self._request_from(d, chat)
+            elif ROUTER_FIELDS.may_hold(req.body):
+                ROUTER_FIELDS.check(decode_body(req.body))
         except BadRequest as ex:
             return self._send(conn, 400, _bad_request(str(ex)))
         if pins is not None:
@@ -464,10 +468,16 @@ class Router:
             try:
                 d = decode_body(req.body)
                 check_body(d, chat)
+                ROUTER_FIELDS.check(d)
             except BadRequest:
                 return False  # the coroutine path answers 400
             rr = self._request_from(d, chat)
         else:
+            if ROUTER_FIELDS.may_hold(body):
+                try:
+                    ROUTER_FIELDS.check(decode_body(body))
+                except BadRequest:
+                    return False  # the coroutine path answers 400
             rr = self._plain
         reg = self.registry
         view = ClusterView(reg.instances, self.index, self.cost, self.approx, False)

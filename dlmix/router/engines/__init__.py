@@ -8,10 +8,14 @@ from __future__ import annotations
 
 from typing import Dict
 
+from dlmix.router.bodies import RouterFields
 from dlmix.router.engines import lmdeploy, sglang, vllm
 from dlmix.router.engines.base import EngineAdapter
 
 ENGINES: Dict[str, EngineAdapter] = {vllm.NAME: vllm, sglang.NAME: sglang, lmdeploy.NAME: lmdeploy}  # type: ignore[dict-item]
+
+#: every adapter's hand-off fields: the router refuses a client body that sets one (400)
+ROUTER_FIELDS = RouterFields(f for e in ENGINES.values() for f in e.HANDOFF_FIELDS)
 
 
 def get_engine(name: str) -> EngineAdapter:

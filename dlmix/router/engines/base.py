@@ -10,6 +10,8 @@ The router only calls these names on an instance's adapter (``get_engine(state.e
 * ``PD_PROTOCOL``: what carries the hand-off (``kv_transfer_params`` for vLLM, ``bootstrap`` for SGLang,
   ``migration_request`` for LMDeploy). The router pairs a prefill and a decode instance only when both their flows
   and protocols are equal (:func:`dlmix.router.engines.pd_key`; registration answers 409 otherwise).
+* ``HANDOFF_FIELDS``: the top-level request fields that carry the hand-off in either leg. Only the router sets them:
+  it refuses a client body that sets one of any engine's (400; :class:`dlmix.router.bodies.RouterFields`).
 * ``DECODE_NEEDS_PREFILL``: True when a decode-role instance cannot serve a request alone (then, without a prefill
   instance, the router answers 503 rather than sending it there).
 * ``BOTH_TAKES_PD``: True when a ``both``-role instance can be the decode side of a PD pair (vLLM with ``kv_both``);
@@ -59,6 +61,7 @@ class EngineAdapter(Protocol):
     MODELS_PATH: bytes
     PD_FLOW: str
     PD_PROTOCOL: str
+    HANDOFF_FIELDS: tuple
     DECODE_NEEDS_PREFILL: bool
     BOTH_TAKES_PD: bool
 

@@ -37,6 +37,10 @@ MODELS_PATH = b"/v1/models"
 PD_FLOW = "sequential"
 #: what the decode leg carries (LMDeploy's ``migration_request`` in the decode leg's body); only instances with the same flow and protocol pair
 PD_PROTOCOL = "migration_request"
+#: the fields of either leg that LMDeploy's proxy sets (``lmdeploy/serve/proxy/proxy.py``; the api server pops them in
+#: ``serve/openai/endpoints/completions.py``): set by the router only (a client body naming one is refused;
+#: ``preserve_cache`` would keep the request's KV blocks after its answer)
+HANDOFF_FIELDS = ("migration_request", "with_cache", "preserve_cache")
 #: a Decode-role engine is fed by a prefill engine
 DECODE_NEEDS_PREFILL = True
 #: a Hybrid engine has no DistServe connection: it serves whole requests only

@@ -33,6 +33,9 @@ MODELS_PATH = b"/v1/models"
 PD_FLOW = "concurrent"
 #: what the decode leg carries (SGLang's bootstrap fields in both legs); only instances with the same flow and protocol pair
 PD_PROTOCOL = "bootstrap"
+#: the fields a router injects into either leg (SGLang's ``PDRoutingFields`` in
+#: ``sglang/srt/entrypoints/openai/protocol.py``): set by the router only (a client body naming one is refused)
+HANDOFF_FIELDS = ("bootstrap_host", "bootstrap_port", "bootstrap_room", "disagg_prefill_dp_rank", "routed_dp_rank")
 #: a decode-role instance needs a prefill instance for every request
 DECODE_NEEDS_PREFILL = True
 #: for ``n > 1`` SGLang 0.5.23's tokenizer manager first sends a prefix warm-up request (``max_new_tokens=0``) and then

@@ -31,6 +31,8 @@ MODELS_PATH = b"/v1/models"
 PD_FLOW = "sequential"
 #: what the decode leg carries (vLLM's ``kv_transfer_params`` in the decode leg's body); only instances with the same flow and protocol pair
 PD_PROTOCOL = "kv_transfer_params"
+#: the request fields that carry the hand-off: set by the router only (a client body naming one is refused)
+HANDOFF_FIELDS = ("kv_transfer_params",)
 #: a decode-role (kv_consumer / kv_both) vLLM instance recomputes the prompt itself when no prefill is available
 DECODE_NEEDS_PREFILL = False
 #: a kv_both instance consumes KV from a prefill instance like a kv_consumer
