@@ -11,7 +11,9 @@ networks (or loopback / a private network namespace); use ``tcp``/``shm`` where 
 
 Subclasses implement the ``_lib_*`` hooks; the base does chunking (``lib_chunk_bytes`` bytes, ``segs_per_frame``
 segments per authorization), cancellation (a chunk's library op is waited for before ``cancel()`` returns) and the
-per-transfer deadline (passed to the library wait).
+per-transfer deadline (passed to the library wait). A library op that cannot be aborted is waited for in the same
+way when its transfer times out: the timeout is reported once the op has ended, so no byte lands after a transfer
+failed or was cancelled (``_lib_transfer``'s contract: return only when no byte can land any more).
 """
 from __future__ import annotations
 
@@ -28,6 +30,8 @@ class AdapterEndpoint(Endpoint):
 
     DP = "authz"
     PACKAGE = ""  # pip name, for messages
+    #: seconds ``_lib_transfer`` may go on past a transfer's deadline before it returns (a library op it waits out)
+    cancel_grace_s = 0.0
 
     def __init__(self, *, lib_chunk_bytes: int = 64 << 20, **kw: Any):
         self.lib_chunk_bytes = int(lib_chunk_bytes)
@@ -63,7 +67,8 @@ class AdapterEndpoint(Endpoint):
         """Move the bytes of one authorized chunk, blocking until done or ``deadline`` (monotonic seconds).
 
         ``local[i] = (region, offset, length)``, ``remote[i] = (region_name, offset, length)`` and ``remote_addrs[i]``
-        the owner's address of that segment. Raise TransportError (TransferTimeout past the deadline)."""
+        the owner's address of that segment. Raise TransportError (TransferTimeout past the deadline), but only once
+        no byte of the op can land any more (at most ``cancel_grace_s`` past the deadline)."""
         raise NotImplementedError
 
     def _lib_close(self) -> None:
@@ -128,6 +133,18 @@ class AdapterEndpoint(Endpoint):
             ch.receiving = False
             ch.recv_done.set()
         self._chunk_ok(ch, resp)
+
+    def _dp_still_landing(self, x: _Xfer) -> bool:
+        return any(ch.receiving for ch in x.chunks)
+
+    def _cancel(self, h) -> None:
+        """As the base, then wait for every chunk's library op to end (bounded by the transfer's deadline plus
+        ``cancel_grace_s`` and 10 s): dropping dlmix's connection does not stop it."""
+        x = h._xfer
+        super()._cancel(h)
+        if x is not None:
+            for ch in x.chunks:
+                ch.recv_done.wait(max(0.0, x.deadline - time.monotonic()) + self.cancel_grace_s + 10.0)
 
     def _dp_close(self) -> None:
         try:

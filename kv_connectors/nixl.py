@@ -18,12 +18,16 @@ the process at exit.
 from __future__ import annotations
 
 import base64
+import logging
 import os
+import time
 import uuid
 from typing import Any, Mapping
 
 from ._adapter import AdapterEndpoint, coalesce_pairs
 from .base import PeerError, Region, register_transport
+
+log = logging.getLogger("dlmix.kv_connectors.nixl")
 
 def _no_rdma_devices() -> bool:
     try:
@@ -48,13 +52,18 @@ except (ImportError, OSError) as _e:
 class NixlTransport(AdapterEndpoint):
     """dlmix control + NIXL (UCX backend). Host memory (DRAM) only in this build.
 
-    Extra keywords: ``enable_prog_thread`` (bool, True; see the module docstring), ``backends`` (list, ``["UCX"]``).
+    Extra keywords: ``enable_prog_thread`` (bool, True; see the module docstring), ``backends`` (list, ``["UCX"]``),
+    ``cancel_grace_s`` (float, 60): how long a failed or late transfer, which NIXL cannot abort, is waited for
+    before it is given up (:meth:`_wait_out`). Until then its failure is not reported and ``cancel()`` does not
+    return, so no byte lands after either.
     """
 
     PACKAGE = "nixl-cu12==1.5.1 nixl==1.5.1"
 
-    def __init__(self, *, enable_prog_thread: bool = True, backends: list[str] | None = None, **kw: Any):
+    def __init__(self, *, enable_prog_thread: bool = True, backends: list[str] | None = None,
+                 cancel_grace_s: float = 60.0, **kw: Any):
         self.enable_prog_thread = bool(enable_prog_thread)
+        self.cancel_grace_s = float(cancel_grace_s)
         self.backends = list(backends or ["UCX"])
         super().__init__(**kw)
 
@@ -101,9 +110,11 @@ class NixlTransport(AdapterEndpoint):
             h = agent.initialize_xfer("READ" if op == "r" else "WRITE", ld, rd, self._lib_peers[peer])
         except Exception as e:
             raise PeerError(f"NIXL could not prepare the transfer with {peer!r}: {e}") from None
+        started = False
         try:
             st = agent.transfer(h)
-            if st == "ERR":
+            started = st != "ERR"
+            if not started:
                 raise PeerError(f"NIXL transfer to {peer!r} failed to start")
 
             def done() -> bool:
@@ -113,11 +124,36 @@ class NixlTransport(AdapterEndpoint):
                 return s == "DONE"
 
             self._poll(done, deadline, "NIXL transfer")
+        except BaseException:
+            if started:
+                self._wait_out(h, peer)
+            raise
         finally:
             try:
                 agent.release_xfer_handle(h)
             except Exception:
                 pass
+
+    def _wait_out(self, h: Any, peer: str) -> None:
+        """Block until transfer ``h``, which failed or passed its deadline, can write no more bytes: until NIXL
+        reports it no longer in progress, for at most ``cancel_grace_s`` seconds (then log an error). Never raises.
+
+        NIXL cannot abort a transfer: releasing an active handle counts as cancelling it, but measured with NIXL
+        1.5.1 over UCX-TCP, a READ whose owner was stalled past the deadline, its handle released, still wrote the
+        whole destination once the owner ran again; removing the remote agent blocks while the transfer is active.
+        The transfer's caller reuses its destination as soon as the transfer fails (e.g. the PD consumer's staging
+        region), so the failure is reported only after this returns."""
+        agent = self._agent
+        end = time.monotonic() + self.cancel_grace_s
+        while time.monotonic() < end:
+            try:
+                if agent.check_xfer_state(h) != "PROC":
+                    return
+            except Exception:
+                return
+            time.sleep(1e-3)
+        log.error("a failed NIXL transfer with %r was still in progress %.0f s after it failed; it is given up, and "
+                  "its destination may still be written", peer, self.cancel_grace_s)
 
     def _lib_close(self) -> None:
         agent = self._agent
