@@ -4,13 +4,17 @@ per chip, used by the router's ``cost`` policy, the simulator's roofline timing 
 Formulas (dense decoder with GQA; P params, L layers, h_kv KV heads, d head dim, n_q query heads, b bytes/element,
 F peak FLOP/s, BW peak bytes/s, MFU and η their achievable fractions, ``chips`` the instance's TP×PP):
 
-* KV bytes per token ``kv_bpt = 2 · L · h_kv · d · b`` (K and V for every layer).
+* KV bytes per token ``kv_bpt = 2 · L · h_kv · d · b`` (K and V for every layer). On an instance of TP size ``t``
+  each rank holds ``max(1, h_kv // t)`` KV heads (vLLM ``vllm/config/model.py`` ``ModelConfig.get_num_kv_heads``),
+  so a token takes ``kv_bpt(t) = 2 · L · t · max(1, h_kv // t) · d · b`` bytes over all ranks
+  (:meth:`ModelSpec.kv_bytes_per_token_tp`): ``kv_bpt`` when ``t`` divides ``h_kv``, ``t / h_kv`` times it when
+  ``t > h_kv`` (replicated heads).
 * One engine iteration (vLLM V1 continuous batching with chunked prefill; DistServe OSDI'24 §3, Splitwise ISCA'24
   §3, Vidur MLSys'24) computing ``T_p`` new prompt tokens in chunks ``[a_k, b_k)`` (attention work
   ``Q = Σ (b_k² − a_k²)``) plus ``B`` decode tokens over ``S`` context tokens, :meth:`ChipCost.iteration`::
 
       compute = (2·P·(T_p + B) + 2·L·n_q·d·Q + 4·L·n_q·d·S) / (MFU · F · chips)
-      memory  = (P·b + (S + Σ b_k) · kv_bpt) / (η · BW · chips)
+      memory  = (P·b + (S + Σ b_k) · kv_bpt(t)) / (η · BW · chips)
       T_iter  = max(compute, memory)                 (+ the engine's fixed per-iteration overhead)
 
 * The router's two estimates are the two ends of that formula:
@@ -18,11 +22,11 @@ F peak FLOP/s, BW peak bytes/s, MFU and η their achievable fractions, ``chips``
   ``Q = N² − h²``, B = S = 0), :meth:`ChipCost.prefill_time`: ``T_pre = t0 + (2·P·(N−h) + 2·L·n_q·d·(N² − h²)) /
   (MFU·F·chips)``; decode step of B sequences over Σctx tokens (memory-bound; the per-token attention FLOPs, ~2 % of
   the memory term for Llama-3.1-8B on an H100, are left out), :meth:`ChipCost.decode_step_time`:
-  ``T_step = t1 + max((P·b + Σctx·kv_bpt) / (η·BW·chips), 2·P·B / (MFU·F·chips))``.
+  ``T_step = t1 + max((P·b + Σctx·kv_bpt(t)) / (η·BW·chips), 2·P·B / (MFU·F·chips))``.
 * KV transfer of n tokens over a link (Mooncake FAST'25 §5, DistServe §4.3):
   ``T_xfer = setup + n · kv_bpt / (η_link · link_BW)``.
 * KV capacity (vLLM's ``gpu_memory_utilization`` share of memory minus the weights; activations ignored):
-  ``mem_util · mem_GB · 1e9 · chips − P·b`` bytes, :func:`kv_capacity_bytes`.
+  ``mem_util · mem_GB · 1e9 · chips − P·b`` bytes, :func:`kv_capacity_bytes`; in tokens, divided by ``kv_bpt(t)``.
 * Online refinement: per instance, an EWMA of measured/predicted TTFT and ITL multiplies the predictions
   (Vidur reports < 9 % error for profiled models; the ratio absorbs wrong datasheet figures and engine overheads).
 
@@ -81,6 +85,23 @@ class ModelSpec:
     def kv_bytes_per_token(self) -> int:
         """``2 · layers · kv_heads · head_dim · dtype_bytes`` bytes (K and V, all layers)."""
         return 2 * self.layers * self.kv_heads * self.head_dim * self.dtype_bytes
+
+    def kv_heads_per_rank(self, tp: int = 1) -> int:
+        """KV heads each of ``tp`` tensor-parallel ranks holds: ``max(1, kv_heads // tp)`` (vLLM
+        ``vllm/config/model.py`` ``ModelConfig.get_num_kv_heads``: with ``tp > kv_heads`` every rank still holds one
+        head, the heads are replicated). Raises ValueError for ``tp < 1``."""
+        if tp < 1:
+            raise ValueError(f"TP size must be >= 1, got {tp}")
+        return max(1, self.kv_heads // tp)
+
+    def kv_bytes_per_token_tp(self, tp: int = 1) -> int:
+        """KV bytes one token takes on an instance of TP size ``tp``, all its ranks together:
+        ``2 · layers · tp · kv_heads_per_rank(tp) · head_dim · dtype_bytes`` (each rank caches its
+        :meth:`kv_heads_per_rank` heads, vLLM ``ModelConfig.get_num_kv_heads``), never below
+        :attr:`kv_bytes_per_token`. Equal to it when ``tp`` divides ``kv_heads``; ``tp / kv_heads`` times it when
+        ``tp > kv_heads``, as each replica of a head takes memory (and is read) on its own rank."""
+        per_rank = 2 * self.layers * self.kv_heads_per_rank(tp) * self.head_dim * self.dtype_bytes
+        return max(tp * per_rank, self.kv_bytes_per_token)
 
     @property
     def flops_per_token(self) -> float:
@@ -192,6 +213,13 @@ def kv_capacity_bytes(chip: ChipProfile, model: ModelSpec, num_chips: int = 1, m
     return chip.mem_gb * 1e9 * num_chips * mem_util - model.weight_bytes
 
 
+def kv_tp(chip: ChipProfile, num_chips: int) -> int:
+    """Tensor-parallel size over which an instance of ``num_chips`` of ``chip`` splits the KV heads: ``num_chips``,
+    but 1 on a CPU (vendor ``generic``): a CPU instance of ``num_chips`` cores is one engine at TP 1 (as
+    :meth:`dlmix.plan.search.Planner.engine_tp`)."""
+    return 1 if chip.vendor == "generic" else num_chips
+
+
 def _sum_lin(a: float, b: float, lo: int, hi: int) -> float:
     """Σ_{i=lo}^{hi-1} (a + b·i)."""
     n = hi - lo
@@ -232,11 +260,13 @@ class ChipCost:
         ctx_s: compute per context token of a decode token, ``4·L·n_q·d · s_per_flop``.
         weights_s: memory time to read the weights once, ``P·b · s_per_byte``.
         kv_s: memory time per token of KV read, ``kv_bpt · s_per_byte``.
+    Other attributes: kv_bpt: KV bytes per token over all the instance's ranks,
+    :meth:`ModelSpec.kv_bytes_per_token_tp` of its TP size :func:`kv_tp` (replicated KV heads count on every rank).
     Raises ValueError for ``num_chips < 1``.
     """
 
     __slots__ = ("chip", "model", "num_chips", "t0", "t1", "s_per_flop", "s_per_byte", "tok_s", "attn_s", "ctx_s",
-                 "weights_s", "kv_s")
+                 "weights_s", "kv_s", "kv_bpt")
 
     def __init__(self, chip: ChipProfile, model: ModelSpec, num_chips: int = 1, t0: float = 0.0, t1: float = 0.0):
         if num_chips < 1:
@@ -254,7 +284,8 @@ class ChipCost:
         self.attn_s = model.attn_flops_per_token2 / f
         self.ctx_s = 2.0 * model.attn_flops_per_token2 / f
         self.weights_s = model.weight_bytes / bw
-        self.kv_s = model.kv_bytes_per_token / bw
+        self.kv_bpt = model.kv_bytes_per_token_tp(kv_tp(chip, num_chips))
+        self.kv_s = self.kv_bpt / bw
 
     def iteration(self, t_prefill: int, quad: float, prefill_end_sum: int, batch: int, sum_ctx: int) -> float:
         """Seconds of one engine iteration without fixed overhead: ``t_prefill`` new prompt tokens whose chunks
@@ -293,9 +324,9 @@ class ChipCost:
         return self.t1 + (mem if mem > comp else comp)
 
     def kv_capacity_tokens(self, mem_util: float = 0.9) -> int:
-        """Tokens of KV cache that fit (:func:`kv_capacity_bytes` / ``kv_bpt``); 0 if the weights do not fit."""
-        return max(int(kv_capacity_bytes(self.chip, self.model, self.num_chips, mem_util)
-                       / self.model.kv_bytes_per_token), 0)
+        """Tokens of KV cache that fit (:func:`kv_capacity_bytes` / :attr:`kv_bpt`, the instance's bytes per token
+        with replicated KV heads counted); 0 if the weights do not fit."""
+        return max(int(kv_capacity_bytes(self.chip, self.model, self.num_chips, mem_util) / self.kv_bpt), 0)
 
 
 def ewma_ratio(old: float, measured: float, predicted: float, alpha: float = 0.2,

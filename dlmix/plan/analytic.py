@@ -5,8 +5,10 @@ Splitwise ISCA'24 §3, Mooncake FAST'25 §5); units: seconds, tokens, bytes, req
 Per instance of chip ``c`` with TP size ``t`` (``t`` chips), for the workload sample (prompt ``N_i``, ideal prefix
 hit ``h_i``, output ``O_i``), SLO TTFT target ``T*``, ITL target ``I*``, attainment percentile ``q``:
 
-* **memory fit**: KV capacity ``(0.9 · mem · t − P·b) / kv_bpt`` must hold the ``q``-th percentile request's prompt +
-  output tokens (vLLM reserves them; the weights alone may already not fit);
+* **memory fit**: KV capacity ``(0.9 · mem · t − P·b) / kv_bpt(t)`` must hold the ``q``-th percentile request's
+  prompt + output tokens (vLLM reserves them; the weights alone may already not fit); ``kv_bpt(t)``: the KV bytes
+  per token over the ``t`` ranks, ``t / h_kv`` times ``kv_bpt`` when ``t`` exceeds the model's ``h_kv`` KV heads
+  (each rank holds at least one, :meth:`dlmix.hw.cost.ModelSpec.kv_bytes_per_token_tp`);
 * **TTFT**: the share of requests whose own prefill ``T_pre(N_i, h_i)`` (plus, on a prefill-role instance, the KV
   transfer of ``N_i`` tokens over the group's link) is within ``T*`` must reach ``q``;
 * **prefill capacity** ``p = ρ / mean_i T_pre(N_i, h_i)`` req/s with target utilisation ``ρ = 0.8`` (queueing);
@@ -170,7 +172,7 @@ def estimate_role(cost: CostModel, wl: PlanWorkload, slo: SLO, chip: str, tp: in
             if timing is not None:
                 lim = (itl - timing.c0) / max(timing.c_seq + timing.c_ctx * st.ctx, 1e-12)
             else:
-                bw_b = ((itl - cost.t1) / c_b - cost.model.weight_bytes) / (st.ctx * cost.kv_bpt)
+                bw_b = ((itl - cost.t1) / c_b - cost.model.weight_bytes) / (st.ctx * cost.on(chip, tp).kv_bpt)
                 fl_b = (itl - cost.t1) / (cost.model.flops_per_token * c_f)
                 lim = min(bw_b, fl_b)
             b = max(1.0, min(lim, cap / (st.n_mean + st.o_mean), max_num_seqs))

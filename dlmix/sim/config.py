@@ -21,7 +21,8 @@ Deployment YAML (a file, or a built-in name: ``dlmix/data/sim_deploy_<name>.yaml
 
 Roles: ``both`` (aggregated), ``prefill`` (kv_producer), ``decode`` (kv_consumer). KV capacity per instance, when
 not given: the cost model's :func:`dlmix.hw.cost.kv_capacity_bytes` (``mem_gb·1e9·num_chips·gpu_memory_utilization −
-params·dtype_bytes``) in whole blocks of ``block_size · kv_bytes_per_token`` bytes.
+params·dtype_bytes``) in whole blocks of ``block_size · kv_bytes_per_token_tp(num_chips)`` bytes (replicated KV heads
+counted on each rank; a CPU instance is TP 1, :func:`dlmix.hw.cost.kv_tp`).
 """
 from __future__ import annotations
 
@@ -35,7 +36,7 @@ from typing import List, Optional, Union
 import yaml
 
 from dlmix.errors import ConfigError as _BaseConfigError
-from dlmix.hw.cost import PRESETS, ModelSpec, kv_capacity_bytes
+from dlmix.hw.cost import PRESETS, ModelSpec, kv_capacity_bytes, kv_tp
 from dlmix.hw.profiles import Catalog, load_catalog
 from dlmix.routing.state import ROLES
 
@@ -115,8 +116,9 @@ class Deployment:
         when the weights do not fit."""
         if inst.num_gpu_blocks:
             return int(inst.num_gpu_blocks)
-        free = kv_capacity_bytes(self.catalog.chip(inst.chip), model, inst.num_chips, self.gpu_memory_utilization)
-        n = int(free // (inst.block_size * model.kv_bytes_per_token))
+        chip = self.catalog.chip(inst.chip)
+        free = kv_capacity_bytes(chip, model, inst.num_chips, self.gpu_memory_utilization)
+        n = int(free // (inst.block_size * model.kv_bytes_per_token_tp(kv_tp(chip, inst.num_chips))))
         if n < 1:
             raise ConfigError(f"instance {inst.id}: {model.name or 'model'} weights do not fit on "
                               f"{inst.num_chips}× {inst.chip}")
