@@ -202,6 +202,9 @@ class _Conn:
         self.info = info
         self.send_lock = threading.Lock()
         self.pending: dict[int, _Chunk] = {}
+        #: inbound: time.monotonic() by which the request being served must be done (0: none being served); the
+        #: reaper drops the connection past it (a peer that stopped reading a response or sending a payload)
+        self.serve_deadline = 0.0
         self.alive = True
         self.sendq: queue.SimpleQueue | None = None
         self.queued_bytes = 0
@@ -302,10 +305,17 @@ class Endpoint(Transport):
     * ``segs_per_frame`` (int, 4096): at most this many segments (KV blocks) per frame.
     * ``max_payload`` (int, 256 MiB) / ``max_body`` (int, 4 MiB) / ``max_segs`` (int, 65536): limits this endpoint
       enforces on frames it receives; a frame over a limit closes that connection (logged).
-    * ``handshake_timeout_s`` (float, 10): time an inbound peer gets for each step of its authentication (then the
-      connection is dropped: an unauthenticated peer cannot hold a socket). An outbound handshake (``connect``) waits
-      for the peer's answers until the connect timeout instead: a peer whose threads are starved on a loaded host
-      answers late, not never.
+    * ``handshake_timeout_s`` (float, 10): time an inbound peer gets for each step of its authentication, in all
+      (its HELLO, then its AUTH; bytes dripped one at a time do not extend it), then the connection is dropped: an
+      unauthenticated peer cannot hold a socket. An outbound handshake (``connect``) waits for the peer's answers
+      until the connect timeout instead: a peer whose threads are starved on a loaded host answers late, not never.
+    * ``max_handshakes`` (int, 64): inbound connections in their authentication at once (one thread each); further
+      connections wait in the listen backlog until one of those ends, so a flood of idle connections costs at most
+      this many threads.
+    * ``timeout_s`` also bounds, on the owner side, the serving of each request of a peer: one not done within
+      ``timeout_s`` of its start (the peer stopped reading a read's bytes, or stopped sending a write's payload) has
+      that connection dropped by the reaper (within one tick, 20 ms), so no byte moves between the region and that
+      peer later than that (a hold's blocks are reused ``io_timeout_s`` after its revoke).
     * ``inline_bytes`` (int, 256 KiB): writes up to this size are sent by the calling thread.
     * ``min_stripe_bytes`` (int, 1 MiB): smallest chunk when a transfer is spread over the stripes.
     * ``spin_us`` (float, 100): a thread waiting on its own transfer of at most ``inline_bytes`` polls the socket
@@ -333,6 +343,7 @@ class Endpoint(Transport):
         max_body: int = 4 << 20,
         max_segs: int = 65536,
         handshake_timeout_s: float = 10.0,
+        max_handshakes: int = 64,
         inline_bytes: int = 256 << 10,
         min_stripe_bytes: int = 1 << 20,
         spin_us: float = 100.0,
@@ -352,6 +363,9 @@ class Endpoint(Transport):
         self.max_body = int(max_body)
         self.max_segs = int(max_segs)
         self.handshake_timeout_s = float(handshake_timeout_s)
+        self.max_handshakes = int(max_handshakes)
+        if self.max_handshakes < 1:
+            raise ValueError(f"max_handshakes must be at least 1, got {max_handshakes!r}")
         self.inline_bytes = int(inline_bytes)
         self.min_stripe_bytes = max(4096, int(min_stripe_bytes))
         if not 0 <= float(spin_us) <= 10_000:
@@ -372,6 +386,9 @@ class Endpoint(Transport):
         self._notes: queue.Queue = queue.Queue()
         self._handler: Callable[[Notification], None] | None = None
         self._closed = False
+        #: accepted sockets still in their handshake (``close()`` shuts them down), and the free handshake slots
+        self._hs_socks: set[socket.socket] = set()
+        self._hs_slots = threading.Semaphore(self.max_handshakes)
         #: counters for tests and benchmarks
         self.stats = {"protocol_errors": 0, "auth_failures": 0, "refused_ops": 0, "served_ops": 0}
 
@@ -399,6 +416,7 @@ class Endpoint(Transport):
             self._closed = True
             conns = [c for cs in list(self._out.values()) + list(self._in.values()) for c in cs]
             xfers = list(self._xfers.values())
+            handshaking = list(self._hs_socks)
         try:
             self._lsock.shutdown(socket.SHUT_RDWR)  # wakes the accept thread (close alone does not, on Linux)
         except OSError:
@@ -407,6 +425,12 @@ class Endpoint(Transport):
             self._lsock.close()
         except OSError:
             pass
+        self._hs_slots.release()  # wakes the accept thread if it waits for a free handshake slot
+        for sock in handshaking:  # ends their handshake threads' reads now, not handshake_timeout_s later
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
         for c in conns:
             self._drop_conn(c, "transport closed")
         for x in xfers:
@@ -635,63 +659,112 @@ class Endpoint(Transport):
         return body.info
 
     def _accept_loop(self) -> None:
-        while not self._closed:
+        """Accept inbound connections and authenticate each on its own thread, at most ``max_handshakes`` at once: at
+        the cap it stops accepting (connections wait in the listen backlog) until a handshake ends."""
+        slots = self._hs_slots
+        while True:
+            slots.acquire()
+            if self._closed:
+                return
             try:
                 sock, addr = self._lsock.accept()
             except OSError:
+                slots.release()
                 if self._closed:
                     return
                 time.sleep(0.01)
                 continue
-            threading.Thread(target=self._serve_new, args=(sock, addr), daemon=True,
-                             name=f"dlmix-kv-hs-{self._name}").start()
+            with self._lock:
+                if self._closed:
+                    sock.close()
+                    return
+                self._hs_socks.add(sock)
+            try:
+                threading.Thread(target=self._serve_new, args=(sock, addr), daemon=True,
+                                 name=f"dlmix-kv-hs-{self._name}").start()
+            except RuntimeError as e:  # "can't start new thread": refuse this one, keep accepting
+                log.warning("dlmix-kv %s: refusing connection from %s: %s", self._name, addr, e)
+                with self._lock:
+                    self._hs_socks.discard(sock)
+                sock.close()
+                slots.release()
+                time.sleep(0.01)
 
     def _serve_new(self, sock: socket.socket, addr) -> None:
+        """Authenticate an accepted connection (holding one handshake slot until it ends), then serve it."""
+        try:
+            conn = self._authenticate(sock, addr)
+        finally:
+            with self._lock:
+                self._hs_socks.discard(sock)
+            self._hs_slots.release()
+        if conn is not None:
+            self._reader_loop(conn)
+
+    def _authenticate(self, sock: socket.socket, addr) -> _Conn | None:
+        """The listening side of the handshake on ``sock``: the authenticated connection, registered in ``_in``, or
+        None (refused, failed, timed out, or the endpoint closed; ``sock`` is closed then). Each step (HELLO, AUTH)
+        must arrive within ``handshake_timeout_s`` of its start."""
         hdr = memoryview(bytearray(W.HEADER_SIZE))
         try:
-            sock.settimeout(self.handshake_timeout_s)
-            ftype, blen, plen = W.read_frame_header(sock, hdr, W.PREAUTH_MAX_BODY, 0)
+            deadline = time.monotonic() + self.handshake_timeout_s
+            ftype, blen, plen = W.read_frame_header(sock, hdr, W.PREAUTH_MAX_BODY, 0, deadline)
             if ftype != W.HELLO:
                 raise ProtocolError(f"expected HELLO, got {W.FRAME_NAMES[ftype]}")
-            hello = W.read_body(sock, ftype, blen)
+            hello = W.read_body(sock, ftype, blen, deadline)
             if hello.v != W.VERSION or not hello.name or len(hello.name) > W.MAX_NAME:
                 raise ProtocolError("bad HELLO (version or name)")
             nc = _nonce(hello.nonce)
             ns = W.new_nonce()
+            sock.settimeout(self.handshake_timeout_s)
             sock.sendall(W.pack(W.CHALLENGE, W.Challenge(
                 self._name, ns.hex(), W.mac(self._secret, b"server", nc, ns, self._name, hello.name))))
-            ftype, blen, plen = W.read_frame_header(sock, hdr, W.PREAUTH_MAX_BODY, 0)
+            deadline = time.monotonic() + self.handshake_timeout_s
+            ftype, blen, plen = W.read_frame_header(sock, hdr, W.PREAUTH_MAX_BODY, 0, deadline)
             if ftype != W.AUTH:
                 raise ProtocolError(f"expected AUTH, got {W.FRAME_NAMES[ftype]}")
-            auth = W.read_body(sock, ftype, blen)
+            auth = W.read_body(sock, ftype, blen, deadline)
             if not hmac.compare_digest(W.mac(self._secret, b"client", nc, ns, hello.name, self._name), auth.mac):
                 self.stats["auth_failures"] += 1
                 log.warning("dlmix-kv %s: connection from %s claiming %r failed authentication", self._name, addr,
                             hello.name)
                 _try_send(sock, W.pack(W.ERROR, W.Error("authentication failed")))
                 sock.close()
-                return
+                return None
             conn = _Conn(sock, hello.name, False, auth.info)
-            info = self._server_info(conn, auth.info)
-            sock.sendall(W.pack(W.AUTH_OK, W.AuthOk(info)))
-            sock.settimeout(None)
+            ok_frame = W.pack(W.AUTH_OK, W.AuthOk(self._server_info(conn, auth.info)))
         except (ProtocolError, PeerError, OSError) as e:
             self.stats["protocol_errors"] += isinstance(e, ProtocolError)
-            log.warning("dlmix-kv %s: closing unauthenticated connection from %s: %s", self._name, addr, e)
-            _try_send(sock, W.pack(W.ERROR, W.Error(str(e)[:200])))
+            if not self._closed:
+                log.warning("dlmix-kv %s: closing unauthenticated connection from %s: %s", self._name, addr, e)
+                _try_send(sock, W.pack(W.ERROR, W.Error(str(e)[:200])))
             sock.close()
-            return
+            return None
         except Exception as e:  # never let a peer kill the acceptor
             log.exception("dlmix-kv %s: handshake error from %s: %s", self._name, addr, e)
             sock.close()
-            return
+            return None
         self._tune(sock)
-        with self._lock:
-            if self._closed:
-                sock.close()
-                return
-            self._in.setdefault(conn.peer, []).append(conn)
-        self._reader_loop(conn)
+        # registered before AUTH_OK leaves, so a notification right after the peer's handshake finds the connection;
+        # it waits for the send lock, held until AUTH_OK is out (the peer reads that frame first)
+        failed = None
+        with conn.send_lock:
+            with self._lock:
+                self._hs_socks.discard(sock)
+                if self._closed:
+                    sock.close()
+                    return None
+                self._in.setdefault(conn.peer, []).append(conn)
+            try:
+                sock.settimeout(self.handshake_timeout_s)
+                sock.sendall(ok_frame)
+                sock.settimeout(None)
+            except OSError as e:
+                failed = e
+        if failed is not None:
+            self._drop_conn(conn, f"AUTH_OK not delivered: {failed}")
+            return None
+        return conn
 
     def peers(self) -> list[str]:
         with self._lock:
@@ -719,7 +792,11 @@ class Endpoint(Transport):
         rx = conn.rx
         ftype, body, plen = rx.frame(self.max_body, self.max_payload)
         if ftype == W.REQ and not conn.outbound:
-            self._serve_req(conn, body, plen)
+            conn.serve_deadline = time.monotonic() + self.timeout_s  # the reaper drops the connection past it
+            try:
+                self._serve_req(conn, body, plen)
+            finally:
+                conn.serve_deadline = 0.0
         elif ftype == W.RESP and conn.outbound:
             self._on_resp(conn, body, plen)
         elif ftype == W.NOTIFY and plen == 0:
@@ -1168,8 +1245,13 @@ class Endpoint(Transport):
                 for tid in [t for t, g in self._grants.items() if g.expires is not None and now > g.expires]:
                     del self._grants[tid]
                 idle = [c for cs in self._out.values() for c in cs if not c.armed]
+                stuck = [c for cs in self._in.values() for c in cs if 0.0 < c.serve_deadline < now]
             for x in late:
                 self._expire(x)
+            for c in stuck:  # serving a request past timeout_s: the peer stopped reading a response or sending a payload
+                log.warning("dlmix-kv %s: a request of %s was not served within %.1f s (the peer stopped reading or "
+                            "sending); dropping the connection", self._name, c.peer, self.timeout_s)
+                self._drop_conn(c, "request not served within timeout_s (peer stalled)")
             # safety net: a link disarmed for a waiter that has not come to read it within 50 ms is armed again
             for c in idle:
                 if not c.armed and now - c.disarmed_at > 0.05 and not c.rx_lock.locked():

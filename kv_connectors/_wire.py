@@ -17,6 +17,7 @@ import hmac
 import os
 import socket
 import struct
+import time
 
 import msgspec
 
@@ -136,6 +137,22 @@ def recv_exact_into(sock: socket.socket, view: memoryview) -> None:
         pos += got
 
 
+def recv_exact_until(sock: socket.socket, view: memoryview, deadline: float) -> None:
+    """Fill ``view`` from ``sock`` by ``deadline`` (``time.monotonic()`` seconds) in all: each ``recv`` waits only for
+    the time left, so a peer that drips a byte now and then cannot stretch the wait (the handshake's reads). Leaves the
+    socket in timeout mode. Raises TimeoutError when the deadline passes, PeerError on EOF, OSError."""
+    pos, n = 0, len(view)
+    while pos < n:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError(f"timed out with {pos} of {n} B received")
+        sock.settimeout(left)
+        got = sock.recv_into(view[pos:], n - pos)
+        if got == 0:
+            raise PeerError("connection closed by peer")
+        pos += got
+
+
 def recv_views(sock: socket.socket, views: list[memoryview]) -> None:
     """Scatter-receive exactly ``sum(len(v))`` bytes into ``views`` (``recvmsg_into(MSG_WAITALL)``, up to IOV_BATCH
     buffers at once)."""
@@ -211,9 +228,14 @@ def drain(sock: socket.socket, n: int) -> None:
         n -= got
 
 
-def read_frame_header(sock: socket.socket, hdr: memoryview, max_body: int, max_payload: int) -> tuple[int, int, int]:
-    """Read and validate one header; returns ``(ftype, body_len, payload_len)``. Raises ProtocolError / PeerError."""
-    recv_exact_into(sock, hdr)
+def read_frame_header(sock: socket.socket, hdr: memoryview, max_body: int, max_payload: int,
+                      deadline: float | None = None) -> tuple[int, int, int]:
+    """Read and validate one header; returns ``(ftype, body_len, payload_len)``. ``deadline``
+    (``time.monotonic()`` seconds): see :func:`recv_exact_until`. Raises ProtocolError / PeerError / TimeoutError."""
+    if deadline is None:
+        recv_exact_into(sock, hdr)
+    else:
+        recv_exact_until(sock, hdr, deadline)
     return check_header(HEADER.unpack(hdr), max_body, max_payload)
 
 
@@ -242,10 +264,14 @@ def decode_body(ftype: int, raw) -> object:
         raise ProtocolError(f"malformed {FRAME_NAMES[ftype]} body: {e}") from None
 
 
-def read_body(sock: socket.socket, ftype: int, blen: int):
-    """Read ``blen`` body bytes and decode them as frame type ``ftype``. Raises ProtocolError on bad JSON/schema."""
+def read_body(sock: socket.socket, ftype: int, blen: int, deadline: float | None = None):
+    """Read ``blen`` body bytes and decode them as frame type ``ftype``. ``deadline`` (``time.monotonic()`` seconds):
+    see :func:`recv_exact_until`. Raises ProtocolError on bad JSON/schema, PeerError on EOF, TimeoutError."""
     buf = bytearray(blen)
-    recv_exact_into(sock, memoryview(buf))
+    if deadline is None:
+        recv_exact_into(sock, memoryview(buf))
+    else:
+        recv_exact_until(sock, memoryview(buf), deadline)
     return decode_body(ftype, buf)
 
 

@@ -595,3 +595,174 @@ def test_notify_to_a_peer_that_stopped_reading_times_out():
     finally:
         s.close()
         a.close()
+
+
+def test_a_peer_that_stops_reading_a_read_response_is_cut_off_at_the_owner_timeout():
+    """An authenticated peer asks for a large granted read and never reads its socket. The owner stops sending within
+    about its ``timeout_s`` and drops that connection only: other peers are served meanwhile and after, no byte the
+    owner writes into the region after that reaches the stalled peer (a hold is released ``io_timeout_s`` after its
+    revoke and its blocks reused), and ``close()`` is prompt. Before, the serving thread blocked in ``sendmsg``
+    forever and kept streaming the region's bytes whenever the peer read again, long after revoke and unregister."""
+    from dlmix_kv_connectors.testing import raw_auth
+
+    n = 64 << 20  # far beyond the loopback socket buffers of both ends
+    a = make_transport("tcp", name="sa", secret="s", timeout_s=1.0)
+    b = make_transport("tcp", name="sb", secret="s")
+    src = np.zeros(n, dtype=np.uint8)
+    a.register("kv", src)
+    a.grant("evil", "big", [("kv", 0, n)], "r", None)
+    a.grant("sb", "small", [("kv", 0, 4096)], "r", None)
+    dst = np.ones(4096, dtype=np.uint8)
+    b.register("kv", dst)
+    s = raw_auth(a.host, a.port, "evil", "s")
+    try:
+        s.sendall(W.pack(W.REQ, W.Req(1, "r", "big", "tcp", [("kv", 0, n)])))
+        b.connect(a.descriptor())
+        assert b.read("sa", [Segment("kv", 0, "kv", 0, 4096)], "small").result(10) == 4096 and not dst.any()
+        assert poll(lambda: "evil" not in a.peers(), timeout_s=8, interval_s=0.05), \
+            "the owner still serves a read to a peer that stopped reading 8 s ago (timeout_s=1)"
+        a.revoke("big")
+        src[:] = 0xAB  # the blocks are reused for another request
+        s.settimeout(5)
+        got = 0
+        try:
+            while chunk := s.recv(1 << 20):
+                assert 0xAB not in chunk, "bytes written after the cut-off reached the stalled peer"
+                got += len(chunk)
+        except (ConnectionResetError, socket.timeout):
+            pass
+        assert got < n
+        dst[:] = 1
+        assert b.read("sa", [Segment("kv", 0, "kv", 0, 4096)], "small").result(10) == 4096 and (dst == 0xAB).all()
+        t0 = time.monotonic()
+        a.close()
+        assert time.monotonic() - t0 < 2.0
+    finally:
+        s.close()
+        a.close()
+        b.close()
+    assert _wait_threads_gone("sa", "sb", timeout=5) == []
+
+
+
+def test_a_peer_that_stalls_mid_write_payload_is_cut_off_at_the_owner_timeout():
+    """An authenticated peer sends a granted write's request and half its payload, then stalls. The owner drops that
+    connection about ``timeout_s`` later, so the rest of the payload, sent after the grant was revoked, never lands in
+    the region. Before, the serving thread waited in ``recv`` forever and wrote the late bytes into the region."""
+    from dlmix_kv_connectors.testing import raw_auth
+
+    n = 1 << 20
+    a = make_transport("tcp", name="wsa", secret="s", timeout_s=1.0)
+    dst = np.zeros(n, dtype=np.uint8)
+    a.register("kv", dst)
+    a.grant("evil", "w", [("kv", 0, n)], "w", None)
+    s = raw_auth(a.host, a.port, "evil", "s")
+    try:
+        s.sendall(W.pack(W.REQ, W.Req(1, "w", "w", "tcp", [("kv", 0, n)]), n) + b"\x11" * (n // 2))
+        assert poll(lambda: (dst == 0x11).sum() == n // 2, timeout_s=5, interval_s=0.02)
+        assert poll(lambda: "evil" not in a.peers(), timeout_s=8, interval_s=0.05), \
+            "the owner still waits for the payload of a peer that stalled 8 s ago (timeout_s=1)"
+        a.revoke("w")
+        try:
+            s.sendall(b"\x22" * (n // 2))
+        except OSError:
+            pass
+        time.sleep(0.3)
+        assert not (dst == 0x22).any(), "bytes sent after the cut-off landed in the region"
+    finally:
+        s.close()
+        a.close()
+    assert _wait_threads_gone("wsa", timeout=5) == []
+
+
+def _hs_threads(name: str) -> int:
+    import threading
+
+    return sum(1 for t in threading.enumerate() if t.is_alive() and t.name == f"dlmix-kv-hs-{name}")
+
+
+def test_close_ends_handshakes_that_never_complete():
+    """Connections accepted but never authenticated (silent, half a header, a HELLO and no AUTH) do not keep threads
+    after ``close()``: before, each handshake thread lived on for up to ``handshake_timeout_s`` (10 s) per step."""
+    a = make_transport("tcp", name="hsa", secret="s")  # default handshake_timeout_s: 10 s
+    hello = W.pack(W.HELLO, W.Hello(W.VERSION, "x", "00" * 32))
+    socks = [socket.create_connection((a.host, a.port), timeout=5) for _ in range(3)]
+    try:
+        socks[1].sendall(hello[:7])
+        socks[2].sendall(hello)
+        assert poll(lambda: _hs_threads("hsa") == 3, timeout_s=5, interval_s=0.02), _hs_threads("hsa")
+        t0 = time.monotonic()
+        a.close()
+        assert time.monotonic() - t0 < 2.0
+        assert poll(lambda: _hs_threads("hsa") == 0, timeout_s=3, interval_s=0.02), \
+            f"{_hs_threads('hsa')} handshake threads alive 3 s after close()"
+    finally:
+        for s in socks:
+            s.close()
+        a.close()
+
+
+def test_a_slow_loris_handshake_is_cut_off():
+    """A peer that drips its HELLO one byte at a time is dropped about ``handshake_timeout_s`` after the step began:
+    before, each byte restarted the timeout, so a byte every 0.1 s held the connection and its thread for as long as
+    the peer liked (a HELLO is ~120 B, a pre-auth body may be 64 KiB)."""
+    import threading
+
+    a = make_transport("tcp", name="hla", secret="s", handshake_timeout_s=0.5)
+    hello = W.pack(W.HELLO, W.Hello(W.VERSION, "x", "00" * 32))
+    stop = threading.Event()
+    cut: list = []
+
+    def drip():
+        with socket.create_connection((a.host, a.port), timeout=5) as s:
+            t0 = time.monotonic()
+            try:
+                for i in range(len(hello)):
+                    if stop.wait(0.1):
+                        return
+                    s.sendall(hello[i:i + 1])
+            except OSError:
+                pass
+            try:  # the endpoint answers ERROR and closes; wait for the close
+                s.settimeout(5)
+                while s.recv(4096):
+                    pass
+            except OSError:
+                pass
+            cut.append(time.monotonic() - t0)
+
+    th = threading.Thread(target=drip, daemon=True)
+    try:
+        th.start()
+        th.join(4)
+        stop.set()
+        assert cut and cut[0] < 3.0, "a peer dripping its HELLO byte by byte still held its handshake after 4 s " \
+                                     "(handshake_timeout_s=0.5)"
+    finally:
+        stop.set()
+        a.close()
+        th.join(10)
+    assert _wait_threads_gone("hla", timeout=5) == []
+
+
+def test_handshakes_in_progress_are_capped():
+    """At most ``max_handshakes`` accepted connections are in their handshake at once; the rest wait in the listen
+    backlog, so idle connections cannot make the endpoint start a thread each (before: one thread per connection, 500
+    idle connections = 500 threads for ``handshake_timeout_s``). A real peer queued behind them still gets in."""
+    a = make_transport("tcp", name="hca", secret="s", handshake_timeout_s=0.5, max_handshakes=4)
+    b = make_transport("tcp", name="hcb", secret="s")
+    idle = [socket.create_connection((a.host, a.port), timeout=5) for _ in range(20)]
+    try:
+        seen = 0
+        for _ in range(20):
+            seen = max(seen, _hs_threads("hca"))
+            time.sleep(0.02)
+        assert seen <= 4, f"{seen} handshake threads for 20 idle connections (max_handshakes=4)"
+        b.connect(a.descriptor(), timeout_s=15)  # admitted once the idle ones ahead of it timed out
+        assert "hcb" in a.peers()
+    finally:
+        for s in idle:
+            s.close()
+        a.close()
+        b.close()
+    assert _wait_threads_gone("hca", "hcb", timeout=5) == []
