@@ -22,8 +22,10 @@ Keys under ``etcd_prefix`` (default ``/dlmix/default``); values are JSON:
 Each replica applies what it reads (its own :class:`~dlmix.router.registry.Registry`: validation, health checks,
 breakers and KV-event subscribers stay per replica) and follows changes with an etcd watch. When etcd cannot be
 reached, replicas keep serving from their last view; registration, drain and removal are refused with ``503`` and the
-reason, and heartbeats still count on the replica that received them. When etcd is back, each replica reads the whole
-state again and resumes its watch.
+reason, and heartbeats still count on the replica that received them: no lease can expire then, so each replica times
+the heartbeats of an instance with a heartbeat TTL itself (the TTL counted from the last heartbeat it received, at the
+earliest from the moment it lost etcd), as a single router does. When etcd is back, each replica reads the whole state
+again, follows the leases again and resumes its watch.
 
 The client speaks etcd's own v3 JSON gateway (``/v3/kv/range``, ``/v3/kv/put``, ``/v3/lease/grant``,
 ``/v3/watch``, ...; etcd docs "gRPC gateway") over httpx: no gRPC stack next to the engines. An endpoint that is not
@@ -175,6 +177,15 @@ class EtcdClient:
         r = await self.call("/v3/kv/deleterange", body)
         return int(r.get("header", {}).get("revision", 0))
 
+    async def txn(self, puts: List[Tuple[str, bytes]], deletes: List[str]) -> int:
+        """Write every ``(key, value)`` of ``puts`` and delete every key of ``deletes`` in one etcd transaction (all
+        or nothing, one store revision; etcd's ``/v3/kv/txn`` without a compare). Returns the store revision.
+        Raises EtcdError (then nothing was written, unless the answer alone was lost)."""
+        ops = [{"request_put": {"key": _b64(k), "value": _b64(v)}} for k, v in puts]
+        ops += [{"request_delete_range": {"key": _b64(k)}} for k in deletes]
+        r = await self.call("/v3/kv/txn", {"compare": [], "success": ops, "failure": []})
+        return int(r.get("header", {}).get("revision", 0))
+
     async def get_prefix(self, prefix: str) -> Tuple[int, List[Event]]:
         """Every key under ``prefix``: (store revision, events of kind ``"put"``). Raises EtcdError."""
         r = await self.call("/v3/kv/range", {"key": _b64(prefix), "range_end": _prefix_end(prefix)})
@@ -262,6 +273,9 @@ class SharedState:
         self._alive: Dict[str, Tuple[int, bytes]] = {}  # id -> (lease id, value) of its alive key
         self._draining: set = set()
         self._keyrev: Dict[str, int] = {}      # key -> store revision of the last change applied (put or delete)
+        #: key -> revision of a delete this replica applied ahead of its watch; its _keyrev entry is dropped once the
+        #: watch has passed that revision (no older change can arrive then), so removed keys leave nothing behind
+        self._tomb: Dict[str, int] = {}
         self._calib: Dict[str, Tuple[float, float]] = {}  # id -> (ttft_ratio, itl_ratio) last written or applied
         self.calib_interval_s = calib_interval_s
         self.probe_s = probe_s
@@ -311,6 +325,7 @@ class SharedState:
                 self._resync(kvs, rev)
                 self.revision = rev
                 self._wake()
+                self._leases_again()
                 self.connected, self.error = True, ""
                 self._synced.set()
                 await self._watch(rev + 1)
@@ -319,10 +334,10 @@ class SharedState:
             except EtcdError as ex:
                 if self.connected or self.error != str(ex):
                     log.warning("router replica: lost etcd (%s); serving from the last view", ex)
-                self.connected, self.error = False, str(ex)
+                self._disconnected(str(ex))
             except Exception as ex:  # a bug must not end the follower: log, retry
                 log.exception("router replica: shared-state follower failed")
-                self.connected, self.error = False, f"internal error: {ex!r}"
+                self._disconnected(f"internal error: {ex!r}")
             await asyncio.sleep(self.retry_s)
 
     async def _watch(self, start: int) -> None:
@@ -348,9 +363,43 @@ class SharedState:
         finally:
             w.cancel()
 
+    def _disconnected(self, why: str) -> None:
+        """This replica lost etcd (``why``): no lease can expire for it now, so from here on each shared instance with
+        a heartbeat TTL is timed by the heartbeats this replica receives (:meth:`Backend.refresh`), its TTL counted at
+        the earliest from now; one out of rotation stays out until such a heartbeat."""
+        was, self.connected, self.error = self.connected, False, why
+        if not was:
+            return
+        now = time.monotonic()
+        for iid, ttl in self._ttl.items():
+            b = self.registry.backends.get(iid)
+            if b is None or ttl <= 0:
+                continue
+            b.hb_ttl = ttl
+            b.last_hb = max(b.last_hb, now)
+            b.refresh(now)
+
+    def _leases_again(self) -> None:
+        """etcd answers again and the store was read: each shared instance with a heartbeat TTL is timed by its lease
+        again (in rotation while its alive key exists), on every replica alike."""
+        now = time.monotonic()
+        for iid, ttl in self._ttl.items():
+            b = self.registry.backends.get(iid)
+            if b is None or ttl <= 0:
+                continue
+            b.hb_ttl = 0.0
+            b.lease_ok = iid in self._alive
+            b.refresh(now)
+
     def _wake(self) -> None:
         ev, self._advanced = self._advanced, asyncio.Event()
         ev.set()
+        if self._tomb:  # the follower is at self.revision: no change older than that can arrive any more
+            for k, r in list(self._tomb.items()):
+                if r <= self.revision:
+                    del self._tomb[k]
+                    if self._keyrev.get(k) == r:
+                        del self._keyrev[k]
 
     async def _until_applied(self, rev: int) -> None:
         """Wait (at most the etcd call timeout) until the follower applied the store up to revision ``rev``: a
@@ -397,7 +446,7 @@ class SharedState:
     def _resync(self, kvs: List[Event], rev: int) -> None:
         """Make this replica's view equal to a full read of the prefix at store revision ``rev`` (instances gone from
         etcd are removed)."""
-        present = {"instances": set(), "alive": set(), "drain": set()}
+        present = {"instances": set(), "alive": set(), "drain": set(), "calib": set()}
         for e in sorted(kvs, key=self._order):
             kind, iid = self._split(e.key)
             if kind in present:
@@ -412,6 +461,9 @@ class SharedState:
         for iid in list(self._draining):
             if iid not in present["drain"]:
                 self._apply(Event("delete", self._key("drain", iid), b"", 0, rev))
+        for iid in list(self._calib):
+            if iid not in present["calib"]:
+                self._apply(Event("delete", self._key("calib", iid), b"", 0, rev))
 
     def _apply(self, e: Event) -> None:
         """Apply one change to this replica's registry (a bad value is logged and skipped). A change older than the
@@ -420,6 +472,10 @@ class SharedState:
             if e.revision <= self._keyrev.get(e.key, 0):
                 return
             self._keyrev[e.key] = e.revision
+            if e.kind == "delete":
+                self._tomb[e.key] = e.revision
+            else:
+                self._tomb.pop(e.key, None)
         kind, iid = self._split(e.key)
         reg = self.registry
         if kind == "instances":
@@ -502,16 +558,20 @@ class SharedState:
         if not self.connected:
             return self._refuse("registration")
         value = _json.encode(body)
+        # the same url under another id replaces that instance: its keys go too, in the same transaction as the new
+        # key (a failure in between would leave them in etcd for good: a replica that reads the store later would
+        # bring the replaced id back, and no one could remove it any more)
+        gone = old.state.id if old is not None and old.state.id != st.id and old.state.id in self._applied else None
+        stale = [self._key(kind, gone) for kind in ("instances", "alive", "drain", "calib")] if gone else []
         try:
-            rev = await self.client.put(self._key("instances", st.id), value)
+            if stale:
+                rev = await self.client.txn([(self._key("instances", st.id), value)], stale)
+            else:
+                rev = await self.client.put(self._key("instances", st.id), value)
             await self._until_applied(rev)  # older changes first (no-op below when the watch applied it)
             self._apply(Event("put", self._key("instances", st.id), value, 0, rev))
-            if old is not None and old.state.id != st.id and old.state.id in self._applied:
-                # the same url under another id replaced that instance: its keys go too, or a replica that reads
-                # the store later would bring the replaced id back (and no one could remove it any more)
-                for kind in ("alive", "drain", "calib", "instances"):
-                    rev = await self.client.delete(self._key(kind, old.state.id))
-                    self._apply(Event("delete", self._key(kind, old.state.id), b"", 0, rev))
+            for key in stale:
+                self._apply(Event("delete", key, b"", 0, rev))
             if ttl > 0:
                 lease = await self.client.grant(ttl)
                 rev = await self.client.put(self._key("alive", st.id), b"{}", lease)
@@ -529,6 +589,9 @@ class SharedState:
         b.heartbeat(body)
         iid = b.state.id
         if iid in self._applied and self._ttl.get(iid, 0) > 0:
+            if not self.connected and not b.lease_ok:  # no lease to follow now: the heartbeat brings it back here
+                b.lease_ok = True
+                b.refresh(b.last_hb)
             self._spawn(self._publish_alive(iid, body or {}))
 
     async def _publish_alive(self, iid: str, body: dict) -> None:
