@@ -275,6 +275,7 @@ def test_lmdeploy_config_errors(monkeypatch):
     monkeypatch.delitem(bridges.BRIDGES, ("lmdeploy", "sglang"))
     err = _err(two % ("sglang", ""))
     assert "a lmdeploy prefill cannot feed a sglang decode" in err and "PD flows differ" in err
+    assert "bridges: lmdeploy -> vllm, sglang -> lmdeploy" in err and "lmdeploy -> sglang" not in err
     assert "LMDeploy's KV dtype follows --dtype" in _err(two % ("lmdeploy", ", kv: {cache_dtype: fp8}"))
     assert "DLMix migration backend" in _err(two % ("lmdeploy", ", connector: {name: X}"))
     assert "needs an LMDeploy prefill" in _err("model: m\nrouter: {port: 18000}\ninstances:\n"
@@ -342,6 +343,24 @@ def test_check_and_launch_refuse_what_this_machine_lacks(tmp_path, monkeypatch):
     assert res.output.count("note: instances[") == 4 and "--port 9001" in res.output
     assert os.listdir(scratch) == []
 
+
+def test_check_names_a_likely_typo_of_a_dlmix_model_name(tmp_path):
+    """A bare model name close to a dlmix model name (not 'org/name', no folder of that name) is reported by --check
+    before anything starts; a hub id, a real dlmix name and an unrelated bare name are not."""
+    from dlmix.cli import app
+    from dlmix.launch.preflight import local_problems
+
+    f = tmp_path / "dep.yaml"
+    f.write_text("instances:\n  - {port: 9001, model: smolm2}\n  - {port: 9002, model: tiny-lama}\n"
+                 "  - {port: 9003, model: smollm2}\n  - {port: 9004, model: HuggingFaceTB/smolm2}\n"
+                 "  - {port: 9005, model: gpt2}\n  - {port: 9006, engine: mock, model: smolm2}\n")
+    problems = local_problems(Deployment.from_file(f))
+    assert [p.split(";")[0] for p in problems] == [
+        "instances[0] (both-0): model 'smolm2' is neither a dlmix model name nor a folder here",
+        "instances[1] (both-1): model 'tiny-lama' is neither a dlmix model name nor a folder here"]
+    assert "did you mean 'smollm2'?" in problems[0] and "did you mean 'tiny-llama'?" in problems[1]
+    res = CliRunner().invoke(app, ["launch", str(f), "--check"])
+    assert res.exit_code == 2 and "did you mean 'smollm2'?" in res.output, res.output
 
 def test_check_refuses_a_tp_size_or_context_the_model_cannot_run(tmp_path, smollm2_dir, tiny_model_dir):
     """vLLM/SGLang instances whose tensor_parallel_size the model's head counts do not allow (SmolLM2: 9 heads, 3 KV

@@ -204,6 +204,8 @@ def test_cli_infeasible_and_plan(tmp_path):
     assert json.loads(res.output.strip().splitlines()[-1])[0]["goodput_targets_ms"] == {"ttft": 5000.0, "tpot": 25.0}
     res = CliRunner().invoke(app, ["plan", "-i", "nope", "-n", "60"])
     assert res.exit_code == 2 and "not found" in res.output
+    res = CliRunner().invoke(app, ["plan", "-i", "h100x4_h20x4", "--rate", "fast"])
+    assert res.exit_code == 2 and "--rate: a request rate in req/s or 'maximise' is expected, got 'fast'" in res.output
 
 
 def test_plan_for_a_fixed_rate_prefers_fewer_chips(wl):

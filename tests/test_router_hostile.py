@@ -506,6 +506,13 @@ def test_non_positive_limit_is_refused_at_construction(key):
         Router(RouterConfig(port=0, **{key: 0}))
 
 
+def test_simulator_only_policy_is_refused_at_construction():
+    import dlmix.sim  # noqa: F401  (registers the oracle, as the dlmix CLI does before `dlmix router` runs)
+
+    with pytest.raises(ConfigError, match="'oracle' runs only in the simulator"):
+        Router(RouterConfig(port=0, policy="oracle"))
+
+
 # ------------------------------------------------------------------- admin API and token-id prompts out of range
 ADMIN_DEEP = b"[" * 100_000 + b"]" * 100_000
 

@@ -55,7 +55,8 @@ def launch_cmd(
     deployment: Path = typer.Argument(..., help="deployment YAML (see examples/*.yaml)"),
     follow_logs: bool = typer.Option(False, "--follow-logs", "-f", help="stream every log, prefixed [name]"),
     log_dir: Optional[Path] = typer.Option(None, "--log-dir", help="log folder (default: a new temp folder)"),
-    check: bool = typer.Option(False, "--check", help="validate the file and exit"),
+    check: bool = typer.Option(False, "--check", help="validate the file and check this machine can start it "
+                                                      "(model paths, cores, interpreters; not ports); start nothing"),
     dry_run: bool = typer.Option(False, "--dry-run", help="print the command lines without starting anything"),
     grace: float = typer.Option(10.0, "--grace", help="seconds between SIGINT and SIGKILL when stopping"),
     emit: Optional[Tuple[str, str]] = typer.Option(None, "--emit", metavar="FORMAT DIR",

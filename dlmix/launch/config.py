@@ -621,7 +621,7 @@ def _cross_checks(dep: Deployment, marks: Dict[Path_, Tuple[int, int]], origin: 
         # a prefill instance pairs with decode and both instances (as the router does)
         pd_engines = sorted({i.engine for i in dep.instances
                              if i.role != "both" or "prefill" in roles})
-        from dlmix.router.engines import can_pair, get_engine  # the engine adapters own their PD flow
+        from dlmix.router.engines import bridges, can_pair, get_engine  # the engine adapters own their PD flow
 
         # the mock engine speaks vLLM's protocol
         adapters = {e: get_engine("vllm" if e == "mock" else e) for e in pd_engines}
@@ -632,8 +632,8 @@ def _cross_checks(dep: Deployment, marks: Dict[Path_, Tuple[int, int]], origin: 
             bad(("instances",), "; ".join(
                 f"a {pe} prefill cannot feed a {de} decode" for pe, de in unpaired)
                 + ": their PD flows differ (vLLM hands off kv_transfer_params after the prefill, SGLang a bootstrap "
-                "room before it, LMDeploy a migration_request after it) and no bridge joins them (bridges join "
-                "LMDeploy and vLLM, both ways)")
+                "room before it, LMDeploy a migration_request after it) and no bridge joins them (bridges: "
+                + ", ".join(f"{a} -> {b}" for a, b in sorted(bridges.BRIDGES)) + ")")
         needy = [e for e in pd_engines if adapters[e].DECODE_NEEDS_PREFILL]
         if "decode" in roles and "prefill" not in roles and any(
                 i.role == "decode" and i.engine in needy for i in dep.instances):

@@ -6,10 +6,12 @@ Kubernetes emitter does not.
 Checked per instance: a model given as a filesystem path (not for ``engine: mock``, which loads none) (absolute, ``~``, ``./`` or ``../``) exists; the cores of
 ``cpus`` are cores this process may run on (``os.sched_getaffinity``, the set ``taskset`` and
 ``VLLM_CPU_OMP_THREADS_BIND`` must stay within); the ``python`` interpreter named for the instance exists. A hub id
-(``org/name``) or a dlmix model name is not checked here (it is resolved when the instance starts).
+(``org/name``) or a dlmix model name is not checked here (it is resolved when the instance starts); a bare name close
+to a dlmix model name (``smolm2``), neither a folder here nor ``org/name``, is reported as a likely typo.
 """
 from __future__ import annotations
 
+import difflib
 import os
 import shutil
 from pathlib import Path
@@ -58,6 +60,11 @@ def local_problems(dep: Deployment) -> List[str]:
                 and not Path(ref).expanduser().exists():
             problems.append(f"{where}: model {ref!r} does not exist on this machine (a local folder, a dlmix model "
                             f"name ({', '.join(sorted(models.MODELS))}) or a hub id 'org/name' is expected)")
+        elif inst.engine != "mock" and ref and ref not in models.MODELS and "/" not in ref \
+                and not Path(ref).expanduser().exists() and difflib.get_close_matches(ref, list(models.MODELS)):
+            near = difflib.get_close_matches(ref, list(models.MODELS), n=1)[0]
+            problems.append(f"{where}: model {ref!r} is neither a dlmix model name nor a folder here; did you mean "
+                            f"{near!r}? (dlmix models: {', '.join(sorted(models.MODELS))}; a hub id is 'org/name')")
         if inst.cpus:
             missing = sorted(set(parse_cpus(inst.cpus)) - set(cores))
             if missing:

@@ -62,7 +62,10 @@ def plan_command(
     if not con.is_terminal:
         con = Console(stderr=False, width=160)
     try:
-        r_val = None if rate.strip().lower() in ("max", "maximise", "maximize") else float(rate)
+        try:
+            r_val = None if rate.strip().lower() in ("max", "maximise", "maximize") else float(rate)
+        except ValueError:
+            raise ValueError(f"--rate: a request rate in req/s or 'maximise' is expected, got {rate!r}") from None
         cat = load_catalog(chips)
         inv = load_inventory(inventory, cat)
         spec = load_model(model)

@@ -104,6 +104,9 @@ class Router:
             raise ConfigError(f"refusing to serve {cfg.host} without client api_keys; set api_keys, bind a "
                               "loopback host, or set allow_open: true explicitly")
         self.policy = make_policy(cfg.policy, **(cfg.policy_params or {}))
+        if hasattr(self.policy, "bind_simulator"):  # registered once dlmix.sim is imported, as by the dlmix CLI
+            raise ConfigError(f"policy {cfg.policy!r} runs only in the simulator (dlmix sim): it reads the simulated "
+                              "cluster's true state, which a live router does not have")
         self.catalog = load_catalog(cfg.chips)
         ms = cfg.model_spec
         spec = ModelSpec(**ms) if isinstance(ms, dict) else (
