@@ -130,12 +130,8 @@ class AdapterEndpoint(Endpoint):
             ch.xfer.fail(PeerError(f"{self.kind} transfer with {ch.xfer.peer!r} failed: {e}"))
             return
         finally:
-            ch.receiving = False
-            ch.recv_done.set()
+            ch.end_receiving()
         self._chunk_ok(ch, resp)
-
-    def _dp_still_landing(self, x: _Xfer) -> bool:
-        return any(ch.receiving for ch in x.chunks)
 
     def _cancel(self, h) -> None:
         """As the base, then wait for every chunk's library op to end (bounded by the transfer's deadline plus

@@ -161,9 +161,19 @@ class _Chunk:
         lock.release()
         return True
 
+    def end_receiving(self) -> None:
+        """Mark that no byte lands in this chunk's local memory any more (after :meth:`begin_receiving` returned
+        True, whatever the outcome); reports its transfer's failure when one waits for it (:meth:`_Xfer.fail`)."""
+        self.receiving = False
+        self.recv_done.set()
+        x = self.xfer
+        if x.failed is not None:
+            x.landed()
+
 
 class _Xfer:
-    __slots__ = ("handle", "peer", "op", "chunks", "remaining", "moved", "lock", "deadline", "key", "cause")
+    __slots__ = ("handle", "peer", "op", "chunks", "remaining", "moved", "lock", "deadline", "key", "cause",
+                 "failed")
 
     def __init__(self, handle: TransferHandle, peer: str, op: str, deadline: float):
         self.handle = handle
@@ -176,6 +186,8 @@ class _Xfer:
         self.deadline = deadline
         self.key = id(handle)
         self.cause: BaseException | None = None  # set before tearing connections down (timeout)
+        #: the first error of a failed transfer; reported once no chunk is receiving (see ``fail``)
+        self.failed: BaseException | None = None
 
     def chunk_done(self, n: int) -> bool:
         lock = self.lock
@@ -189,9 +201,31 @@ class _Xfer:
         return last
 
     def fail(self, err: BaseException) -> None:
+        """Fail the transfer with ``err`` (or with ``cause``, or the first error already given): no chunk starts
+        receiving any more, and the handle fails at once unless a chunk is receiving its payload; then the last
+        such chunk reports it as it ends (:meth:`_Chunk.end_receiving`), so a failure is never seen while a byte
+        of the transfer can still land in local memory (a stalled one is cut off at the transfer's deadline)."""
+        lock = self.lock
+        lock.acquire()
+        if self.failed is None:
+            self.failed = self.cause or err
+        busy = False
         for c in self.chunks:
             c.discard = True
-        self.handle._set_exception(self.cause or err)
+            if c.receiving:
+                busy = True
+        lock.release()
+        if not busy:
+            self.handle._set_exception(self.failed)
+
+    def landed(self) -> None:
+        """A chunk of the failed transfer stopped receiving: report the failure once no chunk receives."""
+        lock = self.lock
+        lock.acquire()
+        busy = any(c.receiving for c in self.chunks)
+        lock.release()
+        if not busy:
+            self.handle._set_exception(self.failed)
 
 
 class _Conn:
@@ -205,6 +239,9 @@ class _Conn:
         #: inbound: time.monotonic() by which the request being served must be done (0: none being served); the
         #: reaper drops the connection past it (a peer that stopped reading a response or sending a payload)
         self.serve_deadline = 0.0
+        #: inbound: the checked ``(Region, offset, length)`` list of the request being served, set by the grant check
+        #: under the endpoint lock (None between requests); ``unregister()`` waits for the requests it names a region in
+        self.serving: list | None = None
         self.alive = True
         self.sendq: queue.SimpleQueue | None = None
         self.queued_bytes = 0
@@ -308,7 +345,8 @@ class Endpoint(Transport):
     * ``handshake_timeout_s`` (float, 10): time an inbound peer gets for each step of its authentication, in all
       (its HELLO, then its AUTH; bytes dripped one at a time do not extend it), then the connection is dropped: an
       unauthenticated peer cannot hold a socket. An outbound handshake (``connect``) waits for the peer's answers
-      until the connect timeout instead: a peer whose threads are starved on a loaded host answers late, not never.
+      until the connect timeout instead (in all, likewise): a peer whose threads are starved on a loaded host answers
+      late, not never.
     * ``max_handshakes`` (int, 64): inbound connections in their authentication at once (one thread each); further
       connections wait in the listen backlog until one of those ends, so a flood of idle connections costs at most
       this many threads.
@@ -389,6 +427,8 @@ class Endpoint(Transport):
         #: accepted sockets still in their handshake (``close()`` shuts them down), and the free handshake slots
         self._hs_socks: set[socket.socket] = set()
         self._hs_slots = threading.Semaphore(self.max_handshakes)
+        #: inbound connections whose reader (serving) thread runs, dropped ones included until it ends
+        self._serving_conns: set[_Conn] = set()
         #: counters for tests and benchmarks
         self.stats = {"protocol_errors": 0, "auth_failures": 0, "refused_ops": 0, "served_ops": 0}
 
@@ -461,12 +501,42 @@ class Endpoint(Transport):
         return reg
 
     def unregister(self, name: str) -> None:
+        """Forget region ``name`` and drop every grant on it. Returns once no request of a peer being served from it
+        can touch its memory any more, so the caller may free or reuse that memory at once: a request in progress
+        is let finish, and one still not done at its serving deadline (``timeout_s`` from its start; a stalled peer)
+        has its connection dropped, then is waited for to end (at most 5 s more). The peer's own copies of the
+        ``cma``/``authz`` data paths (after the owner authorized them) are outside this endpoint's reach.
+
+        Raises KeyError if ``name`` is not registered."""
         with self._lock:
             reg = self._regions.pop(name)
             for g in self._grants.values():
                 for t in g.table.values():
                     t.pop(name, None)
+            busy = []
+            for c in self._serving_conns:
+                segs = c.serving
+                if segs is not None and any(r is reg for r, _, _ in segs):
+                    busy.append((c, segs, c.serve_deadline))
+        for c, segs, until in busy:
+            self._wait_served(c, segs, until)
         self._dp_unregister(reg)
+
+    def _wait_served(self, conn: _Conn, segs: list, until: float) -> None:
+        """Wait until inbound ``conn`` no longer serves the request whose checked segments are ``segs``; past
+        ``until`` (``time.monotonic()`` seconds, its serving deadline) drop the connection, which ends the request's
+        socket call, and wait at most 5 s more (logged if it still has not ended)."""
+        give_up = None
+        while conn.serving is segs:
+            now = time.monotonic()
+            if give_up is None and now > until:
+                self._drop_conn(conn, "a region being served was unregistered and the request is past its deadline")
+                give_up = now + 5.0
+            elif give_up is not None and now > give_up:
+                log.error("dlmix-kv %s: a request of %s served from an unregistered region did not end 5 s after its "
+                          "connection was dropped", self._name, conn.peer)
+                return
+            time.sleep(0.002)
 
     def regions(self) -> dict[str, Region]:
         with self._lock:
@@ -505,8 +575,10 @@ class Endpoint(Transport):
         with self._lock:
             return self._grants.pop(transfer_id, None) is not None
 
-    def _check_grant(self, peer: str, req: W.Req) -> list[tuple[Region, int, int]]:
-        """Return ``(region, offset, length)`` per segment of ``req`` or raise GrantError."""
+    def _check_grant(self, peer: str, req: W.Req, conn: _Conn | None = None) -> list[tuple[Region, int, int]]:
+        """Return ``(region, offset, length)`` per segment of ``req`` or raise GrantError. With ``conn`` (the inbound
+        connection about to serve ``req``), also record that list as ``conn.serving`` under the same lock, so that an
+        ``unregister()`` either refuses ``req`` or sees it being served."""
         op = "read" if req.op == "r" else "write"
         with self._lock:
             g = self._grants.get(req.tid)
@@ -536,6 +608,8 @@ class Endpoint(Transport):
                 if i < 0 or off + ln > ends[i]:
                     raise GrantError(f"segment ({region!r}, {off}, {ln}) is outside the {op} grant of {req.tid!r}")
                 out.append((reg, off, ln))
+            if conn is not None:
+                conn.serving = out
             return out
 
     # ------------------------------------------------------------------ peers / handshake
@@ -634,11 +708,17 @@ class Endpoint(Transport):
                 sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, opt), val)
 
     def _handshake_client(self, sock: socket.socket, expect: str) -> dict:
+        """The dialing side of the handshake on ``sock``, done within the socket's timeout at entry (seconds; None:
+        no limit) in all: a peer dripping its answers byte by byte cannot stretch it. Returns the peer's AUTH_OK info.
+        Raises TimeoutError (``socket.timeout``) when that time is spent, AuthError, ProtocolError, PeerError (EOF),
+        OSError."""
         hdr = memoryview(bytearray(W.HEADER_SIZE))
         nc = W.new_nonce()
+        limit = sock.gettimeout()
+        deadline = None if limit is None else time.monotonic() + limit
         sock.sendall(W.pack(W.HELLO, W.Hello(W.VERSION, self._name, nc.hex())))
-        ftype, blen, _ = W.read_frame_header(sock, hdr, W.PREAUTH_MAX_BODY, 0)
-        body = W.read_body(sock, ftype, blen)
+        ftype, blen, _ = W.read_frame_header(sock, hdr, W.PREAUTH_MAX_BODY, 0, deadline)
+        body = W.read_body(sock, ftype, blen, deadline)
         if ftype == W.ERROR:
             raise AuthError(f"peer refused: {body.reason}")
         if ftype != W.CHALLENGE:
@@ -648,10 +728,12 @@ class Endpoint(Transport):
             raise AuthError(f"peer at {sock.getpeername()} failed authentication (wrong shared secret?)")
         if body.name != expect:
             raise AuthError(f"peer authenticated as {body.name!r}, descriptor says {expect!r}")
+        if deadline is not None:
+            sock.settimeout(max(0.001, deadline - time.monotonic()))
         sock.sendall(W.pack(W.AUTH, W.Auth(W.mac(self._secret, b"client", nc, ns, self._name, body.name),
                                            self._client_info())))
-        ftype, blen, _ = W.read_frame_header(sock, hdr, W.PREAUTH_MAX_BODY, 0)
-        body = W.read_body(sock, ftype, blen)
+        ftype, blen, _ = W.read_frame_header(sock, hdr, W.PREAUTH_MAX_BODY, 0, deadline)
+        body = W.read_body(sock, ftype, blen, deadline)
         if ftype == W.ERROR:
             raise AuthError(f"peer refused: {body.reason}")
         if ftype != W.AUTH_OK:
@@ -699,7 +781,13 @@ class Endpoint(Transport):
                 self._hs_socks.discard(sock)
             self._hs_slots.release()
         if conn is not None:
-            self._reader_loop(conn)
+            with self._lock:
+                self._serving_conns.add(conn)
+            try:
+                self._reader_loop(conn)
+            finally:
+                with self._lock:
+                    self._serving_conns.discard(conn)
 
     def _authenticate(self, sock: socket.socket, addr) -> _Conn | None:
         """The listening side of the handshake on ``sock``: the authenticated connection, registered in ``_in``, or
@@ -796,6 +884,7 @@ class Endpoint(Transport):
             try:
                 self._serve_req(conn, body, plen)
             finally:
+                conn.serving = None  # before the deadline: unregister() keeps the deadline it saw with this request
                 conn.serve_deadline = 0.0
         elif ftype == W.RESP and conn.outbound:
             self._on_resp(conn, body, plen)
@@ -977,7 +1066,7 @@ class Endpoint(Transport):
         elif plen:
             raise ProtocolError(f"unexpected payload for data path {req.dp!r}")
         try:
-            checked = self._check_grant(conn.peer, req)
+            checked = self._check_grant(conn.peer, req, conn)
         except GrantError as e:
             self.stats["refused_ops"] += 1
             log.info("dlmix-kv %s: refused %s from %s: %s", self._name, req.op, conn.peer, e)
@@ -1041,6 +1130,8 @@ class Endpoint(Transport):
             finally:
                 ch.receiving = False
                 ch.recv_done.set()
+                if ch.xfer.failed is not None:  # another chunk failed meanwhile: report it now that this one ended
+                    ch.xfer.landed()
             self._chunk_ok(ch, resp)
         elif plen:
             raise ProtocolError("unexpected payload in response")
@@ -1275,8 +1366,7 @@ class Endpoint(Transport):
         for ch in x.chunks:
             ch.recv_done.wait(2.0)
         self._dp_cancel(x)
-        if not self._dp_still_landing(x):
-            x.handle._set_exception(x.cause)
+        x.fail(x.cause)  # reported at once, or by a chunk still receiving (a library op too) as it ends
         with self._lock:
             self._xfers.pop(x.key, None)
 
@@ -1389,12 +1479,6 @@ class Endpoint(Transport):
 
     def _dp_cancel(self, x: _Xfer) -> None:
         pass
-
-    def _dp_still_landing(self, x: _Xfer) -> bool:
-        """True when a chunk of the timed-out transfer ``x`` may still write local memory (a library operation that
-        cannot be aborted): the thread running it then fails ``x`` once it has ended, so the failure is never
-        reported while bytes can still land. Base: False (dropping the connection stops a TCP payload)."""
-        return False
 
     def _dp_close(self) -> None:
         pass

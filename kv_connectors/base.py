@@ -475,7 +475,8 @@ class Transport(abc.ABC):
 
     @abc.abstractmethod
     def unregister(self, name: str) -> None:
-        """Forget region ``name`` (and drop grants on it). Raises KeyError if unknown."""
+        """Forget region ``name`` (and drop grants on it). Returns once no request of a peer that this endpoint serves
+        can touch the region's memory any more (the caller may free or reuse it then). Raises KeyError if unknown."""
 
     @abc.abstractmethod
     def regions(self) -> dict[str, Region]:

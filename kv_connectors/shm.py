@@ -159,6 +159,5 @@ class ShmTransport(Endpoint):
             ch.xfer.fail(PeerError(f"cross-memory copy with {conn.peer!r} failed: {e}"))
             return
         finally:
-            ch.receiving = False
-            ch.recv_done.set()
+            ch.end_receiving()
         self._chunk_ok(ch, resp)
