@@ -8,7 +8,6 @@ through unchecked, and engines keep their own validation (ranges, sampling rules
 """
 from __future__ import annotations
 
-import re
 from typing import Annotated, Any, Dict, Iterable, List, Optional, Union
 
 import msgspec
@@ -132,14 +131,20 @@ class RouterFields:
 
     def __init__(self, names: Iterable[str]):
         self.names = tuple(sorted(set(names)))
-        alts = b"|".join(re.escape(n.encode()) for n in self.names) or b"(?!)"
-        # a JSON key may be written with \u escapes, so any escape sends the body to the full check
-        self._scan = re.compile(rb'\\u|"(?:' + alts + rb')"')
+        # decodes only these top-level keys (escaped spellings included); msgspec skips every other value in C
+        self._dec = msgspec.json.Decoder(msgspec.defstruct("_RouterFields", [(n, Any, None) for n in self.names]))
 
-    def may_hold(self, raw: bytes) -> bool:
-        """False when the raw JSON body ``raw`` surely sets none of the fields (a byte scan, no decode); True when
-        :meth:`check` must look at the decoded body."""
-        return self._scan.search(raw) is not None
+    def check_raw(self, raw: bytes) -> None:
+        """:meth:`check` on a raw JSON body the router does not otherwise parse (about 0.5 us for a 1 KB body).
+        A body that is not a JSON object passes: the engine refuses it itself. Raises BadRequest."""
+        try:
+            v = self._dec.decode(raw)
+        except (msgspec.DecodeError, RecursionError):
+            return
+        for k in self.names:
+            x = getattr(v, k)
+            if x is not None and x is not False:
+                raise self._refused(k)
 
     def check(self, d: Any) -> None:
         """Raise BadRequest naming the first field of the decoded body ``d`` (a dict; anything else passes) that is
@@ -149,8 +154,12 @@ class RouterFields:
         for k in self.names:
             v = d.get(k)
             if v is not None and v is not False:
-                raise BadRequest(f"invalid request body: `{k}` is set by the router for prefill/decode hand-offs; "
-                                 f"a client may not send it")
+                raise self._refused(k)
+
+    @staticmethod
+    def _refused(k: str) -> BadRequest:
+        return BadRequest(f"invalid request body: `{k}` is set by the router for prefill/decode hand-offs; a client "
+                          f"may not send it")
 
 
 def n_choices(body: Any) -> int:

@@ -371,8 +371,8 @@ class Router:
                 check_body(d, chat)
                 ROUTER_FIELDS.check(d)
                 rr = self._request_from(d, chat)
-            elif ROUTER_FIELDS.may_hold(req.body):
-                ROUTER_FIELDS.check(decode_body(req.body))
+            else:
+                ROUTER_FIELDS.check_raw(req.body)
         except BadRequest as ex:
             return self._send(conn, 400, _bad_request(str(ex)))
         if pins is not None:
@@ -476,11 +476,10 @@ class Router:
                 return False  # the coroutine path answers 400
             rr = self._request_from(d, chat)
         else:
-            if ROUTER_FIELDS.may_hold(body):
-                try:
-                    ROUTER_FIELDS.check(decode_body(body))
-                except BadRequest:
-                    return False  # the coroutine path answers 400
+            try:
+                ROUTER_FIELDS.check_raw(body)
+            except BadRequest:
+                return False  # the coroutine path answers 400
             rr = self._plain
         reg = self.registry
         view = ClusterView(reg.instances, self.index, self.cost, self.approx, False)
