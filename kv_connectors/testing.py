@@ -143,6 +143,28 @@ def raw_auth(host: str, port: int, name: str, secret: str):
     return s
 
 
+def half_written_write(owner, n: int, secret: str, peer: str = "evil", fill: int = 0x11):
+    """A peer's granted write to ``owner`` (a TCP-family endpoint) stalled halfway: registers an ``n``-byte region
+    ``kv`` of zeros on ``owner``, grants ``peer`` a write of it (transfer ``w``), then, over a :func:`raw_auth`
+    socket, sends the write's request and its first ``n // 2`` payload bytes (all ``fill``). Returns ``(dst, sock)``
+    once those bytes are in the region: ``dst`` the region's numpy array, ``sock`` the peer's socket (the caller
+    sends the rest, or not, and closes it). Raises AssertionError when they do not land within 5 s."""
+    from . import _wire as W
+
+    dst = np.zeros(n, dtype=np.uint8)
+    owner.register("kv", dst)
+    owner.grant(peer, "w", [("kv", 0, n)], "w", None)
+    s = raw_auth(owner.host, owner.port, peer, secret)
+    s.sendall(W.pack(W.REQ, W.Req(1, "w", "w", "tcp", [("kv", 0, n)]), n) + bytes([fill]) * (n // 2))
+    deadline = time.monotonic() + 5
+    while (dst == fill).sum() != n // 2:
+        if time.monotonic() > deadline:
+            s.close()
+            raise AssertionError("the first half of the write did not land")
+        time.sleep(0.01)
+    return dst, s
+
+
 def fuzz_frame(rng) -> bytes:
     """One hostile wire frame from ``rng`` (a ``random.Random``): garbage, bad headers, oversized/truncated lengths,
     wrong-typed or out-of-range bodies, reads outside or beyond a grant (``tid`` ``"fz"`` on region ``"kv"``), hostile
