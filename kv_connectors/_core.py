@@ -1128,10 +1128,7 @@ class Endpoint(Transport):
             try:
                 conn.rx.into(ch.views if len(ch.views) == 1 else list(ch.views))
             finally:
-                ch.receiving = False
-                ch.recv_done.set()
-                if ch.xfer.failed is not None:  # another chunk failed meanwhile: report it now that this one ended
-                    ch.xfer.landed()
+                ch.end_receiving()  # reports a failure of another chunk that waited for this one
             self._chunk_ok(ch, resp)
         elif plen:
             raise ProtocolError("unexpected payload in response")

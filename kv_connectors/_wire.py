@@ -126,28 +126,22 @@ def new_nonce() -> bytes:
 # ---- socket helpers: zero-copy from / into memoryviews ----
 
 
-def recv_exact_into(sock: socket.socket, view: memoryview) -> None:
+def recv_exact_into(sock: socket.socket, view: memoryview, deadline: float | None = None) -> None:
     """Fill ``view`` from ``sock``: one ``recv_into(MSG_WAITALL)`` (the kernel returns only once all bytes are in, so
-    one syscall and one GIL round trip per view instead of one per arriving TCP segment). Raises PeerError on EOF."""
+    one syscall and one GIL round trip per view instead of one per arriving TCP segment). With ``deadline``
+    (``time.monotonic()`` seconds) the whole fill must end by then: each ``recv`` waits only for the time left, so a
+    peer that drips a byte now and then cannot stretch the wait (the handshake's reads); the socket is left in
+    timeout mode. Raises PeerError on EOF, TimeoutError past the deadline, OSError."""
     pos, n = 0, len(view)
     while pos < n:
-        got = sock.recv_into(view[pos:], n - pos, _WAITALL)
-        if got == 0:
-            raise PeerError("connection closed by peer")
-        pos += got
-
-
-def recv_exact_until(sock: socket.socket, view: memoryview, deadline: float) -> None:
-    """Fill ``view`` from ``sock`` by ``deadline`` (``time.monotonic()`` seconds) in all: each ``recv`` waits only for
-    the time left, so a peer that drips a byte now and then cannot stretch the wait (the handshake's reads). Leaves the
-    socket in timeout mode. Raises TimeoutError when the deadline passes, PeerError on EOF, OSError."""
-    pos, n = 0, len(view)
-    while pos < n:
-        left = deadline - time.monotonic()
-        if left <= 0:
-            raise TimeoutError(f"timed out with {pos} of {n} B received")
-        sock.settimeout(left)
-        got = sock.recv_into(view[pos:], n - pos)
+        if deadline is None:
+            got = sock.recv_into(view[pos:], n - pos, _WAITALL)
+        else:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"timed out with {pos} of {n} B received")
+            sock.settimeout(left)
+            got = sock.recv_into(view[pos:], n - pos)
         if got == 0:
             raise PeerError("connection closed by peer")
         pos += got
@@ -231,11 +225,8 @@ def drain(sock: socket.socket, n: int) -> None:
 def read_frame_header(sock: socket.socket, hdr: memoryview, max_body: int, max_payload: int,
                       deadline: float | None = None) -> tuple[int, int, int]:
     """Read and validate one header; returns ``(ftype, body_len, payload_len)``. ``deadline``
-    (``time.monotonic()`` seconds): see :func:`recv_exact_until`. Raises ProtocolError / PeerError / TimeoutError."""
-    if deadline is None:
-        recv_exact_into(sock, hdr)
-    else:
-        recv_exact_until(sock, hdr, deadline)
+    (``time.monotonic()`` seconds): see :func:`recv_exact_into`. Raises ProtocolError / PeerError / TimeoutError."""
+    recv_exact_into(sock, hdr, deadline)
     return check_header(HEADER.unpack(hdr), max_body, max_payload)
 
 
@@ -266,12 +257,9 @@ def decode_body(ftype: int, raw) -> object:
 
 def read_body(sock: socket.socket, ftype: int, blen: int, deadline: float | None = None):
     """Read ``blen`` body bytes and decode them as frame type ``ftype``. ``deadline`` (``time.monotonic()`` seconds):
-    see :func:`recv_exact_until`. Raises ProtocolError on bad JSON/schema, PeerError on EOF, TimeoutError."""
+    see :func:`recv_exact_into`. Raises ProtocolError on bad JSON/schema, PeerError on EOF, TimeoutError."""
     buf = bytearray(blen)
-    if deadline is None:
-        recv_exact_into(sock, memoryview(buf))
-    else:
-        recv_exact_until(sock, memoryview(buf), deadline)
+    recv_exact_into(sock, memoryview(buf), deadline)
     return decode_body(ftype, buf)
 
 
