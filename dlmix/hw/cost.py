@@ -214,9 +214,9 @@ def kv_capacity_bytes(chip: ChipProfile, model: ModelSpec, num_chips: int = 1, m
 
 
 def kv_tp(chip: ChipProfile, num_chips: int) -> int:
-    """Tensor-parallel size over which an instance of ``num_chips`` of ``chip`` splits the KV heads: ``num_chips``,
-    but 1 on a CPU (vendor ``generic``): a CPU instance of ``num_chips`` cores is one engine at TP 1 (as
-    :meth:`dlmix.plan.search.Planner.engine_tp`)."""
+    """Tensor-parallel size of an instance of ``num_chips`` of ``chip`` (over which it splits the KV heads):
+    ``num_chips``, but 1 on a CPU (vendor ``generic``): a CPU instance of ``num_chips`` cores is one engine at TP 1.
+    The planner's :meth:`dlmix.plan.search.Planner.engine_tp` is this rule."""
     return 1 if chip.vendor == "generic" else num_chips
 
 

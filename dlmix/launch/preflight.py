@@ -61,8 +61,9 @@ def local_problems(dep: Deployment) -> List[str]:
             problems.append(f"{where}: model {ref!r} does not exist on this machine (a local folder, a dlmix model "
                             f"name ({', '.join(sorted(models.MODELS))}) or a hub id 'org/name' is expected)")
         elif inst.engine != "mock" and ref and ref not in models.MODELS and "/" not in ref \
-                and not Path(ref).expanduser().exists() and difflib.get_close_matches(ref, list(models.MODELS)):
-            near = difflib.get_close_matches(ref, list(models.MODELS), n=1)[0]
+                and not Path(ref).expanduser().exists() \
+                and (near := difflib.get_close_matches(ref, list(models.MODELS), n=1)):
+            near = near[0]
             problems.append(f"{where}: model {ref!r} is neither a dlmix model name nor a folder here; did you mean "
                             f"{near!r}? (dlmix models: {', '.join(sorted(models.MODELS))}; a hub id is 'org/name')")
         if inst.cpus:

@@ -30,7 +30,7 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
-from dlmix.hw.cost import CostModel, ModelSpec
+from dlmix.hw.cost import CostModel, ModelSpec, kv_tp
 from dlmix.plan.analytic import SLO, RoleEstimate, cluster_capacity, estimate_role
 from dlmix.plan.inventory import Inventory
 from dlmix.plan.workload import PlanWorkload
@@ -197,10 +197,8 @@ class Planner:
     # ------------------------------------------------------------------ model limits
     def engine_tp(self, chip: str, size: int) -> int:
         """The engine's ``tensor_parallel_size`` of an instance of ``size`` chips of ``chip``: ``size``, but 1 on a
-        CPU chip type (an instance of size t is one engine pinned to t cores)."""
-        from dlmix.plan.report import VENDOR_DEVICE  # report imports this module
-
-        return 1 if VENDOR_DEVICE.get(self.inv.catalog.chip(chip).vendor) == "cpu" else size
+        CPU chip type (an instance of size t is one engine pinned to t cores; :func:`dlmix.hw.cost.kv_tp`)."""
+        return kv_tp(self.inv.catalog.chip(chip), size)
 
     def tp_sizes(self, g) -> List[int]:
         """The instance sizes of group ``g`` the search considers: :meth:`ChipGroup.tp_sizes` whose engine TP

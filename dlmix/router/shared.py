@@ -371,22 +371,23 @@ class SharedState:
         if not was:
             return
         now = time.monotonic()
-        for iid, ttl in self._ttl.items():
-            b = self.registry.backends.get(iid)
-            if b is None or ttl <= 0:
-                continue
+        for iid, ttl, b in self._heartbeat_backends():
             b.hb_ttl = ttl
             b.last_hb = max(b.last_hb, now)
             b.refresh(now)
+
+    def _heartbeat_backends(self):
+        """``(id, heartbeat TTL in s, Backend)`` of each shared instance registered with a heartbeat TTL."""
+        for iid, ttl in self._ttl.items():
+            b = self.registry.backends.get(iid)
+            if b is not None and ttl > 0:
+                yield iid, ttl, b
 
     def _leases_again(self) -> None:
         """etcd answers again and the store was read: each shared instance with a heartbeat TTL is timed by its lease
         again (in rotation while its alive key exists), on every replica alike."""
         now = time.monotonic()
-        for iid, ttl in self._ttl.items():
-            b = self.registry.backends.get(iid)
-            if b is None or ttl <= 0:
-                continue
+        for iid, ttl, b in self._heartbeat_backends():
             b.hb_ttl = 0.0
             b.lease_ok = iid in self._alive
             b.refresh(now)
