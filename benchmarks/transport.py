@@ -21,10 +21,22 @@ stable estimate of what the path can do; timeit's rule) and ``GBps_median`` = by
 ``GBps``; ``ratios_median`` repeats them from medians. Mooncake's listeners bind every interface, so when run as root the whole benchmark
 re-executes itself inside a private network namespace (``unshare -n``, loopback up); otherwise Mooncake is skipped.
 
+The 4 KiB latency depends on where the two processes run more than on either contender. On a VM, a loopback
+round trip between processes on one CPU costs a context switch (22 us measured here), while one between two CPUs pays
+the wake-up of the other, often halted, virtual CPU each way (125 us measured here); left to the scheduler, a contender
+lands in either case by chance, and a waiter that polls for its reply (dlmix ``tcp``, ``spin_us``) keeps its CPU busy
+and so pushes its peer to the other CPU. So the 4 KiB latency is also measured with placement fixed, every contender
+alike: ``split`` = this process on CPU 0 and the peer process on CPU 1 (what two hosts are: each side wakes on its own
+CPU) and ``same`` = both on CPU 0 (every microsecond of either side's work adds up, and a poll of the reply only
+delays the peer); ``lat_us_split`` / ``lat_us_same`` in the results. On one CPU or without ``sched_setaffinity`` only
+the unpinned figure is measured.
+
 Prints a table, then ONE JSON line last with ratios ``WHAT_vs_BASELINE`` (GB/s ratios, higher is better):
 tcp_vs_socket_4mib, tcp_vs_socket_64mib, tcp_vs_nixl_4mib, tcp_vs_nixl_64mib, tcp_vs_nixl_sm (64 MiB),
 tcp_vs_mooncake (64 MiB), tcp_vs_dlslime (64 MiB), shm_vs_nixl_sm (64 MiB), shm_vs_memcpy (64 MiB), and
-``tcp_latency_vs_socket_4kib`` = the plain socket's median 4 KiB latency / dlmix tcp's (higher is better).
+``tcp_latency_vs_socket_4kib`` = the plain socket's median 4 KiB latency / dlmix tcp's (higher is better), with the
+two processes on two CPUs (``split``; unpinned where that cannot be set), and the same ratio
+``tcp_latency_vs_socket_4kib_same_cpu`` and ``tcp_latency_vs_socket_4kib_unpinned`` for the other placements.
 
     python benchmarks/transport.py --quick
 """
@@ -91,6 +103,10 @@ class SocketBaseline:
             got += self.sock.recv_into(v[got:], size - got)
         return time.perf_counter() - t
 
+    @property
+    def peer_pid(self) -> int:
+        return self.proc.pid
+
     def close(self):
         self.sock.close()
         self.proc.terminate()
@@ -98,6 +114,7 @@ class SocketBaseline:
 
 class Memcpy:
     name = "memcpy"
+    peer_pid = None
 
     def __init__(self):
         self.src = np.random.default_rng(1).integers(0, 256, max(SIZES), dtype=np.uint8)
@@ -151,6 +168,10 @@ class TransportBench:
             raise RuntimeError(f"{kind}: bytes differ after the warm-up read")
         self.extra = {"cma": self.t.check_cma("owner")} if kind == "shm" else {}
 
+    @property
+    def peer_pid(self) -> int:
+        return self.peer.pid
+
     def once(self, size: int) -> float:
         t = time.perf_counter()
         self.t.read("owner", [self.Segment("kv", 0, "kv", 0, size)], "b").result(120)
@@ -159,6 +180,24 @@ class TransportBench:
     def close(self):
         self.t.close()
         self.peer.close()
+
+
+def _pin(pid: int, cpus: set[int]) -> None:
+    """Set the CPU affinity of every thread of process ``pid`` (threads started later inherit their creator's)."""
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            os.sched_setaffinity(int(tid), cpus)
+        except OSError:  # the thread ended meanwhile
+            pass
+
+
+#: the fixed placements of the 4 KiB latency: (CPUs of this process, CPUs of the peer process)
+PLACEMENTS = {"split": ({0}, {1}), "same": ({0}, {0})}
+
+
+def placements_available() -> bool:
+    """True when both fixed placements can be set: Linux ``sched_setaffinity``, CPUs 0 and 1 allowed to this process."""
+    return hasattr(os, "sched_setaffinity") and {0, 1} <= os.sched_getaffinity(0) and os.path.isdir("/proc/self/task")
 
 
 def available_adapters() -> dict[str, str | None]:
@@ -209,14 +248,30 @@ def main() -> None:
     samples: dict[str, dict[int, list[float]]] = {n: {s: [] for s in SIZES} for n in names}
     extra: dict[str, dict] = {}
 
+    pinned = placements_available()
+    free_cpus = os.sched_getaffinity(0) if pinned else set()
+    placed: dict[str, dict[str, list[float]]] = {n: {p: [] for p in PLACEMENTS} for n in names}
+
+    def timed(c, s: int, out: list) -> None:
+        c.once(s)  # warm
+        t_end = time.perf_counter() + budget_s
+        for i in range(iters[s]):  # up to iters[s] transfers, at least 3, within the time budget
+            out.append(c.once(s))
+            if i >= 2 and time.perf_counter() > t_end:
+                break
+
     def measure(c) -> None:
         for s in SIZES:
-            c.once(s)  # warm
-            t_end = time.perf_counter() + budget_s
-            for i in range(iters[s]):  # up to iters[s] transfers, at least 3, within the time budget
-                samples[c.name][s].append(c.once(s))
-                if i >= 2 and time.perf_counter() > t_end:
-                    break
+            timed(c, s, samples[c.name][s])
+        if pinned and c.peer_pid is not None:
+            try:
+                for where, (mine, theirs) in PLACEMENTS.items():
+                    _pin(os.getpid(), mine)
+                    _pin(c.peer_pid, theirs)
+                    timed(c, 4 * KiB, placed[c.name][where])
+            finally:
+                _pin(os.getpid(), free_cpus)
+                _pin(c.peer_pid, free_cpus)
 
     # A transport's processes live only while it is measured: an idle NIXL agent's progress thread spins a whole core
     # (two agents per contender), which would load every other contender's measurement on a small machine.
@@ -249,6 +304,9 @@ def main() -> None:
             med = statistics.median(ts)
             res[name][LABEL[s]] = {"GBps": round(s / min(ts) / 1e9, 3), "GBps_median": round(s / med / 1e9, 3),
                                    "lat_us": round(med * 1e6, 1), "n": len(ts)}
+        for where, ts in placed.get(name, {}).items():
+            if ts:
+                res[name]["4KiB"][f"lat_us_{where}"] = round(statistics.median(ts) * 1e6, 1)
 
     hdr = f"{'contender':10s}" + "".join(f"{LABEL[s]:>22s}" for s in SIZES)
     print(hdr)
@@ -270,16 +328,25 @@ def main() -> None:
              "shm_vs_nixl_sm": ("shm", "nixl_sm", "64MiB"), "tcp_vs_nixl_sm": ("tcp", "nixl_sm", "64MiB"),
              "shm_vs_memcpy": ("shm", "memcpy", "64MiB")}
 
-    def lat_ratio(base: str, who: str, size: str) -> float | None:  # base latency / who latency (medians)
-        if base in res and who in res:
-            return round(res[base][size]["lat_us"] / res[who][size]["lat_us"], 3)
+    def lat_ratio(base: str, who: str, size: str, key: str = "lat_us") -> float | None:  # base / who (medians)
+        if base in res and who in res and key in res[base][size] and key in res[who][size]:
+            return round(res[base][size][key] / res[who][size][key], 3)
         return None
+
+    if pinned:
+        print("4 KiB latency (us, median) with placement fixed: split = this process on CPU 0, peer on CPU 1; "
+              "same = both on CPU 0")
+        for name, per in res.items():
+            if "lat_us_split" in per["4KiB"]:
+                print(f"{name:10s} split {per['4KiB']['lat_us_split']:>8.1f}   same {per['4KiB']['lat_us_same']:>8.1f}")
 
     out = {
         "bench": "transport",
         "quick": args.quick,
         **{k: ratio(*v) for k, v in pairs.items()},
-        "tcp_latency_vs_socket_4kib": lat_ratio("socket", "tcp", "4KiB"),
+        "tcp_latency_vs_socket_4kib": lat_ratio("socket", "tcp", "4KiB", "lat_us_split" if pinned else "lat_us"),
+        "tcp_latency_vs_socket_4kib_same_cpu": lat_ratio("socket", "tcp", "4KiB", "lat_us_same") if pinned else None,
+        "tcp_latency_vs_socket_4kib_unpinned": lat_ratio("socket", "tcp", "4KiB"),
         "ratios_median": {k: ratio(*v, key="GBps_median") for k, v in pairs.items()},
         "shm_cma": extra.get("shm", {}).get("cma"),
         "skipped": skipped,
