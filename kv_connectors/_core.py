@@ -647,9 +647,13 @@ class Endpoint(Transport):
     def _open_link(self, peer: str, timeout: float) -> list[_Conn]:
         desc = self._desc[peer]
         conns = []
+        deadline = time.monotonic() + timeout  # one bound for the whole link, not one per stripe
         try:
             for _ in range(self.stripes):
-                conns.append(self._dial(desc, timeout))
+                if time.monotonic() >= deadline:
+                    raise TransferTimeout(f"connect to {peer} at {desc['host']}:{desc['port']} timed out after "
+                                          f"{timeout:.1f} s ({len(conns)} of {self.stripes} connections up)")
+                conns.append(self._dial(desc, deadline, timeout))
             # a failing data-path hook (an adapter's library cannot reach the peer) must not leave the stripes
             # just dialed alive outside _out, where neither a later connect nor close() would find them
             self._dp_link_up(peer, desc, conns)
@@ -663,11 +667,12 @@ class Endpoint(Transport):
             raise
         return conns
 
-    def _dial(self, desc: Mapping, timeout: float) -> _Conn:
+    def _dial(self, desc: Mapping, deadline: float, timeout: float) -> _Conn:
+        """One authenticated outbound connection, up by ``deadline`` (``time.monotonic()``) or TransferTimeout;
+        ``timeout`` (s) is the link's whole bound, for the messages."""
         host, port, peer = desc["host"], desc["port"], desc["name"]
-        deadline = time.monotonic() + timeout
         try:
-            sock = socket.create_connection((host, port), timeout=timeout)
+            sock = socket.create_connection((host, port), timeout=max(0.1, deadline - time.monotonic()))
         except socket.timeout:
             raise TransferTimeout(f"connect to {peer} at {host}:{port} timed out after {timeout:.1f} s") from None
         except OSError as e:

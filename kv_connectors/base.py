@@ -496,7 +496,8 @@ class Transport(abc.ABC):
 
         Raises:
             AuthError: the peer does not know the shared secret (or we do not know its).
-            TransferTimeout: no answer within ``timeout_s`` (default: the transport's ``timeout_s``).
+            TransferTimeout: the link (every connection of it, handshakes included) not up within ``timeout_s``
+                (default: the transport's ``timeout_s``).
             PeerError: connection refused / reset.
             ValueError: the descriptor is malformed or of another kind.
         """

@@ -360,6 +360,34 @@ def test_an_outbound_handshake_waits_for_a_slow_peer_until_the_connect_timeout(m
         b.close()
 
 
+def test_connect_timeout_bounds_the_whole_link_not_each_stripe(monkeypatch):
+    """``connect(timeout_s=T)`` dials ``stripes`` connections one after another; ``T`` bounds them all. A peer whose
+    acceptor answers each handshake after 0.7 s takes 1.4 s for the two stripes, so a 1 s connect fails with
+    TransferTimeout (each stripe had its own full 1 s before, and this connect succeeded after 1.4 s), leaving no
+    half-made link behind: a later connect with time enough succeeds."""
+    from dlmix_kv_connectors import TransferTimeout
+    from dlmix_kv_connectors._core import Endpoint
+
+    a = make_transport("tcp", name="a", secret="s3", stripes=2)
+    b = make_transport("tcp", name="b", secret="s3")
+    try:
+        serve = Endpoint._serve_new
+
+        def slow_serve(self, sock, addr):
+            time.sleep(0.7)
+            serve(self, sock, addr)
+
+        monkeypatch.setattr(b, "_serve_new", slow_serve.__get__(b))
+        with pytest.raises(TransferTimeout, match=r"timed out after 1\.0 s|within 1\.0 s"):
+            a.connect(b.descriptor(), timeout_s=1.0)
+        assert a.peers() == []
+        assert a.connect(b.descriptor(), timeout_s=30) == "b"
+        assert len(a._out["b"]) == 2
+    finally:
+        a.close()
+        b.close()
+
+
 @pytest.mark.parametrize("bad, why", [
     (W.HEADER.pack(b"XX", W.VERSION, W.REQ, 2, 0) + b"{}", "bad magic"),
     (W.HEADER.pack(W.MAGIC, 9, W.REQ, 2, 0) + b"{}", "unsupported protocol version 9"),
