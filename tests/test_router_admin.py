@@ -417,6 +417,30 @@ def test_metrics_count_4xx_prefill_legs_decode_hits_and_reported_kv_bytes():
         lt.close()
 
 
+def test_removed_instances_take_their_lora_adapters_and_layouts_with_them():
+    """The router's LoRA table (adapter name -> path, which goes into every prefix key) and its KV layout table keep
+    only what registered instances serve: an adapter or a layout whose last instance left is forgotten (before, both
+    only grew, and a request naming a gone adapter was still keyed with its old path). An adapter two instances serve
+    from two paths keeps the path of the one still there."""
+    from dlmix.router.tokenize import lora_of
+
+    r = _router(policy="prefix")
+    reg = r.registry
+    lay = _layout()
+    r.register({"url": "http://127.0.0.1:9301", "id": "a", "role": "decode", "model": "base", "kv_layout": lay,
+                "lora_adapters": {"sql": "/l/sql"}})
+    r.register({"url": "http://127.0.0.1:9302", "id": "b", "role": "decode", "model": "base", "kv_layout": lay,
+                "lora_adapters": {"sql": "/l/sql-v2", "chat": "/l/chat"}})
+    assert reg.loras == {"sql": "/l/sql-v2", "chat": "/l/chat"} and len(reg._layouts) == 1
+    assert r.remove("b")
+    assert reg.loras == {"sql": "/l/sql"} and len(reg._layouts) == 1
+    assert lora_of("chat", reg.loras, reg.model_names) == ("chat", None)  # nobody serves it: no path
+    r.register({"url": "http://127.0.0.1:9301", "id": "a", "role": "decode", "model": "base", "kv_layout": lay})
+    assert reg.loras == {} and len(reg._layouts) == 1  # re-registered without adapters
+    assert r.remove("a")
+    assert reg.loras == {} and reg._layouts == {} and reg._lora_refs == {} and reg._layout_refs == {}
+
+
 # ---------------------------------------------------------------------------------------------- prefix keys
 @pytest.mark.parametrize("tokenizer", [None, "bytes"])
 @pytest.mark.parametrize("chat", [False, True])

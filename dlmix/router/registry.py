@@ -190,6 +190,9 @@ class Registry:
         #: registered model names (count of instances serving each) and LoRA adapters ``{name: path}``
         self.model_names: Dict[str, int] = {}
         self.loras: Dict[str, str] = {}
+        #: adapter name -> {path: count of registered instances serving it from that path} (what :attr:`loras` is
+        #: kept from: an adapter no instance serves any more leaves it)
+        self._lora_refs: Dict[str, Dict[str, int]] = {}
         self._pos: Dict[str, int] = {}
         self._by_url: Dict[str, Backend] = {}
         self._free: List[int] = []
@@ -198,6 +201,8 @@ class Registry:
         self._models: Dict[tuple, int] = {}
         self._groups: Dict[Tuple[str, str], Dict[str, set]] = {}
         self._layouts: Dict[str, dict] = {}
+        #: canonical layout key -> count of registered instances with that layout (:attr:`_layouts` keeps only those)
+        self._layout_refs: Dict[str, int] = {}
         #: the router's block hasher (stateful KV-event decoders re-hash token ids with it)
         self.hasher = hasher or BlockHasher(cfg.hash_algo, cfg.hash_seed)
         #: decode-role instances that cannot serve a request without a prefill instance (engine adapter's
@@ -394,7 +399,10 @@ class Registry:
             self.model_names[m] = self.model_names.get(m, 0) + 1
         loras = st.extra.get("lora_adapters")
         if isinstance(loras, dict):
-            self.loras.update(loras)
+            for name, path in loras.items():
+                paths = self._lora_refs.setdefault(name, {})
+                paths[path] = paths.get(path, 0) + 1
+                self.loras[name] = path  # the latest registration's path wins, as before
         st.extra["_lkey"] = lkey
         eng = get_engine(st.engine)
         if st.role == "decode" and eng.DECODE_NEEDS_PREFILL:
@@ -405,6 +413,7 @@ class Registry:
             f[eng.NAME] = f.get(eng.NAME, 0) + 1
         if lkey is not None:
             self._layouts.setdefault(lkey, st.kv_layout)
+            self._layout_refs[lkey] = self._layout_refs.get(lkey, 0) + 1
             for m in (st.model or ("",)):
                 self._groups.setdefault((m, st.role), {}).setdefault(lkey, set()).add(st.id)
 
@@ -438,8 +447,28 @@ class Registry:
                 f[name] -= 1
                 if not f[name]:
                     del f[name]
+        loras = st.extra.get("lora_adapters")
+        if isinstance(loras, dict):
+            for name, path in loras.items():
+                paths = self._lora_refs.get(name)
+                if paths is None or path not in paths:
+                    continue
+                paths[path] -= 1
+                if not paths[path]:
+                    del paths[path]
+                if not paths:
+                    del self._lora_refs[name]
+                    self.loras.pop(name, None)
+                elif self.loras.get(name) == path and path not in paths:
+                    self.loras[name] = next(reversed(paths))  # another instance still serves it, from there
         lkey = st.extra.get("_lkey")
         if lkey is not None:
+            n = self._layout_refs.get(lkey, 0) - 1
+            if n > 0:
+                self._layout_refs[lkey] = n
+            else:
+                self._layout_refs.pop(lkey, None)
+                self._layouts.pop(lkey, None)
             for m in (st.model or ("",)):
                 g = self._groups.get((m, st.role))
                 if g is not None and lkey in g:
