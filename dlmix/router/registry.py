@@ -451,15 +451,17 @@ class Registry:
         if isinstance(loras, dict):
             for name, path in loras.items():
                 paths = self._lora_refs.get(name)
-                if paths is None or path not in paths:
+                left = paths.get(path, 0) - 1 if paths is not None else -1
+                if left < 0:
                     continue
-                paths[path] -= 1
-                if not paths[path]:
-                    del paths[path]
+                if left:
+                    paths[path] = left
+                    continue
+                del paths[path]
                 if not paths:
                     del self._lora_refs[name]
                     self.loras.pop(name, None)
-                elif self.loras.get(name) == path and path not in paths:
+                elif self.loras.get(name) == path:
                     self.loras[name] = next(reversed(paths))  # another instance still serves it, from there
         lkey = st.extra.get("_lkey")
         if lkey is not None:
