@@ -398,6 +398,63 @@ print("ok")
     assert out.stdout.split() == ["ok"], out.stdout
 
 
+def test_cpu_aid_paged_attention_equals_plain_attention_over_the_whole_sequence():
+    """The LMDeploy CPU aid's paged attention (:class:`dlmix_lmdeploy.cpu_ops.CpuPagedAttention`, run in the LMDeploy
+    venv), which attends in chunks of ``_Q_ROWS`` query rows, equals one plain attention over each whole sequence
+    (fp32, 1e-5): two sequences in one batch, a prefill of 150 tokens and a chunk of 90 tokens after a 70-token
+    history (a prefix hit), 9 query heads over 3 KV heads, blocks of 16 in a shuffled block table; and a decode step
+    of one token. The step's K/V land in the cache at the sequence's positions."""
+    from dlmix_lmdeploy import testing as T
+
+    py = T.lmdeploy_python()
+    if py is None:
+        pytest.skip("no LMDeploy venv (run scripts/setup_lmdeploy.sh, or set DLMIX_LMDEPLOY_VENV)")
+    code = """
+import torch, torch.nn.functional as F
+from types import SimpleNamespace
+from dlmix_lmdeploy.cpu_ops import CpuPagedAttention, _Q_ROWS
+assert 70 < 2 * _Q_ROWS < 150
+g = torch.Generator().manual_seed(0)
+H, KVH, D, BS, NB = 9, 3, 64, 16, 40
+attn = CpuPagedAttention(num_heads=H, head_size=D, scale=D ** -0.5, num_kv_heads=KVH, v_head_size=D)
+kc, vc = torch.zeros(NB, BS, KVH, D), torch.zeros(NB, BS, KVH, D)
+table = torch.randperm(NB, generator=g).view(2, NB // 2)
+full_k = [torch.randn(150, KVH, D, generator=g), torch.randn(160, KVH, D, generator=g)]
+full_v = [torch.randn(150, KVH, D, generator=g), torch.randn(160, KVH, D, generator=g)]
+full_q = [torch.randn(150, H, D, generator=g), torch.randn(160, H, D, generator=g)]
+pos = torch.arange(70)  # sequence 1's first 70 tokens are already in its blocks
+kc[table[1][pos // BS], pos % BS], vc[table[1][pos // BS], pos % BS] = full_k[1][:70], full_v[1][:70]
+
+def plain(s, lo, hi):
+    k, v = full_k[s][:hi].repeat_interleave(3, 1), full_v[s][:hi].repeat_interleave(3, 1)
+    mask = torch.arange(hi)[None, :] <= torch.arange(lo, hi)[:, None]
+    o = F.scaled_dot_product_attention(full_q[s][lo:hi].transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+                                       attn_mask=mask, scale=D ** -0.5)
+    return o.transpose(0, 1)
+
+def step(spans):
+    meta = SimpleNamespace(quant_policy=0, block_offsets=table, q_seqlens=torch.tensor([hi - lo for lo, hi in spans]),
+                           kv_seqlens=torch.tensor([hi for _, hi in spans]))
+    cat = lambda xs: torch.cat([xs[s][lo:hi] for s, (lo, hi) in enumerate(spans)])
+    return attn.forward(cat(full_q), cat(full_k), cat(full_v), kc, vc, meta)
+
+out = step([(0, 150), (70, 160)])
+want = torch.cat([plain(0, 0, 150), plain(1, 70, 160)])
+assert out.shape == want.shape and (out - want).abs().max() < 1e-5, (out - want).abs().max()
+pos = torch.arange(160)
+assert torch.equal(kc[table[1][pos // BS], pos % BS], full_k[1]) and torch.equal(vc[table[1][pos // BS], pos % BS], full_v[1])
+full_q[0] = torch.cat([full_q[0], torch.randn(1, H, D, generator=g)])
+full_k[0] = torch.cat([full_k[0], torch.randn(1, KVH, D, generator=g)])
+full_v[0] = torch.cat([full_v[0], torch.randn(1, KVH, D, generator=g)])
+out = step([(150, 151), (160, 160)])
+assert (out - plain(0, 150, 151)).abs().max() < 1e-5, (out - plain(0, 150, 151)).abs().max()
+print("ok")
+"""
+    out = subprocess.run([py, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split() == ["ok"], out.stdout
+
+
 def test_rank_failure_paths_leave_no_session_held_and_never_raise_into_the_engine():
     """The adapter's :class:`dlmix_lmdeploy.backend.Rank` on its failure paths (run in the LMDeploy venv, stand-in
     engine and endpoint, the real core :class:`~dlmix.pd.producer.Producer` where it decides):

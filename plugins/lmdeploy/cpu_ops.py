@@ -18,6 +18,11 @@ from dlmix.testing.cpu_gemm import slow_gemm_dtypes, wants_fp32
 
 __all__ = ["CpuPagedAttention", "CpuLinear", "CpuOpsBackend"]
 
+#: query rows per attention call. A whole 1,000-token prompt in one masked call builds its ``[heads, 1000, 1000]``
+#: score matrix and computes the masked-out half too; 64 rows a call (each over only the keys it may see) measured
+#: 3.6x faster on one AVX2 core (36.7 against 133 ms per layer, SmolLM2's 9 heads of 64) and equal to 2.4e-7.
+_Q_ROWS = 64
+
 
 class CpuLinear(DefaultLinearImpl):
     """LMDeploy's default linear, except that a 16-bit product this CPU has no native GEMM for is computed in fp32
@@ -40,7 +45,7 @@ class CpuLinear(DefaultLinearImpl):
 
 class CpuPagedAttention(AttentionImpl[AttentionMetadata]):
     """Reference paged attention: write this step's K/V into the sequence's blocks, gather the sequence, causal SDPA
-    in fp32, one sequence at a time.
+    in fp32, one sequence at a time and :data:`_Q_ROWS` query rows a call.
 
     Shapes: ``query`` ``[tokens, heads, head_dim]``; ``key``/``value`` ``[tokens, kv_heads, head_dim]``;
     ``k_cache``/``v_cache`` ``[num_blocks, block_size, kv_heads, head_dim]`` (views, may be strided). With
@@ -89,13 +94,17 @@ class CpuPagedAttention(AttentionImpl[AttentionMetadata]):
                     v = v_cache[blk, off].float()
                 if groups > 1:
                     k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-                q = query[start:start + q_len].float()
-                mask = None
-                if self.causal:
-                    mask = torch.arange(kv_len)[None, :] <= (history + torch.arange(q_len))[:, None]
-                o = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
-                                                   attn_mask=mask, scale=self.scale)
-                out[start:start + q_len] = o.transpose(0, 1).to(out.dtype)
+                q, k, v = query[start:start + q_len].float().transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
+                for i in range(0, q_len, _Q_ROWS):  # causal: rows i..j-1 see keys 0..history+j-1 only
+                    j = min(q_len, i + _Q_ROWS)
+                    n_kv, mask = kv_len, None
+                    if self.causal:
+                        n_kv = history + j
+                        if j - i > 1:
+                            mask = torch.arange(n_kv)[None, :] <= (history + torch.arange(i, j))[:, None]
+                    o = F.scaled_dot_product_attention(q[:, i:j], k[:, :n_kv], v[:, :n_kv], attn_mask=mask,
+                                                       scale=self.scale)
+                    out[start + i:start + j] = o.transpose(0, 1).to(out.dtype)
             start += q_len
         return out
 
