@@ -478,8 +478,11 @@ def pd_test_spec(name: str, model: str, workdir, *, role: str | None, cpu: str, 
                  extra_args: list[str] | None = None, kv_bytes: int = 128 * 1024 * 1024) -> VLLMServerSpec:
     """The spec of one small vLLM CPU server for PD end-to-end tests and benchmarks (the settings the connector
     tests use): eager, ``kv_bytes`` of KV cache, 2048-token context, 8 sequences, seed 0, hub offline, dev-mode
-    endpoints on, pinned to ``cpu`` (``VLLM_CPU_OMP_THREADS_BIND``), vLLM cache under ``workdir/cache-NAME``, the
-    CPU aid on (``DLMIX_VLLM_CPU_AIDS=1``, :func:`dlmix_vllm.cpu_aids`).
+    endpoints on, pinned to ``cpu`` (``VLLM_CPU_OMP_THREADS_BIND``), the CPU aid on (``DLMIX_VLLM_CPU_AIDS=1``,
+    :func:`dlmix_vllm.cpu_aids`). Every such server shares one vLLM cache, ``vllm/`` under dlmix's cache root
+    (:func:`dlmix.models.cache_root`): vLLM keeps each model class's inspection there (``modelinfos/``, keyed by the
+    model file's hash, written atomically; ``vllm/model_executor/models/registry.py``), and without it every start
+    inspects the class in one more child process (about 9 s of CPU here, a quarter of a start).
     ``dtype`` defaults to ``float32``: vLLM CPU's KV cache takes the model dtype, and bf16/fp16 matmuls run tens of
     times slower than fp32 on x86 CPUs without AVX-512 BF16 or AMX (torch falls back to scalar conversion), so a
     test pays for bf16 only where bf16 is what it checks.
@@ -498,7 +501,9 @@ def pd_test_spec(name: str, model: str, workdir, *, role: str | None, cpu: str, 
             ktc["kv_connector_extra_config"] = extra
         if connector == "NixlConnector":
             ktc["kv_buffer_device"] = "cpu"
-    child_env = {"VLLM_CACHE_ROOT": str(Path(workdir) / f"cache-{name}"), "VLLM_SERVER_DEV_MODE": "1",
+    from dlmix.models import cache_root
+
+    child_env = {"VLLM_CACHE_ROOT": str(cache_root() / "vllm"), "VLLM_SERVER_DEV_MODE": "1",
                  "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
                  VLLMServerSpec.CPU_AIDS_ENV: "1"}
     child_env.update(env or {})
@@ -616,7 +621,9 @@ class EngineProcess:
             except OSError as e:
                 raise EngineStartError(f"port {self.spec.port} on {self.spec.host} is in use ({e})")
         env = self.spec.child_env()
-        env.setdefault("VLLM_CACHE_ROOT", str(self.log_path.parent / f"{self.name}-vllm-cache"))
+        # one vLLM cache for every instance logging here (a deployment): vLLM's model-class inspection is cached
+        # there (keyed by the model file's hash), so only the first start pays a child process for it
+        env.setdefault("VLLM_CACHE_ROOT", str(self.log_path.parent / "vllm-cache"))
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(die_with_parent(self.spec.argv()), stdout=log, stderr=subprocess.STDOUT, env=env,
                                          stdin=subprocess.DEVNULL, start_new_session=True)
