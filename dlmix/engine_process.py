@@ -160,7 +160,8 @@ class VLLMServerSpec:
     """
 
     #: the environment variable (value ``1``) that turns on the vLLM adapter's CPU aid in every vLLM process
-    #: (``dlmix_vllm.cpu_aids``: 16-bit prefill products in fp32 where the CPU has no native kernel for them)
+    #: (``dlmix_vllm.cpu_aids``: 16-bit prefill products in fp32 where the CPU has no native kernel for them, and
+    #: no spinning while one vLLM process waits for another's message)
     CPU_AIDS_ENV: ClassVar[str] = "DLMIX_VLLM_CPU_AIDS"
 
     model: str

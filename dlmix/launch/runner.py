@@ -187,7 +187,7 @@ def _vllm_spec(dep: Deployment, i: int, model: str, kv_transfer: Optional[dict],
                                                     "endpoint": kv_events})]
     cpu = inst.device == "cpu"
     env = _engine_env(dep, inst)
-    if cpu:  # dlmix_vllm.cpu_aids: 16-bit prefill products in fp32 where the CPU has no native kernel for them
+    if cpu:  # dlmix_vllm.cpu_aids: 16-bit prefill products in fp32 where the CPU has no native kernel, no spin waits
         env = {VLLMServerSpec.CPU_AIDS_ENV: "1", **env}
     return VLLMServerSpec(
         model=model, port=inst.port, host=inst.host, python=inst.python,
