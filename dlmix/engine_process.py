@@ -26,6 +26,8 @@ from dataclasses import dataclass, field
 from typing import ClassVar
 from pathlib import Path
 
+from dlmix.models import cache_root
+
 
 __all__ = ["EngineProcess", "die_with_parent", "ServerChild", "VLLMServerSpec", "SGLangServerSpec", "LMDeployServerSpec", "SGLANG_CPU_FLAGS", "SGLANG_CPU_PD_FLAGS",
            "pd_test_spec", "free_port", "EngineStartError"]
@@ -502,8 +504,6 @@ def pd_test_spec(name: str, model: str, workdir, *, role: str | None, cpu: str, 
             ktc["kv_connector_extra_config"] = extra
         if connector == "NixlConnector":
             ktc["kv_buffer_device"] = "cpu"
-    from dlmix.models import cache_root
-
     child_env = {"VLLM_CACHE_ROOT": str(cache_root() / "vllm"), "VLLM_SERVER_DEV_MODE": "1",
                  "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
                  VLLMServerSpec.CPU_AIDS_ENV: "1"}

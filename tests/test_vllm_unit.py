@@ -73,7 +73,7 @@ def test_cpu_aid_computes_slow_16bit_prefill_products_in_fp32(monkeypatch):
     import dlmix.testing.cpu_gemm as cg
 
     monkeypatch.setattr(utils, "dispatch_cpu_unquantized_gemm", utils.dispatch_cpu_unquantized_gemm)  # restored
-    monkeypatch.setattr(SpinCondition, "wait", SpinCondition.wait)  # cpu_aids() also installs _waits_block
+    monkeypatch.setattr(SpinCondition, "wait", SpinCondition.wait)  # cpu_aids() also installs _no_spin_waits
     monkeypatch.setattr(cg, "slow_gemm_dtypes", lambda: frozenset({torch.bfloat16}))
     calls = []
     monkeypatch.setattr(cg, "linear_fp32", lambda x, w, b=None: calls.append(tuple(x.shape)) or
@@ -102,20 +102,25 @@ def test_cpu_aid_computes_slow_16bit_prefill_products_in_fp32(monkeypatch):
 
 
 def test_cpu_aid_makes_a_waiting_vllm_process_sleep_instead_of_spinning(monkeypatch):
-    """``DLMIX_VLLM_CPU_AIDS`` (:func:`dlmix_vllm._waits_block`): a reader of vLLM's shared-memory message queue
+    """``DLMIX_VLLM_CPU_AIDS`` (:func:`dlmix_vllm._no_spin_waits`): a reader of vLLM's shared-memory message queue
     (as a worker waits for the scheduler's next step) that waits 0.8 s for the next message right after reading one
-    uses under 0.15 s of CPU (measured ~0.05 s: naps of 0.5 ms), and still gets the message; without the aid the
-    same wait spins (vLLM's 1 s ``sched_yield`` loop: ~0.8 s of CPU on an idle machine, over 0.3 s asserted)."""
+    never calls ``sched_yield``, uses under 0.15 s of CPU (measured ~0.05 s: naps of 0.5 ms), and still gets the
+    message. Without the aid the same wait spins on ``sched_yield`` (vLLM's 1 s busy loop; ~0.8 s of CPU on an idle
+    machine, less on a loaded one, so the control counts the yields)."""
     import dlmix_vllm
-    from vllm.distributed.device_communicators.shm_broadcast import MessageQueue
+    from vllm.distributed.device_communicators import shm_broadcast
 
     monkeypatch.setattr(SpinCondition, "wait", getattr(SpinCondition.wait, "__wrapped__", SpinCondition.wait))
+    yields = []
+    real_yield = shm_broadcast.sched_yield
+    monkeypatch.setattr(shm_broadcast, "sched_yield", lambda: yields.append(threading.get_ident()) or real_yield())
 
-    def wait_cpu_s() -> float:
-        writer = MessageQueue(n_reader=1, n_local_reader=1)
+    def wait_for_second() -> tuple[int, float]:
+        """(sched_yield calls, CPU seconds) of this thread while it waits 0.8 s for the second message."""
+        writer = shm_broadcast.MessageQueue(n_reader=1, n_local_reader=1)
         box = {}
-        t = threading.Thread(target=lambda: box.update(r=MessageQueue.create_from_handle(writer.export_handle(), 0))
-                             or box["r"].wait_until_ready())
+        t = threading.Thread(target=lambda: box.update(
+            r=shm_broadcast.MessageQueue.create_from_handle(writer.export_handle(), 0)) or box["r"].wait_until_ready())
         t.start()
         writer.wait_until_ready()
         t.join()
@@ -125,19 +130,22 @@ def test_cpu_aid_makes_a_waiting_vllm_process_sleep_instead_of_spinning(monkeypa
             assert reader.dequeue(timeout=10) == "first"
             later = threading.Timer(0.8, writer.enqueue, ("second",))
             later.start()
+            yields.clear()
             c0 = time.thread_time()
             assert reader.dequeue(timeout=10) == "second"
+            cpu_s = time.thread_time() - c0
             later.join()
-            return time.thread_time() - c0
+            return yields.count(threading.get_ident()), cpu_s
         finally:
             reader.shutdown()
             writer.shutdown()
 
-    spun = wait_cpu_s()
-    dlmix_vllm._waits_block()
+    spun, _ = wait_for_second()
+    assert spun > 0
+    dlmix_vllm._no_spin_waits()
     assert SpinCondition.wait.dlmix_cpu_aid
-    blocked = wait_cpu_s()
-    assert blocked < 0.15 and spun > 0.3, (blocked, spun)
+    napped, cpu_s = wait_for_second()
+    assert napped == 0 and cpu_s < 0.15, (napped, cpu_s, spun)
 
 
 def test_settings_defaults_and_errors():

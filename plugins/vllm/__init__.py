@@ -66,10 +66,10 @@ def cpu_aids() -> bool:
     which then keeps the layer's weight and sets ``layer.cpu_linear`` to choose per call. Idempotent per process;
     returns True when this call installed it. Raises ImportError only if vLLM cannot be imported.
 
-    Also :func:`_waits_block`: vLLM's processes wait for each other's messages without spinning."""
+    Also :func:`_no_spin_waits`: vLLM's processes wait for each other's messages without spinning."""
     from vllm.model_executor.layers import utils
 
-    _waits_block()
+    _no_spin_waits()
     if getattr(utils.dispatch_cpu_unquantized_gemm, "dlmix_cpu_aid", False):
         return False
     original = utils.dispatch_cpu_unquantized_gemm
@@ -94,11 +94,11 @@ def cpu_aids() -> bool:
 
 
 #: how long a vLLM process waiting for another's next message sleeps between two looks at the queue
-#: (:func:`_waits_block`), seconds
+#: (:func:`_no_spin_waits`), seconds
 WAIT_NAP_S = 0.0005
 
 
-def _waits_block() -> None:
+def _no_spin_waits() -> None:
     """The second CPU aid: a vLLM process waiting for the next message from another (a worker for the scheduler's
     next step, the EngineCore for the worker's output) sleeps between looks at the queue instead of spinning.
 
@@ -112,9 +112,10 @@ def _waits_block() -> None:
 
     How: wraps ``SpinCondition.wait`` so that within that busy second the reader sleeps :data:`WAIT_NAP_S` instead
     of yielding (a step waits at most that much longer for its message; a step on a CPU takes milliseconds). After
-    the second, vLLM's own idle path is unchanged (a ``zmq`` poll on the writer's notification). Blocking on that
-    notification at once is not an option: vLLM's notification socket is conflating, and a reader polling it after
-    every message missed wake-ups (a decode step waited for a worker that waited for it). Idempotent per process."""
+    the second, vLLM's own idle path is unchanged (a ``zmq`` poll on the writer's notification). Polling that
+    notification after every message instead (a busy period of 0) lost wake-ups here: a decode's EngineCore and its
+    worker each waited for the other's message, the decode advancing about one token a second. Idempotent per
+    process."""
     from vllm.distributed.device_communicators import shm_broadcast
 
     cls = shm_broadcast.SpinCondition
