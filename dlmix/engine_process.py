@@ -475,7 +475,7 @@ class LMDeployServerSpec(_OwnVenvServer):
 
 
 
-def pd_test_spec(name: str, model: str, workdir, *, role: str | None, cpu: str, port: int, block_size: int = 128,
+def pd_test_spec(model: str, *, role: str | None, cpu: str, port: int, block_size: int = 128,
                  dtype: str = "float32", extra: dict | None = None, connector: str = "DLMixConnector",
                  served_name: str = "smollm2", env: dict[str, str] | None = None,
                  extra_args: list[str] | None = None, kv_bytes: int = 128 * 1024 * 1024) -> VLLMServerSpec:

@@ -126,7 +126,7 @@ def test_pd_test_spec_builds_the_same_command_line_as_the_connector_test_launche
                 rest = rest[1:]
         return out
 
-    spec = pd_test_spec("p", "/models/m", tmp_path, role="kv_producer", cpu="1", port=4321,
+    spec = pd_test_spec("/models/m", role="kv_producer", cpu="1", port=4321,
                         extra={"transport": "tcp"}, extra_args=["--x", "1"])
     assert pairs(spec.argv()) == pairs(seen["args"])
     env = spec.child_env()

@@ -114,7 +114,7 @@ def launch(name: str, model: str, workdir: Path, *, role: str | None, cpu: str, 
     and KV cache dtype (default fp32: bf16 matmuls are far slower on CPUs without AVX-512 BF16/AMX)."""
     port = port or free_port()
     log = workdir / f"{name}.log"
-    spec = pd_test_spec(name, model, workdir, role=role, cpu=cpu, port=port, block_size=block_size, dtype=dtype,
+    spec = pd_test_spec(model, role=role, cpu=cpu, port=port, block_size=block_size, dtype=dtype,
                         extra=extra, connector=connector, served_name=served_name, env=env, extra_args=extra_args,
                         kv_bytes=kv_bytes)
     args, e = spec.argv(), spec.child_env()
