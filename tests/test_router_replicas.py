@@ -461,3 +461,58 @@ def test_replicas_agree_after_two_registrations_that_interact(replicas, monkeypa
     late = replicas()
     views = {"a": _ids(a), "b": _ids(b), "late": _ids(late)}
     assert views["a"] == views["b"] == views["late"], views
+
+
+def test_a_registration_refused_after_its_write_leaves_nothing_in_the_store(replicas, monkeypatch):
+    """Replica A validates a decode while B's registration of a prefill it cannot pair with is on its way to A (A's
+    watch held back): A writes, then applies the store in order (B's prefill first) and refuses its own decode, as
+    every replica does. A answers 409 with the reason and takes its write back out of etcd: once the prefill is
+    removed, a replica started later does not bring back the decode its client was told was refused (before, the
+    key stayed in the store and a late replica served an instance no other replica had)."""
+    import asyncio
+
+    held = set()
+    hold = threading.Event()
+    orig = EtcdClient.watch
+
+    async def delayed_watch(self, prefix, start):
+        async for evs in orig(self, prefix, start):
+            while hold.is_set() and self in held:
+                await asyncio.sleep(0.01)
+            yield evs
+
+    monkeypatch.setattr(EtcdClient, "watch", delayed_watch)
+    a, b = replicas(), replicas()
+    held.add(a.router.shared.client)
+    hold.set()
+    from dlmix.kv.layout import KVLayout, ModelIdentity
+
+    def layout(layers):  # a prefill and a decode of one model must agree on its layer count
+        return KVLayout(model=ModelIdentity(architecture="LlamaForCausalLM", num_layers=layers, num_kv_heads=2,
+                                            head_size=64), block_size=16, dtype="bfloat16",
+                        arrangement="vllm_lbnhc").to_dict()
+
+    other = f"http://127.0.0.1:{free_port()}"
+    prefill = {"url": _NOBODY, "id": "p", "model": "m", "role": "prefill", "kv_layout": layout(4), "heartbeat_ttl_s": 0}
+    decode = {"url": other, "id": "d", "model": "m", "role": "decode", "kv_layout": layout(5), "heartbeat_ttl_s": 0}
+    assert httpx.post(b.url + "/admin/instances", json=prefill, timeout=10).status_code == 201
+    rev_p = b.call(lambda: b.router.shared.revision)
+
+    def release():  # A's watch catches up once A's own write is in the store (B has seen it)
+        wait_until(lambda: b.call(lambda: b.router.shared.revision) > rev_p, 30, "A's write in the store")
+        hold.clear()
+
+    t = threading.Thread(target=release)
+    t.start()
+    try:
+        r = httpx.post(a.url + "/admin/instances", json=decode, timeout=10)
+    finally:
+        t.join(60)
+        hold.clear()
+    assert r.status_code == 409, r.text
+    assert any("layers" in s for s in r.json()["error"]["reasons"]), r.json()
+    wait_until(lambda: _ids(a) == _ids(b) == ["p"], 30, "both replicas serve the prefill only")
+    assert httpx.delete(b.url + "/admin/instances/p", timeout=10).status_code == 200
+    late = replicas()
+    assert _ids(late) == [], "a replica started later applied the refused registration left in the store"
+    wait_until(lambda: _ids(a) == _ids(b) == [], 30, "the prefill removed everywhere")

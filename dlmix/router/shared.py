@@ -186,6 +186,17 @@ class EtcdClient:
         r = await self.call("/v3/kv/txn", {"compare": [], "success": ops, "failure": []})
         return int(r.get("header", {}).get("revision", 0))
 
+    async def undo_if_unchanged(self, key: str, mod_revision: int, value: Optional[bytes]) -> int:
+        """Put ``value`` back under ``key`` (delete ``key`` when ``value`` is None), but only while ``key`` was last
+        written at store revision ``mod_revision``: an etcd transaction comparing the key's ``mod_revision``, so a
+        later write by anyone else is never overwritten. Returns the store revision of the undo, 0 when ``key``
+        had changed (nothing written). Raises EtcdError."""
+        op = ({"request_delete_range": {"key": _b64(key)}} if value is None
+              else {"request_put": {"key": _b64(key), "value": _b64(value)}})
+        cmp = {"key": _b64(key), "target": "MOD", "result": "EQUAL", "mod_revision": str(mod_revision)}
+        r = await self.call("/v3/kv/txn", {"compare": [cmp], "success": [op], "failure": []})
+        return int(r.get("header", {}).get("revision", 0)) if r.get("succeeded") else 0
+
     async def get_prefix(self, prefix: str) -> Tuple[int, List[Event]]:
         """Every key under ``prefix``: (store revision, events of kind ``"put"``). Raises EtcdError."""
         r = await self.call("/v3/kv/range", {"key": _b64(prefix), "range_end": _prefix_end(prefix)})
@@ -481,10 +492,10 @@ class SharedState:
         reg = self.registry
         if kind == "instances":
             if e.kind == "delete":
-                self._applied.pop(iid, None)
                 self._ttl.pop(iid, None)
                 self._alive.pop(iid, None)
-                reg.remove(iid)
+                if self._applied.pop(iid, None) is not None:  # an instance of this replica's own configuration stays
+                    reg.remove(iid)
                 return
             if self._applied.get(iid) == e.value and iid in reg.backends:
                 return
@@ -564,15 +575,18 @@ class SharedState:
         # bring the replaced id back, and no one could remove it any more)
         gone = old.state.id if old is not None and old.state.id != st.id and old.state.id in self._applied else None
         stale = [self._key(kind, gone) for kind in ("instances", "alive", "drain", "calib")] if gone else []
+        key, before = self._key("instances", st.id), self._applied.get(st.id)
         try:
             if stale:
-                rev = await self.client.txn([(self._key("instances", st.id), value)], stale)
+                rev = await self.client.txn([(key, value)], stale)
             else:
-                rev = await self.client.put(self._key("instances", st.id), value)
+                rev = await self.client.put(key, value)
             await self._until_applied(rev)  # older changes first (no-op below when the watch applied it)
-            self._apply(Event("put", self._key("instances", st.id), value, 0, rev))
-            for key in stale:
-                self._apply(Event("delete", key, b"", 0, rev))
+            self._apply(Event("put", key, value, 0, rev))
+            for k in stale:
+                self._apply(Event("delete", k, b"", 0, rev))
+            if self._applied.get(st.id) != value:
+                return await self._refused_after_write(body, st.id, key, rev, before)
             if ttl > 0:
                 lease = await self.client.grant(ttl)
                 rev = await self.client.put(self._key("alive", st.id), b"{}", lease)
@@ -582,6 +596,27 @@ class SharedState:
         if st.id not in reg.backends:  # another change won meanwhile (e.g. a removal by another replica)
             return 409, {"error": f"{st.id} was changed by another router replica meanwhile; retry", "reasons": []}
         return 201, {"id": st.id, "slot": reg.backends[st.id].state.slot}
+
+    async def _refused_after_write(self, body: dict, iid: str, key: str, rev: int,
+                                   before: Optional[bytes]) -> Tuple[int, dict]:
+        """The registration written at revision ``rev`` was not applied: a change another replica wrote just before
+        it made it incompatible (every replica refuses it alike, applying changes in store order), or a later change
+        replaced it. Undo the write in etcd unless someone changed ``key`` since (``before``: the value this replica
+        had applied, None for a new id), so the store never keeps a registration its client was told was refused (a
+        replica reading the store later would apply it). Returns (409, body with the reasons)."""
+        try:
+            undone = await self.client.undo_if_unchanged(key, rev, before)
+        except EtcdError as ex:
+            log.warning("router replica: could not undo the refused registration of %s: %s", iid, ex)
+            undone = 0
+        if undone:
+            self._apply(Event("delete", key, b"", 0, undone) if before is None else Event("put", key, before, 0, undone))
+        try:
+            self.registry.validate(body, self.ttl_default)
+        except RegistrationError as ex:
+            return ex.status, {"error": f"{ex} (registered through another router replica meanwhile)",
+                               "reasons": ex.reasons}
+        return 409, {"error": f"{iid} was changed by another router replica meanwhile; retry", "reasons": []}
 
     def heartbeat(self, b: Backend, body) -> None:
         """``POST /admin/instances/<id>/heartbeat``: counts here at once (raises ValueError for a bad body, like
