@@ -286,11 +286,11 @@ class CliLaunch:
 
         wait_until(lambda: self.seen(text), timeout_s, what, interval_s=0.2)
 
-    def interrupt(self, timeout_s: float = 240.0, again_after: bytes | None = None) -> str:
-        """SIGINT to the CLI, wait for it to exit (a clean stop takes seconds; at a load average of 8 on 2 cores it
+    def interrupt(self, timeout_s: float = 240.0, again_after: bytes | None = None, sig: int = signal.SIGINT) -> str:
+        """``sig`` (SIGINT: Ctrl-C) to the CLI, wait for it to exit (a clean stop takes seconds; at a load average of 8 on 2 cores it
         took over 60 s, so the bound is generous), return its whole output as text. ``again_after``: once the
         output shows this text, SIGINT once more (a second Ctrl-C while the CLI stops)."""
-        os.kill(self.proc.pid, signal.SIGINT)
+        os.kill(self.proc.pid, sig)
         if again_after is not None:
             from dlmix.testing import wait_until
 

@@ -112,6 +112,16 @@ def test_cli_sigint_stops_every_child(tmp_path, orphans, cli_launch):
     orphans.assert_gone()
 
 
+def test_cli_sigterm_stops_every_child_and_exits_143(tmp_path, orphans, cli_launch):
+    """SIGTERM (``kill``, Kubernetes, systemd) stops the deployment as Ctrl-C does; the exit code says which signal
+    it was (128 + 15), as a shell reports it; before, every stop signal exited 130 (Ctrl-C's)."""
+    cli = _ready_cli(tmp_path, orphans, cli_launch)
+    text = cli.interrupt(sig=signal.SIGTERM)
+    assert cli.proc.returncode == 143, text
+    assert "stopping every process" in text and "stopped." in text
+    orphans.assert_gone()
+
+
 def test_cli_killed_with_sigkill_leaves_no_engine_serving(tmp_path, orphans, cli_launch):
     """``kill -9`` of ``dlmix launch`` (or the OOM killer) runs none of its stop code: its router and engines, each in
     its own session, get SIGTERM from the kernel when it dies (``PR_SET_PDEATHSIG``) and stop with their children."""

@@ -9,17 +9,26 @@ from typing import Optional, Tuple
 
 import typer
 
-__all__ = ["launch_cmd", "stopping_on_signals"]
+__all__ = ["StopSignal", "launch_cmd", "stopping_on_signals"]
 
 
 _STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+class StopSignal(KeyboardInterrupt):
+    """A stop signal (SIGINT, SIGTERM or SIGHUP) received inside :func:`stopping_on_signals`; ``signum`` its number.
+    The exit code after the stop is ``128 + signum`` (the shell's convention: 130 Ctrl-C, 143 SIGTERM, 129 SIGHUP)."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = int(signum)
 
 
 def _raise_interrupt(signum, frame):  # SIGINT/SIGTERM/SIGHUP -> the same clean stop as Ctrl-C
     # one-shot: a second signal (a second Ctrl-C, SIGTERM right behind SIGINT) must not abort the stop half-way and
     # leave engines running; the stop is bounded anyway (--grace seconds, then SIGKILL)
     _hold_signals()
-    raise KeyboardInterrupt
+    raise StopSignal(signum)
 
 
 def _hold_signals() -> None:
@@ -29,7 +38,7 @@ def _hold_signals() -> None:
 
 @contextlib.contextmanager
 def stopping_on_signals():
-    """While inside, SIGINT, SIGTERM and SIGHUP raise KeyboardInterrupt once (then are ignored, so a stop under way
+    """While inside, SIGINT, SIGTERM and SIGHUP raise :class:`StopSignal` (a KeyboardInterrupt) once (then are ignored, so a stop under way
     is never cut short); the previous handlers are restored on exit. SIGINT too: a process started with SIGINT
     ignored (a background job of a non-interactive shell) gets no KeyboardInterrupt from Python, and its children
     would inherit the ignored SIGINT. Installs nothing outside the main thread (Python allows handlers only there)."""
@@ -138,11 +147,11 @@ def launch_cmd(
                           highlight=False, soft_wrap=True)
             console.print("Ctrl-C stops everything.")
             running.wait()
-        except KeyboardInterrupt:
+        except KeyboardInterrupt as e:
             console.print("\n[yellow]stopping every process...[/]")
             _stop(running, grace)
             console.print("stopped.")
-            raise typer.Exit(130)
+            raise typer.Exit(128 + getattr(e, "signum", signal.SIGINT))
         except LaunchError as e:
             _stop(running, grace)
             tail = ("" if getattr(e, "nothing_started", False)
