@@ -141,25 +141,20 @@ class RouterFields:
             v = self._dec.decode(raw)
         except (msgspec.DecodeError, RecursionError):
             return
-        for k in self.names:
-            x = getattr(v, k)
-            if x is not None and x is not False:
-                raise self._refused(k)
+        self._refuse_set(getattr(v, k) for k in self.names)
 
     def check(self, d: Any) -> None:
         """Raise BadRequest naming the first field of the decoded body ``d`` (a dict; anything else passes) that is
         set to a value other than ``null``/``false``."""
-        if not isinstance(d, dict):
-            return
-        for k in self.names:
-            v = d.get(k)
-            if v is not None and v is not False:
-                raise self._refused(k)
+        if isinstance(d, dict):
+            self._refuse_set(d.get(k) for k in self.names)
 
-    @staticmethod
-    def _refused(k: str) -> BadRequest:
-        return BadRequest(f"invalid request body: `{k}` is set by the router for prefill/decode hand-offs; a client "
-                          f"may not send it")
+    def _refuse_set(self, values: Iterable[Any]) -> None:
+        """Raise BadRequest naming the first of :attr:`names` whose value (``values``, in that order) is set."""
+        for k, v in zip(self.names, values):
+            if v is not None and v is not False:
+                raise BadRequest(f"invalid request body: `{k}` is set by the router for prefill/decode hand-offs; "
+                                 "a client may not send it")
 
 
 def n_choices(body: Any) -> int:
