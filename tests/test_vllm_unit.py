@@ -11,6 +11,7 @@ import torch
 
 pytest.importorskip("vllm")
 
+from vllm.distributed.device_communicators import shm_broadcast  # noqa: E402
 from vllm.distributed.device_communicators.shm_broadcast import SpinCondition  # noqa: E402
 
 from dlmix.kv import KVLayout, ModelIdentity  # noqa: E402
@@ -108,7 +109,6 @@ def test_cpu_aid_makes_a_waiting_vllm_process_sleep_instead_of_spinning(monkeypa
     message. Without the aid the same wait spins on ``sched_yield`` (vLLM's 1 s busy loop; ~0.8 s of CPU on an idle
     machine, less on a loaded one, so the control counts the yields)."""
     import dlmix_vllm
-    from vllm.distributed.device_communicators import shm_broadcast
 
     monkeypatch.setattr(SpinCondition, "wait", getattr(SpinCondition.wait, "__wrapped__", SpinCondition.wait))
     yields = []
