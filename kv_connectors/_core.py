@@ -58,6 +58,13 @@ from .base import (
 
 log = logging.getLogger("dlmix_kv_connectors")
 
+#: the reason an endpoint gives a connection it will not authenticate now (too many handshakes from its address)
+BUSY = "busy"
+
+
+class _PeerBusy(PeerError):
+    """The peer answered a new connection ``busy`` (:data:`BUSY`) before the handshake: try again shortly."""
+
 
 def _host_id() -> str:
     """Identifies 'same host, same PID namespace' (boot id + pid-namespace inode)."""
@@ -350,6 +357,9 @@ class Endpoint(Transport):
     * ``max_handshakes`` (int, 64): inbound connections in their authentication at once (one thread each); further
       connections wait in the listen backlog until one of those ends, so a flood of idle connections costs at most
       this many threads.
+    * ``max_handshakes_per_host`` (int, ``max_handshakes // 4``, at least 1): of those, at most this many from one
+      source address; a further connection from that address is answered ``busy`` and closed at once (its dialer
+      tries again until its connect timeout), so one host's idle connections cannot take every slot from the others.
     * ``timeout_s`` also bounds, on the owner side, the serving of each request of a peer: one not done within
       ``timeout_s`` of its start (the peer stopped reading a read's bytes, or stopped sending a write's payload) has
       that connection dropped by the reaper (within one tick, 20 ms), so no byte moves between the region and that
@@ -382,6 +392,7 @@ class Endpoint(Transport):
         max_segs: int = 65536,
         handshake_timeout_s: float = 10.0,
         max_handshakes: int = 64,
+        max_handshakes_per_host: int | None = None,
         inline_bytes: int = 256 << 10,
         min_stripe_bytes: int = 1 << 20,
         spin_us: float = 100.0,
@@ -404,6 +415,11 @@ class Endpoint(Transport):
         self.max_handshakes = int(max_handshakes)
         if self.max_handshakes < 1:
             raise ValueError(f"max_handshakes must be at least 1, got {max_handshakes!r}")
+        self.max_handshakes_per_host = (max(1, self.max_handshakes // 4) if max_handshakes_per_host is None
+                                        else int(max_handshakes_per_host))
+        if not 1 <= self.max_handshakes_per_host <= self.max_handshakes:
+            raise ValueError(f"max_handshakes_per_host must be between 1 and max_handshakes ({self.max_handshakes}), "
+                             f"got {max_handshakes_per_host!r}")
         self.inline_bytes = int(inline_bytes)
         self.min_stripe_bytes = max(4096, int(min_stripe_bytes))
         if not 0 <= float(spin_us) <= 10_000:
@@ -427,10 +443,12 @@ class Endpoint(Transport):
         #: accepted sockets still in their handshake (``close()`` shuts them down), and the free handshake slots
         self._hs_socks: set[socket.socket] = set()
         self._hs_slots = threading.Semaphore(self.max_handshakes)
+        #: handshakes in progress per source address (``_lock``)
+        self._hs_hosts: dict[str, int] = {}
         #: inbound connections whose reader (serving) thread runs, dropped ones included until it ends
         self._serving_conns: set[_Conn] = set()
         #: counters for tests and benchmarks
-        self.stats = {"protocol_errors": 0, "auth_failures": 0, "refused_ops": 0, "served_ops": 0}
+        self.stats = {"protocol_errors": 0, "auth_failures": 0, "refused_ops": 0, "served_ops": 0, "busy_refusals": 0}
 
         self._lsock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
         self._lsock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -669,7 +687,21 @@ class Endpoint(Transport):
 
     def _dial(self, desc: Mapping, deadline: float, timeout: float) -> _Conn:
         """One authenticated outbound connection, up by ``deadline`` (``time.monotonic()``) or TransferTimeout;
-        ``timeout`` (s) is the link's whole bound, for the messages."""
+        ``timeout`` (s) is the link's whole bound, for the messages. While the peer answers ``busy`` (too many
+        handshakes from this host), tries again after 10 ms, doubling up to 0.5 s."""
+        nap = 0.01
+        while True:
+            try:
+                return self._dial_once(desc, deadline, timeout)
+            except _PeerBusy as e:  # too many handshakes from this host at the peer: wait for a slot
+                if time.monotonic() + nap >= deadline:
+                    raise TransferTimeout(f"{desc['name']} at {desc['host']}:{desc['port']} stayed busy for "
+                                          f"{timeout:.1f} s ({e})") from None
+                time.sleep(nap)
+                nap = min(2 * nap, 0.5)
+
+    def _dial_once(self, desc: Mapping, deadline: float, timeout: float) -> _Conn:
+        """One try of :meth:`_dial`; raises _PeerBusy when the peer answered ``busy``."""
         host, port, peer = desc["host"], desc["port"], desc["name"]
         try:
             sock = socket.create_connection((host, port), timeout=max(0.1, deadline - time.monotonic()))
@@ -689,7 +721,7 @@ class Endpoint(Transport):
                 from None
         except (OSError, ProtocolError) as e:
             sock.close()
-            if isinstance(e, AuthError):
+            if isinstance(e, (AuthError, _PeerBusy)):
                 raise
             raise PeerError(f"handshake with {peer} at {host}:{port} failed: {e}") from None
         except BaseException:
@@ -725,6 +757,8 @@ class Endpoint(Transport):
         ftype, blen, _ = W.read_frame_header(sock, hdr, W.PREAUTH_MAX_BODY, 0, deadline)
         body = W.read_body(sock, ftype, blen, deadline)
         if ftype == W.ERROR:
+            if body.reason.startswith(BUSY + ":"):
+                raise _PeerBusy(f"peer busy: {body.reason}")
             raise AuthError(f"peer refused: {body.reason}")
         if ftype != W.CHALLENGE:
             raise ProtocolError(f"expected CHALLENGE, got {W.FRAME_NAMES[ftype]}")
@@ -761,11 +795,22 @@ class Endpoint(Transport):
                     return
                 time.sleep(0.01)
                 continue
+            host = addr[0]
             with self._lock:
                 if self._closed:
                     sock.close()
                     return
-                self._hs_socks.add(sock)
+                busy = self._hs_hosts.get(host, 0) >= self.max_handshakes_per_host
+                if not busy:
+                    self._hs_hosts[host] = self._hs_hosts.get(host, 0) + 1
+                    self._hs_socks.add(sock)
+            if busy:  # answered before its HELLO is read: costs no thread and no time
+                self.stats["busy_refusals"] += 1
+                _try_send(sock, W.pack(W.ERROR, W.Error(
+                    f"{BUSY}: {self.max_handshakes_per_host} handshakes from {host} in progress")))
+                sock.close()
+                slots.release()
+                continue
             try:
                 threading.Thread(target=self._serve_new, args=(sock, addr), daemon=True,
                                  name=f"dlmix-kv-hs-{self._name}").start()
@@ -773,9 +818,18 @@ class Endpoint(Transport):
                 log.warning("dlmix-kv %s: refusing connection from %s: %s", self._name, addr, e)
                 with self._lock:
                     self._hs_socks.discard(sock)
+                    self._hs_done(host)
                 sock.close()
                 slots.release()
                 time.sleep(0.01)
+
+    def _hs_done(self, host: str) -> None:
+        """One handshake from ``host`` ended (caller holds ``_lock``)."""
+        n = self._hs_hosts.get(host, 0) - 1
+        if n > 0:
+            self._hs_hosts[host] = n
+        else:
+            self._hs_hosts.pop(host, None)
 
     def _serve_new(self, sock: socket.socket, addr) -> None:
         """Authenticate an accepted connection (holding one handshake slot until it ends), then serve it."""
@@ -784,6 +838,7 @@ class Endpoint(Transport):
         finally:
             with self._lock:
                 self._hs_socks.discard(sock)
+                self._hs_done(addr[0])
             self._hs_slots.release()
         if conn is not None:
             with self._lock:

@@ -704,6 +704,48 @@ def _hs_threads(name: str) -> int:
     return sum(1 for t in threading.enumerate() if t.is_alive() and t.name == f"dlmix-kv-hs-{name}")
 
 
+def test_one_host_cannot_take_every_handshake_slot():
+    """Idle connections from one address hold at most ``max_handshakes_per_host`` handshake slots; the rest are
+    answered ``busy`` and closed at once. Before, 8 idle connections from 127.0.0.2 took all 8 slots for
+    ``handshake_timeout_s`` (60 s here) and a peer from 127.0.0.1 could not connect within 30 s. A peer whose own
+    address is at its cap tries again and gets in once a slot of its address frees."""
+    import threading
+
+    a = make_transport("tcp", name="hph", secret="s", handshake_timeout_s=60, max_handshakes=8,
+                       max_handshakes_per_host=2)
+    b = make_transport("tcp", name="hpb", secret="s")
+    c = make_transport("tcp", name="hpc", secret="s")
+    idle = [socket.create_connection((a.host, a.port), timeout=5, source_address=("127.0.0.2", 0))
+            for _ in range(8)]
+    mine = []
+    try:
+        for k in idle[2:]:  # answered busy, not held
+            k.settimeout(10)
+            ftype, blen, _ = W.read_frame_header(k, memoryview(bytearray(W.HEADER_SIZE)), W.PREAUTH_MAX_BODY, 0)
+            assert ftype == W.ERROR and W.read_body(k, ftype, blen).reason.startswith("busy:")
+        assert a.stats["busy_refusals"] == 6
+        assert poll(lambda: _hs_threads("hph") == 2, timeout_s=10, interval_s=0.02), _hs_threads("hph")
+        b.connect(a.descriptor(), timeout_s=30)  # from 127.0.0.1: not behind 127.0.0.2's idle connections
+        assert "hpb" in a.peers()
+        # 127.0.0.1 at its cap: c is answered busy, tries again, and gets in when one of these ends
+        mine = [socket.create_connection((a.host, a.port), timeout=5) for _ in range(2)]
+        assert poll(lambda: a._hs_hosts.get("127.0.0.1") == 2, timeout_s=10, interval_s=0.02), a._hs_hosts
+        t = threading.Thread(target=c.connect, args=(a.descriptor(),), kwargs={"timeout_s": 60})
+        t.start()
+        assert poll(lambda: a.stats["busy_refusals"] > 6, timeout_s=30, interval_s=0.01), a.stats
+        assert "hpc" not in a.peers()
+        mine.pop().close()
+        t.join(60)
+        assert "hpc" in a.peers()
+    finally:
+        for k in idle + mine:
+            k.close()
+        a.close()
+        b.close()
+        c.close()
+    assert _wait_threads_gone("hph", "hpb", "hpc", timeout=5) == []
+
+
 def test_close_ends_handshakes_that_never_complete():
     """Connections accepted but never authenticated (silent, half a header, a HELLO and no AUTH) do not keep threads
     after ``close()``: before, each handshake thread lived on for up to ``handshake_timeout_s`` (10 s) per step."""
