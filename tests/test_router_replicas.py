@@ -416,15 +416,13 @@ def test_reregistering_a_url_under_a_new_id_leaves_no_zombie(replicas):
     assert keys == []
 
 
-def test_replicas_agree_after_two_registrations_that_interact(replicas, monkeypatch):
-    """Two registrations of one url under different ids through two replicas, while replica A's watch is held back
-    (etcd orders no watch event before the answer to a later put): A applies its own write only after the older
-    change, so every replica (and a late one) ends with the same fleet; before, A and B kept different instances
-    for good."""
+def _two_replicas_a_held(replicas, monkeypatch):
+    """Two replicas ``(a, b, hold)``: while the Event ``hold`` is set (it is at return), the etcd watch events of
+    ``a`` are held back (etcd orders no watch event before the answer to a later put, so ``a`` then sees its own
+    writes before the changes another replica made just before them)."""
     import asyncio
 
-
-    held = set()          # EtcdClients whose watch events are held back
+    held = set()  # EtcdClients whose watch events are held back
     hold = threading.Event()
     orig = EtcdClient.watch
 
@@ -438,6 +436,15 @@ def test_replicas_agree_after_two_registrations_that_interact(replicas, monkeypa
     a, b = replicas(), replicas()
     held.add(a.router.shared.client)
     hold.set()
+    return a, b, hold
+
+
+def test_replicas_agree_after_two_registrations_that_interact(replicas, monkeypatch):
+    """Two registrations of one url under different ids through two replicas, while replica A's watch is held back
+    (etcd orders no watch event before the answer to a later put): A applies its own write only after the older
+    change, so every replica (and a late one) ends with the same fleet; before, A and B kept different instances
+    for good."""
+    a, b, hold = _two_replicas_a_held(replicas, monkeypatch)
     body = {"url": _NOBODY, "model": "m", "heartbeat_ttl_s": 0}
     assert httpx.post(b.url + "/admin/instances", json={**body, "id": "from-b"}, timeout=10).status_code == 201
 
@@ -469,22 +476,7 @@ def test_a_registration_refused_after_its_write_leaves_nothing_in_the_store(repl
     every replica does. A answers 409 with the reason and takes its write back out of etcd: once the prefill is
     removed, a replica started later does not bring back the decode its client was told was refused (before, the
     key stayed in the store and a late replica served an instance no other replica had)."""
-    import asyncio
-
-    held = set()
-    hold = threading.Event()
-    orig = EtcdClient.watch
-
-    async def delayed_watch(self, prefix, start):
-        async for evs in orig(self, prefix, start):
-            while hold.is_set() and self in held:
-                await asyncio.sleep(0.01)
-            yield evs
-
-    monkeypatch.setattr(EtcdClient, "watch", delayed_watch)
-    a, b = replicas(), replicas()
-    held.add(a.router.shared.client)
-    hold.set()
+    a, b, hold = _two_replicas_a_held(replicas, monkeypatch)
     from dlmix.kv.layout import KVLayout, ModelIdentity
 
     def layout(layers):  # a prefill and a decode of one model must agree on its layer count
