@@ -54,6 +54,15 @@ def test_every_example_parses_and_plans(path, tmp_path):
         assert (tmp_path / "router.yaml").stat().st_mode & 0o077 == 0  # holds the secret
 
 
+@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
+def test_no_example_has_a_router_that_refuses_to_start(path):
+    """A router bound to a non-loopback host needs client api_keys or allow_open (it refuses to start otherwise);
+    examples/lmdeploy-metax-prefill-ppu-decode.yaml had neither."""
+    from dlmix.launch.preflight import local_problems
+
+    assert [p for p in local_problems(Deployment.from_file(path)) if p.startswith("router:")] == []
+
+
 def test_cpu_pd_example_matches_the_issue():
     dep = Deployment.from_file(next(p for p in EXAMPLES if p.name == "cpu-pd.yaml"))
     pre, dec = dep.instances
@@ -457,3 +466,39 @@ def test_a_file_that_is_not_utf8_or_expands_exponentially_is_an_error_not_a_hang
     with pytest.raises(ConfigError, match="unknown key"):
         Deployment.from_yaml(bomb, "bomb.yaml")
     assert time.monotonic() - t < 30  # generous: it takes milliseconds; the unfixed walk never ended
+
+
+ROUTED = ("model: tiny-llama\nrouter: {port: 9000%s}\ninstances:\n"
+          "  - {role: prefill, port: 9001%s}\n  - {role: decode, port: 9002}\n")
+
+
+@pytest.mark.parametrize("router, inst, needle", [
+    (", config: {health_interval: 2}", "", "router.config: unknown router config key(s): health_interval"),
+    (", policy: prefix, policy_params: {min_hit: 3}", "", "router.policy_params:"),
+    (", policy: oracle", "", "router.policy: policy 'oracle' runs only in the simulator (dlmix sim)"),
+    ("", ", connector: {extra_config: {transport: tpc}}", "instances[0].connector.extra_config: invalid DLMixConnector"),
+])
+def test_what_the_router_or_the_connector_refuses_at_start_is_refused_by_the_check(router, inst, needle):
+    """Found by a new user: a router config key or policy parameter misspelled, a simulator-only policy, or a typo in
+    the connector's settings passed ``--check`` and failed only when the router (exit 2) or vLLM (a minute in)
+    started. Each is now a ConfigError naming the field."""
+    import dlmix.sim  # noqa: F401  (registers the simulator-only oracle, as the dlmix CLI does)
+
+    msg = _err(ROUTED % (router, inst))
+    assert needle in msg, msg
+    msg = _err(ROUTED % (", policy: nope", ""))  # the policies listed are those a router can run
+    assert "router.policy: unknown policy 'nope'; choose one of cost," in msg and "oracle" not in msg, msg
+    Deployment.from_yaml(ROUTED % ("", ""), "dep.yaml")  # the same file without the mistake is fine
+
+
+def test_a_router_open_to_the_network_without_client_keys_is_a_machine_problem():
+    """The router refuses to serve a non-loopback ``host`` without ``api_keys`` or ``allow_open``; ``--check`` and a
+    launch now say so before anything starts (before: ``--check`` said ok and the launch failed)."""
+    from dlmix.launch.preflight import local_problems
+
+    text = ROUTED % (", host: 0.0.0.0", "", )
+    (p,) = [x for x in local_problems(Deployment.from_yaml(text, "dep.yaml")) if x.startswith("router:")]
+    assert "host '0.0.0.0' is not loopback and router.config sets no api_keys" in p
+    for ok in (", host: 0.0.0.0, config: {api_keys: [k]}", ", host: 0.0.0.0, config: {allow_open: true}", ""):
+        assert not [x for x in local_problems(Deployment.from_yaml(ROUTED % (ok, ""), "dep.yaml"))
+                    if x.startswith("router:")], ok

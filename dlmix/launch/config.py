@@ -611,6 +611,15 @@ def _cross_checks(dep: Deployment, marks: Dict[Path_, Tuple[int, int]], origin: 
             for path, msg in _model_fit(dep, i, shapes):
                 bad(("instances", i, path), msg)
         conn = dep.connector_of(i)
+        if conn is not None and conn.name == "DLMixConnector" and conn.extra_config:
+            # what the engine would refuse at start-up, a minute later (dlmix_vllm.config: typo'd keys, transports)
+            from dlmix_vllm.config import DLMixConfigError, parse_settings
+
+            try:  # with what launch fills in itself (dlmix.launch.runner), the file's keys winning
+                parse_settings({"shared_secret": "-", "chip_profile": inst.chip, "public_url": inst.url,
+                                "host": inst.host, **conn.extra_config})
+            except DLMixConfigError as e:
+                bad(("instances", i, "connector", "extra_config"), " ".join(str(e).split()))
         if conn is not None and conn.name == "DLMixConnector" and "port" in conn.extra_config:
             cp = conn.extra_config["port"]
             if ("*", cp) in ports:
@@ -646,9 +655,24 @@ def _cross_checks(dep: Deployment, marks: Dict[Path_, Tuple[int, int]], origin: 
         if not dep.router_enabled():
             bad(("router",), "prefill/decode instances need the router (add a 'router:' section)")
     if dep.router is not None and dep.router.enabled:
-        from dlmix.routing.policies import POLICIES
+        from dlmix.routing.policies import POLICIES, make_policy
 
-        if dep.router.policy not in POLICIES:
-            bad(("router", "policy"), f"unknown policy {dep.router.policy!r}; choose one of {', '.join(POLICIES)}")
+        # what the router itself refuses at start-up (dlmix.router.server.Router)
+        try:
+            POLICIES.serving_class(dep.router.policy)
+        except ValueError as e:
+            bad(("router", "policy"), str(e))
+        else:
+            try:
+                make_policy(dep.router.policy, **dict(dep.router.policy_params))
+            except ValueError as e:  # PolicyParamError: names the parameter and the valid ones
+                bad(("router", "policy_params"), str(e))
+        if dep.router.config:
+            from dlmix.router.config import RouterConfig
+
+            try:
+                RouterConfig.from_dict(dict(dep.router.config))
+            except _BaseConfigError as e:  # an unknown key (with the known ones) or a bad value
+                bad(("router", "config"), str(e.args[0]) if e.args else str(e))
     if problems:
         raise ConfigError(problems)

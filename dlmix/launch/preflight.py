@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import List
 
 from dlmix.launch.config import Deployment
-from dlmix.net import parse_cpus
+from dlmix.net import is_loopback, parse_cpus
 
 __all__ = ["local_problems", "available_cpus"]
 
@@ -73,4 +73,11 @@ def local_problems(dep: Deployment) -> List[str]:
                                 f"does not offer to this process (available: {_core_list(cores)})")
         if inst.python and not (Path(inst.python).expanduser().exists() or shutil.which(inst.python)):
             problems.append(f"{where}: python {inst.python!r} does not exist on this machine")
+    r = dep.router
+    if dep.router_enabled() and r is not None and not is_loopback(r.host) \
+            and not r.config.get("api_keys") and not r.config.get("allow_open"):
+        # the router refuses this at start-up (dlmix.router.server); --emit k8s sets allow_open itself
+        problems.append(f"router: host {r.host!r} is not loopback and router.config sets no api_keys: the router "
+                        "refuses to serve it; set router.config.api_keys (clients send Authorization: Bearer KEY) "
+                        "or router.config.allow_open: true, or bind 127.0.0.1")
     return problems

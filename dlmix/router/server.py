@@ -76,7 +76,7 @@ from dlmix.router.rooms import RoomTable
 from dlmix.router.routes import Route, RouteTable
 from dlmix.router.tokenize import PromptExtractor, lora_of, prefix_keys
 from dlmix.routing.hashing import BlockHasher
-from dlmix.routing.policies import ClusterView, begin, end, make_policy, prefill_done
+from dlmix.routing.policies import POLICIES, ClusterView, begin, end, make_policy, prefill_done
 from dlmix.routing.prefix_index import ApproxIndex, PrefixIndex
 from dlmix.routing.state import InstanceState, NoInstanceError, RouteRequest
 from dlmix.net import is_loopback as _is_loopback
@@ -103,10 +103,11 @@ class Router:
         if not cfg.api_keys and not cfg.allow_open and not _is_loopback(cfg.host):
             raise ConfigError(f"refusing to serve {cfg.host} without client api_keys; set api_keys, bind a "
                               "loopback host, or set allow_open: true explicitly")
+        try:  # the simulator-only oracle is registered once dlmix.sim is imported, as by the dlmix CLI
+            POLICIES.serving_class(cfg.policy)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
         self.policy = make_policy(cfg.policy, **(cfg.policy_params or {}))
-        if hasattr(self.policy, "bind_simulator"):  # registered once dlmix.sim is imported, as by the dlmix CLI
-            raise ConfigError(f"policy {cfg.policy!r} runs only in the simulator (dlmix sim): it reads the simulated "
-                              "cluster's true state, which a live router does not have")
         self.catalog = load_catalog(cfg.chips)
         ms = cfg.model_spec
         spec = ModelSpec(**ms) if isinstance(ms, dict) else (

@@ -112,6 +112,22 @@ class PolicyRegistry(Mapping[str, Type[Policy]]):
                 raise ValueError(f"policy {name!r} is unavailable: {why}") from None
             raise ValueError(f"unknown policy {name!r}; choose one of {', '.join(self)}") from None
 
+    def serving_class(self, name: str) -> Type[Policy]:
+        """:meth:`get_class` for a live router. Raises ValueError for an unknown name (naming the policies a router can
+        run: not the simulator-only ones, whose class has a ``bind_simulator`` method, e.g. the oracle) and for a
+        simulator-only policy."""
+        try:
+            cls = self[name]
+        except KeyError:
+            if name in self._failed:
+                return self.get_class(name)  # raises, with why its plugin failed to load
+            serving = [n for n in self if not hasattr(self._classes[n], "bind_simulator")]
+            raise ValueError(f"unknown policy {name!r}; choose one of {', '.join(serving)}") from None
+        if hasattr(cls, "bind_simulator"):
+            raise ValueError(f"policy {name!r} runs only in the simulator (dlmix sim): it reads the simulated "
+                             "cluster's true state, which a live router does not have")
+        return cls
+
     def create(self, name: str, **params) -> Policy:
         """A new policy object: ``get_class(name)(**params)``. Raises ValueError for an unknown name and
         :class:`~dlmix.routing.policies.base.PolicyParamError` (a ValueError) for an unknown or invalid parameter,
