@@ -138,6 +138,9 @@ def test_admin_api_ids_with_slashes_and_method_errors(lt):
         assert got.status_code == 200 and got.json()["url"] == e.url
         assert httpx.post(f"{base}/admin/instances/{quoted}/drain", headers=auth).json() == {"draining": True}
         assert router.instances[0].draining
+        # the engine restarts and registers again: the operator's drain stays (before, it was undone)
+        r = httpx.post(base + "/admin/instances", json={"url": e.url, "model": "mock"}, headers=auth)
+        assert r.status_code == 201 and router.instances[0].draining
         assert httpx.post(f"{base}/admin/instances/{quoted}/heartbeat", json={"waiting": "x"},
                           headers=auth).status_code == 400
         r = httpx.put(base + "/admin/instances", headers=auth)

@@ -234,6 +234,8 @@ class Registry:
         _forget_pairs(st.url)  # a (re)started engine: its PD connections are made and its endpoint learnt again
         if old is not None:
             st.slot = old.state.slot
+            if old.state.id == st.id:  # an operator's drain outlives a restart, as with shared state (etcd)
+                st.draining = old.state.draining
             pos = self._pos[old.state.id]
             self._detach(old)
             self.instances[pos] = st
