@@ -206,6 +206,13 @@ def test_cli_infeasible_and_plan(tmp_path):
     assert res.exit_code == 2 and "not found" in res.output
     res = CliRunner().invoke(app, ["plan", "-i", "h100x4_h20x4", "--rate", "fast"])
     assert res.exit_code == 2 and "--rate: a request rate in req/s or 'maximise' is expected, got 'fast'" in res.output
+    # CPU chips run vLLM CPU, whose KV block size is a multiple of 32: a plan at 16 would write a launch file that
+    # `dlmix launch` refuses, so the plan is refused with the reason instead
+    inv = tmp_path / "cpus.yaml"
+    inv.write_text(yaml.safe_dump({"name": "cpus", "hosts": [{"name": "a", "chips": {"cpu-x86": 2}}]}))
+    res = CliRunner().invoke(app, ["plan", "-i", str(inv), "-m", "smollm2", "-n", "20", "--block-size", "16"])
+    assert res.exit_code == 2 and "--block-size 16: the CPU chip type(s) cpu-x86 run vLLM CPU" in res.output, \
+        res.output
 
 
 def test_plan_for_a_fixed_rate_prefers_fewer_chips(wl):

@@ -68,6 +68,10 @@ def plan_command(
             raise ValueError(f"--rate: a request rate in req/s or 'maximise' is expected, got {rate!r}") from None
         cat = load_catalog(chips)
         inv = load_inventory(inventory, cat)
+        cpu = [g.chip for g in inv.groups if inv.catalog.chip(g.chip).vendor == "generic"]
+        if cpu and block_size % 32:  # else deploy_launch.yaml is a file `dlmix launch` refuses
+            raise ValueError(f"--block-size {block_size}: the CPU chip type(s) {', '.join(cpu)} run vLLM CPU, which "
+                             "needs a KV block size that is a multiple of 32")
         spec = load_model(model)
         wl = load_plan_workload(workload, requests, block_size)
         slo = SLO(slo_ttft_ms / 1000.0, slo_itl_ms / 1000.0, slo_pct)
