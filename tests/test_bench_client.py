@@ -192,6 +192,12 @@ def _error_line(output: str) -> str:
     (["--num-prompts", "8"], "Invalid value for '--num-prompts': not used by shared-prefix; see --gsp-*"),
     (["--metric-percentiles", "50,101"], "Invalid value for '--metric-percentiles': must be in [0, 100], got 101"),
     (["--timeout", "0"], "Invalid value for '--timeout': must be > 0, got 0"),
+    (["--request-rate", "trace"], "Invalid value for '--request-rate': 'trace' replays the timestamps of a trace: "
+                                  "only with --workload mooncake, not 'shared-prefix'"),
+    (["--request-rate", "trace,1"], "Invalid value for '--request-rate': 'trace' (the trace's own timestamps) must "
+                                    "be given alone, not in a list"),
+    (["--workload", "random", "--token-range", "abc"],
+     "Invalid value for '--token-range': expected LO:HI (two integers), got 'abc'"),
 ])
 def test_cli_refuses_out_of_range_load_flags_before_any_request(args, message):
     from dlmix.cli import app

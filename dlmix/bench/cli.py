@@ -38,6 +38,8 @@ def _numbers(text: str) -> list[tuple[str, float]]:
 def _request_rates(value: str) -> list[Optional[float]]:
     if value.strip().lower() == "trace":
         return [None]
+    if "trace" in [t.strip().lower() for t in value.split(",")]:
+        raise typer.BadParameter("'trace' (the trace's own timestamps) must be given alone, not in a list")
     rates = _numbers(value)
     if not rates:
         raise typer.BadParameter("needs at least one value")
@@ -148,9 +150,13 @@ def bench(
     try:
         slo = parse_goodput(goodput)
         pcts: list = metric_percentiles  # parsed and checked by its callback
-        lo, hi = (int(x) for x in token_range.split(":"))
     except (ValueError, TypeError) as e:
         raise typer.BadParameter(str(e)) from None
+    try:
+        lo, hi = (int(x) for x in token_range.split(":"))
+    except ValueError:
+        raise typer.BadParameter(f"expected LO:HI (two integers), got {token_range!r}",
+                                 param_hint="'--token-range'") from None
     engines = list(engine_url)
     if deployment is not None:
         from dlmix.launch.config import ConfigError, Deployment
@@ -169,6 +175,9 @@ def bench(
         engines = []
 
     rates: list = request_rate  # parsed and checked by the callbacks
+    if rates == [None] and workload != "mooncake":
+        raise typer.BadParameter(f"'trace' replays the timestamps of a trace: only with --workload mooncake, not "
+                                 f"{workload!r}", param_hint="'--request-rate'")
     concs: list = max_concurrency
     if len(rates) > 1 and len(concs) > 1:
         raise typer.BadParameter("sweep either --request-rate or --max-concurrency, not both")
