@@ -141,6 +141,8 @@ def test_admin_api_ids_with_slashes_and_method_errors(lt):
         # the engine restarts and registers again: the operator's drain stays (before, it was undone)
         r = httpx.post(base + "/admin/instances", json={"url": e.url, "model": "mock"}, headers=auth)
         assert r.status_code == 201 and router.instances[0].draining
+        h = httpx.get(base + "/health")  # says why nothing can serve
+        assert (h.status_code, h.json()["status"]) == (503, "every healthy instance is draining")
         assert httpx.post(f"{base}/admin/instances/{quoted}/heartbeat", json={"waiting": "x"},
                           headers=auth).status_code == 400
         r = httpx.put(base + "/admin/instances", headers=auth)
@@ -151,6 +153,8 @@ def test_admin_api_ids_with_slashes_and_method_errors(lt):
         assert httpx.get(base + "/admin/instances").status_code == 401
         assert httpx.delete(f"{base}/admin/instances/{quoted}", headers=auth).json() == {"removed": True}
         assert router.instances == []
+        h = httpx.get(base + "/health")
+        assert (h.status_code, h.json()["status"]) == (503, "no instance registered")
         assert httpx.delete(base + "/health").status_code == 405
     finally:
         lt.run(router.stop())

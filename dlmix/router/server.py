@@ -302,10 +302,18 @@ class Router:
         self._send(conn, 200, _json.encode(h))
 
     def _health(self, conn, req) -> None:
-        """200 when an instance is available, else 503; the body names this router (loop detection)."""
-        ok = any(i.available() for i in self.instances)
-        self._send(conn, 200 if ok else 503, b'{"status":"%s","dlmix_router":"%s"}' % (
-            b"ok" if ok else b"no healthy instance", self._via))
+        """200 when an instance is available (healthy, not draining), else 503 saying why (no instance registered,
+        every healthy one draining, none healthy); the body names this router (loop detection)."""
+        insts = self.instances
+        if any(i.available() for i in insts):
+            status = b"ok"
+        elif not insts:
+            status = b"no instance registered"
+        elif any(i.healthy for i in insts):
+            status = b"every healthy instance is draining"
+        else:
+            status = b"no healthy instance"
+        self._send(conn, 200 if status == b"ok" else 503, b'{"status":"%s","dlmix_router":"%s"}' % (status, self._via))
 
     def _looped(self, req) -> bool:
         """True when ``req`` already passed through this router (its id in an ``x-dlmix-via`` header)."""
