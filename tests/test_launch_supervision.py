@@ -102,9 +102,14 @@ def test_given_up_engine_leaves_the_rest_serving_until_none_is_left(tmp_path, or
             assert _complete(a.url, 1).status_code == 200              # a keeps serving
             os.kill(a.pid, signal.SIGKILL)
             running.wait(poll_s=0.05)
-    assert "every engine was given up" in str(ei.value)
     assert [(e.name, e.kind) for e in events] == [("b", "exited"), ("b", "gave_up"), ("a", "exited"),
                                                   ("a", "gave_up")]
+    # the first given up leaves a serving, the last stops the deployment; the failure names each once, with its log
+    assert events[1].message.endswith("; the other processes keep running"), events[1].message
+    assert events[3].message.endswith("; the deployment stops"), events[3].message
+    logs = tmp_path / "logs"
+    assert str(ei.value).endswith(f"every engine was given up: a exited with code -9 (log {logs / 'a.log'}); "
+                                  f"b exited with code -9 (log {logs / 'b.log'})"), str(ei.value)
     orphans.assert_gone()
 
 

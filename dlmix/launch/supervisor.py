@@ -89,6 +89,8 @@ class Supervised:
     since: float = field(default_factory=time.monotonic)
     due: float = 0.0
     last_exit: Optional[int] = None
+    #: how it last ended (``"b exited with code -9"``), for the message that stops the deployment
+    last_end: str = ""
 
     @property
     def name(self) -> str:
@@ -176,9 +178,16 @@ class Supervisor:
         elif engines and all(s.state == "failed" for s in engines):
             reason = "every engine was given up"
         if reason:
-            last = [e.message for e in self.events if e.kind in ("gave_up", "exited", "start_failed")][-3:]
-            self.fatal = reason + (": " + " | ".join(last) if last else "")
+            gone = [s for s in router + engines if s.state == "failed"]
+            self.fatal = reason + ": " + "; ".join(
+                f"{s.last_end or s.name} (log {s.process.log_path})" for s in gone)  # type: ignore[attr-defined]
             self._fatal_evt.set()
+
+    def _is_last(self, s: Supervised) -> bool:
+        """Giving ``s`` up stops the deployment: it is the router, or the last engine not given up."""
+        if s.plan.kind == "router":  # type: ignore[attr-defined]
+            return True
+        return all(o.state == "failed" for o in self.items if o is not s and o.plan.kind == "engine")  # type: ignore
 
     def _healthy(self, s: Supervised) -> bool:
         try:
@@ -229,15 +238,20 @@ class Supervisor:
                 p.proc.wait(5)  # type: ignore[attr-defined]
         if s.state == "running" and now - s.since >= s.policy.reset_after_s:
             s.restarts = 0
+        s.last_end = what
         tail = p.log_tail(5).strip().replace("\n", " | ")  # type: ignore[attr-defined]
-        self._emit(s, "exited", f"{what}; log {p.log_path}: {tail[-300:]}")  # type: ignore[attr-defined]
+        if len(tail) > 300:  # its last 300 characters, from a word boundary
+            cut = tail[-300:]
+            tail = "..." + cut[max(0, cut.find(" ")):]
+        self._emit(s, "exited", f"{what}; log {p.log_path}: {tail}")  # type: ignore[attr-defined]
         self._schedule(s, now)
 
     def _schedule(self, s: Supervised, now: float) -> None:
         if s.restarts >= s.policy.max_restarts:
+            then = ("the deployment stops" if self._is_last(s) else "the other processes keep running")
             s.state = "failed"
             self._emit(s, "gave_up", f"{s.name} given up after {s.restarts} restart(s) in a row "
-                                     f"(max_restarts {s.policy.max_restarts}); the other processes keep running")
+                                     f"(max_restarts {s.policy.max_restarts}); {then}")
             return
         d = s.policy.delay(s.restarts)
         s.state, s.due = "backoff", now + d
