@@ -570,7 +570,9 @@ class Endpoint(Transport):
             checked = []
             for r in ranges:
                 region, off, ln = r
-                reg = self._regions[region]
+                reg = self._regions.get(region)
+                if reg is None:
+                    raise KeyError(f"unknown region {region!r}; registered: {', '.join(sorted(self._regions)) or 'none'}")
                 if not all(isinstance(v, int) and not isinstance(v, bool) for v in (off, ln)) or off < 0 or ln < 0:
                     raise ValueError(f"range {tuple(r)}: offset and length must be non-negative ints")
                 if off + ln > reg.length:
@@ -608,18 +610,18 @@ class Endpoint(Transport):
                 del self._grants[req.tid]
                 raise GrantError(f"grant for transfer {req.tid!r} expired")
             table = g.table[req.op]
-            if not table:
-                raise GrantError(f"grant for transfer {req.tid!r} does not allow {op}")
             out = []
             regions = self._regions
             for region, off, ln in req.segs:
                 reg = regions.get(region)
-                if reg is None:
-                    raise GrantError(f"unknown region {region!r}")
+                if reg is None:  # checked first: unregister() also drops the region from every grant
+                    raise GrantError(f"unknown region {region!r} (not registered, or unregistered)")
                 if off < 0 or ln < 0 or off + ln > reg.length:
                     raise GrantError(f"segment ({region!r}, {off}, {ln}) is outside region ({reg.length} B)")
                 iv = table.get(region)
                 if iv is None:
+                    if not table:
+                        raise GrantError(f"grant for transfer {req.tid!r} does not allow {op}")
                     raise GrantError(f"transfer {req.tid!r} grants no {op} access to region {region!r}")
                 starts, ends = iv
                 i = bisect.bisect_right(starts, off) - 1

@@ -449,6 +449,23 @@ def test_a_waiter_polling_or_sleeping_reads_exact_bytes(spin_us):
         b.close()
 
 
+def test_refusals_name_the_region_that_is_not_there():
+    """A grant on a region never registered is a KeyError naming it and the registered ones (before: a bare
+    ``KeyError: 'nope'``); a read under a live grant of a region since unregistered is refused as an unknown region
+    (before: "grant for transfer 't' does not allow read", which hid the cause)."""
+    a, b, src, dst = _linked_pair(8, "r", {}, {})
+    try:
+        with pytest.raises(KeyError, match="unknown region 'nope'; registered: kv"):
+            a.grant("b", "t2", [("nope", 0, 10)], "r", None)
+        assert b.read("a", [Segment("kv", 0, "kv", 0, 16)], "t").result(30) == 16
+        a.unregister("kv")
+        with pytest.raises(GrantError, match=r"unknown region 'kv' \(not registered, or unregistered\)"):
+            b.read("a", [Segment("kv", 0, "kv", 0, 16)], "t").result(30)
+    finally:
+        a.close()
+        b.close()
+
+
 @pytest.mark.parametrize("bad", [-1, 10_001, "x"])
 def test_spin_us_out_of_range_is_refused(bad):
     with pytest.raises((ValueError, TypeError)):
