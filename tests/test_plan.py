@@ -206,6 +206,14 @@ def test_cli_infeasible_and_plan(tmp_path):
     assert res.exit_code == 2 and "not found" in res.output
     res = CliRunner().invoke(app, ["plan", "-i", "h100x4_h20x4", "--rate", "fast"])
     assert res.exit_code == 2 and "--rate: a request rate in req/s or 'maximise' is expected, got 'fast'" in res.output
+    for args, msg in ((["--rate", "0"], "--rate must be a positive finite number, got 0"),
+                      (["--slo-ttft-ms", "-5"], "--slo-ttft-ms must be a positive finite number, got -5"),
+                      (["--slo-pct", "101"], "--slo-pct must be in (0, 100], got 101"),
+                      (["--top-k", "0"], "--top-k must be at least 1, got 0"),
+                      (["-m", "nope"], "unknown model 'nope'; presets: llama-3.1-8b")):
+        res = CliRunner().invoke(app, ["plan", "-i", "h100x4_h20x4", "-n", "20", *args])
+        assert res.exit_code == 2 and f"error: {msg}" in res.output, (args, res.output)
+    assert "(also smollm2, " in res.output
     # CPU chips run vLLM CPU, whose KV block size is a multiple of 32: a plan at 16 would write a launch file that
     # `dlmix launch` refuses, so the plan is refused with the reason instead
     inv = tmp_path / "cpus.yaml"

@@ -66,6 +66,15 @@ def plan_command(
             r_val = None if rate.strip().lower() in ("max", "maximise", "maximize") else float(rate)
         except ValueError:
             raise ValueError(f"--rate: a request rate in req/s or 'maximise' is expected, got {rate!r}") from None
+        import math
+
+        for flag, v, ok in (("--rate", r_val, r_val is None or 0 < r_val < math.inf),
+                            ("--slo-ttft-ms", slo_ttft_ms, 0 < slo_ttft_ms < math.inf),
+                            ("--slo-itl-ms", slo_itl_ms, 0 < slo_itl_ms < math.inf),
+                            ("--slo-pct", slo_pct, 0 < slo_pct <= 100), ("--top-k", top_k, top_k >= 1)):
+            if not ok:  # named as the flag, in its unit (the planner's own checks speak seconds and parameters)
+                want = {"--slo-pct": "in (0, 100]", "--top-k": "at least 1"}.get(flag, "a positive finite number")
+                raise ValueError(f"{flag} must be {want}, got {v:g}")
         cat = load_catalog(chips)
         inv = load_inventory(inventory, cat)
         cpu = [g.chip for g in inv.groups if inv.catalog.chip(g.chip).vendor == "generic"]

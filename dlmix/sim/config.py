@@ -62,7 +62,8 @@ def load_model(name_or_path: Union[str, ModelSpec]) -> ModelSpec:
             return ModelSpec.from_hf_config(p)
         except (ValueError, OSError) as ex:
             raise ConfigError(f"model config {p}: {ex}") from None
-    raise ConfigError(f"unknown model {name_or_path!r}; presets: {', '.join(PRESETS)} or a config.json path")
+    raise ConfigError(f"unknown model {name_or_path!r}; presets: {', '.join(PRESETS)} (also "
+                      f"{', '.join(MODEL_ALIASES)}) or a config.json path")
 
 
 @dataclass
