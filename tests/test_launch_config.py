@@ -502,3 +502,21 @@ def test_a_router_open_to_the_network_without_client_keys_is_a_machine_problem()
     for ok in (", host: 0.0.0.0, config: {api_keys: [k]}", ", host: 0.0.0.0, config: {allow_open: true}", ""):
         assert not [x for x in local_problems(Deployment.from_yaml(ROUTED % (ok, ""), "dep.yaml"))
                     if x.startswith("router:")], ok
+
+
+def test_flags_that_cannot_go_together_or_a_log_dir_that_is_a_file_are_refused(tmp_path):
+    """Found by a new user: ``--emit k8s DIR --dry-run`` wrote the manifests anyway, ``--grace -5`` was taken, and
+    ``--log-dir`` naming a file ended in a raw FileExistsError. Each is exit 2 with the reason, nothing written."""
+    from dlmix.cli import app
+
+    f = tmp_path / "dep.yaml"
+    f.write_text(BASE.replace("tiny-llama", "m") + "    engine: mock\n")
+    out = tmp_path / "k8s"
+    res = CliRunner().invoke(app, ["launch", str(f), "--emit", "k8s", str(out), "--dry-run"])
+    assert res.exit_code == 2 and "--check, --dry-run and --emit are alternatives" in res.output, res.output
+    assert not out.exists()
+    res = CliRunner().invoke(app, ["launch", str(f), "--grace", "-5"])
+    assert res.exit_code == 2 and "--grace" in res.output, res.output
+    (tmp_path / "afile").write_text("x")
+    res = CliRunner().invoke(app, ["launch", str(f), "--log-dir", str(tmp_path / "afile")])
+    assert res.exit_code == 2 and "exists and is not a folder" in res.output, res.output

@@ -67,7 +67,8 @@ def launch_cmd(
     check: bool = typer.Option(False, "--check", help="validate the file and check this machine can start it "
                                                       "(model paths, cores, interpreters; not ports); start nothing"),
     dry_run: bool = typer.Option(False, "--dry-run", help="print the command lines without starting anything"),
-    grace: float = typer.Option(10.0, "--grace", help="seconds between SIGINT and SIGKILL when stopping"),
+    grace: float = typer.Option(10.0, "--grace", min=0, max=3600,
+                                help="seconds between SIGINT and SIGKILL when stopping"),
     emit: Optional[Tuple[str, str]] = typer.Option(None, "--emit", metavar="FORMAT DIR",
                                                    help="write manifests instead of starting: 'k8s DIR' (Kubernetes)"),
 ) -> None:
@@ -82,6 +83,12 @@ def launch_cmd(
     from dlmix.launch.runner import LaunchError, plan, start
 
     console = Console(soft_wrap=True)  # a log path or command line must stay one line when output is not a terminal
+    if sum(map(bool, (check, dry_run, emit))) > 1:
+        console.print("[red]--check, --dry-run and --emit are alternatives: give one[/]", highlight=False)
+        raise typer.Exit(2)
+    if log_dir is not None and log_dir.exists() and not log_dir.is_dir():
+        console.print(f"[red]--log-dir {log_dir} exists and is not a folder[/]", highlight=False, soft_wrap=True)
+        raise typer.Exit(2)
     try:
         dep = Deployment.from_file(deployment)
     except ConfigError as e:
