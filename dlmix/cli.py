@@ -5,8 +5,11 @@ from typing import List
 
 import typer
 
-app = typer.Typer(no_args_is_help=True, add_completion=False, help="dlmix: heterogeneous LLM serving.")
-models_app = typer.Typer(no_args_is_help=True, help="Prepare the models dlmix tests and demos use.")
+# click's plain help and errors (rich_markup_mode=None): typer's rich tables cut long option names at 80 columns
+app = typer.Typer(no_args_is_help=True, add_completion=False, rich_markup_mode=None,
+                  help="dlmix: heterogeneous LLM serving.")
+models_app = typer.Typer(no_args_is_help=True, rich_markup_mode=None,
+                         help="Prepare the models dlmix tests and demos use.")
 app.add_typer(models_app, name="models")
 
 

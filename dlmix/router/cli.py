@@ -15,39 +15,15 @@ CONFIG_FLAGS_TITLE = "Config flags (each a router.yaml key; a flag wins over the
 
 
 class RouterCommand(TyperCommand):
-    """The ``router`` command: its help adds a panel with every config flag (they are parsed by
+    """The ``router`` command: its help adds a section with every config flag (they are parsed by
     :meth:`dlmix.router.config.RouterConfig.apply_flags`, not by click, so click alone would list only ``--config``)."""
 
     def format_help(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
         from dlmix.router.config import flag_rows
 
         super().format_help(ctx, formatter)
-        rows = flag_rows()
-        from typer import core
-
-        if not core.HAS_RICH or self.rich_markup_mode is None:
-            with formatter.section(CONFIG_FLAGS_TITLE):
-                formatter.write_dl([(", ".join(names) + " " + metavar, text) for names, metavar, text in rows])
-            return
-        from rich import box
-        from rich.console import Console
-        from rich.panel import Panel
-        from rich.table import Table
-        from rich.text import Text
-        from typer import rich_utils
-
-        try:
-            console = rich_utils._get_rich_console()  # typer's own console: same width and theme as its panels
-        except Exception:  # pragma: no cover - a typer without the helper
-            console = Console()
-        table = Table(highlight=False, show_header=False, expand=True, box=None, padding=(0, 1))
-        table.add_column(no_wrap=True, style="bold cyan")
-        table.add_column(no_wrap=True, style="bold yellow")
-        table.add_column(ratio=1, overflow="fold")
-        for names, metavar, text in rows:
-            table.add_row(Text(", ".join(names)), Text(metavar), Text(text))
-        console.print(Panel(table, title=CONFIG_FLAGS_TITLE, title_align="left", border_style="dim",
-                            box=box.ROUNDED))
+        with formatter.section(CONFIG_FLAGS_TITLE):  # the dlmix CLI's help is click's plain text (dlmix.cli)
+            formatter.write_dl([(", ".join(names) + " " + metavar, text) for names, metavar, text in flag_rows()])
 
 
 def register(app: typer.Typer) -> None:
