@@ -625,3 +625,48 @@ def test_a_client_that_does_not_read_holds_the_backend_not_router_memory(lt, fas
     finally:
         s.close()
         st.close()
+
+
+def test_a_leg_cancelled_as_its_connection_opens_sends_nothing(lt):
+    """A PD leg cancelled in the same loop step as its backend connection opens (a failed decode leg cancels the
+    prefill leg; more likely on a loaded machine): Python 3.11's ``wait_for`` returned the connection and lost the
+    cancellation, so the prefill request went out for nobody and ran on its engine until it finished (a mock
+    prefill with a 30 s TTFT stayed in flight, failing tests/test_router_sglang_flow.py under load). Now the leg is
+    cancelled and the backend sees a connection closed with no request on it."""
+    from dlmix.router.proxy import Pool, build_request, request
+
+    seen = []
+
+    async def backend(reader, writer):
+        seen.append(await reader.read(65536))
+        writer.close()
+
+    async def go():
+        srv = await asyncio.start_server(backend, "127.0.0.1", 0)
+        port = srv.sockets[0].getsockname()[1]
+        loop = asyncio.get_running_loop()
+        real = loop.create_connection
+        box = {}
+
+        async def connect_then_cancel_the_leg(*a, **k):  # the cancel arrives as the connection completes
+            out = await real(*a, **k)
+            box["leg"].cancel()
+            return out
+
+        loop.create_connection = connect_then_cancel_the_leg
+        try:
+            box["leg"] = leg = asyncio.ensure_future(request(Pool("127.0.0.1", port, "p"), build_request(
+                b"POST", b"/v1/completions", b"p", b"", b"{}"), timeout=10))
+            await asyncio.wait((leg,), timeout=10)
+        finally:
+            del loop.create_connection
+        for _ in range(200):  # the backend's handler reads until the router closes the connection
+            if seen:
+                break
+            await asyncio.sleep(0.01)
+        srv.close()
+        return leg
+
+    leg = lt.run(go())
+    assert leg.cancelled()
+    assert seen == [b""]  # connected, then closed without a request

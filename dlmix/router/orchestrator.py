@@ -34,6 +34,17 @@ log = logging.getLogger("dlmix.router.pd")
 SENT = object()
 
 
+
+def _cancel(t: asyncio.Future) -> None:
+    """Cancel leg task ``t`` if it still runs, and retrieve how it ends (a cancelled request can still end with its
+    BackendError: no "Task exception was never retrieved" in the log)."""
+    if t.done():
+        if not t.cancelled():
+            t.exception()
+        return
+    t.cancel()
+    t.add_done_callback(lambda f: f.cancelled() or f.exception())
+
 class Handoff(NamedTuple):
     """A finished prefill leg: ``kvp``, what the decode leg carries (in the decode engine's terms, through a bridge
     across engines); ``abort``, a call that frees what the prefill holds for the request (None when its engine
@@ -248,11 +259,7 @@ class PDOrchestrator:
                     last = str(perr) if perr is not None else f"prefill instance {p.id} answered {pstatus}"
                 finally:
                     for t in (ptask, dtask):
-                        if not t.done():
-                            t.cancel()
-                    for t in (ptask, dtask):
-                        if t.done() and not t.cancelled():
-                            t.exception()  # retrieved: no "never retrieved" warning
+                        _cancel(t)
             alt = self.replace(rr, dec, tried) if len(tried) <= self.cfg.retries else None
             if alt is None:
                 raise BackendError(f"no prefill instance could serve the request (last: {last})", prefill_failed=True)
@@ -304,8 +311,8 @@ class PDOrchestrator:
                 try:
                     await asyncio.wait((ptask, htask), return_when=asyncio.FIRST_COMPLETED)
                 except BaseException:
-                    ptask.cancel()
-                    htask.cancel()
+                    _cancel(ptask)
+                    _cancel(htask)
                     raise
                 if htask.done() and not htask.cancelled() and htask.exception() is None:
                     out = htask.result()

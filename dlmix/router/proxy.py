@@ -711,6 +711,13 @@ class Pool:
                 loop.create_connection(lambda: BackendConn(self), self.host, self.port), self.connect_timeout)
         except (OSError, asyncio.TimeoutError) as ex:
             raise BackendError(f"cannot connect to backend {self.name}: {ex!r}") from None
+        task = asyncio.current_task()
+        if task is not None and getattr(task, "cancelling", lambda: 0)():
+            # Python 3.11's wait_for returns the connection when the caller is cancelled as it completes, and the
+            # cancellation is lost (fixed in 3.12, cpython gh-86296): the request would then go out for a caller
+            # that gave up on it (a cancelled PD leg left running on its engine). Honour the cancellation.
+            c.transport.close()
+            raise asyncio.CancelledError
         return c
 
     def release(self, c: BackendConn) -> None:
