@@ -384,6 +384,12 @@ DEEP = b'{"model": "mock", "prompt": "hi", "x": ' + b"[" * 100_000 + b"]" * 100_
     ("/v1/completions", {"model": 7, "prompt": "hi"}, "$.model"),
     ("/v1/completions", {"model": "mock", "prompt": {"text": "hi"}}, "$.prompt"),
     ("/v1/completions", {"model": "mock"}, "prompt"),
+    # an empty prompt: every engine refuses it, and LMDeploy 0.18's engine loop died on it (the instance then
+    # served nothing until restarted)
+    ("/v1/completions", {"model": "mock", "prompt": ""}, "prompt must not be empty"),
+    ("/v1/completions", {"model": "mock", "prompt": []}, "prompt must not be empty"),
+    ("/v1/completions", {"model": "mock", "prompt": ["a", ""]}, "prompt must not be empty"),
+    ("/v1/completions", {"model": "mock", "prompt": [[1, 2], []]}, "prompt must not be empty"),
     ("/v1/completions", DEEP, "nested too deeply"),
     ("/v1/completions", b'{"model": "mock", "prompt": "\xff\xfe"}', "UTF-8"),
     ("/v1/completions", b"[1, 2]", "JSON object"),

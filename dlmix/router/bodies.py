@@ -76,6 +76,19 @@ def check(d: Any, chat: bool) -> None:
         raise BadRequest(f"invalid request body: n must be at least 1, got {v.n}")
     if chat and not v.messages:
         raise BadRequest("invalid request body: messages must not be empty")
+    if not chat and _empty_prompt(v.prompt):
+        # every engine refuses it, and LMDeploy 0.18's engine loop dies on it (``assert len(token_ids) > 0`` in
+        # ``pytorch/engine/engine.py`` ``_add_message``): the instance then serves nothing until restarted
+        raise BadRequest("invalid request body: prompt must not be empty")
+
+
+def _empty_prompt(p: Any) -> bool:
+    """True for an empty completion prompt: ``""``, ``[]``, or a batch with an empty element (``[""]``, ``[[]]``)."""
+    if isinstance(p, str) or not p:
+        return not p
+    if all(isinstance(x, int) for x in p):
+        return False
+    return any(not x for x in p)
 
 
 EMPTY_BODY = "request body is empty; expected a JSON object"
