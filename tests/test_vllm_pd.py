@@ -373,6 +373,7 @@ def test_prefill_killed_between_steps_decode_recomputes(servers, tok):
     info = _dlmix(r["decode"])
     print(f"prefill killed: decode done in {elapsed:.1f}s, transfer record {json.dumps(info)}")
     assert info.get("error") and info.get("failed_blocks", 0) == 4  # 450 tokens = 4 blocks of 128 recomputed
+    assert info.get("loaded_tokens") == 0 and info.get("bytes_received") == 0, info  # what arrived, not what was asked
     refs = _refs(D.url, [{"i": 0, "kind": "completion", "prompt": prompt, "stream": False}])
     assert _ids(r["decode"])[0] == refs[0][0]
     # nothing left held: decode servers idle at 0 % KV usage

@@ -80,6 +80,8 @@ class DLMixWorkerMetadata(KVConnectorWorkerMetadata):
                     a[k] = a.get(k, 0) + rec.get(k, 0)
                 for k in ("transfer_s", "peak_staging_bytes"):
                     a[k] = max(a.get(k, 0), rec.get(k, 0))
+                if "loaded_tokens" in a or "loaded_tokens" in rec:  # loaded only where every rank loaded
+                    a["loaded_tokens"] = min(a.get("loaded_tokens", 0), rec.get("loaded_tokens", 0))
                 a["error"] = a.get("error") or rec.get("error")
                 out[rid] = a
             else:

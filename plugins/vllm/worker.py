@@ -147,6 +147,8 @@ class DLMixConnectorWorker:
             bad = failed_blocks(self.layout.block_size, job.local_block_ids, loaded, job.end)
             log.exception("DLMixConnector: pull of %s crashed", job.req_id)
         rec["failed_blocks"] = len(bad)
+        # what really arrived: the scheduler's claim set loaded_tokens to the tokens it asked for
+        rec["loaded_tokens"] = max(0, loaded - job.start)
         if self.settings.stats_dir:
             self._append_stats({"req_id": job.req_id, "start": job.start, "end": job.end, "loaded_upto": loaded,
                                 **rec})
