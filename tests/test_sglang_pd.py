@@ -311,6 +311,18 @@ def test_other_weights_refused_at_bootstrap_with_the_reason(servers, prompts, pe
         p3.stop()
 
 
+def test_an_unreachable_bootstrap_server_is_named_in_the_decodes_answer(servers, prompts):
+    """A room whose prefill bootstrap server cannot be reached (a wrong bootstrap port) fails, when SGLang gives up,
+    with the address and the connection error; before, the client got only "Aborted by AbortReq." and the cause
+    was in the decode's log alone."""
+    port = T.free_port()
+    st, body = T.generate(servers["D"].url, prompts[0], MAX_TOKENS, bootstrap=("127.0.0.1", port, 4242))
+    assert st != 200 or _aborted(body), body
+    assert f"bootstrap server 127.0.0.1:{port} cannot be reached" in str(body) and "refused" in str(body), body
+    (ps, pb), (ds, db) = _pd(servers["P1"], servers["D"], prompts[0])  # the decode goes on serving
+    assert ds == 200 and not _aborted(db), db
+
+
 def _all_free(rt, urls) -> None:
     T.wait_nothing_held(rt.url, urls)
 

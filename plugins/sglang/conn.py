@@ -151,6 +151,9 @@ class DLMixKVManager(CommonKVManager):
         #: Transferring, not Failed, until it stopped: SGLang frees a Failed room's pages at once)
         self._pulling: dict[int, int] = {}
         self.incompatible: dict[str, str] = {}
+        #: bootstrap address -> the last error reaching it, while it has never answered (the reason a room aborted
+        #: while still bootstrapping gives its client, instead of SGLang's bare "Aborted by AbortReq.")
+        self.unreachable: dict[str, str] = {}
         #: decode: every rank's transport (rank order) of each prefill whose attention TP size differs from ours
         self.prefill_transports: dict[str, list[dict[str, Any]]] = {}
         #: bootstrap addresses that are dlmix routers handing off rooms of another engine's prefill
@@ -337,6 +340,7 @@ class DLMixKVManager(CommonKVManager):
         reason = None
         try:
             r = requests.get(f"http://{bootstrap_addr}/dlmix/layout", timeout=5)
+            self.unreachable.pop(bootstrap_addr, None)  # it answers
             if r.status_code == 503:
                 return False
             if r.status_code == 404:
@@ -370,6 +374,8 @@ class DLMixKVManager(CommonKVManager):
                         self.prefill_transports[bootstrap_addr] = [dict(t) for t in transports]
         except requests.RequestException as e:
             log.warning("dlmix transfer backend: bootstrap %s unreachable: %s", bootstrap_addr, e)
+            if len(self.unreachable) < 1024 or bootstrap_addr in self.unreachable:
+                self.unreachable[bootstrap_addr] = f"{type(e).__name__}: {e}"
             return False
         except (ValueError, ContractError) as e:
             reason = f"prefill at {bootstrap_addr} sent an invalid dlmix layout: {e}"
@@ -649,7 +655,17 @@ class DLMixKVReceiver(CommonKVReceiver):
         super()._clear()
 
     def abort(self) -> None:
+        """SGLang gives up on the room (its destination is dropped). While its prefill's bootstrap server has never
+        been reached, the room fails with that reason (the address and the last connection error), which its client
+        gets instead of SGLang's bare "Aborted by AbortReq."."""
         self.kv_mgr.drop_destination(self.bootstrap_room)
+        why = self.kv_mgr.unreachable.get(self.bootstrap_addr)
+        if why is not None and self.conclude_state != KVPoll.Failed \
+                and self.bootstrap_addr not in self.kv_mgr.prefill_info_table:
+            self.kv_mgr.record_failure(self.bootstrap_room, f"dlmix: the prefill's bootstrap server "
+                                                            f"{self.bootstrap_addr} cannot be reached ({why})")
+            self.kv_mgr.update_status(self.bootstrap_room, KVPoll.Failed)
+            self.conclude_state = KVPoll.Failed
         super().abort()
 
 
