@@ -301,6 +301,35 @@ def test_pull_with_other_prompt_is_refused_by_producer_and_reports_failed_blocks
         d.close()
 
 
+def test_a_want_for_a_hold_already_freed_is_refused_at_once():
+    """Transfer parameters used again after their hold was consumed and freed (a replayed or duplicated decode leg):
+    the producer refuses the want at once with the reason. Before, it waited ``registration_wait_s`` (here 600 s,
+    default 10 s) for a hold that would not come, and the consumer gave up on silence instead (its own 5 s)."""
+    lay = _layout()
+    sc, dc = allocate(lay, 8), allocate(lay, 8)
+    p = KVEndpoint("tcp", "p4", SECRET, "127.0.0.1", 0, lay, sc, 0, registration_wait_s=600.0, io_timeout_s=5.0)
+    d = KVEndpoint("tcp", "d4", SECRET, "127.0.0.1", 0, lay, dc, 1 << 20, registration_wait_s=1.0,
+                   io_timeout_s=5.0)
+    try:
+        p.add_hold("r", [0, 1], 40, prompt_digest(range(40)))
+        res = d.pull(p.descriptor(), "r", [0, 1], 0, 40, [4, 5], src_layout=lay, digest=prompt_digest(range(40)))
+        assert res.error is None and res.loaded_upto == 40
+        d.release(p.descriptor(), "r", consumed=True)
+        deadline = time.monotonic() + 60
+        while p.is_held("r") and time.monotonic() < deadline:  # consumed: the engine frees it
+            p.take_finished()
+            time.sleep(0.02)
+        assert not p.is_held("r")
+        res = d.pull(p.descriptor(), "r", [0, 1], 0, 40, [6, 7], src_layout=lay, digest=prompt_digest(range(40)))
+        assert res.loaded_upto == 0 and "request r is not held here" in (res.error or ""), res.error
+        p.add_hold("r", [2, 3], 40, prompt_digest(range(40)))  # the id held again (a new request) is served
+        res = d.pull(p.descriptor(), "r", [2, 3], 0, 40, [6, 7], src_layout=lay, digest=prompt_digest(range(40)))
+        assert res.error is None and res.loaded_upto == 40
+    finally:
+        p.close()
+        d.close()
+
+
 def test_fuzzed_control_messages_never_change_holds():
     """Random garbage on the control channel is refused; holds stay exactly as they were; a valid consumed then
     releases; nothing stays held."""

@@ -34,6 +34,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -45,6 +46,9 @@ from .engine import layer_planes, plane_page_bytes, region_names
 from .pair import check_pair
 
 log = logging.getLogger("dlmix.pd.producer")
+
+#: how many freed holds' names a producer remembers (:attr:`Producer.ended`)
+ENDED_KEPT = 4096
 
 __all__ = ["Hold", "Producer", "block_ranges", "MAX_CONSUMERS"]
 
@@ -133,6 +137,9 @@ class Producer:
         self.holds: dict[str, Hold] = {}
         #: block_ids_transfer_id(block ids) -> request id, for consumers that name a hold by its blocks
         self.aliases: dict[str, str] = {}
+        #: names (request id and alias) of the last :data:`ENDED_KEPT` holds freed: a want for one is refused at once
+        #: instead of waiting ``registration_wait_s`` for a hold that will not come (stale or replayed parameters)
+        self.ended: OrderedDict[str, None] = OrderedDict()
         self.cv = threading.Condition()
         self.stats = {"bytes_granted": 0, "grants": 0, "refused": 0, "expired": 0, "consumed": 0, "aborted": 0,
                       "engine_aborted": 0, "bad_messages": 0}
@@ -154,6 +161,8 @@ class Producer:
             raise ValueError(f"hold of {req_id}: {num_tokens} tokens need more than {len(ids)} blocks")
         alias = block_ids_transfer_id(ids)
         with self.cv:
+            self.ended.pop(req_id, None)
+            self.ended.pop(alias, None)
             if req_id not in self.holds:
                 self.holds[req_id] = Hold(req_id, ids, int(num_tokens), time.monotonic() + self.hold_timeout_s,
                                           digest=digest, consumers=consumers, alias=alias)
@@ -217,6 +226,11 @@ class Producer:
                     del self.holds[rid]
                     if self.aliases.get(h.alias) == rid:
                         del self.aliases[h.alias]
+                    for name in (rid, h.alias):
+                        self.ended[name] = None
+                        self.ended.move_to_end(name)
+            while len(self.ended) > ENDED_KEPT:
+                self.ended.popitem(last=False)
         return out
 
     def _release(self, h: Hold, why: str) -> None:  # under self.cv
@@ -287,7 +301,7 @@ class Producer:
         asked = time.monotonic()
         deadline = asked + self.registration_wait_s
         with self.cv:
-            while self._hold(rid) is None and time.monotonic() < deadline:
+            while self._hold(rid) is None and rid not in self.ended and time.monotonic() < deadline:
                 self.cv.wait(timeout=max(0.0, deadline - time.monotonic()))
             h = self._hold(rid)
             waited = time.monotonic() - asked
