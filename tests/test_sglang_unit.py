@@ -40,6 +40,11 @@ def test_settings_defaults_and_refusals():
         load_settings({"host": "10.0.0.1"})
     with pytest.raises(DLMixSGLangConfigError, match="unknown transport"):
         load_settings({"transport": "carrier-pigeon"})
+    # the weights check is turned off only by a JSON false: "no", "off" or 0 is refused, not read as false
+    assert load_settings({"verify_weights": False}).verify_weights is False
+    for v in ("no", "off", 0):
+        with pytest.raises(DLMixSGLangConfigError, match="verify_weights"):
+            load_settings({"verify_weights": v})
 
 
 def test_settings_from_environment(monkeypatch):

@@ -162,6 +162,11 @@ def test_settings_defaults_and_errors():
         parse_settings({"transport": "carrier-pigeon"})
     with pytest.raises(DLMixConfigError, match="public_url"):
         parse_settings({"router_url": "http://127.0.0.1:9000"})
+    # the weights check is turned off only by a JSON false: "no", "off" or 0 is refused, not read as false
+    assert parse_settings({"verify_weights": False}).verify_weights is False
+    for v in ("no", "off", 0):
+        with pytest.raises(DLMixConfigError, match="verify_weights"):
+            parse_settings({"verify_weights": v})
 
 
 def test_check_pair_reasons():

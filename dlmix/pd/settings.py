@@ -10,7 +10,7 @@ import json
 import os
 from typing import Any, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError, field_validator, model_validator
 
 from dlmix.net import is_loopback
 
@@ -45,7 +45,7 @@ class EndpointSettings(BaseModel):
     hold_timeout_s: float = Field(default=120.0, gt=0)
     registration_wait_s: float = Field(default=10.0, ge=0)
     staging_bytes: int = Field(default=64 * 1024 * 1024, ge=64 * 1024)
-    verify_weights: bool = True
+    verify_weights: StrictBool = True
 
     @field_validator("transport")
     @classmethod

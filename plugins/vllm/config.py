@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictBool, ValidationError, model_validator
 from dlmix.net import is_loopback as _is_loopback
 
 __all__ = ["DLMixConfigError", "DLMixSettings", "parse_settings"]
@@ -80,7 +80,7 @@ class DLMixSettings(BaseModel):
     hold_timeout_s: float = Field(default=120.0, gt=0)
     registration_wait_s: float = Field(default=10.0, ge=0)
     staging_bytes: int = Field(default=64 * 1024 * 1024, ge=64 * 1024)
-    verify_weights: bool = True
+    verify_weights: StrictBool = True
     load_failure_policy: Literal["recompute", "fail"] = "recompute"
     chip_profile: str | None = None
     router_url: str | None = None
