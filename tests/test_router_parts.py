@@ -155,6 +155,8 @@ def test_admin_api_ids_with_slashes_and_method_errors(lt):
         assert router.instances == []
         h = httpx.get(base + "/health")
         assert (h.status_code, h.json()["status"]) == (503, "no instance registered")
+        r = httpx.post(base + "/v1/completions", json={"prompt": "hi"})  # no model named: not "for model None"
+        assert (r.status_code, r.json()["error"]["message"]) == (503, "no available instance"), r.text
         assert httpx.delete(base + "/health").status_code == 405
     finally:
         lt.run(router.stop())

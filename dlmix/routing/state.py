@@ -239,6 +239,11 @@ class Decision:
 class NoInstanceError(Exception):
     """No healthy instance can serve the request (the router answers 503)."""
 
+    @classmethod
+    def for_request(cls, req: "RouteRequest") -> "NoInstanceError":
+        """The error for ``req``, naming its model when the request names one."""
+        return cls("no available instance" + (f" for model {req.model!r}" if req.model else ""))
+
 
 class OverloadedError(NoInstanceError):
     """A policy's admission control refused the request because no plan is predicted to meet its SLO (early

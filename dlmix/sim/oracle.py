@@ -85,7 +85,7 @@ class OracleTTFT(Policy):
         dc = view.decode_candidates(req)
         pc = view.prefill_candidates(req)
         if not dc:
-            raise NoInstanceError(f"no available instance for model {req.model!r}")
+            raise NoInstanceError.for_request(req)
         best = None
         pplans = []
         for p in pc:

@@ -194,7 +194,7 @@ class Policy:
         """filter → score → pick over ``cands``. Raises NoInstanceError when nothing is left."""
         cands = self.filter(req, cands, view)
         if not cands:
-            raise NoInstanceError(f"no available instance for model {req.model!r}")
+            raise NoInstanceError.for_request(req)
         if len(cands) == 1:
             return cands[0]
         return self.pick(req, cands, self.score(req, cands, view))

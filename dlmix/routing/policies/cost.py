@@ -129,7 +129,7 @@ class CostPolicy(Policy):
         if self.abs_t > 0:
             dcands = balance_filter(dcands, self.abs_t, self.rel_t)
         if not dcands:
-            raise NoInstanceError(f"no available instance for model {req.model!r}")
+            raise NoInstanceError.for_request(req)
         cost = view.cost
         if cost is None:
             d = min(dcands, key=lambda c: (c.load.queue_len(), c.load.processed))

@@ -33,7 +33,7 @@ class DLRouterMinExpectedLatency(Policy):
     def select(self, req: RouteRequest, cands: List[InstanceState], view: ClusterView) -> InstanceState:
         """argmin ``inflight / speed``, uniformly random among ties. Raises NoInstanceError if empty."""
         if not cands:
-            raise NoInstanceError(f"no available instance for model {req.model!r}")
+            raise NoInstanceError.for_request(req)
         sc = [c.load.inflight / float(self.speeds.get(c.id, 1.0)) for c in cands]
         lo = min(sc)
         ties = [c for c, s in zip(cands, sc) if s == lo]

@@ -57,7 +57,7 @@ class DLRouterPrefixCache(Policy):
         """Deepest trie hit (most recently used instance there), else least in-flight with round robin on ties.
         Records the key for the chosen instance. Raises NoInstanceError if ``cands`` is empty."""
         if not cands:
-            raise NoInstanceError(f"no available instance for model {req.model!r}")
+            raise NoInstanceError.for_request(req)
         key = prompt_text(req)[: self.max_chars]
         by_slot = {c.slot: c for c in cands}
         node = self._root

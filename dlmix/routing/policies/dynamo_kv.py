@@ -73,7 +73,7 @@ class DynamoKV(Policy):
     def select(self, req: RouteRequest, cands: List[InstanceState], view: ClusterView) -> InstanceState:
         """argmin of the cost with overlap weight ``w``. Raises NoInstanceError if empty."""
         if not cands:
-            raise NoInstanceError(f"no available instance for model {req.model!r}")
+            raise NoInstanceError.for_request(req)
         return self._pick(cands, self.costs(req, cands, view, self.w))
 
     def choose(self, req: RouteRequest, view: ClusterView) -> Decision:
@@ -82,7 +82,7 @@ class DynamoKV(Policy):
         pc = view.prefill_candidates(req)
         dc = view.decode_candidates(req)
         if not dc:
-            raise NoInstanceError(f"no available instance for model {req.model!r}")
+            raise NoInstanceError.for_request(req)
         if not pc:
             d = self.select(req, dc, view)
             return Decision(decode=d, hit_tokens=view.hit_tokens(req, d), reason=self.name)

@@ -21,7 +21,7 @@ class RoundRobin(Policy):
     def select(self, req: RouteRequest, cands: List[InstanceState], view: ClusterView) -> InstanceState:
         """Next candidate in turn. Raises NoInstanceError if ``cands`` is empty."""
         if not cands:
-            raise NoInstanceError(f"no available instance for model {req.model!r}")
+            raise NoInstanceError.for_request(req)
         pool = cands[0].role == "prefill"
         n = self._n[pool] = self._n[pool] + 1
         return cands[n % len(cands)]

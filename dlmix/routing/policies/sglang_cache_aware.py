@@ -98,7 +98,7 @@ class SGLangCacheAware(Policy):
     def select(self, req: RouteRequest, cands: List[InstanceState], view: ClusterView) -> InstanceState:
         """Steps 1-3 of the module docstring. Raises NoInstanceError if ``cands`` is empty."""
         if not cands:
-            raise NoInstanceError(f"no available instance for model {req.model!r}")
+            raise NoInstanceError.for_request(req)
         keys = req.block_hashes(self.bs)
         loads = [c.load.inflight for c in cands]
         hi, lo = max(loads), min(loads)
