@@ -91,6 +91,19 @@ def test_decode_leg_refused_frees_the_prefill_hold_at_once(pair):
     print("after the refused decode leg:", _idle(pair))
 
 
+def test_an_empty_prompt_is_an_error_and_the_engine_goes_on_serving(pair):
+    """An empty prompt sent straight to the prefill engine (the router refuses it itself) is answered with an error:
+    LMDeploy 0.18's engine loop asserted on it and ended, and the engine served nothing until restarted
+    (:mod:`dlmix_lmdeploy.patches`). The pair then serves the next request."""
+    rt, m = pair.router, pair.model
+    status, out = T.post_json(pair.P.url + "/v1/completions", {"model": m, "prompt": "", "max_tokens": 4})
+    assert status == 400, (status, out)  # LMDeploy's answer to an input-length error
+    prompt = _prompt(7, 60)
+    status, out = T.post_json(pair.P.url + "/v1/completions", _body(m, prompt, 4))
+    assert status == 200 and out["usage"]["completion_tokens"] == 1, (status, out)  # a prefill: 1 token; it lives
+    assert T.router_request(rt.url, m, "completion", prompt, 8)  # and the pair serves
+
+
 def test_client_disconnects_leave_no_block_held(pair):
     """A client that goes away (1) while its prompt is being prefilled and (2) after two streamed tokens: afterwards
     neither engine holds a block (the decode aborts its sequence; a prefill hold is consumed by the decode or freed

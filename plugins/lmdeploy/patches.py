@@ -1,6 +1,7 @@
 """The patches the import hook (:mod:`dlmix_lmdeploy.autoload`) applies to LMDeploy 0.18 modules right after they are
 imported. Each one is a no-op for engines that do not select ``--migration-backend DLMix``, except that the name
-``DLMix`` becomes a member of LMDeploy's closed ``MigrationBackend`` enum and a choice of its CLI.
+``DLMix`` becomes a member of LMDeploy's closed ``MigrationBackend`` enum and a choice of its CLI, and that a request
+with an empty prompt is answered with an error instead of ending the engine loop.
 
 Where each patch goes, and why (LMDeploy 0.18 sources):
 
@@ -20,6 +21,8 @@ Where each patch goes, and why (LMDeploy 0.18 sources):
   is (LMDeploy would turn it STOPPED, whose blocks its scheduler may evict and reuse during a decode's read); after
   ``__init__``, an engine whose ``DLMIX_LMDEPLOY_CONFIG`` names a ``router_url`` registers with the dlmix router
   and heartbeats its load (:mod:`dlmix_lmdeploy.router_hook`, any migration backend);
+* ``pytorch/engine/engine.py`` (any engine): a new request with no prompt token is answered with an input-length
+  error; LMDeploy's engine loop asserted on it and ended, and the instance served nothing until restarted;
 * ``pytorch/engine/mp_engine/zmq_engine.py``: a start-up race of LMDeploy's engine process fixed for DLMix engines
   (:func:`_mp_engine`);
 * ``pytorch/backends/selector.py``: the CPU test aid's op backend, only with ``DLMIX_LMDEPLOY_CPU=1``;
@@ -295,6 +298,26 @@ def _engine(m: Any) -> None:
         return _on_stop_session
 
     _wrap(m.Engine, "_on_stop_session", make_stop)
+
+    def make_add(original):
+        def _on_add_message(self, reqs, **kwargs):
+            # LMDeploy 0.18 asserts ``len(token_ids) > 0`` for a new sequence inside its engine loop
+            # (``Engine._add_message``): an empty prompt ended the loop, and the instance served nothing until
+            # restarted. Such a request is answered with an input-length error instead (any engine).
+            from lmdeploy.messages import ResponseType
+
+            keep = []
+            for req in reqs:
+                ids = req.data.get("token_ids")
+                sess = self.scheduler.get_session(req.data.get("session_id")) if self.scheduler else None
+                if ids is not None and len(ids) == 0 and sess is not None and not sess.sequences:
+                    self._response(req.resp, ResponseType.INPUT_LENGTH_ERROR)
+                else:
+                    keep.append(req)
+            return original(self, keep, **kwargs) if keep else None
+        return _on_add_message
+
+    _wrap(m.Engine, "_on_add_message", make_add)
 
     def make_init(original):
         def __init__(self, *args, **kwargs):
