@@ -520,3 +520,18 @@ def test_flags_that_cannot_go_together_or_a_log_dir_that_is_a_file_are_refused(t
     (tmp_path / "afile").write_text("x")
     res = CliRunner().invoke(app, ["launch", str(f), "--log-dir", str(tmp_path / "afile")])
     assert res.exit_code == 2 and "exists and is not a folder" in res.output, res.output
+
+
+def test_dry_run_shows_the_model_folder_a_launch_passes(tmp_path, smollm2_dir, monkeypatch):
+    """``--dry-run`` printed ``--model smollm2`` (the dlmix name), which vLLM cannot load: it now shows the folder
+    a launch builds and passes, or says the model is not built yet."""
+    from dlmix.cli import app
+
+    f = tmp_path / "dep.yaml"
+    f.write_text("model: smollm2\ninstances:\n  - {port: 9001, cpus: '0'}\n")
+    res = CliRunner().invoke(app, ["launch", str(f), "--dry-run"])
+    assert res.exit_code == 0 and f"--model {smollm2_dir} " in res.output, res.output
+    monkeypatch.setenv("DLMIX_CACHE", str(tmp_path / "empty-cache"))
+    res = CliRunner().invoke(app, ["launch", str(f), "--dry-run"])
+    assert res.exit_code == 0 and "--model smollm2 " in res.output, res.output
+    assert "note: model 'smollm2' is not built yet: a launch builds it" in " ".join(res.output.split()), res.output

@@ -126,7 +126,16 @@ def launch_cmd(
         # without --log-dir the paths shown (router config, KV-event sockets) are in a temporary folder, removed after
         with (tempfile.TemporaryDirectory(prefix="dlmix-dry-run-") if log_dir is None
               else contextlib.nullcontext(str(log_dir))) as ldir:
-            models = {i: (dep.model_of(i) or "") for i in range(len(dep.instances))}
+            from dlmix.models import MODELS, prepared
+
+            # a dlmix model name becomes the folder launch builds for it: shown when it is built already
+            models, unbuilt = {}, set()
+            for i in range(len(dep.instances)):
+                name = dep.model_of(i) or ""
+                folder = prepared(name) if name in MODELS else None
+                if name in MODELS and folder is None:
+                    unbuilt.add(name)
+                models[i] = str(folder) if folder is not None else name
             for pl in plan(dep, "<generated-secret>", Path(ldir), models=models):
                 env = " ".join(f"{k}={shlex.quote(v)}" for k, v in pl.env.items() if k not in
                                ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "VLLM_NO_USAGE_STATS", "DO_NOT_TRACK"))
@@ -134,6 +143,9 @@ def launch_cmd(
                               f"{' '.join(shlex.quote(a) for a in pl.argv)}", highlight=False, soft_wrap=True)
         from dlmix.launch.preflight import local_problems
 
+        for name in sorted(unbuilt):
+            console.print(f"[yellow]note:[/] model {name!r} is not built yet: a launch builds it and passes its folder "
+                          f"(`dlmix models prepare {name}` prints it)", highlight=False, soft_wrap=True)
         for p in local_problems(dep):
             console.print(f"[yellow]note:[/] {p}", highlight=False, soft_wrap=True)
         return
