@@ -16,7 +16,7 @@ from dlmix.pd.consumer import claim, failed_blocks
 from dlmix.pd.contract import Abort, Consumed, Extend, TransferParams, Want, encode, prompt_digest
 from dlmix.pd.endpoint import KVEndpoint
 from dlmix.pd.producer import Producer, block_ranges
-from dlmix.testing import fill_tokens, hold_and_pull, poll
+from dlmix.testing import fill_tokens, hold_and_pull, poll, wait_until
 
 SECRET = "pd-core-test"
 
@@ -279,6 +279,11 @@ def test_pull_between_arrangements_over_tcp(src, dst):
         d.close()
 
 
+def _wait_freed(p: KVEndpoint, req: str) -> None:
+    """Take the producer's finished requests (as an engine's step does) until ``req`` is no longer held."""
+    wait_until(lambda: (p.take_finished(), not p.is_held(req))[1], timeout_s=60, what=f"{req} freed")
+
+
 def test_pull_with_other_prompt_is_refused_by_producer_and_reports_failed_blocks():
     lay = _layout()
     sc, dc = allocate(lay, 8), allocate(lay, 8)
@@ -291,11 +296,7 @@ def test_pull_with_other_prompt_is_refused_by_producer_and_reports_failed_blocks
         assert res.loaded_upto == 0 and "prompt of r differs" in res.error and res.failed_block_ids == [4, 5]
         assert p.is_held("r")  # a refused want changes nothing; the consumer's abort frees it
         d.release(p.descriptor(), "r", consumed=False)
-        deadline = time.monotonic() + 60
-        while p.is_held("r") and time.monotonic() < deadline:
-            p.take_finished()
-            time.sleep(0.02)
-        assert not p.is_held("r")
+        _wait_freed(p, "r")
     finally:
         p.close()
         d.close()
@@ -315,11 +316,7 @@ def test_a_want_for_a_hold_already_freed_is_refused_at_once():
         res = d.pull(p.descriptor(), "r", [0, 1], 0, 40, [4, 5], src_layout=lay, digest=prompt_digest(range(40)))
         assert res.error is None and res.loaded_upto == 40
         d.release(p.descriptor(), "r", consumed=True)
-        deadline = time.monotonic() + 60
-        while p.is_held("r") and time.monotonic() < deadline:  # consumed: the engine frees it
-            p.take_finished()
-            time.sleep(0.02)
-        assert not p.is_held("r")
+        _wait_freed(p, "r")  # consumed: the engine frees it
         res = d.pull(p.descriptor(), "r", [0, 1], 0, 40, [6, 7], src_layout=lay, digest=prompt_digest(range(40)))
         assert res.loaded_upto == 0 and "request r is not held here" in (res.error or ""), res.error
         p.add_hold("r", [2, 3], 40, prompt_digest(range(40)))  # the id held again (a new request) is served
