@@ -470,6 +470,45 @@ def test_replicas_agree_after_two_registrations_that_interact(replicas, monkeypa
     assert views["a"] == views["b"] == views["late"], views
 
 
+def test_taking_a_refused_write_back_restores_what_another_replica_wrote(replicas, monkeypatch):
+    """A's refused registration of ``d`` overwrote B's registration of ``d`` (accepted, 201) made just before it. Taking
+    A's write back must put B's value back, the one the store held before A's write: before, A restored what it had
+    applied itself when it validated (nothing), so B's accepted registration was deleted from the store and from
+    every replica."""
+    a, b, hold = _two_replicas_a_held(replicas, monkeypatch)
+    from dlmix.kv.layout import KVLayout, ModelIdentity
+
+    def layout(layers):
+        return KVLayout(model=ModelIdentity(architecture="LlamaForCausalLM", num_layers=layers, num_kv_heads=2,
+                                            head_size=64), block_size=16, dtype="bfloat16",
+                        arrangement="vllm_lbnhc").to_dict()
+
+    other = f"http://127.0.0.1:{free_port()}"
+    prefill = {"url": _NOBODY, "id": "p", "model": "m", "role": "prefill", "kv_layout": layout(4), "heartbeat_ttl_s": 0}
+    decode_b = {"url": other, "id": "d", "model": "m", "role": "decode", "kv_layout": layout(4), "heartbeat_ttl_s": 0}
+    decode_a = {**decode_b, "kv_layout": layout(5)}  # cannot pair with p: refused once A sees p
+    assert httpx.post(b.url + "/admin/instances", json=prefill, timeout=10).status_code == 201
+    assert httpx.post(b.url + "/admin/instances", json=decode_b, timeout=10).status_code == 201
+    rev_d = b.call(lambda: b.router.shared.revision)
+
+    def release():
+        wait_until(lambda: b.call(lambda: b.router.shared.revision) > rev_d, 30, "A's write in the store")
+        hold.clear()
+
+    t = threading.Thread(target=release)
+    t.start()
+    try:
+        r = httpx.post(a.url + "/admin/instances", json=decode_a, timeout=10)
+    finally:
+        t.join(60)
+        hold.clear()
+    assert r.status_code == 409, r.text
+    wait_until(lambda: _ids(a) == _ids(b) == ["d", "p"], 30, "both replicas serve B's decode and the prefill")
+    late = replicas()
+    assert _ids(late) == ["d", "p"], "the store lost the registration B accepted"
+    assert late.call(lambda: late.router.registry.backends["d"].state.kv_layout)["model"]["num_layers"] == 4
+
+
 def test_a_registration_refused_after_its_write_leaves_nothing_in_the_store(replicas, monkeypatch):
     """Replica A validates a decode while B's registration of a prefill it cannot pair with is on its way to A (A's
     watch held back): A writes, then applies the store in order (B's prefill first) and refuses its own decode, as

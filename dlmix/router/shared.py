@@ -177,14 +177,17 @@ class EtcdClient:
         r = await self.call("/v3/kv/deleterange", body)
         return int(r.get("header", {}).get("revision", 0))
 
-    async def txn(self, puts: List[Tuple[str, bytes]], deletes: List[str]) -> int:
-        """Write every ``(key, value)`` of ``puts`` and delete every key of ``deletes`` in one etcd transaction (all
-        or nothing, one store revision; etcd's ``/v3/kv/txn`` without a compare). Returns the store revision.
-        Raises EtcdError (then nothing was written, unless the answer alone was lost)."""
-        ops = [{"request_put": {"key": _b64(k), "value": _b64(v)}} for k, v in puts]
+    async def txn_prev(self, key: str, value: bytes, deletes: List[str]) -> Tuple[int, Optional[bytes]]:
+        """Write ``key`` and delete every key of ``deletes`` in one etcd transaction (all or nothing, one store
+        revision; etcd's ``/v3/kv/txn`` without a compare, the put asking for ``prev_kv``). Returns the store revision
+        and the value ``key`` held just before this write (None: it did not exist), what :meth:`undo_if_unchanged`
+        puts back. Raises EtcdError (then nothing was written, unless the answer alone was lost)."""
+        ops = [{"request_put": {"key": _b64(key), "value": _b64(value), "prev_kv": True}}]
         ops += [{"request_delete_range": {"key": _b64(k)}} for k in deletes]
         r = await self.call("/v3/kv/txn", {"compare": [], "success": ops, "failure": []})
-        return int(r.get("header", {}).get("revision", 0))
+        prev = ((r.get("responses") or [{}])[0].get("response_put") or {}).get("prev_kv")
+        return (int(r.get("header", {}).get("revision", 0)),
+                None if prev is None else base64.b64decode(prev.get("value", "")))
 
     async def undo_if_unchanged(self, key: str, mod_revision: int, value: Optional[bytes]) -> int:
         """Put ``value`` back under ``key`` (delete ``key`` when ``value`` is None), but only while ``key`` was last
@@ -575,12 +578,11 @@ class SharedState:
         # bring the replaced id back, and no one could remove it any more)
         gone = old.state.id if old is not None and old.state.id != st.id and old.state.id in self._applied else None
         stale = [self._key(kind, gone) for kind in ("instances", "alive", "drain", "calib")] if gone else []
-        key, before = self._key("instances", st.id), self._applied.get(st.id)
+        key = self._key("instances", st.id)
         try:
-            if stale:
-                rev = await self.client.txn([(key, value)], stale)
-            else:
-                rev = await self.client.put(key, value)
+            # ``before``: what the store held under the key just before this write (not what this replica had applied:
+            # another replica may have written the key since), the value a refused write is undone to
+            rev, before = await self.client.txn_prev(key, value, stale)
             await self._until_applied(rev)  # older changes first (no-op below when the watch applied it)
             self._apply(Event("put", key, value, 0, rev))
             for k in stale:
@@ -601,9 +603,9 @@ class SharedState:
                                    before: Optional[bytes]) -> Tuple[int, dict]:
         """The registration written at revision ``rev`` was not applied: a change another replica wrote just before
         it made it incompatible (every replica refuses it alike, applying changes in store order), or a later change
-        replaced it. Undo the write in etcd unless someone changed ``key`` since (``before``: the value this replica
-        had applied, None for a new id), so the store never keeps a registration its client was told was refused (a
-        replica reading the store later would apply it). Returns (409, body with the reasons)."""
+        replaced it. Undo the write in etcd unless someone changed ``key`` since (``before``: the value the store held
+        just before the write, None when the key did not exist), so the store never keeps a registration its client
+        was told was refused (a replica reading the store later would apply it). Returns (409, body with the reasons)."""
         try:
             undone = await self.client.undo_if_unchanged(key, rev, before)
         except EtcdError as ex:
