@@ -129,6 +129,34 @@ def test_a_hold_is_also_named_by_its_block_ids():
     assert t.sent[-1][1]["type"] == "refused" and "not held" in t.sent[-1][1]["reasons"][0]
 
 
+def test_a_want_by_block_ids_waits_for_the_next_hold_on_the_same_blocks():
+    """Freed blocks are reused (and a prefix-cache hit gives a new request the very same ones), so a name made of
+    block ids is not stale once its hold is freed: a want by ``block_ids_transfer_id`` that overtakes the next hold on
+    those blocks (the prefill's HTTP answer came before the engine's hold) waits for it. Before, the alias was
+    remembered as ended and the want was refused at once (the decode then recomputed the prompt)."""
+    import threading
+
+    from dlmix.pd.contract import block_ids_transfer_id
+
+    p, t = _producer(registration_wait_s=10.0)
+    alias = block_ids_transfer_id([3, 4])
+    for rid in ("req-1", alias):  # a vLLM hold named by its blocks, then a hold keyed by its blocks (LMDeploy)
+        p.add_hold(rid, [3, 4], 40)
+        p.handle("d", _want(req=alias))
+        p.handle("d", Consumed(req=alias))
+        assert p.take_finished() == {rid}
+        th = threading.Thread(target=lambda: (time.sleep(0.2), p.add_hold("req-2", [3, 4], 40)))
+        th.start()
+        p.handle("d2", _want(req=alias))
+        th.join()
+        assert t.sent[-1][1]["type"] in ("ready", "blocks_ready"), t.sent[-1]
+        p.handle("d2", Consumed(req=alias))
+        assert p.take_finished() == {"req-2"}
+    t0 = time.monotonic()
+    p.handle("d", _want(req="req-1"))  # a request id freed is still refused at once
+    assert t.sent[-1][1]["type"] == "refused" and time.monotonic() - t0 < 5
+
+
 def test_want_refused_with_reasons_and_nothing_granted():
     p, t = _producer()
     p.add_hold("r", [3, 4], 40, digest=prompt_digest(range(40)))

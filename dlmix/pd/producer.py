@@ -137,8 +137,9 @@ class Producer:
         self.holds: dict[str, Hold] = {}
         #: block_ids_transfer_id(block ids) -> request id, for consumers that name a hold by its blocks
         self.aliases: dict[str, str] = {}
-        #: names (request id and alias) of the last :data:`ENDED_KEPT` holds freed: a want for one is refused at once
-        #: instead of waiting ``registration_wait_s`` for a hold that will not come (stale or replayed parameters)
+        #: request ids of the last :data:`ENDED_KEPT` holds freed (not names made of block ids: those come back with
+        #: the next hold on the same blocks): a want for one is refused at once instead of waiting
+        #: ``registration_wait_s`` for a hold that will not come (stale or replayed parameters)
         self.ended: OrderedDict[str, None] = OrderedDict()
         self.cv = threading.Condition()
         self.stats = {"bytes_granted": 0, "grants": 0, "refused": 0, "expired": 0, "consumed": 0, "aborted": 0,
@@ -226,9 +227,11 @@ class Producer:
                     del self.holds[rid]
                     if self.aliases.get(h.alias) == rid:
                         del self.aliases[h.alias]
-                    for name in (rid, h.alias):
-                        self.ended[name] = None
-                        self.ended.move_to_end(name)
+                    if rid != h.alias:  # a name made of block ids (an alias, an LMDeploy hold) names the next
+                        # hold on those blocks too (freed blocks are reused, a prefix-cache hit gives the same ones):
+                        # a want for it may overtake that hold and must wait for it, as for any unknown name
+                        self.ended[rid] = None
+                        self.ended.move_to_end(rid)
             while len(self.ended) > ENDED_KEPT:
                 self.ended.popitem(last=False)
         return out
