@@ -491,6 +491,22 @@ def test_what_the_router_or_the_connector_refuses_at_start_is_refused_by_the_che
     Deployment.from_yaml(ROUTED % ("", ""), "dep.yaml")  # the same file without the mistake is fine
 
 
+def test_the_check_validates_the_policy_the_router_runs_when_router_config_names_one():
+    """``router.config`` keys win over ``router.policy``/``policy_params`` in the router.yaml a launch writes: the check
+    validates those. Before, a simulator-only or misspelt policy under ``router.config`` passed ``--check`` (the router
+    then refused to start), and parameters valid for the config's policy were refused as the other policy's."""
+    import dlmix.sim  # noqa: F401  (registers the simulator-only oracle, as the dlmix CLI does)
+
+    for router, needle in ((", config: {policy: oracle}", "router.config.policy: policy 'oracle' runs only"),
+                           (", config: {policy: nope}", "router.config.policy: unknown policy 'nope'"),
+                           (", config: {policy_params: {min_hit: 3}}", "router.config.policy_params: unknown "
+                                                                       "parameter 'min_hit' for policy 'prefix'")):
+        msg = _err(ROUTED % (router, ""))
+        assert needle in msg, msg
+    Deployment.from_yaml(ROUTED % (", policy: round_robin, policy_params: {cache_threshold: 0.5}, "
+                                   "config: {policy: prefix}", ""), "dep.yaml")
+
+
 def test_a_router_open_to_the_network_without_client_keys_is_a_machine_problem():
     """The router refuses to serve a non-loopback ``host`` without ``api_keys`` or ``allow_open``; ``--check`` and a
     launch now say so before anything starts (before: ``--check`` said ok and the launch failed)."""
@@ -502,6 +518,22 @@ def test_a_router_open_to_the_network_without_client_keys_is_a_machine_problem()
     for ok in (", host: 0.0.0.0, config: {api_keys: [k]}", ", host: 0.0.0.0, config: {allow_open: true}", ""):
         assert not [x for x in local_problems(Deployment.from_yaml(ROUTED % (ok, ""), "dep.yaml"))
                     if x.startswith("router:")], ok
+
+
+def test_the_open_router_check_reads_router_config_as_the_router_does():
+    """The router reads router.config's keys as RouterConfig does (``api-keys`` for ``api_keys``, ``"false"`` a false
+    bool, ``host`` over router.host). Before, a launch refused a router with ``api-keys`` set ("Nothing was started")
+    and let through one the router then refused (``host`` under router.config, ``allow_open: "false"``)."""
+    from dlmix.launch.preflight import local_problems
+
+    def flagged(router):
+        return [x for x in local_problems(Deployment.from_yaml(ROUTED % (router, ""), "dep.yaml"))
+                if x.startswith("router:")]
+
+    assert not flagged(", host: 0.0.0.0, config: {api-keys: [k]}")
+    assert not flagged(", host: 0.0.0.0, config: {allow-open: true}")
+    assert flagged(", config: {host: 0.0.0.0}")
+    assert flagged(", host: 0.0.0.0, config: {allow_open: 'false'}")
 
 
 def test_flags_that_cannot_go_together_or_a_log_dir_that_is_a_file_are_refused(tmp_path):

@@ -657,16 +657,28 @@ def _cross_checks(dep: Deployment, marks: Dict[Path_, Tuple[int, int]], origin: 
     if dep.router is not None and dep.router.enabled:
         from dlmix.routing.policies import POLICIES, make_policy
 
-        # what the router itself refuses at start-up (dlmix.router.server.Router)
+        # what the router itself refuses at start-up (dlmix.router.server.Router), with the policy it will run:
+        # router.config's keys win over router.policy/policy_params in the router.yaml launch writes (runner.plan)
+        over = {k.replace("-", "_"): k for k in dep.router.config}
+        policy, ppath = dep.router.policy, ("router", "policy")
+        params, qpath = dep.router.policy_params, ("router", "policy_params")
+        if "policy" in over:
+            policy, ppath = dep.router.config[over["policy"]], ("router", "config", over["policy"])
+        if "policy_params" in over:
+            params, qpath = dep.router.config[over["policy_params"]], ("router", "config", over["policy_params"])
         try:
-            POLICIES.serving_class(dep.router.policy)
+            if not isinstance(policy, str):
+                raise ValueError(f"a policy name is expected, got {policy!r}")
+            POLICIES.serving_class(policy)
         except ValueError as e:
-            bad(("router", "policy"), str(e))
+            bad(ppath, str(e))
         else:
             try:
-                make_policy(dep.router.policy, **dict(dep.router.policy_params))
+                if not isinstance(params, dict):
+                    raise ValueError(f"a mapping of policy parameters is expected, got {params!r}")
+                make_policy(policy, **dict(params))
             except ValueError as e:  # PolicyParamError: names the parameter and the valid ones
-                bad(("router", "policy_params"), str(e))
+                bad(qpath, str(e))
         if dep.router.config:
             from dlmix.router.config import RouterConfig
 

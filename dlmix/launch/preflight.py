@@ -74,10 +74,18 @@ def local_problems(dep: Deployment) -> List[str]:
         if inst.python and not (Path(inst.python).expanduser().exists() or shutil.which(inst.python)):
             problems.append(f"{where}: python {inst.python!r} does not exist on this machine")
     r = dep.router
-    if dep.router_enabled() and r is not None and not is_loopback(r.host) \
-            and not r.config.get("api_keys") and not r.config.get("allow_open"):
+    rc = None
+    if dep.router_enabled() and r is not None:
+        from dlmix.errors import ConfigError
+        from dlmix.router.config import RouterConfig
+
+        try:  # the settings the router reads from the router.yaml launch writes (router.config's keys win)
+            rc = RouterConfig.from_dict({"host": r.host, **r.config})
+        except ConfigError:  # refused by Deployment's own checks already
+            rc = None
+    if rc is not None and not is_loopback(rc.host) and not rc.api_keys and not rc.allow_open:
         # the router refuses this at start-up (dlmix.router.server); --emit k8s sets allow_open itself
-        problems.append(f"router: host {r.host!r} is not loopback and router.config sets no api_keys: the router "
+        problems.append(f"router: host {rc.host!r} is not loopback and router.config sets no api_keys: the router "
                         "refuses to serve it; set router.config.api_keys (clients send Authorization: Bearer KEY) "
                         "or router.config.allow_open: true, or bind 127.0.0.1")
     return problems
