@@ -195,3 +195,71 @@ def test_one_error_hierarchy_keeps_the_old_classes_catchable():
     assert issubclass(errors.ConfigError, errors.DlmixError) and issubclass(RegistrationError, errors.DlmixError)
     with pytest.raises(errors.ConfigError):
         RouterConfig.from_dict({"no_such_key": 1})
+
+
+def test_a_client_gone_while_a_failed_bridged_leg_winds_down_leaves_no_unretrieved_exception(monkeypatch):
+    """A bridged PD request whose prefill leg failed at once (connection refused) while the bridge still ran: the
+    bridge is cancelled and awaited; the client going away during that wait must not leave the prefill leg's
+    BackendError unretrieved ("Task exception was never retrieved" in the router's log)."""
+    import asyncio
+    import gc
+    from types import SimpleNamespace
+
+    import dlmix.router.orchestrator as orch_mod
+    from dlmix.router.proxy import BackendError
+
+    state = {}
+
+    async def fail_request(pool, raw, *a, **kw):
+        raise BackendError("cannot connect to backend p: ConnectionRefusedError")
+
+    async def slow_bridge(purl, durl, kvp, rbody, rooms=None):
+        try:
+            await asyncio.sleep(60)
+        except asyncio.CancelledError:
+            state["unwinding"].set()
+            await asyncio.sleep(0.2)  # an HTTP call being torn down
+            raise
+
+    monkeypatch.setattr(orch_mod, "request", fail_request)
+    monkeypatch.setattr(orch_mod, "get_bridge", lambda a, b: slow_bridge)
+    eng_p = SimpleNamespace(PD_FLOW="concurrent", NAME="sglang", handoff=lambda h, port: {"room": 1},
+                            prefill_body=lambda d, chat, kvp: b"{}")
+    eng_d = SimpleNamespace(PD_FLOW="sequential", NAME="vllm")
+    p, d = InstanceState(id="p", url="http://127.0.0.1:1", role="prefill"), \
+        InstanceState(id="d", url="http://127.0.0.1:2", role="decode")
+    pb = SimpleNamespace(engine=eng_p, bootstrap=("127.0.0.1", 3), hostport=b"h", auth=b"", pool=None, state=p)
+    db = SimpleNamespace(engine=eng_d, state=d)
+
+    class Reg:
+        backends = {"p": pb, "d": db}
+        instances = [p, d]
+
+        def fail(self, *a):
+            pass
+
+    o = PDOrchestrator(Reg(), None, RouterConfig(), None, lambda insts: None)
+    conn = SimpleNamespace(closed=False)
+    req = SimpleNamespace(url=b"/v1/completions")
+    errors = []
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        loop.set_exception_handler(lambda l, ctx: errors.append(ctx.get("message")))
+        state["unwinding"] = asyncio.Event()
+        t = asyncio.ensure_future(o.bridged(conn, req, {}, RouteRequest(prompt_len=4),
+                                            Decision(decode=d, prefill=p), False, b""))
+        await state["unwinding"].wait()
+        conn.closed = True
+        t.cancel()  # the client went away
+        try:
+            await t
+        except asyncio.CancelledError:
+            pass
+        await asyncio.sleep(0.3)
+        gc.collect()
+        await asyncio.sleep(0)
+
+    asyncio.run(main())
+    gc.collect()
+    assert not [e for e in errors if "never retrieved" in (e or "")], errors

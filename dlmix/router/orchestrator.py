@@ -318,12 +318,17 @@ class PDOrchestrator:
                     out = htask.result()
                     ptask.add_done_callback(lambda t, b=pb, k=out: self._leg_ended(b, t, k))
                     return Handoff(out, ptask.cancel)
-                if not htask.done():  # the prefill leg ended first: it never held the room's KV
-                    htask.cancel()
-                    await asyncio.wait((htask,))
-                else:
-                    ptask.cancel()
-                    await asyncio.wait((ptask,))
+                try:
+                    if not htask.done():  # the prefill leg ended first: it never held the room's KV
+                        htask.cancel()
+                        await asyncio.wait((htask,))
+                    else:
+                        ptask.cancel()
+                        await asyncio.wait((ptask,))
+                except BaseException:  # cancelled meanwhile (client gone): the leg that ended is retrieved too
+                    _cancel(ptask)
+                    _cancel(htask)
+                    raise
                 self._retrieve(ptask, htask)
                 perr = None if ptask.cancelled() else ptask.exception()
                 pstatus = None if ptask.cancelled() or perr is not None else ptask.result().status
