@@ -222,7 +222,8 @@ class Supervisor:
                 try:
                     p.start()  # type: ignore[attr-defined]
                 except Exception as e:  # noqa: BLE001 - e.g. the port is still held
-                    self._emit(s, "start_failed", f"{s.name}: restart {s.restarts} failed: {e}")
+                    s.last_end = f"{s.name}: restart {s.restarts} failed: {e}"  # what ended it, if given up now
+                    self._emit(s, "start_failed", s.last_end)
                     self._schedule(s, time.monotonic())
                     return
             s.state, s.since = "starting", time.monotonic()
