@@ -696,10 +696,11 @@ class Endpoint(Transport):
             try:
                 return self._dial_once(desc, deadline, timeout)
             except _PeerBusy as e:  # too many handshakes from this host at the peer: wait for a slot
-                if time.monotonic() + nap >= deadline:
+                left = deadline - time.monotonic()
+                if left <= 0:  # the last try came at the deadline: the whole connect timeout was spent
                     raise TransferTimeout(f"{desc['name']} at {desc['host']}:{desc['port']} stayed busy for "
                                           f"{timeout:.1f} s ({e})") from None
-                time.sleep(nap)
+                time.sleep(min(nap, left))  # up to the deadline, and one more try there
                 nap = min(2 * nap, 0.5)
 
     def _dial_once(self, desc: Mapping, deadline: float, timeout: float) -> _Conn:

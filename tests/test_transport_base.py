@@ -848,3 +848,25 @@ def test_handshakes_in_progress_are_capped():
         a.close()
         b.close()
     assert _wait_threads_gone("hca", "hcb", timeout=5) == []
+
+
+def test_a_dialer_answered_busy_tries_until_its_connect_timeout():
+    """A peer that stays busy: the dialer keeps trying for its whole connect timeout, then says so. Before, it gave up
+    up to one back-off step (0.5 s) early, its last try never made, while its message said it waited the whole time."""
+    from dlmix_kv_connectors import TransferTimeout
+
+    a = make_transport("tcp", name="bdl", secret="s", handshake_timeout_s=60, max_handshakes=8,
+                       max_handshakes_per_host=1)
+    c = make_transport("tcp", name="bdc", secret="s")
+    hold = socket.create_connection((a.host, a.port), timeout=5)  # 127.0.0.1's only handshake slot, idle
+    try:
+        assert poll(lambda: a._hs_hosts.get("127.0.0.1") == 1, timeout_s=10, interval_s=0.02), a._hs_hosts
+        t0 = time.monotonic()
+        with pytest.raises(TransferTimeout, match="stayed busy"):
+            c.connect(a.descriptor(), timeout_s=2.0)
+        assert time.monotonic() - t0 >= 1.95
+    finally:
+        hold.close()
+        a.close()
+        c.close()
+    assert _wait_threads_gone("bdl", "bdc", timeout=5) == []
