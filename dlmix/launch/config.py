@@ -549,7 +549,7 @@ def _cross_checks(dep: Deployment, marks: Dict[Path_, Tuple[int, int]], origin: 
     shapes: Dict[str, Any] = {}  # model reference -> ModelSpec or None (config not readable here)
     catalog = None
     try:
-        from dlmix.hw.profiles import CatalogError, load_catalog
+        from dlmix.hw.profiles import load_catalog
 
         catalog = load_catalog(dep.router.chips if dep.router else None)
     except Exception as e:  # catalog file problems are reported on router.chips
