@@ -670,3 +670,33 @@ def test_fp8_scales_float32_cannot_hold_are_refused(scale):
     with pytest.raises(ValueError, match="float32's normal range"):
         KVLayout(m, 4, "fp8_e4m3", "vllm_flashinfer_nhd", k_scale=scale, v_scale=scale)
     KVLayout(m, 4, "fp8_e4m3", "vllm_flashinfer_nhd", k_scale=1.2e-38, v_scale=3.4e38)
+
+
+@pytest.mark.parametrize("sa,da", [("lmdeploy", "vllm_flash_hnd"), ("sglang_nhd", "sglang_hnd"),
+                                   ("vllm_flash_nhd", "sglang_hnd")])
+@pytest.mark.parametrize("s_one,d_one", [(True, False), (False, True)])
+def test_separate_kv_caches_viewing_one_buffer_convert_exactly(sa, da, s_one, d_one):
+    """K and V of a layer as views of one buffer (``allocate(one_buffer=True)``, an engine's pool): the CPU cell path
+    took the V plane for a part of K, so it read K's bytes as V (silently wrong KV) or raised numpy's "output array
+    does not match result of ndarray.take" (found running ``benchmarks/kv_convert_device.py --quick`` on the CPU)."""
+    import random
+
+    from dlmix.kv import read_kv
+
+    model = ModelIdentity("LlamaForCausalLM", num_layers=2, num_kv_heads=8, head_size=128)
+    src, dst = KVLayout(model, 32, "bf16", sa), KVLayout(model, 64, "bf16", da)
+    n = 1024
+    rng = random.Random(0)
+    sb, db = list(range(n // 32)), list(range(n // 64))
+    rng.shuffle(sb)
+    rng.shuffle(db)
+    sc, dc = allocate(src, len(sb), one_buffer=s_one), allocate(dst, len(db), one_buffer=d_one)
+    g = torch.Generator().manual_seed(0)
+    for c in sc:
+        for t in c:
+            t.copy_(torch.randn(t.shape, generator=g))
+    convert(src, sc, sb, dst, dc, db, n)
+    for tok in range(0, n, 5):
+        for layer in range(2):
+            for a, b in zip(read_kv(src, sc, sb, tok, layer), read_kv(dst, dc, db, tok, layer)):
+                assert torch.equal(a, b), (tok, layer)

@@ -426,3 +426,39 @@ def test_router_client_backs_off_when_fresh_registrations_keep_getting_404():
     # 3 s at one try per 0.5 s: ~6 registrations (a slow machine makes fewer); a tight loop made hundreds
     assert 2 <= regs <= 10, (regs, len(router.calls))
     assert "404" in (rc.last_error or "")
+
+
+@pytest.mark.parametrize("src,dst", [("lmdeploy", "vllm_flash_hnd"), ("sglang_nhd", "sglang_hnd"),
+                                     ("sglang_hnd", "vllm_flash_nhd")])
+def test_pull_from_a_separate_kv_producer_is_exact(src, dst):
+    """A producer that keeps K and V apart (LMDeploy, SGLang) is staged as views of the one staging buffer
+    (``dlmix.pd.consumer`` ``_staged_layer``); the CPU cell path (``dlmix.kv.cells``) took the V plane for a part of K:
+    the pull reported success and the decode's V held K's bytes (86 of 86 checked tokens wrong for 128 tokens of an
+    8-head, head-size-128 model, lmdeploy -> vllm_flash_hnd; found by a new-user review)."""
+    m = ModelIdentity("LlamaForCausalLM", num_layers=2, num_kv_heads=8, head_size=128)
+    pl, dl = KVLayout(m, 16, "bf16", src), KVLayout(m, 32, "bf16", dst)
+    ntok = 128
+    pc, dc = allocate(pl, ntok // 16 + 1), allocate(dl, ntok // 32 + 1)
+    g = torch.Generator().manual_seed(0)
+    for c in pc:
+        for t in c:
+            t.copy_(torch.randn(t.shape, generator=g))
+    p = KVEndpoint("tcp", "prod", "s", "127.0.0.1", 0, pl, pc, 0)
+    d = KVEndpoint("tcp", "cons", "s", "127.0.0.1", 0, dl, dc, 16 << 20)
+    try:
+        ids = list(range(ntok))
+        blocks, dblocks = [8, 3, 5, 0, 7, 1, 6, 2], [4, 0, 2, 1]
+        p.add_hold("r", blocks, ntok, prompt_digest(ids))
+        params = TransferParams.make(engine="x", instance_id="p0", transports=[p.descriptor()], request_id="r",
+                                     block_ids=blocks, num_tokens=ntok, layout=pl, token_ids=ids).to_dict()
+        cl = claim(params, dl, ntok, 0, prompt_token_ids=ids)
+        res = d.pull_params(cl.params, cl.start, cl.end, dblocks, digest=prompt_digest(ids))
+        assert res.error is None and res.loaded_upto == ntok
+        for tok in range(ntok):
+            for layer in range(2):
+                for a, b in zip(read_kv(pl, pc, blocks, tok, layer), read_kv(dl, dc, dblocks, tok, layer)):
+                    assert torch.equal(a, b), (tok, layer)
+        d.release(list(cl.params.transports), "r", consumed=True)
+    finally:
+        p.close()
+        d.close()

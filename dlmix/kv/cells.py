@@ -53,8 +53,11 @@ def _plane_geometry(layout: KVLayout, cache: Any) -> list[tuple[int, int, tuple[
     out = []
     for v in views:
         for i, r in enumerate(raws):
-            if v.untyped_storage().data_ptr() == r.untyped_storage().data_ptr():
-                out.append((i, v.storage_offset() - r.storage_offset(), tuple(v.stride())))
+            # same storage is not enough: K and V may be views of one buffer (``allocate(one_buffer=True)``, an
+            # engine's pool), so the plane belongs to the raw tensor whose elements hold its first element
+            off = v.storage_offset() - r.storage_offset()
+            if (v.untyped_storage().data_ptr() == r.untyped_storage().data_ptr() and 0 <= off < r.numel()):
+                out.append((i, off, tuple(v.stride())))
                 break
         else:
             return None
