@@ -412,3 +412,40 @@ def test_sim_cli_slo_from_the_deployment_file_unless_flagged(tmp_path):
     assert s[0]["goodput_targets_ms"] == {"ttft": 1500.0, "tpot": 30.0}
     _, s = _sim_cli(["-d", "smollm2_cpu", "-m", "smollm2", "-w", "mooncake", "--limit", "5"])
     assert s[0]["goodput_targets_ms"] == {"ttft": 2000.0, "tpot": 25.0}
+
+
+def test_deployment_values_that_break_the_simulator_are_refused(tmp_path):
+    """Found by a new-user review: each of these used to give a traceback, a hang or a silent nonsense run."""
+    h = {"chip": "H100"}
+    pd = [{"chip": "H100", "role": "prefill"}, {"chip": "H20", "role": "decode"}]
+    cases = [
+        ({"instances": [dict(h, num_gpu_blocks=-3)]}, "num_gpu_blocks"),           # was ValueError traceback
+        ({"instances": [dict(h, num_gpu_blocks=0)]}, "num_gpu_blocks"),            # was silently the default
+        ({"instances": [dict(h, num_gpu_blocks="x")]}, "invalid literal"),         # was ValueError traceback
+        ({"link": {"bandwidth_gbps": 0}, "instances": pd}, "bandwidth_gbps"),      # was ZeroDivisionError
+        ({"link": {"bandwidth_gbps": -5}, "instances": pd}, "bandwidth_gbps"),     # was a run at -5 Gb/s
+        ({"instances": [dict(h, timing="no_such_profile")]}, "timing"),           # was FileNotFoundError traceback
+        ({"t_step": -1, "instances": [h]}, "t_step"),                              # was utilization -7e10 %
+        ({"instances": [dict(h, r0=-5)]}, "r0"),
+        ({"instances": [dict(h, count=10 ** 9)]}, "at most"),                       # was a hang
+        ({"nme": "typo", "instances": [h]}, "unknown keys"),                       # was silently ignored
+        ({"gpu_memory_utilization": 9, "instances": [h]}, "gpu_memory_utilization"),
+    ]
+    for d, match in cases:
+        with pytest.raises(ConfigError, match=match):
+            load_deployment(d)
+
+
+@pytest.mark.parametrize("extra", [["--limit", "0"], ["--limit", "-5"], ["-w", "synthetic", "--limit", "-5"],
+                                   ["--kv-event-delay-ms", "-1"], ["-w", "EMPTY"],
+                                   ["--limit", "3", "-o", "EMPTY"]])
+def test_sim_cli_refuses_bad_limit_and_delay(extra, tmp_path):
+    from typer.testing import CliRunner
+
+    from dlmix.cli import app
+
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    extra = [str(empty) if a == "EMPTY" else a for a in extra]
+    res = CliRunner().invoke(app, ["sim", "-d", "homog_h100x4"] + extra)
+    assert res.exit_code == 2 and any(w in res.output for w in ("must be", "no requests", "not a folder")), res.output

@@ -36,7 +36,7 @@ def build_workload(workload: str, speedup: float = 1.0, limit: Optional[int] = N
     if workload == "synthetic":
         reqs = shared_prefix(groups, per_group, prefix_len, suffix_len, output_len, rate * speedup, seed,
                              trace_block=block_size)
-        return reqs[:limit] if limit else reqs
+        return reqs if limit is None else reqs[:max(limit, 0)]
     return load_trace(workload, speedup=speedup, limit=limit)
 
 
@@ -108,6 +108,12 @@ def sim_command(
     from dlmix.sim.simulator import Simulator
     from dlmix.sim.workload import WorkloadError
 
+    if limit is not None and limit < 1:
+        typer.echo(f"error: --limit must be >= 1, got {limit}", err=True)
+        raise typer.Exit(2)
+    if not 0 <= kv_event_delay_ms < float("inf"):
+        typer.echo(f"error: --kv-event-delay-ms must be a finite number >= 0, got {kv_event_delay_ms:g}", err=True)
+        raise typer.Exit(2)
     names = [p.strip() for p in policy.split(",") if p.strip()]
     bad = [n for n in names if n not in POLICIES]
     if bad or not names:
@@ -128,6 +134,10 @@ def sim_command(
         spec = load_model(model)
         reqs = build_workload(workload, speedup, limit, groups, per_group, prefix_len, suffix_len, output_len,
                               rate, seed, block_size=dep.hash_block())
+        if not reqs:
+            raise WorkloadError(f"workload {workload!r} has no requests")
+        if out and Path(out).exists() and not Path(out).is_dir():  # refused before the runs, not after them
+            raise ValueError(f"--out {out}: exists and is not a folder")
     except (ConfigError, RouterConfigError, WorkloadError, ValueError) as ex:
         typer.echo(f"error: {ex}", err=True)
         raise typer.Exit(2)

@@ -128,12 +128,19 @@ class Deployment:
 
 _GROUP_KEYS = {"chip", "count", "role", "num_chips", "link", "block_size", "max_num_batched_tokens",
                "max_num_seqs", "num_gpu_blocks", "timing", "router_chip", "t_step", "r0", "name"}
+_TOP_KEYS = {"name", "block_size", "max_num_batched_tokens", "max_num_seqs", "gpu_memory_utilization", "t_step", "r0",
+             "link", "instances", "slo"}
+#: more simulated instances than this is a typo (each one is simulated, iteration by iteration)
+MAX_INSTANCES = 100_000
 
 
 def deployment_from_dict(d: dict, origin: str = "<dict>", catalog: Optional[Catalog] = None) -> Deployment:
     """Build a :class:`Deployment` from a parsed YAML mapping. Raises ConfigError naming ``origin`` and the field."""
     if not isinstance(d, dict) or not isinstance(d.get("instances"), list) or not d["instances"]:
         raise ConfigError(f"{origin}: needs a non-empty 'instances' list")
+    bad = set(d) - _TOP_KEYS
+    if bad:
+        raise ConfigError(f"{origin}: unknown keys {sorted(bad)}; known: {', '.join(sorted(_TOP_KEYS))}")
     cat = catalog or load_catalog()
     defaults = {k: d[k] for k in ("block_size", "max_num_batched_tokens", "max_num_seqs", "t_step", "r0", "link")
                 if k in d}
@@ -162,18 +169,37 @@ def deployment_from_dict(d: dict, origin: str = "<dict>", catalog: Optional[Cata
                     merged[k] = int(merged[k])
                     if merged[k] < 1:
                         raise ValueError(f"{k} must be >= 1")
+            if merged.get("num_gpu_blocks") is not None:
+                merged["num_gpu_blocks"] = int(merged["num_gpu_blocks"])
+                if merged["num_gpu_blocks"] < 1:
+                    raise ValueError("num_gpu_blocks must be >= 1")
             for k in ("t_step", "r0"):
                 if k in merged:
                     merged[k] = float(merged[k])
+                    if not 0 <= merged[k] < float("inf"):
+                        raise ValueError(f"{k} must be a finite number >= 0 (seconds), got {merged[k]:g}")
         except (TypeError, ValueError) as ex:
             raise ConfigError(f"{origin}: instances[{gi}]: {ex}") from None
-        if count < 1:
-            raise ConfigError(f"{origin}: instances[{gi}]: count must be >= 1")
+        if count < 1 or len(out) + count > MAX_INSTANCES:
+            raise ConfigError(f"{origin}: instances[{gi}]: count must be >= 1 and the deployment at most "
+                              f"{MAX_INSTANCES} instances, got {count}")
         if merged.get("link") is not None:
             try:
-                cat.link(merged["link"])
+                ln = cat.link(merged["link"])
             except KeyError as ex:
                 raise ConfigError(f"{origin}: instances[{gi}]: {ex.args[0]}") from None
+            except (TypeError, ValueError) as ex:
+                raise ConfigError(f"{origin}: instances[{gi}]: link: {ex}") from None
+            if not (ln.bandwidth_gbps > 0 and 0 < ln.eff <= 1 and ln.setup_ms >= 0):
+                raise ConfigError(f"{origin}: instances[{gi}]: link {ln.name!r}: bandwidth_gbps must be > 0, eff in "
+                                  f"(0, 1] and setup_ms >= 0, got {ln.bandwidth_gbps:g}, {ln.eff:g}, {ln.setup_ms:g}")
+        if merged.get("timing"):
+            from dlmix.sim.timing import LinearTiming
+
+            try:
+                LinearTiming.load(str(merged["timing"]))
+            except (OSError, ValueError, TypeError, AttributeError) as ex:
+                raise ConfigError(f"{origin}: instances[{gi}]: timing: {ex}") from None
         base = g.get("name") or f"{g['chip']}-{role}"
         for k in range(count):
             out.append(InstanceSpec(id=f"{base}-{len(out)}", **merged))
@@ -183,6 +209,8 @@ def deployment_from_dict(d: dict, origin: str = "<dict>", catalog: Optional[Cata
         gmu = float(d.get("gpu_memory_utilization", 0.9))
     except (TypeError, ValueError):
         raise ConfigError(f"{origin}: gpu_memory_utilization must be a number") from None
+    if not 0 < gmu <= 1:
+        raise ConfigError(f"{origin}: gpu_memory_utilization must be in (0, 1], got {gmu:g}")
     ttft, itl, pct = _parse_slo(d.get("slo"), origin)
     return Deployment(str(d.get("name", origin)), out, gmu, cat, ttft, itl, pct)
 
