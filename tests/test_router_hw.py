@@ -35,6 +35,20 @@ def test_user_yaml_adds_and_overrides(tmp_path):
         load_catalog([tmp_path / "missing.yaml"])
 
 
+@pytest.mark.parametrize("text,match", [
+    ("chips:\n  X:\n    bf16_tflops: 1\n    mem_bw_gbps: 1\n    mem_gb: 1\n    mfuu: 0.3\n", "unknown key"),
+    ("chps:\n  X:\n    bf16_tflops: 1\n    mem_bw_gbps: 1\n    mem_gb: 1\n", "unknown top-level"),
+    ("links:\n  slow: {bandwidth_gbps: -1}\n", "bandwidth_gbps must be > 0"),
+])
+def test_catalog_refuses_typos_and_bad_links(tmp_path, text, match):
+    """A typo in a chip file was silently ignored (the chip kept the default mfu; a misspelt 'chips' loaded
+    nothing) and a link of negative bandwidth was accepted (found by a new-user review)."""
+    f = tmp_path / "c.yaml"
+    f.write_text(text)
+    with pytest.raises(CatalogError, match=match):
+        load_catalog([f])
+
+
 def test_cost_formulas_exact():
     m = ModelSpec(params=8e9, layers=32, q_heads=32, kv_heads=8, head_dim=128, dtype_bytes=2)
     assert m.kv_bytes_per_token == 131072 == 2 * 32 * 8 * 128 * 2

@@ -166,14 +166,24 @@ class Catalog:
 
 
 _REQUIRED = ("bf16_tflops", "mem_bw_gbps", "mem_gb")
+_CHIP_KEYS = {"vendor", "aliases", "bf16_tflops", "fp16_tflops", "mem_bw_gbps", "mem_gb", "mfu", "bw_eff", "confidence",
+              "source"}
 
 
 def _load_into(cat: Catalog, data: dict, origin: str) -> None:
     if not isinstance(data, dict):
         raise CatalogError(f"{origin}: top level must be a mapping with 'chips' and/or 'links'")
+    unknown = set(data) - {"chips", "links", "vendors"}
+    if unknown:
+        raise CatalogError(f"{origin}: unknown top-level key(s) {', '.join(sorted(map(str, unknown)))} "
+                           f"(chips, links, vendors)")
     for name, e in (data.get("chips") or {}).items():
         if not isinstance(e, dict):
             raise CatalogError(f"{origin}: chip {name!r} must be a mapping")
+        unknown = set(e) - _CHIP_KEYS
+        if unknown:
+            raise CatalogError(f"{origin}: chip {name!r} has unknown key(s) {', '.join(sorted(map(str, unknown)))}; "
+                               f"known: {', '.join(sorted(_CHIP_KEYS))}")
         base = None
         try:
             base = cat.chip(name)
@@ -210,10 +220,13 @@ def _load_into(cat: Catalog, data: dict, origin: str) -> None:
                                                str(e.get("confidence", "medium")), str(e.get("source", "")))
     for name, e in (data.get("links") or {}).items():
         try:
-            cat.links[name] = LinkProfile(name, float(e["bandwidth_gbps"]), float(e.get("setup_ms", 2.0)),
-                                          float(e.get("eff", 0.8)), str(e.get("source", "")))
+            ln = LinkProfile(name, float(e["bandwidth_gbps"]), float(e.get("setup_ms", 2.0)),
+                             float(e.get("eff", 0.8)), str(e.get("source", "")))
         except (KeyError, TypeError, ValueError) as ex:
             raise CatalogError(f"{origin}: link {name!r} is invalid ({ex!r})") from None
+        if not (ln.bandwidth_gbps > 0 and 0 < ln.eff <= 1 and ln.setup_ms >= 0):
+            raise CatalogError(f"{origin}: link {name!r}: bandwidth_gbps must be > 0, eff in (0, 1] and setup_ms >= 0")
+        cat.links[name] = ln
 
 
 @functools.lru_cache(maxsize=1)
