@@ -508,3 +508,13 @@ def test_title_never_splits_a_workload_setting(small_plan):
     text = con.export_text()
     for kv in name.split(":", 1)[1].split(","):
         assert any(kv in line for line in text.splitlines()), (kv, text[:600])
+
+
+def test_timing_paths_of_an_inventory_named_relatively_are_absolute(tmp_path, calib, monkeypatch):
+    """``dlmix plan -i inv/cpu.yaml`` wrote ``timing: inv/calib_1.json`` into deploy_sim.yaml: relative to the
+    directory the plan ran in, so ``dlmix sim -d out/deploy_sim.yaml`` from anywhere else failed (new-user review)."""
+    (tmp_path / "inv").mkdir()
+    _cpu_inventory(tmp_path / "inv", calib)
+    monkeypatch.chdir(tmp_path)
+    g = load_inventory("inv/inv.yaml").group("cpu")
+    assert g.timing_profile(1) == str(tmp_path / "inv" / "calib_1.json")

@@ -123,3 +123,11 @@ def test_table_link_is_the_deployments_link():
     shown = {(row[0], row[2]): row[6] for row in rows}
     for k, link in used.items():
         assert shown[k] == link, f"table says {k} uses {shown[k]}, deployment uses {link}"
+
+
+def test_out_that_is_a_file_is_refused_before_planning(tmp_path):
+    """``-o FILE`` (an existing file) ran the whole search and then died with FileExistsError (new-user review)."""
+    f = tmp_path / "not_a_folder"
+    f.write_text("x")
+    r = subprocess.run(BASE + ["-o", str(f)], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "not a folder" in r.stderr and "Traceback" not in r.stderr, r.stderr[-800:]

@@ -26,7 +26,9 @@ def plan_command(
                               "smollm2) or a HF config.json path"),
     workload: str = typer.Option("mooncake", "--workload", "-w", help="mooncake | trace.jsonl[.gz] | "
                                  "synthetic[:groups=G,per_group=N,prefix=P,suffix=S,output=O,seed=X]"),
-    requests: int = typer.Option(300, "--requests", "-n", help="requests in the sample each simulation replays"),
+    requests: int = typer.Option(300, "--requests", "-n",
+                                 help="requests in the sample each simulation replays: the first N of a trace (a "
+                                      "synthetic workload is all its groups × per_group requests)"),
     rate: str = typer.Option("maximise", "--rate", help="request rate to plan for, req/s, or 'maximise'"),
     slo_ttft_ms: float = typer.Option(2000.0, "--slo-ttft-ms", help="TTFT target, ms"),
     slo_itl_ms: float = typer.Option(50.0, "--slo-itl-ms", help="ITL target (a request's mean inter-token time), ms"),
@@ -75,6 +77,8 @@ def plan_command(
             if not ok:  # named as the flag, in its unit (the planner's own checks speak seconds and parameters)
                 want = {"--slo-pct": "in (0, 100]", "--top-k": "at least 1"}.get(flag, "a positive finite number")
                 raise ValueError(f"{flag} must be {want}, got {v:g}")
+        if out and Path(out).exists() and not Path(out).is_dir():  # refused before the search, not after it
+            raise ValueError(f"--out {out}: exists and is not a folder")
         cat = load_catalog(chips)
         inv = load_inventory(inventory, cat)
         cpu = [g.chip for g in inv.groups if inv.catalog.chip(g.chip).vendor == "generic"]

@@ -236,7 +236,7 @@ def inventory_from_dict(d: dict, origin: str = "<dict>", catalog: Optional[Catal
             if size < 1 or size > max(c for _, c in by_chip[canon]):
                 raise InventoryError(f"{origin}: timing.{chip}.{size}: no host holds an instance of {size} {chip}")
             p = Path(prof) if Path(prof).is_absolute() else base / prof
-            ref = str(p) if p.exists() else prof
+            ref = str(p.absolute()) if p.exists() else prof  # absolute: deploy_sim.yaml is read from anywhere
             try:
                 LinearTiming.load(ref)
             except (FileNotFoundError, ValueError, OSError) as ex:
