@@ -104,3 +104,16 @@ def test_core_lists_and_cpu_flags(tmp_path):
     info.write_text("model name\t: Old CPU\nflags\t\t: fpu avx2\n")
     assert _flags_text(cpu_flags(str(info))) == "no AVX-512, no AMX"
     assert _flags_text(cpu_flags(str(tmp_path / "missing"))) == "CPU flags unknown"
+
+
+@pytest.mark.parametrize("args", [["--out", "/no/such/folder/calib.json"], ["--reps", "0", "--out", "calib.json"]])
+def test_calibrate_refuses_an_unwritable_out_or_no_reps_before_measuring(args, tmp_path, monkeypatch):
+    """The default ``--out`` is relative to the repository root: from any other folder the profile was measured for
+    minutes and then lost to a FileNotFoundError (new-user review). Refused at once now, without starting vLLM."""
+    from dlmix.sim import calibrate
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(calibrate, "calibrate", lambda *a, **k: pytest.fail("measured despite bad arguments"))
+    with pytest.raises(SystemExit) as ex:
+        calibrate.main(args)
+    assert ex.value.code == 2

@@ -35,6 +35,7 @@ import random
 import statistics
 import threading
 import time
+from pathlib import Path
 from typing import Dict, List, Sequence, Tuple
 
 import numpy as np
@@ -323,6 +324,12 @@ def main(argv=None) -> int:
     ap.add_argument("--neighbour-cpus", default=None,
                     help="measure under load: keep a second server on these cores busy meanwhile (e.g. 1)")
     a = ap.parse_args(argv)
+    out = Path(a.out)
+    if out.is_dir() or not out.parent.is_dir():  # refused now, not after minutes of measurement
+        ap.error(f"--out {a.out}: needs a file path in an existing folder (default: the stored profile, relative to "
+                 f"the repository root)")
+    if a.reps < 1:
+        ap.error(f"--reps must be >= 1, got {a.reps}")
     for v in (a.cpus, a.neighbour_cpus):
         if v is not None:
             try:
