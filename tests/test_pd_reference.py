@@ -290,3 +290,24 @@ def test_command_line_process_serves_and_stops(tiny_model_dir):
     bad = subprocess.run([sys.executable, "-m", "dlmix.pd.reference", "--model", str(tiny_model_dir),
                           "--arrangement", "nope"], capture_output=True, text=True, timeout=120, env=env)
     assert bad.returncode == 2 and "unknown arrangement" in bad.stderr
+
+
+def test_command_line_refuses_bad_ports_and_missing_model(tiny_model_dir):
+    """A port out of range, a port already taken and a missing model folder are clear errors (exit 2), not
+    tracebacks (found by a new-user review: OverflowError / OSError / a hub repo-id message before)."""
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    base = [sys.executable, "-m", "dlmix.pd.reference", "--kv-cache-bytes", str(1 << 20), "--block-size", "8"]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        taken = s.getsockname()[1]
+        for args, want in ((["--model", str(tiny_model_dir), "--port", "-5"], "--port must be in 0..65535"),
+                           (["--model", str(tiny_model_dir), "--port", str(taken)], "cannot serve HTTP"),
+                           (["--model", "/no/such/model/folder"], "no model folder")):
+            r = subprocess.run(base + args, capture_output=True, text=True, timeout=120, env=env)
+            assert r.returncode == 2 and want in r.stderr and "Traceback" not in r.stderr, r.stderr[-2000:]

@@ -42,6 +42,12 @@ def serve(argv: list[str] | None = None) -> int:
                     help="test hook: prefill with this prompt position's token id changed by one")
     ap.add_argument("--log-level", default="INFO")
     a = ap.parse_args(argv)
+    for flag, port in (("--port", a.port), ("--kv-port", a.kv_port)):
+        if not 0 <= port <= 65535:
+            ap.error(f"{flag} must be in 0..65535 (0 = any free port), got {port}")
+    if not os.path.isdir(a.model):
+        ap.error(f"--model: no model folder {a.model!r} (a local Hugging Face folder, e.g. "
+                 f"$(dlmix models prepare smollm2))")
     logging.basicConfig(level=a.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     cfg = ReferenceConfig(model_dir=a.model, served_model_name=a.served_model_name, arrangement=a.arrangement,
                           block_size=a.block_size, dtype=a.dtype, kv_cache_bytes=a.kv_cache_bytes,
@@ -54,7 +60,12 @@ def serve(argv: list[str] | None = None) -> int:
     except (ValueError, OSError, ImportError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    http = ReferenceHTTPServer(app, a.host, a.port)
+    try:
+        http = ReferenceHTTPServer(app, a.host, a.port)
+    except OSError as e:  # port taken, host not local
+        app.close()
+        print(f"error: cannot serve HTTP on {a.host}:{a.port}: {e}", file=sys.stderr)
+        return 2
     done = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: done.set())
