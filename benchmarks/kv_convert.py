@@ -75,6 +75,11 @@ def _pool(layout: KVLayout, n_tokens: int, device: torch.device, rng: random.Ran
     return caches, ids[:need]
 
 
+#: the case names ``--cases`` takes, in the order they run
+CASES = ("identity", "rechunk", "pack", "unpack", "cast", "fp8", "nhd_to_hnd", "hnd_to_nhd", "to_vllm_cpu",
+         "vllm_cpu_rechunk", "reshard")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="256 MiB, 7 repeats")
@@ -88,6 +93,13 @@ def main() -> None:
                     help="comma-separated case names to run (default: all; the JSON line then holds only those)")
     a = ap.parse_args()
     only = {c.strip() for c in a.cases.split(",") if c.strip()}
+    if only - set(CASES):
+        ap.error(f"--cases: unknown case(s) {', '.join(sorted(only - set(CASES)))}; known: {', '.join(CASES)}")
+    for flag, v in (("--mib", a.mib), ("--repeats", a.repeats)):
+        if v is not None and v < 1:
+            ap.error(f"{flag} must be >= 1, got {v}")
+    if a.device.startswith("cuda") and not torch.cuda.is_available():
+        ap.error(f"--device {a.device}: no CUDA device here (torch.cuda.is_available() is False); use --device cpu")
     if a.threads > 0:
         torch.set_num_threads(a.threads)
     mib = a.mib or (256 if a.quick else 512)
@@ -104,6 +116,7 @@ def main() -> None:
                                   "kv_mib": mib, "repeats": repeats, "model": "llama3-8b-kv(32x8x128)"}
 
     def measure(name: str, nbytes: int, run_conv, blockcopy=None) -> None:
+        assert name in CASES, name
         if only and name not in only:
             return
         a_src = torch.empty(nbytes, dtype=torch.uint8, device=device).random_(0, 255)
