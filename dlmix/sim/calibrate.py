@@ -316,7 +316,10 @@ def _vllm_version() -> str:
 def main(argv=None) -> int:
     """Measure, fit, write the calibration JSON (see module docstring)."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--out", default="dlmix/data/sim_calib_smollm2_vllm_cpu.json")
+    ap.add_argument("--out", default="sim_calib.json",
+                    help="file to write (default ./sim_calib.json; name it in a deployment's or inventory's timing:). "
+                         "The stored profile (dlmix/data/sim_calib_smollm2_vllm_cpu.json) describes the machine it "
+                         "was measured on; overwrite it only on purpose")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--cpus", default=None,
                     help="core list to pin the server to, e.g. 0 or 0-1 (as cpus: in dlmix launch; default: unpinned)")
@@ -326,8 +329,7 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     out = Path(a.out)
     if out.is_dir() or not out.parent.is_dir():  # refused now, not after minutes of measurement
-        ap.error(f"--out {a.out}: needs a file path in an existing folder (default: the stored profile, relative to "
-                 f"the repository root)")
+        ap.error(f"--out {a.out}: needs a file path in an existing folder")
     if a.reps < 1:
         ap.error(f"--reps must be >= 1, got {a.reps}")
     for v in (a.cpus, a.neighbour_cpus):
