@@ -219,3 +219,33 @@ def test_from_dict_is_strict_about_types(path, value, reason) -> None:
     assert KVLayout.from_dict({**good, "k_scale": 1, "v_scale": 2}).v_scale == 2
     assert KVLayout.from_dict({**good, "model": {**good["model"], "weights_fingerprint": None}}).model == \
         ModelIdentity("Llama", 2, 2, 8)
+
+
+@pytest.mark.parametrize("field,value", [("num_layers", "2"), ("num_kv_heads", "4"), ("head_size", 8.0),
+                                         ("num_layers", True), ("rope_dim", "0")])
+def test_model_identity_refuses_non_int_fields(field, value) -> None:
+    """New-user review: ``ModelIdentity(num_layers="2")`` was accepted (``int("2")`` passed the range check) and
+    left a string in the frozen descriptor; a bool passed as 1. Now a ValueError naming the field and its range."""
+    kw = dict(num_layers=2, num_kv_heads=4, head_size=8)
+    kw[field] = value
+    with pytest.raises(ValueError, match=rf"{field} must be an integer in "):
+        ModelIdentity("Llama", **kw)
+
+
+@pytest.mark.parametrize("field,value", [("block_size", "16"), ("tp_size", "1"), ("tp_rank", False),
+                                         ("block_size", 16.0)])
+def test_kv_layout_refuses_non_int_fields(field, value) -> None:
+    kw = dict(block_size=16, dtype="bf16", arrangement="lmdeploy")
+    kw[field] = value
+    with pytest.raises(ValueError, match=rf"{field} must be an integer in "):
+        KVLayout(ModelIdentity("Llama", 2, 4, 8), **kw)
+
+
+def test_integral_non_int_values_are_stored_as_int() -> None:
+    """An integral value that is not a Python int (e.g. ``numpy.int64`` from a shape) is accepted and stored as int,
+    so the JSON form and equality stay those of plain ints."""
+    np = pytest.importorskip("numpy")
+    m = ModelIdentity("Llama", np.int64(2), np.int32(4), 8)
+    lay = KVLayout(m, np.int64(16), "bf16", "lmdeploy")
+    assert type(m.num_layers) is int and type(lay.block_size) is int
+    assert lay == KVLayout(ModelIdentity("Llama", 2, 4, 8), 16, "bf16", "lmdeploy")

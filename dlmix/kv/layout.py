@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import json
 import math
+import numbers
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
@@ -108,6 +109,17 @@ def heads_for_rank(num_kv_heads: int, tp_size: int, tp_rank: int) -> tuple[int, 
     return (tp_rank // (tp_size // num_kv_heads),)
 
 
+def _require_ints(obj: Any, names: Mapping[str, str]) -> None:
+    """Refuse a field of ``obj`` (a frozen dataclass) in ``names`` (field -> its allowed range, for the message)
+    that is not an integer: a string such as ``"2"``, a float or a bool is a ValueError naming the field and its
+    range; an integral value (``numpy.int64``) is stored as ``int``. The range itself is checked by the caller."""
+    for name, allowed in names.items():
+        v = getattr(obj, name)
+        if isinstance(v, bool) or not isinstance(v, numbers.Integral):
+            raise ValueError(f"{name} must be an integer in {allowed}, got {type(v).__name__} {v!r}")
+        object.__setattr__(obj, name, int(v))
+
+
 @dataclass(frozen=True)
 class ModelIdentity:
     """Which model produced the KV cache; two layouts can exchange KV only when these agree.
@@ -129,6 +141,9 @@ class ModelIdentity:
     weights_fingerprint: str | None = None
 
     def __post_init__(self) -> None:
+        _require_ints(self, {"num_layers": f"1..{MAX_DIM}", "num_kv_heads": f"1..{MAX_DIM}",
+                             "head_size": f"1..{MAX_DIM}", "kv_lora_rank": "0.. (MLA only)",
+                             "rope_dim": "0.. (MLA only)"})
         if self.attention not in ATTENTION_KINDS:
             raise ValueError(f"attention must be one of {ATTENTION_KINDS}, got {self.attention!r}")
         for name in ("num_layers", "num_kv_heads", "head_size"):
@@ -175,6 +190,13 @@ class KVLayout:
     def __post_init__(self) -> None:
         if isinstance(self.model, dict):
             object.__setattr__(self, "model", ModelIdentity(**self.model))
+        _require_ints(self, {"block_size": f"1..{MAX_DIM}", "tp_size": f"1..{MAX_DIM}",
+                             "tp_rank": "0..tp_size-1"})
+        for name in ("k_scale", "v_scale"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, numbers.Real):
+                raise ValueError(f"{name} must be a number, got {type(v).__name__} {v!r}")
+            object.__setattr__(self, name, float(v))
         object.__setattr__(self, "dtype", canonical_dtype(self.dtype))
         arr = get_arrangement(self.arrangement)  # ValueError naming the known ones
         if int(self.block_size) <= 0:
