@@ -19,7 +19,8 @@ from pathlib import Path
 from typing import Hashable, Iterable, Iterator, List, Sequence, Tuple
 
 __all__ = ["WorkloadError", "MOONCAKE_BLOCK_TOKENS", "BUILTIN_TRACES", "TraceRecord", "resolve_trace",
-           "read_mooncake_trace", "check_shared_prefix", "shared_prefix_hash_ids", "ideal_reuse_of_keys"]
+           "read_mooncake_trace", "check_shared_prefix", "SHARED_PREFIX_MAX_REQUESTS", "SHARED_PREFIX_MAX_TOKENS",
+           "shared_prefix_hash_ids", "ideal_reuse_of_keys"]
 
 MOONCAKE_BLOCK_TOKENS = 512
 _CONVERSATION = "mooncake_conversation_trace.jsonl.gz"
@@ -105,17 +106,34 @@ def read_mooncake_trace(name_or_path: str | Path, min_output_length: int = 1) ->
         raise WorkloadError(f"cannot read trace {p}: {e}") from None
 
 
+#: bounds of a shared-prefix workload (larger is taken for a typo: every request is generated, hashed and, in the
+#: simulator and planner, simulated): requests (``groups × per_group``) and tokens (``prefix + suffix``, ``output``)
+SHARED_PREFIX_MAX_REQUESTS = 100_000
+SHARED_PREFIX_MAX_TOKENS = 1 << 20
+
+
 def check_shared_prefix(num_groups: int, per_group: int, prefix_len: int, suffix_len: int, output_len: int) -> None:
     """Validate shared-prefix workload parameters (counts and lengths in prompts / tokens).
 
     Raises:
         WorkloadError: ``num_groups``, ``per_group`` or ``output_len`` < 1, a negative length, or
-            ``prefix_len + suffix_len < 1``.
+            ``prefix_len + suffix_len < 1``; more than :data:`SHARED_PREFIX_MAX_REQUESTS` requests
+            (``num_groups × per_group``) or more than :data:`SHARED_PREFIX_MAX_TOKENS` prompt tokens
+            (``prefix_len + suffix_len``) or output tokens.
     """
     if num_groups < 1 or per_group < 1 or output_len < 1 or prefix_len < 0 or suffix_len < 0 \
             or prefix_len + suffix_len < 1:
         raise WorkloadError("shared-prefix needs groups >= 1, prompts per group >= 1, output_len >= 1, "
                             "lengths >= 0 and prefix_len + suffix_len >= 1")
+    if num_groups * per_group > SHARED_PREFIX_MAX_REQUESTS:
+        raise WorkloadError(f"shared-prefix: groups × per_group must be at most {SHARED_PREFIX_MAX_REQUESTS} "
+                            f"requests, got {num_groups} × {per_group}")
+    if prefix_len + suffix_len > SHARED_PREFIX_MAX_TOKENS:
+        raise WorkloadError(f"shared-prefix: prefix_len + suffix_len must be at most {SHARED_PREFIX_MAX_TOKENS} "
+                            f"tokens, got {prefix_len} + {suffix_len}")
+    if output_len > SHARED_PREFIX_MAX_TOKENS:
+        raise WorkloadError(f"shared-prefix: output_len must be at most {SHARED_PREFIX_MAX_TOKENS} tokens, got "
+                            f"{output_len}")
 
 
 def shared_prefix_hash_ids(num_groups: int, per_group: int, prefix_len: int, suffix_len: int, rate: float,

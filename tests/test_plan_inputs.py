@@ -131,3 +131,54 @@ def test_out_that_is_a_file_is_refused_before_planning(tmp_path):
     f.write_text("x")
     r = subprocess.run(BASE + ["-o", str(f)], capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "not a folder" in r.stderr and "Traceback" not in r.stderr, r.stderr[-800:]
+
+
+# ---- huge inputs hung `dlmix plan` (> 120 s): 100000000 chips on a host, a 1e9-token prefix, 1e8 groups; a typo
+# now fails at once with the bound in the message (new-user review)
+@pytest.mark.parametrize("inv,match", [
+    ({"hosts": [{"name": "a", "chips": {"H100": 100_000_000}}]}, r"count of H100 must be in 1\.\.1024"),
+    ({"hosts": [{"name": "a", "chips": {"H100": 1000, "H20": 1000}}]}, r"at most 1024 chips per host"),
+    ({"hosts": [{"name": f"h{i}", "chips": {"H100": 1024}} for i in range(5)]}, r"at most 4096 chips in all"),
+    ({"hosts": [{"name": f"h{i}", "chips": {"H100": 1}} for i in range(513)]}, r"at most 512 hosts"),
+])
+def test_inventory_bounds(inv, match):
+    with pytest.raises(InventoryError, match=match):
+        load_inventory(inv)
+
+
+@pytest.mark.parametrize("spec,match", [
+    ("prefix=1000000000", r"prefix must be in 0\.\.1048576"),
+    ("groups=100000000", r"groups must be in 1\.\.100000"),
+    ("groups=1000,per_group=1000", r"groups × per_group must be at most 100000"),
+    ("prefix=1000000,suffix=100000", r"prefix \+ suffix must be in 1\.\.1048576"),
+    ("output=0", r"output must be in 1\.\.1048576"),
+    ("groups=2,groups=3", r"key 'groups' given more than once"),
+])
+def test_synthetic_workload_bounds_and_repeats(spec, match):
+    from dlmix.sim.workload import WorkloadError
+
+    with pytest.raises(WorkloadError, match=match):
+        load_plan_workload("synthetic:" + spec, 6)
+
+
+def test_huge_inventory_fails_at_once_on_the_cli(tmp_path):
+    p = tmp_path / "inv.yaml"
+    p.write_text("hosts:\n  - {name: a, chips: {H100: 100000000}}\n")
+    r = subprocess.run([*DLMIX, "plan", "-i", str(p), "-w", "synthetic:groups=2,per_group=3,prefix=256,suffix=64",
+                        "--no-baselines", "--no-refine"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "1..1024" in r.stderr and "Traceback" not in r.stderr, r.stderr[-800:]
+    r = subprocess.run([*DLMIX, "plan", "-i", "s4000x2", "-m", "smollm2", "-w", "synthetic:prefix=1000000000",
+                        "--no-baselines", "--no-refine"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "prefix must be in 0..1048576" in r.stderr, r.stderr[-800:]
+
+
+def test_sim_reasons_show_numbers_that_differ():
+    """The infeasible-plan reason read "TPOT 50.0 ms > 50.0 ms target" for a TPOT of 50.04 ms: the numbers are now
+    printed with as many decimals as it takes to tell them apart."""
+    inv = load_inventory("s4000x2")
+    pl = Planner(inv, load_model("smollm2"), SLO(2.0, 0.05, 90.0),
+                 load_plan_workload("synthetic:groups=2,per_group=3,prefix=256,suffix=64,output=16", 6))
+    c = Candidate((GroupChoice("MTT-S4000", "both", 1, 2),),
+                  summary={"ttft_ms": {"p90": 2000.3}, "tpot_ms": {"p90": 50.04}, "good_fraction": 0.5})
+    msg = " ".join(pl.sim_reasons(c))
+    assert "TPOT 50.04 ms > 50.00 ms" in msg and "2000.3 ms > 2000.0 ms" in msg, msg

@@ -21,11 +21,13 @@ import typer
 
 def plan_command(
     inventory: str = typer.Option(..., "--inventory", "-i", help="inventory YAML or built-in name (h100x4_h20x4, "
-                                  "910bx8_h20x4, mix32, s4000x2)"),
+                                  "910bx8_h20x4, mix32, s4000x2); at most 512 hosts, 1024 chips per host, 4096 "
+                                  "chips in all"),
     model: str = typer.Option("llama-3.1-8b", "--model", "-m", help="preset (llama-3.1-8b, qwen2.5-7b, qwen3-8b, "
                               "smollm2) or a HF config.json path"),
     workload: str = typer.Option("mooncake", "--workload", "-w", help="mooncake | trace.jsonl[.gz] | "
-                                 "synthetic[:groups=G,per_group=N,prefix=P,suffix=S,output=O,seed=X]"),
+                                 "synthetic[:groups=G,per_group=N,prefix=P,suffix=S,output=O,seed=X] (each key once; "
+                                 "G × N <= 100000 requests, 1 <= P + S <= 1048576 tokens, 1 <= O <= 1048576)"),
     requests: int = typer.Option(300, "--requests", "-n",
                                  help="requests in the sample each simulation replays: the first N of a trace (a "
                                       "synthetic workload is all its groups × per_group requests)"),

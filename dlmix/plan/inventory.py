@@ -26,6 +26,10 @@ KV link per group is :meth:`Inventory.link_to`: the slowest link between the gro
 ``timing`` is planned only at the sizes it names (its estimates and simulations use the measured timing instead of
 the catalog roofline). For a CPU chip type (catalog vendor ``generic``) a "chip" is a core and an instance of size
 ``t`` is one engine pinned to ``t`` cores.
+
+Bounds (a larger number is taken for a typo, refused at once rather than planned for hours): at most
+:data:`MAX_HOSTS` hosts, :data:`MAX_CHIPS_PER_HOST` chips per host (all types together) and
+:data:`MAX_CHIPS` chips in all.
 """
 from __future__ import annotations
 
@@ -40,7 +44,14 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from dlmix.hw.profiles import Catalog, LinkProfile, load_catalog
 from dlmix.sim.timing import LinearTiming
 
-__all__ = ["InventoryError", "Inventory", "ChipGroup", "load_inventory", "builtin_inventories"]
+__all__ = ["MAX_CHIPS", "MAX_CHIPS_PER_HOST", "MAX_HOSTS", "InventoryError", "Inventory", "ChipGroup", "load_inventory",
+           "builtin_inventories"]
+
+
+#: inventory bounds (see the module docstring): every instance of a plan is simulated iteration by iteration
+MAX_HOSTS = 512
+MAX_CHIPS_PER_HOST = 1024
+MAX_CHIPS = 4096
 
 
 class InventoryError(ValueError):
@@ -178,6 +189,8 @@ def inventory_from_dict(d: dict, origin: str = "<dict>", catalog: Optional[Catal
                 f"{'unknown key' if err['type'] == 'extra_forbidden' else err['msg']}" for err in e.errors()]
         raise InventoryError(f"{origin}: " + "; ".join(msgs)) from None
     hosts = [h.name for h in spec.hosts]
+    if len(hosts) > MAX_HOSTS:
+        raise InventoryError(f"{origin}: hosts: at most {MAX_HOSTS} hosts, got {len(hosts)}")
     if len(set(hosts)) != len(hosts):
         raise InventoryError(f"{origin}: duplicate host names in {hosts}")
     by_chip: Dict[str, List[Tuple[str, int]]] = {}
@@ -191,15 +204,25 @@ def inventory_from_dict(d: dict, origin: str = "<dict>", catalog: Optional[Catal
                 raise InventoryError(f"{origin}: host {h.name!r}: {ex.args[0]}") from None
             if int(n) < 1:
                 raise InventoryError(f"{origin}: host {h.name!r}: count of {chip} must be >= 1, got {n}")
+            if int(n) > MAX_CHIPS_PER_HOST:
+                raise InventoryError(f"{origin}: host {h.name!r}: count of {chip} must be in 1..{MAX_CHIPS_PER_HOST}"
+                                     f" (at most {MAX_CHIPS_PER_HOST} chips per host), got {n}")
             rows = by_chip.setdefault(canon, [])
             if rows and rows[-1][0] == h.name:  # the same chip under another name (alias) on this host
                 rows[-1] = (h.name, rows[-1][1] + int(n))
             else:
                 rows.append((h.name, int(n)))
+        on_host = sum(int(n) for n in h.chips.values())
+        if on_host > MAX_CHIPS_PER_HOST:
+            raise InventoryError(f"{origin}: host {h.name!r}: at most {MAX_CHIPS_PER_HOST} chips per host, got "
+                                 f"{on_host}")
         try:
             _link(cat, h.link)
         except (KeyError, ValueError, TypeError) as ex:
             raise InventoryError(f"{origin}: host {h.name!r}: link: {ex}") from None
+    total = sum(c for rows in by_chip.values() for _, c in rows)
+    if total > MAX_CHIPS:
+        raise InventoryError(f"{origin}: hosts: at most {MAX_CHIPS} chips in all, got {total}")
     pair: Dict[frozenset, Union[str, dict]] = {}
     for i, ln in enumerate(spec.links):
         a, b = ln.hosts

@@ -143,6 +143,16 @@ class PlanResult:
     excluded_requests: int = 0
 
 
+def _distinct(x: float, y: float, digits: int) -> Tuple[str, str]:
+    """``x`` and ``y`` (x != y) with ``digits`` decimals, more (up to 9) while both read the same, so a message
+    "x > y" never reads "50.0 ms > 50.0 ms"."""
+    for d in range(digits, 10):
+        a, b = f"{x:.{d}f}", f"{y:.{d}f}"
+        if a != b:
+            break
+    return a, b
+
+
 class Planner:
     """Plans a deployment of ``model`` on ``inventory`` for ``workload`` under ``slo``.
 
@@ -550,10 +560,12 @@ class Planner:
         ttft = s.get("ttft_ms", {}).get(key, 0.0)
         tpot = s.get("tpot_ms", {}).get(key, 0.0)
         if ttft > self.slo.ttft * 1000:
-            out.append(f"TTFT: simulated {key} {ttft:.0f} ms > {self.slo.ttft * 1000:.0f} ms target even at the "
+            a, b = _distinct(ttft, self.slo.ttft * 1000, 0)
+            out.append(f"TTFT: simulated {key} {a} ms > {b} ms target even at the "
                        f"lowest rate tried, on the best deployment found ({c.label()})")
         if tpot > self.slo.itl * 1000:
-            out.append(f"ITL: simulated {key} TPOT {tpot:.1f} ms > {self.slo.itl * 1000:.1f} ms target even at the "
+            a, b = _distinct(tpot, self.slo.itl * 1000, 1)
+            out.append(f"ITL: simulated {key} TPOT {a} ms > {b} ms target even at the "
                        f"lowest rate tried ({c.label()})")
         if not out:
             out.append(f"only {100 * s.get('good_fraction', 0):.1f} % of requests meet both targets "

@@ -15,6 +15,7 @@ from typing import List, Tuple
 import numpy as np
 
 from dlmix.sim.workload import SimRequest, WorkloadError, load_trace, shared_prefix
+from dlmix.workloads import SHARED_PREFIX_MAX_REQUESTS, SHARED_PREFIX_MAX_TOKENS
 
 __all__ = ["PlanWorkload", "load_plan_workload", "synthetic_trace_block"]
 
@@ -28,6 +29,12 @@ class _Replay(SimRequest):
 
 
 _SYN_KEYS = {"groups": 16, "per_group": 16, "prefix": 6144, "suffix": 1200, "output": 128, "seed": 0}
+#: allowed range of each key of a synthetic workload (inclusive); also groups × per_group <=
+#: SHARED_PREFIX_MAX_REQUESTS and 1 <= prefix + suffix <= SHARED_PREFIX_MAX_TOKENS (a larger number is a typo that
+#: would generate and simulate for hours)
+_SYN_RANGE = {"groups": (1, SHARED_PREFIX_MAX_REQUESTS), "per_group": (1, SHARED_PREFIX_MAX_REQUESTS),
+              "prefix": (0, SHARED_PREFIX_MAX_TOKENS), "suffix": (0, SHARED_PREFIX_MAX_TOKENS),
+              "output": (1, SHARED_PREFIX_MAX_TOKENS), "seed": (-2 ** 63, 2 ** 63 - 1)}
 
 
 @dataclass
@@ -83,7 +90,10 @@ class PlanWorkload:
 
 
 def _parse_synthetic(desc: str) -> dict:
+    """Keys of ``synthetic[:k=v,...]`` over :data:`_SYN_KEYS`' defaults. Raises WorkloadError naming the key for an
+    unknown or repeated key, a non-integer value or one outside :data:`_SYN_RANGE` (or a sample too large)."""
     kv = dict(_SYN_KEYS)
+    seen = set()
     body = desc.split(":", 1)[1] if ":" in desc else ""
     for item in filter(None, (s.strip() for s in body.split(","))):
         if "=" not in item:
@@ -91,10 +101,22 @@ def _parse_synthetic(desc: str) -> dict:
         k, v = (s.strip() for s in item.split("=", 1))
         if k not in _SYN_KEYS:
             raise WorkloadError(f"synthetic workload: unknown key {k!r}; keys: {', '.join(_SYN_KEYS)}")
+        if k in seen:
+            raise WorkloadError(f"synthetic workload: key {k!r} given more than once")
+        seen.add(k)
+        lo, hi = _SYN_RANGE[k]
         try:
             kv[k] = int(v)
         except ValueError:
-            raise WorkloadError(f"synthetic workload: {k} must be an integer, got {v!r}") from None
+            raise WorkloadError(f"synthetic workload: {k} must be an integer in {lo}..{hi}, got {v!r}") from None
+        if not lo <= kv[k] <= hi:
+            raise WorkloadError(f"synthetic workload: {k} must be in {lo}..{hi}, got {kv[k]}")
+    if kv["groups"] * kv["per_group"] > SHARED_PREFIX_MAX_REQUESTS:
+        raise WorkloadError(f"synthetic workload: groups × per_group must be at most {SHARED_PREFIX_MAX_REQUESTS} "
+                            f"requests, got {kv['groups']} × {kv['per_group']}")
+    if not 1 <= kv["prefix"] + kv["suffix"] <= SHARED_PREFIX_MAX_TOKENS:
+        raise WorkloadError(f"synthetic workload: prefix + suffix must be in 1..{SHARED_PREFIX_MAX_TOKENS} tokens, "
+                            f"got {kv['prefix']} + {kv['suffix']}")
     return kv
 
 
