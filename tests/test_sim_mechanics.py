@@ -449,3 +449,74 @@ def test_sim_cli_refuses_bad_limit_and_delay(extra, tmp_path):
     extra = [str(empty) if a == "EMPTY" else a for a in extra]
     res = CliRunner().invoke(app, ["sim", "-d", "homog_h100x4"] + extra)
     assert res.exit_code == 2 and any(w in res.output for w in ("must be", "no requests", "not a folder")), res.output
+
+
+def _sim_cli_error(args):
+    from typer.testing import CliRunner
+
+    from dlmix.cli import app
+
+    res = CliRunner().invoke(app, ["sim"] + args)
+    assert res.exception is None or isinstance(res.exception, SystemExit), repr(res.exception)
+    assert res.exit_code == 2, (res.exit_code, res.output[-800:])
+    return res.output
+
+
+def test_sim_refuses_a_tp_size_the_model_heads_do_not_allow(tmp_path):
+    """New-user review: ``dlmix sim`` simulated Llama-3.1-8B (32 heads, 8 KV heads) on 3-chip instances, which vLLM
+    refuses and ``dlmix plan`` never proposes. The simulator now applies the planner's rule
+    (``ModelSpec.allowed_tp_sizes`` of ``kv_tp``); SmolLM2 (9 heads, 3 KV heads) at TP 9 is fine, a CPU instance
+    of 3 cores is TP 1."""
+    import yaml
+
+    from dlmix.sim.config import check_model
+    from dlmix.sim.config import load_model
+
+    p = tmp_path / "tp3.yaml"
+    p.write_text(yaml.safe_dump({"name": "tp3", "instances": [{"chip": "H100", "count": 1, "num_chips": 3}]}))
+    out = _sim_cli_error(["-d", str(p), "-m", "llama-3.1-8b", "-w", "mooncake", "--limit", "3"])
+    assert "num_chips 3 (TP 3)" in out and "TP 1, 2, 4, 8, 16, 32 only" in out, out
+    check_model(load_deployment({"instances": [{"chip": "H100", "num_chips": 9}]}), load_model("smollm2"))
+    check_model(load_deployment({"instances": [{"chip": "cpu-x86", "num_chips": 3}]}), load_model("llama-3.1-8b"))
+    with pytest.raises(ConfigError, match="num_chips 2"):
+        check_model(load_deployment({"instances": [{"chip": "H100", "num_chips": 2}]}), load_model("smollm2"))
+
+
+def test_requests_beyond_the_context_limit_are_refused(tmp_path):
+    """New-user review: SmolLM2 (8192-token context) on the Mooncake trace reported 99.5 % good, simulating prompts
+    of up to 87k tokens. vLLM refuses a request whose prompt + max_tokens exceed max_model_len (HTTP 400): the
+    simulator now fails such a request at arrival (never routed), counts it in ``too_long`` and not as good."""
+    reqs = [R(0, 0.0, 8000, 192, [1]), R(1, 1.0, 8000, 193, [2]), R(2, 2.0, 9000, 1, [3])]
+    res = Simulator(_dep(tmp_path), "smollm2", "round_robin").run(reqs)
+    s = res.summary
+    assert (s["completed"], s["failed"], s["too_long"], s["rejected"]) == (1, 2, 2, 0), s
+    assert [r.too_long for r in res.records] == [False, True, True]
+    assert s["good_fraction"] <= 1 / 3
+    assert s["per_instance"][next(iter(s["per_instance"]))]["requests"] == 1  # the long ones never reached it
+    out, summ = _sim_cli(["-d", "smollm2_cpu", "-m", "smollm2", "-w", "mooncake", "--limit", "20"])
+    assert summ[0]["too_long"] > 0 and "refused at arrival" in out, out[-800:]
+
+
+@pytest.mark.parametrize("extra,match", [
+    (["-p", "cost,cost"], "--policy lists cost more than once"),
+    (["-p", "round_robin,cost,round_robin"], "--policy lists round_robin more than once"),
+    (["--slo-itl-ms", "1e400"], "--slo-itl-ms must be a finite number > 0"),
+    (["--slo-ttft-ms", "inf"], "--slo-ttft-ms must be a finite number > 0"),
+    (["--policy-param", "itl_target=1e400"], "itl_target: Input should be a finite number"),
+    (["--policy-param", "ttft_target=nan"], "ttft_target: Input should be a finite number"),
+])
+def test_sim_cli_refuses_duplicate_policies_and_non_finite_slo(extra, match):
+    out = _sim_cli_error(["-d", "homog_h100x4", "-w", "mooncake", "--limit", "3"] + extra)
+    assert match in out, out
+
+
+def test_deployment_slo_must_be_finite():
+    with pytest.raises(ConfigError, match="slo.itl_ms must be a finite number > 0"):
+        load_deployment({"instances": [{"chip": "H100"}], "slo": {"itl_ms": 1e400}})
+
+
+def test_sim_cli_refuses_huge_synthetic_workloads():
+    """The same bounds as the planner's synthetic workload (``dlmix.workloads.SHARED_PREFIX_MAX_*``)."""
+    base = ["-d", "homog_h100x4", "-w", "synthetic"]
+    assert "groups × per_group must be at most 100000" in _sim_cli_error(base + ["--groups", "100000000"])
+    assert "prefix_len + suffix_len must be at most 1048576" in _sim_cli_error(base + ["--prefix-len", "1000000000"])

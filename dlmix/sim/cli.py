@@ -51,14 +51,14 @@ def resolve_slo(dep, slo_ttft_ms: Optional[float] = None, slo_itl_ms: Optional[f
         ``(ttft_s, itl_s, source)``, targets in seconds; ``source`` says where each came from
         (``flag``/``deployment``/``default``), e.g. ``"ttft: deployment, itl: flag"``.
     Raises:
-        ValueError: a flag <= 0.
+        ValueError: a flag <= 0 or not finite (inf, nan).
     """
     out, src = [], []
     for name, flag, planned, default in (("ttft", slo_ttft_ms, dep.slo_ttft, DEFAULT_SLO_TTFT_MS),
                                          ("itl", slo_itl_ms, dep.slo_itl, DEFAULT_SLO_ITL_MS)):
         if flag is not None:
-            if not flag > 0:
-                raise ValueError(f"--slo-{name}-ms must be > 0, got {flag:g}")
+            if not 0 < flag < float("inf"):
+                raise ValueError(f"--slo-{name}-ms must be a finite number > 0, got {flag:g}")
             out.append(flag / 1000.0)
             src.append(f"{name}: flag")
         elif planned is not None:
@@ -76,7 +76,8 @@ def sim_command(
     model: str = typer.Option("llama-3.1-8b", "--model", "-m", help="preset (llama-3.1-8b, qwen2.5-7b, qwen3-8b, "
                               "smollm2) or a HF config.json path"),
     workload: str = typer.Option("mooncake", "--workload", "-w", help="mooncake | synthetic | trace.jsonl[.gz]"),
-    policy: str = typer.Option("cost", "--policy", "-p", help="policy name, or a comma-separated list to compare"),
+    policy: str = typer.Option("cost", "--policy", "-p", help="policy name, or a comma-separated list of distinct "
+                               "names to compare"),
     speedup: float = typer.Option(1.0, "--speedup", help="arrival time scale (2 = twice the request rate)"),
     limit: Optional[int] = typer.Option(None, "--limit", help="first N requests only"),
     seed: int = typer.Option(0, "--seed", help="seed of the synthetic workload and of policy tie-breaks"),
@@ -87,11 +88,12 @@ def sim_command(
         None, "--slo-itl-ms", help="goodput per-request mean ITL (TPOT) target, ms [default: the deployment file's "
         "slo (dlmix plan writes it), else 25]"),
     kv_event_delay_ms: float = typer.Option(0.0, "--kv-event-delay-ms", help="KV event delay to the router, ms"),
-    groups: int = typer.Option(16, "--groups", help="synthetic: prefix groups"),
+    groups: int = typer.Option(16, "--groups", help="synthetic: prefix groups (groups × per-group <= 100000)"),
     per_group: int = typer.Option(16, "--per-group", help="synthetic: requests per group"),
-    prefix_len: int = typer.Option(6144, "--prefix-len", help="synthetic: shared prefix tokens"),
+    prefix_len: int = typer.Option(6144, "--prefix-len", help="synthetic: shared prefix tokens (prefix + suffix <= "
+                                      "1048576)"),
     suffix_len: int = typer.Option(1200, "--suffix-len", help="synthetic: unique suffix tokens"),
-    output_len: int = typer.Option(128, "--output-len", help="synthetic: output tokens"),
+    output_len: int = typer.Option(128, "--output-len", help="synthetic: output tokens (<= 1048576)"),
     rate: float = typer.Option(4.0, "--rate", help="synthetic: request rate, req/s (before --speedup)"),
     out: Optional[str] = typer.Option(None, "--out", "-o", help="folder for sim.json and PNG plots"),
     policy_param: Optional[List[str]] = typer.Option(
@@ -102,7 +104,7 @@ def sim_command(
 ) -> None:
     """Simulate a heterogeneous cluster with the router's own policies (see docs/simulator.md)."""
     from dlmix.router.config import ConfigError as RouterConfigError, parse_kv_list
-    from dlmix.sim.config import ConfigError, load_deployment, load_model
+    from dlmix.sim.config import ConfigError, check_model, load_deployment, load_model
     from dlmix.sim.metrics import format_instances, format_table
     from dlmix.routing.policies import POLICIES, split_params
     from dlmix.sim.simulator import Simulator
@@ -119,6 +121,10 @@ def sim_command(
     if bad or not names:
         typer.echo(f"error: unknown policy {bad or policy!r}; choose from {', '.join(POLICIES)}", err=True)
         raise typer.Exit(2)
+    dup = sorted({n for n in names if names.count(n) > 1})
+    if dup:  # refused, not deduplicated: a repeated name is a typo for another policy more often than not
+        typer.echo(f"error: --policy lists {', '.join(dup)} more than once; give each policy once", err=True)
+        raise typer.Exit(2)
     try:
         params = {}
         for item in policy_param or []:
@@ -132,6 +138,7 @@ def sim_command(
         for n, pp in per_policy.items():  # bad values are refused before any simulation runs
             POLICIES[n].Params.parse(n, pp)
         spec = load_model(model)
+        check_model(dep, spec)  # the planner's TP rule (dlmix.hw.cost.ModelSpec.allowed_tp_sizes)
         reqs = build_workload(workload, speedup, limit, groups, per_group, prefix_len, suffix_len, output_len,
                               rate, seed, block_size=dep.hash_block())
         if not reqs:
@@ -153,6 +160,12 @@ def sim_command(
     typer.echo(format_table(summaries, f"{dep.name} | {spec.name} | {workload} ×{speedup} | {len(reqs)} requests | "
                                        f"SLO TTFT {slo_ttft * 1e3:g} ms, ITL {slo_itl * 1e3:g} ms ({slo_src})"))
     typer.echo(format_instances(summaries))
+    n_long = summaries[0].get("too_long", 0) if summaries else 0
+    if n_long:  # the same requests under every policy
+        longest = max(r.input_len + r.output_len for r in reqs)
+        typer.echo(f"note: {n_long} of {len(reqs)} requests need more than the {spec.max_model_len}-token context of "
+                   f"{spec.name or 'the model'} (prompt + output, up to {longest}): refused at arrival as vLLM refuses "
+                   f"them (HTTP 400), counted as failed and not good (summary key too_long)")
     if out:
         from dlmix.sim.plots import plot_results
 

@@ -126,6 +126,25 @@ class Deployment:
         return n
 
 
+def check_model(dep: Deployment, model: ModelSpec) -> None:
+    """Refuse a deployment whose instances the model cannot run, by the planner's own rule: the engine TP size of
+    every instance (:func:`dlmix.hw.cost.kv_tp`: ``num_chips``, 1 on a CPU) must be one of
+    :meth:`dlmix.hw.cost.ModelSpec.allowed_tp_sizes` (vLLM and SGLang need the attention heads divisible by TP and
+    the KV heads split or replicated evenly). Raises ConfigError naming the instance, its ``num_chips`` and the
+    allowed TP sizes."""
+    try:
+        allowed = model.allowed_tp_sizes()
+    except ValueError as ex:
+        raise ConfigError(str(ex)) from None
+    for inst in dep.instances:
+        tp = kv_tp(dep.catalog.chip(inst.chip), inst.num_chips)
+        if tp not in allowed:
+            raise ConfigError(f"{dep.name}: instance {inst.id}: num_chips {inst.num_chips} (TP {tp}) is not a TP size "
+                              f"{model.name or 'the model'} allows: it has {model.q_heads} attention heads and "
+                              f"{model.kv_heads} KV heads; vLLM and SGLang run it at TP "
+                              f"{', '.join(map(str, allowed))} only")
+
+
 _GROUP_KEYS = {"chip", "count", "role", "num_chips", "link", "block_size", "max_num_batched_tokens",
                "max_num_seqs", "num_gpu_blocks", "timing", "router_chip", "t_step", "r0", "name"}
 _TOP_KEYS = {"name", "block_size", "max_num_batched_tokens", "max_num_seqs", "gpu_memory_utilization", "t_step", "r0",
@@ -234,8 +253,9 @@ def _parse_slo(slo, origin: str):
             v = float(slo[k])
         except (TypeError, ValueError):
             raise ConfigError(f"{origin}: slo.{k} must be a number, got {slo[k]!r}") from None
-        if not v > 0 or (k == "pct" and v > 100):
-            raise ConfigError(f"{origin}: slo.{k} must be > 0{' and <= 100' if k == 'pct' else ''}, got {v:g}")
+        if not 0 < v < float("inf") or (k == "pct" and v > 100):
+            raise ConfigError(f"{origin}: slo.{k} must be a finite number > 0{' and <= 100' if k == 'pct' else ''}, "
+                              f"got {v:g}")
         vals[k] = v
     ms = lambda v: None if v is None else v / 1000.0  # noqa: E731
     return ms(vals["ttft_ms"]), ms(vals["itl_ms"]), vals["pct"]

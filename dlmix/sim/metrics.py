@@ -8,7 +8,8 @@
 * Goodput (vLLM ``--goodput ttft:MS tpot:MS``; Dynamo recipe TTFT ≤ 2 s, ITL ≤ 25 ms): a request is *good* when
   TTFT ≤ ``slo_ttft`` and its mean inter-token latency (TPOT) ≤ ``slo_itl``; ``request_goodput`` = good / duration
   (req/s), ``good_fraction`` = good / all requests (failed ones count as not good; ``rejected`` counts those a
-  policy's admission control refused, a subset of ``failed``).
+  policy's admission control refused, a subset of ``failed``; ``too_long`` counts those whose prompt + output
+  exceed the model's context limit, refused at arrival as vLLM refuses them, also a subset of ``failed``).
 * Prefix-hit rate = Σ prefix-hit tokens at the instance that ran the prefill / Σ prompt tokens.
 * Per-instance utilization = busy time (sum of iteration durations) / duration.
 Times in the summary are milliseconds where the key ends in ``_ms``, else seconds.
@@ -87,6 +88,7 @@ def summarize(recs: Sequence, insts: Sequence, step_dt: List[float], step_w: Lis
         "completed": len(ok),
         "failed": n - len(ok),
         "rejected": sum(1 for r in recs if getattr(r, "rejected", False)),
+        "too_long": sum(1 for r in recs if getattr(r, "too_long", False)),
         "duration_s": dur,
         "request_throughput": len(ok) / dur,
         "output_throughput": out_tok / dur,

@@ -46,7 +46,7 @@ class ReqRecord:
     """Per-request outcome: times (s), placement and prefix hit (tokens at the instance that prefilled)."""
 
     __slots__ = ("req", "rr", "decision", "first_token", "finish", "hit", "prefill_inst", "decode_inst",
-                 "failed", "pseq", "xfer_s", "prefilled", "rejected")
+                 "failed", "pseq", "xfer_s", "prefilled", "rejected", "too_long")
 
     def __init__(self, req: SimRequest, rr: RouteRequest):
         self.req = req
@@ -62,6 +62,7 @@ class ReqRecord:
         self.xfer_s = 0.0
         self.prefilled = False
         self.rejected = False  # refused by the policy's admission control (OverloadedError)
+        self.too_long = False  # refused at arrival: prompt + output > the model's context limit (vLLM: HTTP 400)
 
     def on_admit(self, inst: SimInstance, seq: Seq) -> None:
         """Called by the instance when the prefill leg is admitted (records the true prefix hit)."""
@@ -102,6 +103,11 @@ class Simulator:
         approx_index: give policies the router-side approximate index, which records every dispatch as the live
             router does (default). False, or a policy with ``exact_index_only``: KV-event index only.
         approx_index_capacity: blocks that index keeps (the live router's ``approx_index_capacity``).
+
+    A request whose prompt + output tokens exceed the model's context limit (``ModelSpec.max_model_len``, when
+    known) is refused at arrival, as vLLM refuses it (HTTP 400): it fails, is never routed and is counted in the
+    summary's ``too_long``. Whether the model fits the deployment's instances (TP sizes its heads allow) is
+    :func:`dlmix.sim.config.check_model`, which ``dlmix sim`` runs first.
     """
 
     def __init__(self, deployment: Union[Deployment, str, dict], model: Union[ModelSpec, str],
@@ -226,6 +232,14 @@ class Simulator:
         rec.req.drop_keys()
 
     def _route(self, rec: ReqRecord) -> None:
+        mlen = self.model.max_model_len
+        if mlen and rec.req.input_len + rec.req.output_len > mlen:
+            # vLLM refuses a request whose prompt + max_tokens exceed max_model_len (HTTP 400) before any engine
+            # sees it: failed at arrival, never routed (the planner leaves such requests out of its sample)
+            rec.too_long = True
+            rec.failed = True
+            rec.finish = self.now
+            return
         view = ClusterView(self.states, index=self.index, cost=self.cost, approx_index=self._approx)
         try:
             dec = self.policy.choose(rec.rr, view)

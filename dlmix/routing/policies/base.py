@@ -51,9 +51,10 @@ class PolicyParams(pydantic.BaseModel):
     """Base of every policy's parameter model: typed fields with defaults, unknown names forbidden, immutable.
 
     Values are coerced as pydantic's lax mode does (``"0.05"`` → 0.05 for a float field), so parameters parsed from
-    ``--policy-param key=value`` or a YAML ``policy_params`` mapping validate the same way."""
+    ``--policy-param key=value`` or a YAML ``policy_params`` mapping validate the same way. Non-finite floats (inf,
+    nan, ``1e400``) are refused."""
 
-    model_config = pydantic.ConfigDict(extra="forbid", frozen=True)
+    model_config = pydantic.ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)  # 1e400 is inf: refused
 
     @classmethod
     def names(cls) -> List[str]:
