@@ -307,6 +307,16 @@ def test_pull_between_arrangements_over_tcp(src, dst):
         d.close()
 
 
+def _endpoints(lay: KVLayout, tag: str, registration_wait_s: float) -> tuple[KVEndpoint, KVEndpoint]:
+    """A producer (``p<tag>``, 8 blocks, its want wait ``registration_wait_s``) and a consumer (``d<tag>``, 8 blocks,
+    1 MiB staging) of layout ``lay`` over tcp on loopback."""
+    p = KVEndpoint("tcp", f"p{tag}", SECRET, "127.0.0.1", 0, lay, allocate(lay, 8), 0,
+                   registration_wait_s=registration_wait_s, io_timeout_s=5.0)
+    d = KVEndpoint("tcp", f"d{tag}", SECRET, "127.0.0.1", 0, lay, allocate(lay, 8), 1 << 20, registration_wait_s=1.0,
+                   io_timeout_s=5.0)
+    return p, d
+
+
 def _wait_freed(p: KVEndpoint, req: str) -> None:
     """Take the producer's finished requests (as an engine's step does) until ``req`` is no longer held."""
     wait_until(lambda: (p.take_finished(), not p.is_held(req))[1], timeout_s=60, what=f"{req} freed")
@@ -314,10 +324,7 @@ def _wait_freed(p: KVEndpoint, req: str) -> None:
 
 def test_pull_with_other_prompt_is_refused_by_producer_and_reports_failed_blocks():
     lay = _layout()
-    sc, dc = allocate(lay, 8), allocate(lay, 8)
-    p = KVEndpoint("tcp", "p2", SECRET, "127.0.0.1", 0, lay, sc, 0, registration_wait_s=1.0, io_timeout_s=5.0)
-    d = KVEndpoint("tcp", "d2", SECRET, "127.0.0.1", 0, lay, dc, 1 << 20, registration_wait_s=1.0,
-                   io_timeout_s=5.0)
+    p, d = _endpoints(lay, "2", 1.0)
     try:
         p.add_hold("r", [0, 1], 40, prompt_digest(range(40)))
         res = d.pull(p.descriptor(), "r", [0, 1], 0, 40, [4, 5], src_layout=lay, digest=prompt_digest(range(1, 41)))
@@ -335,10 +342,7 @@ def test_a_want_for_a_hold_already_freed_is_refused_at_once():
     the producer refuses the want at once with the reason. Before, it waited ``registration_wait_s`` (here 600 s,
     default 10 s) for a hold that would not come, and the consumer gave up on silence instead (its own 5 s)."""
     lay = _layout()
-    sc, dc = allocate(lay, 8), allocate(lay, 8)
-    p = KVEndpoint("tcp", "p4", SECRET, "127.0.0.1", 0, lay, sc, 0, registration_wait_s=600.0, io_timeout_s=5.0)
-    d = KVEndpoint("tcp", "d4", SECRET, "127.0.0.1", 0, lay, dc, 1 << 20, registration_wait_s=1.0,
-                   io_timeout_s=5.0)
+    p, d = _endpoints(lay, "4", 600.0)
     try:
         p.add_hold("r", [0, 1], 40, prompt_digest(range(40)))
         res = d.pull(p.descriptor(), "r", [0, 1], 0, 40, [4, 5], src_layout=lay, digest=prompt_digest(range(40)))

@@ -439,6 +439,34 @@ def _two_replicas_a_held(replicas, monkeypatch):
     return a, b, hold
 
 
+def _post_to_a_held(a, b, hold, body: dict) -> httpx.Response:
+    """POST ``body`` to ``a``'s ``/admin/instances`` while its watch is held back (:func:`_two_replicas_a_held`);
+    ``a``'s watch catches up once ``a``'s write is in the store (``b`` has seen a newer revision). Returns the
+    answer."""
+    rev = b.call(lambda: b.router.shared.revision)
+
+    def release():
+        wait_until(lambda: b.call(lambda: b.router.shared.revision) > rev, 30, "A's write in the store")
+        hold.clear()
+
+    t = threading.Thread(target=release)
+    t.start()
+    try:
+        return httpx.post(a.url + "/admin/instances", json=body, timeout=10)
+    finally:
+        t.join(60)
+        hold.clear()
+
+
+def _layout(layers: int) -> dict:
+    """A KV layout dict; a prefill and a decode of one model must agree on its layer count."""
+    from dlmix.kv.layout import KVLayout, ModelIdentity
+
+    return KVLayout(model=ModelIdentity(architecture="LlamaForCausalLM", num_layers=layers, num_kv_heads=2,
+                                        head_size=64), block_size=16, dtype="bfloat16",
+                    arrangement="vllm_lbnhc").to_dict()
+
+
 def test_replicas_agree_after_two_registrations_that_interact(replicas, monkeypatch):
     """Two registrations of one url under different ids through two replicas, while replica A's watch is held back
     (etcd orders no watch event before the answer to a later put): A applies its own write only after the older
@@ -476,32 +504,15 @@ def test_taking_a_refused_write_back_restores_what_another_replica_wrote(replica
     applied itself when it validated (nothing), so B's accepted registration was deleted from the store and from
     every replica."""
     a, b, hold = _two_replicas_a_held(replicas, monkeypatch)
-    from dlmix.kv.layout import KVLayout, ModelIdentity
-
-    def layout(layers):
-        return KVLayout(model=ModelIdentity(architecture="LlamaForCausalLM", num_layers=layers, num_kv_heads=2,
-                                            head_size=64), block_size=16, dtype="bfloat16",
-                        arrangement="vllm_lbnhc").to_dict()
-
     other = f"http://127.0.0.1:{free_port()}"
-    prefill = {"url": _NOBODY, "id": "p", "model": "m", "role": "prefill", "kv_layout": layout(4), "heartbeat_ttl_s": 0}
-    decode_b = {"url": other, "id": "d", "model": "m", "role": "decode", "kv_layout": layout(4), "heartbeat_ttl_s": 0}
-    decode_a = {**decode_b, "kv_layout": layout(5)}  # cannot pair with p: refused once A sees p
+    prefill = {"url": _NOBODY, "id": "p", "model": "m", "role": "prefill", "kv_layout": _layout(4),
+               "heartbeat_ttl_s": 0}
+    decode_b = {"url": other, "id": "d", "model": "m", "role": "decode", "kv_layout": _layout(4),
+                "heartbeat_ttl_s": 0}
+    decode_a = {**decode_b, "kv_layout": _layout(5)}  # cannot pair with p: refused once A sees p
     assert httpx.post(b.url + "/admin/instances", json=prefill, timeout=10).status_code == 201
     assert httpx.post(b.url + "/admin/instances", json=decode_b, timeout=10).status_code == 201
-    rev_d = b.call(lambda: b.router.shared.revision)
-
-    def release():
-        wait_until(lambda: b.call(lambda: b.router.shared.revision) > rev_d, 30, "A's write in the store")
-        hold.clear()
-
-    t = threading.Thread(target=release)
-    t.start()
-    try:
-        r = httpx.post(a.url + "/admin/instances", json=decode_a, timeout=10)
-    finally:
-        t.join(60)
-        hold.clear()
+    r = _post_to_a_held(a, b, hold, decode_a)
     assert r.status_code == 409, r.text
     wait_until(lambda: _ids(a) == _ids(b) == ["d", "p"], 30, "both replicas serve B's decode and the prefill")
     late = replicas()
@@ -516,30 +527,13 @@ def test_a_registration_refused_after_its_write_leaves_nothing_in_the_store(repl
     removed, a replica started later does not bring back the decode its client was told was refused (before, the
     key stayed in the store and a late replica served an instance no other replica had)."""
     a, b, hold = _two_replicas_a_held(replicas, monkeypatch)
-    from dlmix.kv.layout import KVLayout, ModelIdentity
-
-    def layout(layers):  # a prefill and a decode of one model must agree on its layer count
-        return KVLayout(model=ModelIdentity(architecture="LlamaForCausalLM", num_layers=layers, num_kv_heads=2,
-                                            head_size=64), block_size=16, dtype="bfloat16",
-                        arrangement="vllm_lbnhc").to_dict()
-
     other = f"http://127.0.0.1:{free_port()}"
-    prefill = {"url": _NOBODY, "id": "p", "model": "m", "role": "prefill", "kv_layout": layout(4), "heartbeat_ttl_s": 0}
-    decode = {"url": other, "id": "d", "model": "m", "role": "decode", "kv_layout": layout(5), "heartbeat_ttl_s": 0}
+    prefill = {"url": _NOBODY, "id": "p", "model": "m", "role": "prefill", "kv_layout": _layout(4),
+               "heartbeat_ttl_s": 0}
+    decode = {"url": other, "id": "d", "model": "m", "role": "decode", "kv_layout": _layout(5),
+              "heartbeat_ttl_s": 0}
     assert httpx.post(b.url + "/admin/instances", json=prefill, timeout=10).status_code == 201
-    rev_p = b.call(lambda: b.router.shared.revision)
-
-    def release():  # A's watch catches up once A's own write is in the store (B has seen it)
-        wait_until(lambda: b.call(lambda: b.router.shared.revision) > rev_p, 30, "A's write in the store")
-        hold.clear()
-
-    t = threading.Thread(target=release)
-    t.start()
-    try:
-        r = httpx.post(a.url + "/admin/instances", json=decode, timeout=10)
-    finally:
-        t.join(60)
-        hold.clear()
+    r = _post_to_a_held(a, b, hold, decode)
     assert r.status_code == 409, r.text
     assert any("layers" in s for s in r.json()["error"]["reasons"]), r.json()
     wait_until(lambda: _ids(a) == _ids(b) == ["p"], 30, "both replicas serve the prefill only")
