@@ -207,7 +207,9 @@ def _sglang_spec(dep: Deployment, i: int, model: str, secret: str, kv_events: Op
     """The :class:`SGLangServerSpec` of instance ``i``: prefill/decode roles use the ``dlmix`` transfer backend
     (authenticated with the launch's secret, which is also the launched router's admin key, ``router_admin_key``; a
     prefill gets a free bootstrap port unless ``extra_args`` name one), KV pool ``--max-total-tokens 8192
-    --mem-fraction-static 0.25`` on CPU unless ``extra_args`` set them."""
+    --mem-fraction-static 0.8`` on CPU unless ``extra_args`` set them (the pool is the 8,192 tokens; SGLang refuses to
+    start when the free memory dropped by more than the fraction while it loaded its weights, which servers starting
+    beside it can cause under a low fraction)."""
     inst = dep.instances[i]
     kv = inst.kv
     cpu = inst.device == "cpu"
@@ -228,7 +230,7 @@ def _sglang_spec(dep: Deployment, i: int, model: str, secret: str, kv_events: Op
         tensor_parallel_size=inst.tensor_parallel_size, context_length=inst.max_model_len,
         max_total_tokens=8192 if cpu and "--max-total-tokens" not in args else None,
         mem_fraction_static=(kv.gpu_memory_utilization if kv.gpu_memory_utilization is not None
-                             else 0.25 if cpu and "--mem-fraction-static" not in args else None),
+                             else 0.8 if cpu and "--mem-fraction-static" not in args else None),
         device=inst.device, disaggregation_mode=mode, bootstrap_port=bp,
         # the launched router's admin key too: its POST /dlmix/handoff (rooms of another engine's prefill for a
         # decode) needs it, and a prefill's own hand-off route then answers only the router

@@ -63,7 +63,7 @@ def require_venv() -> None:
 def start_server(model: str, port: int, log_path: str | Path, *, mode: str | None = None,
                  backend: str = "dlmix", bootstrap_port: int | None = None, extra: list[str] | None = None,
                  env: dict[str, str] | None = None, dtype: str = "float32", page_size: int | None = None,
-                 max_total_tokens: int = 8192, mem_fraction: float = 0.25,
+                 max_total_tokens: int = 8192, mem_fraction: float = 0.8,
                  python: str | None = None, kv_events: str | None = None, tp: int = 1) -> SGLangServer:
     """Start ``python -m sglang.launch_server`` for ``model`` on 127.0.0.1:``port`` (not waiting for it).
 
