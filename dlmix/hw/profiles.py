@@ -17,6 +17,8 @@ A chip is one YAML file (schema: the comment at the top of ``chips.yaml``; a fil
 """
 from __future__ import annotations
 
+import math
+
 import functools
 import os
 from dataclasses import dataclass, field
@@ -87,6 +89,15 @@ class LinkProfile:
     setup_ms: float = 2.0
     eff: float = 0.8
     source: str = ""
+
+    def check(self) -> "LinkProfile":
+        """Return self; raise ValueError naming the link unless ``bandwidth_gbps`` is a finite number > 0,
+        ``setup_ms`` a finite number >= 0 and ``eff`` in (0, 1] (transfer times divide by the bandwidth)."""
+        if not (math.isfinite(self.bandwidth_gbps) and self.bandwidth_gbps > 0 and math.isfinite(self.setup_ms)
+                and self.setup_ms >= 0 and 0 < self.eff <= 1):
+            raise ValueError(f"link {self.name!r}: bandwidth_gbps must be > 0, setup_ms >= 0 (both finite) and eff in "
+                             f"(0, 1]; got {self.bandwidth_gbps!r}, {self.setup_ms!r}, {self.eff!r}")
+        return self
 
     @property
     def bytes_per_s(self) -> float:
@@ -224,9 +235,10 @@ def _load_into(cat: Catalog, data: dict, origin: str) -> None:
                              float(e.get("eff", 0.8)), str(e.get("source", "")))
         except (KeyError, TypeError, ValueError) as ex:
             raise CatalogError(f"{origin}: link {name!r} is invalid ({ex!r})") from None
-        if not (ln.bandwidth_gbps > 0 and 0 < ln.eff <= 1 and ln.setup_ms >= 0):
-            raise CatalogError(f"{origin}: link {name!r}: bandwidth_gbps must be > 0, eff in (0, 1] and setup_ms >= 0")
-        cat.links[name] = ln
+        try:
+            cat.links[name] = ln.check()
+        except ValueError as ex:
+            raise CatalogError(f"{origin}: {ex}") from None
 
 
 @functools.lru_cache(maxsize=1)

@@ -172,11 +172,7 @@ class Inventory:
 def _link(cat: Catalog, desc) -> LinkProfile:
     """The link profile of ``desc``. Raises KeyError for an unknown name, ValueError for a bandwidth <= 0, an
     ``eff`` outside (0, 1] or a negative ``setup_ms``."""
-    ln = cat.link(desc if isinstance(desc, dict) else str(desc))
-    if not (ln.bandwidth_gbps > 0 and 0 < ln.eff <= 1 and ln.setup_ms >= 0):
-        raise ValueError(f"link {ln.name!r}: bandwidth_gbps must be > 0, eff in (0, 1] and setup_ms >= 0, got "
-                         f"{ln.bandwidth_gbps}, {ln.eff}, {ln.setup_ms}")
-    return ln
+    return cat.link(desc if isinstance(desc, dict) else str(desc)).check()
 
 
 def inventory_from_dict(d: dict, origin: str = "<dict>", catalog: Optional[Catalog] = None) -> Inventory:

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import heapq
-import math
 import re
 import time
 from typing import Annotated, Callable, Dict, List, Optional, Tuple
@@ -333,11 +332,10 @@ class Registry:
                 raise RegistrationError(400, f"bad transport: {ex}") from None
             else:
                 # the cost policy divides by the bandwidth: 0, negative or NaN would raise or poison every score
-                if not (math.isfinite(lk.bandwidth_gbps) and lk.bandwidth_gbps > 0 and math.isfinite(lk.setup_ms)
-                        and lk.setup_ms >= 0 and 0 < lk.eff <= 1):
-                    raise RegistrationError(400, f"bad transport: bandwidth_gbps must be a finite number > 0, "
-                                                 f"setup_ms a finite number >= 0 and eff in (0, 1]; got "
-                                                 f"{lk.bandwidth_gbps!r}, {lk.setup_ms!r}, {lk.eff!r}")
+                try:
+                    lk.check()
+                except ValueError as ex:
+                    raise RegistrationError(400, f"bad transport: {ex}") from None
         model = reg.model or ()
         model = (model,) if isinstance(model, str) else tuple(model)
         if reg.lora_adapters:  # an adapter is served under its name: requests naming it may go here

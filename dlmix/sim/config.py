@@ -204,14 +204,11 @@ def deployment_from_dict(d: dict, origin: str = "<dict>", catalog: Optional[Cata
                               f"{MAX_INSTANCES} instances, got {count}")
         if merged.get("link") is not None:
             try:
-                ln = cat.link(merged["link"])
+                cat.link(merged["link"]).check()
             except KeyError as ex:
                 raise ConfigError(f"{origin}: instances[{gi}]: {ex.args[0]}") from None
             except (TypeError, ValueError) as ex:
                 raise ConfigError(f"{origin}: instances[{gi}]: link: {ex}") from None
-            if not (ln.bandwidth_gbps > 0 and 0 < ln.eff <= 1 and ln.setup_ms >= 0):
-                raise ConfigError(f"{origin}: instances[{gi}]: link {ln.name!r}: bandwidth_gbps must be > 0, eff in "
-                                  f"(0, 1] and setup_ms >= 0, got {ln.bandwidth_gbps:g}, {ln.eff:g}, {ln.setup_ms:g}")
         if merged.get("timing"):
             from dlmix.sim.timing import LinearTiming
 
