@@ -9,7 +9,9 @@ Measured in one run, interleaved round by round so load changes hit every conten
   owner is a peer process (``dlmix_kv_connectors.testing``) with a 64 MiB region and a read grant; this process pulls
   ``read(...).result()``. NIXL runs twice: ``nixl`` = UCX restricted to TCP on the loopback device (``UCX_TLS=tcp``,
   ``UCX_NET_DEVICES=lo``; the like-for-like rival of dlmix ``tcp``) and ``nixl_sm`` = UCX's defaults, which on one
-  host move the bytes through shared memory / CMA (the rival of dlmix ``shm``).
+  host move the bytes through shared memory / CMA (the rival of dlmix ``shm``). Both run as dlmix configures NIXL
+  (its progress thread sleeps in ``poll()`` between UCX events, ``progress_delay_us`` 1000); ``nixl_spin`` is
+  ``nixl`` with NIXL's own Python setting, a progress thread that never sleeps (``progress_delay_us`` 0).
 
 Each round starts every transport's peer and endpoint afresh and closes them once its sizes are measured, so no
 transport's idle threads load another's measurement (an idle NIXL agent's UCX progress thread spins a whole core, and
@@ -32,7 +34,8 @@ delays the peer); ``lat_us_split`` / ``lat_us_same`` in the results. On one CPU 
 the unpinned figure is measured.
 
 Prints a table, then ONE JSON line last with ratios ``WHAT_vs_BASELINE`` (GB/s ratios, higher is better):
-tcp_vs_socket_4mib, tcp_vs_socket_64mib, tcp_vs_nixl_4mib, tcp_vs_nixl_64mib, tcp_vs_nixl_sm (64 MiB),
+tcp_vs_socket_4mib, tcp_vs_socket_64mib, tcp_vs_nixl_4mib, tcp_vs_nixl_64mib, tcp_vs_nixl_spin_4mib,
+tcp_vs_nixl_spin_64mib, nixl_vs_nixl_spin_64mib (what the progress delay costs NIXL), tcp_vs_nixl_sm (64 MiB),
 tcp_vs_mooncake (64 MiB), tcp_vs_dlslime (64 MiB), shm_vs_nixl_sm (64 MiB), shm_vs_memcpy (64 MiB), and
 ``tcp_latency_vs_socket_4kib`` = the plain socket's median 4 KiB latency / dlmix tcp's (higher is better), with the
 two processes on two CPUs (``split``; unpinned where that cannot be set), and the same ratio
@@ -132,8 +135,11 @@ class Memcpy:
 
 #: NIXL contenders: ``nixl`` = UCX restricted to its TCP transport on the loopback device (``UCX_TLS=tcp``,
 #: ``UCX_NET_DEVICES=lo``: the like-for-like rival of dlmix ``tcp``); ``nixl_sm`` = UCX's defaults, which on one
-#: host pick shared memory / CMA (the rival of dlmix ``shm``, not of a socket transport).
-NIXL_ENV = {"nixl": {"UCX_TLS": "tcp", "UCX_NET_DEVICES": "lo"}, "nixl_sm": {}}
+#: host pick shared memory / CMA (the rival of dlmix ``shm``, not of a socket transport); ``nixl_spin`` = ``nixl``
+#: with a progress thread that never sleeps (NIXL's own Python default, ``progress_delay_us`` 0).
+NIXL_ENV = {"nixl": {"UCX_TLS": "tcp", "UCX_NET_DEVICES": "lo"}, "nixl_sm": {},
+            "nixl_spin": {"UCX_TLS": "tcp", "UCX_NET_DEVICES": "lo"}}
+NIXL_CFG = {"nixl_spin": {"progress_delay_us": 0}}
 
 
 class TransportBench:
@@ -143,6 +149,7 @@ class TransportBench:
 
         kind = "nixl" if name in NIXL_ENV else name
         env = NIXL_ENV.get(name, {})
+        cfg = {**NIXL_CFG.get(name, {}), **(cfg or {})}
         self.name = name
         self.Segment = Segment
         self.peer = PeerProcess(kind, "owner", SECRET, cfg, env=env)
@@ -239,7 +246,7 @@ def main() -> None:
         skipped["mooncake"] = "skipped: private netns unavailable"
     kinds = ["tcp", "shm"] + [k for k in ("dlslime", "nixl", "mooncake") if k not in skipped]
     if "nixl" in kinds:
-        kinds.append("nixl_sm")
+        kinds += ["nixl_spin", "nixl_sm"]
     if args.kinds:
         want = args.kinds.split(",")
         kinds = [k for k in kinds if k in want]
@@ -324,6 +331,9 @@ def main() -> None:
 
     pairs = {"tcp_vs_socket_4mib": ("tcp", "socket", "4MiB"), "tcp_vs_socket_64mib": ("tcp", "socket", "64MiB"),
              "tcp_vs_nixl_4mib": ("tcp", "nixl", "4MiB"), "tcp_vs_nixl_64mib": ("tcp", "nixl", "64MiB"),
+             "tcp_vs_nixl_spin_4mib": ("tcp", "nixl_spin", "4MiB"),
+             "tcp_vs_nixl_spin_64mib": ("tcp", "nixl_spin", "64MiB"),
+             "nixl_vs_nixl_spin_64mib": ("nixl", "nixl_spin", "64MiB"),
              "tcp_vs_mooncake": ("tcp", "mooncake", "64MiB"), "tcp_vs_dlslime": ("tcp", "dlslime", "64MiB"),
              "shm_vs_nixl_sm": ("shm", "nixl_sm", "64MiB"), "tcp_vs_nixl_sm": ("tcp", "nixl_sm", "64MiB"),
              "shm_vs_memcpy": ("shm", "memcpy", "64MiB")}

@@ -6,13 +6,16 @@ its metadata blob (base64), which the peer loads with ``add_remote_agent``. Tran
 WRITE descriptor lists (host ``DRAM``) with the owner's addresses handed out after the grant check (see
 :mod:`._adapter`), polled with ``check_xfer_state`` until done or the transfer deadline.
 
-``enable_prog_thread`` (default True) — the busy-poll trade-off: UCX needs progress on the *target* side for protocols
-it emulates in software (TCP RMA, rendezvous), so an endpoint that others read from or write to keeps NIXL's progress
-thread; it costs CPU (measured on a 2-core VM with NIXL 1.5.1: a whole core per idle agent, its progress thread
-polls without sleeping). An endpoint that only initiates (e.g. a decode worker pulling) can pass
-``enable_prog_thread=False`` and progress happens in its polling loop. ``UCX_TLS`` (environment, read when the
-agent starts) picks UCX's transports; ``tcp`` alone is the cross-host setting, the default lets UCX use shared memory
-/ CMA on one host. Without RDMA devices, ``UCX_MODULES=^ib`` is set (if unset): UCX's IB modules otherwise segfault
+``enable_prog_thread`` (default True): UCX needs progress on the *target* side for protocols it emulates in software
+(TCP RMA, rendezvous), so an endpoint that others read from or write to keeps NIXL's progress thread. An endpoint
+that only initiates (e.g. a decode worker pulling) can pass ``enable_prog_thread=False`` and progress happens in its
+polling loop. ``progress_delay_us`` (default 1000): the progress thread waits in ``poll()`` on the UCX workers' event
+descriptors and wakes when UCX signals work, or after this delay, rounded up to whole milliseconds (the UCX backend's
+``nixlUcxSharedThread`` in NIXL's ``src/plugins/ucx/ucx_backend.cpp``). NIXL's Python ``nixl_agent`` always passes 0,
+which makes that ``poll()`` return at once: the thread then spins, a whole core per idle agent (measured with NIXL
+1.5.1 on a 2-core VM: 4.99 s of CPU in 5 s idle, against 0.15 s with 1000 us). 0 restores NIXL's own behaviour.
+``UCX_TLS`` (environment, read when the agent starts) picks UCX's transports; ``tcp`` alone is the cross-host
+setting, the default lets UCX use shared memory / CMA on one host. Without RDMA devices, ``UCX_MODULES=^ib`` is set (if unset): UCX's IB modules otherwise segfault
 the process at exit.
 """
 from __future__ import annotations
@@ -20,7 +23,9 @@ from __future__ import annotations
 import base64
 import logging
 import os
+import threading
 import time
+import types
 import uuid
 from typing import Any, Mapping
 
@@ -48,11 +53,47 @@ except (ImportError, OSError) as _e:
     raise ImportError(f"nixl adapter needs `pip install --no-deps nixl-cu12==1.5.1 nixl==1.5.1`: {_e}")
 
 
+_AGENT_LOCK = threading.Lock()
+
+
+def _new_agent(name: str, config: Any, delay_us: int) -> Any:
+    """``nixl_agent(name, config)`` whose progress thread waits up to ``delay_us`` microseconds for UCX events
+    (the agent config's ``pthrDelay``; see the module docstring). NIXL's ``nixl_agent.__init__`` builds its
+    ``nixlAgentConfig`` itself and sets ``pthrDelay = 0``; for the call, the module it is defined in sees a
+    ``nixlAgentConfig`` subclass that keeps at least ``delay_us``. Agents created in other modules meanwhile are not
+    affected; a binding that cannot be subclassed falls back to NIXL's own setting, logged once."""
+    if not delay_us:
+        return _Agent(name, config)
+    g = _Agent.__init__.__globals__
+    bind = g.get("nixlBind")
+    try:
+        base = bind.nixlAgentConfig
+
+        class _DelayedConfig(base):  # type: ignore[misc, valid-type]
+            def __setattr__(self, key: str, value: Any) -> None:
+                if key == "pthrDelay":
+                    value = max(int(value), delay_us)
+                super().__setattr__(key, value)
+
+        proxy = types.SimpleNamespace(**{k: getattr(bind, k) for k in dir(bind) if not k.startswith("__")})
+        proxy.nixlAgentConfig = _DelayedConfig
+    except (AttributeError, TypeError) as e:
+        log.warning("NIXL progress delay not applied (%s): its progress thread busy-polls", e)
+        return _Agent(name, config)
+    with _AGENT_LOCK:
+        g["nixlBind"] = proxy
+        try:
+            return _Agent(name, config)
+        finally:
+            g["nixlBind"] = bind
+
+
 @register_transport("nixl")
 class NixlTransport(AdapterEndpoint):
     """dlmix control + NIXL (UCX backend). Host memory (DRAM) only in this build.
 
-    Extra keywords: ``enable_prog_thread`` (bool, True; see the module docstring), ``backends`` (list, ``["UCX"]``),
+    Extra keywords: ``enable_prog_thread`` (bool, True) and ``progress_delay_us`` (int, 1000; both in the module
+    docstring), ``backends`` (list, ``["UCX"]``),
     ``cancel_grace_s`` (float, 60): how long a failed or late transfer, which NIXL cannot abort, is waited for
     before it is given up (:meth:`_wait_out`). Until then its failure is not reported and ``cancel()`` does not
     return, so no byte lands after either.
@@ -60,9 +101,13 @@ class NixlTransport(AdapterEndpoint):
 
     PACKAGE = "nixl-cu12==1.5.1 nixl==1.5.1"
 
-    def __init__(self, *, enable_prog_thread: bool = True, backends: list[str] | None = None,
-                 cancel_grace_s: float = 60.0, **kw: Any):
+    def __init__(self, *, enable_prog_thread: bool = True, progress_delay_us: int = 1000,
+                 backends: list[str] | None = None, cancel_grace_s: float = 60.0, **kw: Any):
+        if type(progress_delay_us) is not int or not 0 <= progress_delay_us <= 10_000_000:
+            raise ValueError(f"progress_delay_us must be an integer number of microseconds in 0..10000000, got "
+                             f"{progress_delay_us!r}")
         self.enable_prog_thread = bool(enable_prog_thread)
+        self.progress_delay_us = progress_delay_us
         self.cancel_grace_s = float(cancel_grace_s)
         self.backends = list(backends or ["UCX"])
         super().__init__(**kw)
@@ -73,8 +118,8 @@ class NixlTransport(AdapterEndpoint):
 
     def _lib_init(self) -> None:
         self._agent_name = f"{self.name}-{uuid.uuid4().hex[:8]}"
-        self._agent = _Agent(self._agent_name, _Config(enable_prog_thread=self.enable_prog_thread,
-                                                       backends=self.backends))
+        self._agent = _new_agent(self._agent_name, _Config(enable_prog_thread=self.enable_prog_thread,
+                                                           backends=self.backends), self.progress_delay_us)
         self._nixl_regs: dict[str, Any] = {}
 
     def _lib_descriptor(self) -> dict:
