@@ -14,8 +14,9 @@ Measured in one run, interleaved round by round so load changes hit every conten
   ``nixl`` with NIXL's own Python setting, a progress thread that never sleeps (``progress_delay_us`` 0).
 
 Each round starts every transport's peer and endpoint afresh and closes them once its sizes are measured, so no
-transport's idle threads load another's measurement (an idle NIXL agent's UCX progress thread spins a whole core, and
-each NIXL contender has two agents: with them all alive, a 2-core machine measured everything else under load).
+transport's idle threads load another's measurement (an idle ``nixl_spin`` agent's UCX progress thread spins a whole
+core, and each NIXL contender has two agents: with them all alive, a 2-core machine measured everything else under
+load).
 
 Sizes 4 KiB, 256 KiB, 4 MiB, 64 MiB. For each contender and size: ``lat_us`` = median seconds per transfer;
 ``GBps`` = bytes / fastest transfer (on a shared, oversubscribed box noise only ever adds time, so the minimum is the
@@ -280,8 +281,8 @@ def main() -> None:
                 _pin(os.getpid(), free_cpus)
                 _pin(c.peer_pid, free_cpus)
 
-    # A transport's processes live only while it is measured: an idle NIXL agent's progress thread spins a whole core
-    # (two agents per contender), which would load every other contender's measurement on a small machine.
+    # A transport's processes live only while it is measured: an idle nixl_spin agent's progress thread spins a whole
+    # core (two agents per contender), which would load every other contender's measurement on a small machine.
     for r in range(rounds):
         for c in baselines:
             measure(c)
