@@ -11,6 +11,11 @@ import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+# OpenMP threads that finished their share of a torch op sleep instead of spinning (libgomp's default spins up to
+# ~0.3 s after every parallel region; Intel's OpenMP 200 ms). The test workers and every process they start (this
+# environment is inherited) share two cores with engine servers: tests/test_kv_convert.py alone took 41 s of CPU with
+# the default and 16 s passive, on a loaded 2-core VM. Set before anything imports torch, which reads it at load.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
 def _module(item) -> str:
