@@ -466,3 +466,27 @@ def test_pull_from_a_separate_kv_producer_is_exact(src, dst):
     finally:
         p.close()
         d.close()
+
+
+def test_a_silent_prefill_fails_the_pull_and_the_release_after_the_connect_timeout():
+    """A producer descriptor (from a request's transfer parameters) that points at a listener which accepts and
+    never answers fails that pull, and its release notice, after ``connect_timeout_s`` (1 s here), not after
+    ``io_timeout_s`` (30 s): the connect, handshake included, is bounded by the connect timeout."""
+    import socket
+
+    lay = _layout()
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(8)
+    d = KVEndpoint("tcp", "d-silent", SECRET, "127.0.0.1", 0, lay, allocate(lay, 8), 1 << 20, io_timeout_s=30.0,
+                   connect_timeout_s=1.0)
+    try:
+        desc = dict(d.descriptor(), name="p-silent", port=silent.getsockname()[1], pid=1)
+        res = d.pull(desc, "r", [0, 1], 0, 40, [4, 5], src_layout=lay, digest=prompt_digest(range(40)))
+        assert res.loaded_upto == 0 and res.failed_block_ids == [4, 5], res
+        assert "within 1.0 s" in res.error, res.error
+        with pytest.raises(Exception, match=r"within 1\.0 s"):
+            d.release(desc, "r", consumed=False)
+    finally:
+        d.close()
+        silent.close()

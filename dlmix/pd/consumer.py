@@ -155,18 +155,21 @@ class Consumer:
       staging: the staging tensor (uint8, registered as region ``staging``).
       replies: ``request(req_id) -> (event, box)`` slot factory and ``drop(req_id)``: how answers reach the pull
         (the endpoint routes ``blocks_ready``/``refused`` there).
-      io_timeout_s, registration_wait_s: seconds; verify_weights: see :func:`dlmix.pd.pair.check_pair`.
+      connect_timeout_s: seconds to connect to a producer rank (TCP and the transport's handshake; an unreachable
+        or silent producer fails that pull, or that release, after it); io_timeout_s, registration_wait_s: seconds;
+        verify_weights: see :func:`dlmix.pd.pair.check_pair`.
     """
 
     def __init__(self, transport: Any, layout: KVLayout, layers: list[Any], staging: Any, *,
                  slots: Any, io_timeout_s: float = 60.0, registration_wait_s: float = 10.0,
-                 verify_weights: bool = True):
+                 verify_weights: bool = True, connect_timeout_s: float = 5.0):
         self.t = transport
         self.layout = layout
         self.layers = layers
         self.staging = staging
         self.slots = slots
         self.io_timeout_s = io_timeout_s
+        self.connect_timeout_s = connect_timeout_s
         self.registration_wait_s = registration_wait_s
         self.verify_weights = verify_weights
         self._pull_lock = threading.Lock()  # one pull at a time uses the staging region
@@ -199,7 +202,7 @@ class Consumer:
         err: Exception | None = None
         for desc in targets.values():
             try:
-                peer = self.t.connect(desc, timeout_s=self.io_timeout_s)
+                peer = self.t.connect(desc, timeout_s=self.connect_timeout_s)
                 self.t.notify(peer, encode(msg))
             except Exception as e:
                 err = e
@@ -239,7 +242,8 @@ class Consumer:
             elif len(targets) > 1:
                 raise ValueError("pulling from several producer ranks needs the producer's layout")
             plan = self._plan(src, targets)
-            peers: dict[int, str] = {p: self.t.connect(targets[p], timeout_s=self.io_timeout_s) for p, _ in plan}
+            peers: dict[int, str] = {p: self.t.connect(targets[p], timeout_s=self.connect_timeout_s)
+                                     for p, _ in plan}
             slots = {p: (peers[p], self.slots.open(peers[p], remote_req_id)) for p, _ in plan}
             asked = time.perf_counter()
             try:

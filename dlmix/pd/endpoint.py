@@ -83,7 +83,8 @@ class KVEndpoint:
         same size, allocated on the first such pull) and converted there.
       outbox_bytes: host outbox size (bytes) when the cache is in device memory and the transport registers host
         memory only (:mod:`dlmix.pd.outbox`; bounds the KV of the requests granted at one time); unused otherwise.
-      hold_timeout_s, registration_wait_s, io_timeout_s, verify_weights: see :mod:`dlmix.pd.producer`.
+      hold_timeout_s, registration_wait_s, io_timeout_s, verify_weights: see :mod:`dlmix.pd.producer`;
+      connect_timeout_s: see :class:`dlmix.pd.consumer.Consumer`.
       on_released: optional producer hook ``(request_id, why)``.
     Raises whatever the transport raises when it cannot start (e.g. port in use), and ValueError on caches that do
     not match the layout.
@@ -92,7 +93,7 @@ class KVEndpoint:
     def __init__(self, kind: str, name: str, secret: str, host: str, port: int, layout: KVLayout,
                  layers: list[Any], staging_bytes: int, *, hold_timeout_s: float = 120.0,
                  registration_wait_s: float = 10.0, io_timeout_s: float = 60.0, verify_weights: bool = True,
-                 transport_cfg: dict[str, Any] | None = None,
+                 connect_timeout_s: float = 5.0, transport_cfg: dict[str, Any] | None = None,
                  on_released: Callable[[str, str], None] | None = None, outbox_bytes: int = 256 << 20):
         import torch
         from dlmix_kv_connectors import make_transport
@@ -121,7 +122,7 @@ class KVEndpoint:
             self._slots = _Slots()
             self.consumer = Consumer(self.t, layout, layers, self.staging, slots=self._slots,
                                      io_timeout_s=io_timeout_s, registration_wait_s=registration_wait_s,
-                                     verify_weights=verify_weights)
+                                     verify_weights=verify_weights, connect_timeout_s=connect_timeout_s)
             self._work: queue.Queue = queue.Queue()
             self._stop = threading.Event()
             self._worker = threading.Thread(target=self._serve, name="dlmix-kv-ctl", daemon=True)

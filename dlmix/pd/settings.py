@@ -29,7 +29,8 @@ class EndpointSettings(BaseModel):
       port: endpoint port of TP rank 0 (rank r uses ``port + r``); None = any free port (peers learn it from the
         transfer parameters or the connection handshake).
       shared_secret: HMAC secret of the transport (required when ``host`` is not loopback; equal on both sides).
-      io_timeout_s: per-transfer timeout; hold_timeout_s: how long a prefill keeps a finished request's blocks for a
+      connect_timeout_s: connecting to a prefill rank (TCP and handshake; an unreachable one fails that request's
+        pull after it); io_timeout_s: per-transfer timeout; hold_timeout_s: how long a prefill keeps a finished request's blocks for a
         decode that has not read them; registration_wait_s: how long a read request waits for its hold to appear.
       staging_bytes: decode staging region (bytes); larger transfers run in several rounds.
       verify_weights: refuse a peer whose weights fingerprint differs (only a negative-control test turns it off).
@@ -41,6 +42,7 @@ class EndpointSettings(BaseModel):
     host: str = "127.0.0.1"
     port: int | None = Field(default=None, ge=1, le=65535)
     shared_secret: str | None = None
+    connect_timeout_s: float = Field(default=5.0, gt=0)
     io_timeout_s: float = Field(default=60.0, gt=0)
     hold_timeout_s: float = Field(default=120.0, gt=0)
     registration_wait_s: float = Field(default=10.0, ge=0)

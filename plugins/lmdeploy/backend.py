@@ -328,7 +328,7 @@ def start_rank(agent: Any) -> Rank:
     ep = KVEndpoint(settings.transport, name, secret, settings.host, settings.port or 0, layout, layers,
                     settings.staging_bytes if role == "Decode" else 0, hold_timeout_s=settings.hold_timeout_s,
                     registration_wait_s=settings.registration_wait_s, io_timeout_s=settings.io_timeout_s,
-                    verify_weights=settings.verify_weights)
+                    verify_weights=settings.verify_weights, connect_timeout_s=settings.connect_timeout_s)
     _rank = Rank(role=role, layout=layout, endpoint=ep, endpoint_settings=settings, quant=quant,
                  export=export)
     log.info("DLMix: %s endpoint %s, layout block %d %s %s", role, ep.descriptor(), layout.block_size,

@@ -141,7 +141,7 @@ class DLMixKVManager(CommonKVManager):
             s.shared_secret or DEFAULT_LOOPBACK_SECRET, s.host, port, self.layout, pool_layers(args, self.layout),
             s.staging_bytes if self.is_decode else 0, hold_timeout_s=s.hold_timeout_s,
             registration_wait_s=s.registration_wait_s, io_timeout_s=s.io_timeout_s,
-            verify_weights=s.verify_weights, on_released=None if self.is_decode else self._on_released)
+            verify_weights=s.verify_weights, connect_timeout_s=s.connect_timeout_s, on_released=None if self.is_decode else self._on_released)
         self.instance_id = f"sglang-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self._pending: dict[int, _Pending] = {}
         self._dst: dict[int, tuple[list[int], Optional[int], str]] = {}

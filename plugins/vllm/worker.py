@@ -85,7 +85,7 @@ class DLMixConnectorWorker:
             s.transport, f"dlmix-{self.engine_id[:12]}-r{self.tp_rank}-{os.getpid()}", self.secret, s.host, port,
             self.layout, self.layers, s.staging_bytes if self.ktc.is_kv_consumer else 0,
             hold_timeout_s=s.hold_timeout_s, registration_wait_s=s.registration_wait_s,
-            io_timeout_s=s.io_timeout_s, verify_weights=s.verify_weights)
+            io_timeout_s=s.io_timeout_s, verify_weights=s.verify_weights, connect_timeout_s=s.connect_timeout_s)
         d = self.endpoint.descriptor()
         log.info("DLMixConnector worker rank %d: %d layers x %d blocks, %s %s block %d; transport %s://%s:%s",
                  self.tp_rank, len(self.layers), self.endpoint.producer.num_blocks, self.layout.arrangement,
