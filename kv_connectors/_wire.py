@@ -248,11 +248,15 @@ def check_header(fields: tuple, max_body: int, max_payload: int) -> tuple[int, i
 
 
 def decode_body(ftype: int, raw) -> object:
-    """Decode body bytes ``raw`` as frame type ``ftype``'s Struct. Raises ProtocolError on bad JSON/schema."""
+    """Decode body bytes ``raw`` as frame type ``ftype``'s Struct. Raises ProtocolError on bad JSON/schema, JSON
+    nested too deeply to decode included (a small body of a thousand nested arrays makes msgspec raise
+    RecursionError)."""
     try:
         return DECODERS[ftype].decode(raw)
     except (msgspec.DecodeError, msgspec.ValidationError) as e:
         raise ProtocolError(f"malformed {FRAME_NAMES[ftype]} body: {e}") from None
+    except RecursionError:
+        raise ProtocolError(f"malformed {FRAME_NAMES[ftype]} body: JSON nested too deeply") from None
 
 
 def read_body(sock: socket.socket, ftype: int, blen: int, deadline: float | None = None):

@@ -529,8 +529,9 @@ class Transport(abc.ABC):
         op must lie wholly inside one granted range.
 
         Raises:
-            KeyError: unknown region. ValueError: range outside the region, bad mode, or a different peer for an
-            existing transfer id. GrantError: ``"w"`` on a read-only region.
+            KeyError: unknown region. ValueError: range outside the region or not ``(region, offset, length)``,
+            bad mode, ``expires_s`` not a finite number >= 0 (nor None), or a different peer for an existing transfer
+            id; nothing is granted then. GrantError: ``"w"`` on a read-only region.
         """
 
     @abc.abstractmethod
