@@ -261,3 +261,34 @@ def test_cli_takes_urls_from_a_deployment_file(tmp_path):
     lv = data["levels"][0]
     assert lv["metrics"]["completed"] == 3 and lv["metrics"]["total_input_tokens"] == 60
     assert lv["prefix"]["source"] in ("endpoint", "engines") and lv["prefix"]["query_tokens"] == 60
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--output-dir", "{tmp}/afile"], "Invalid value for '--output-dir': cannot write results under {tmp}/afile/run: "
+                                      "{tmp}/afile is not a folder"),
+    (["--output-dir", "{tmp}/afile/x", "--label", "a"],
+     "Invalid value for '--output-dir': cannot write results under {tmp}/afile/x/a: {tmp}/afile is not a folder"),
+    (["--output-dir", "{tmp}/out", "--label", "../escape"],
+     "Invalid value for '--label': must be a plain folder name (no '/', not '.' or '..'), got '../escape'"),
+    (["--output-dir", "{tmp}/out", "--label", ""],
+     "Invalid value for '--label': must be a plain folder name (no '/', not '.' or '..'), got ''"),
+])
+def test_cli_refuses_an_output_dir_or_label_that_cannot_hold_the_results_before_any_request(tmp_path, args, message):
+    """The results are written after the whole sweep: before, ``--output-dir`` naming a file ran every request and
+    then ended in a NotADirectoryError traceback (exit 1, results lost), and ``--label ../x`` wrote outside the
+    output folder (which the plots, reading ``OUT/*/results.json``, never saw)."""
+    from dlmix.cli import app
+
+    (tmp_path / "afile").write_text("x")
+    eng = MockEngine(model="m")
+    url, stop = _serve_in_thread(eng)
+    try:
+        res = CliRunner().invoke(app, ["bench", "--url", url, "--workload", "random", "--num-prompts", "2",
+                                       *[a.format(tmp=tmp_path) for a in args]], env={"COLUMNS": "400"})
+    finally:
+        stop()
+    assert res.exit_code == 2, res.output
+    assert isinstance(res.exception, SystemExit) and "Traceback" not in res.output
+    assert _error_line(res.output) == message.format(tmp=tmp_path)
+    assert eng.requests == 0
+    assert not (tmp_path / "escape").exists() and not (tmp_path / "out").exists()

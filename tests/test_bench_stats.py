@@ -59,3 +59,10 @@ def test_empty_and_bad_duration():
     assert m["completed"] == 0 and m["ttft_ms"]["p99"] == 0.0
     with pytest.raises(ValueError):
         summarize([], 0.0)
+
+
+def test_parse_goodput_refuses_a_nan_target():
+    """``--goodput ttft:nan`` passed the ``<= 0`` check and every request then missed it: the run reported goodput
+    0.00 (0 %) without an error."""
+    with pytest.raises(ValueError, match=r"^--goodput ttft: target must be > 0 ms, got nan$"):
+        parse_goodput(["ttft:nan"])

@@ -118,3 +118,24 @@ def test_builtin_mooncake_conversation_trace_shares_prefixes():
             pairs += 1
         seen.setdefault(key, i)
     assert pairs > 0
+
+
+@pytest.mark.parametrize("make, message", [
+    (lambda: random_prompts(2, 2_000_000_000, 4), "random workload: input_len must be at most 1048576 tokens, got "
+                                                  "2000000000"),
+    (lambda: random_prompts(2_000_000_000, 4, 4), "random workload: num_prompts must be at most 100000, got "
+                                                  "2000000000"),
+    (lambda: random_prompts(2, 4, 10 ** 9), "random workload: output_len must be at most 1048576 tokens, got "
+                                            "1000000000"),
+    (lambda: random_prompts(100_000, 100_000, 4), "random workload: 100000 prompts × 100000 tokens is more than "
+                                                  "67108864 prompt tokens in all"),
+    (lambda: shared_prefix(1000, 100, 1_000_000, 32, 4), "shared-prefix workload: 100000 prompts × 1000032 tokens "
+                                                         "is more than 67108864 prompt tokens in all"),
+])
+def test_huge_synthetic_workloads_are_refused_before_any_prompt_is_generated(make, message):
+    """A typo such as ``--random-input-len 2000000000`` ended ``dlmix bench`` in a MemoryError traceback, and
+    ``--num-prompts 2000000000`` generated prompts until killed: the bounds of the shared-prefix workload (requests,
+    tokens per prompt) and a bound on the prompt tokens of a level are checked first."""
+    with pytest.raises(WorkloadError) as e:
+        make()
+    assert str(e.value) == message

@@ -18,6 +18,23 @@ __all__ = ["bench", "DEFAULT_RANDOM_PROMPTS"]
 DEFAULT_RANDOM_PROMPTS = 32
 
 
+def _unwritable_dir(path: Path) -> Optional[str]:
+    """Why ``path`` cannot become a folder of results (a part of it is a file, or the nearest existing folder is not
+    writable), else None. Creates nothing: the folder is made when the results are written."""
+    import os
+
+    p = path.absolute()
+    while not p.exists():
+        if p.parent == p:
+            break
+        p = p.parent
+    if p.exists() and not p.is_dir():
+        return f"cannot write results under {path}: {p} is not a folder"
+    if not os.access(p, os.W_OK | os.X_OK):
+        return f"cannot write results under {path}: {p} is not writable"
+    return None
+
+
 def _numbers(text: str) -> list[tuple[str, float]]:
     """``(token, value)`` of a comma list of numbers (``inf`` allowed). Raises typer.BadParameter."""
     out = []
@@ -157,6 +174,14 @@ def bench(
     except ValueError:
         raise typer.BadParameter(f"expected LO:HI (two integers), got {token_range!r}",
                                  param_hint="'--token-range'") from None
+    # the results are written after the whole sweep: a label or folder that cannot hold them is refused now, not
+    # after hours of requests (a label is one folder name: plots and summary.json read OUT/*/results.json)
+    if label in ("", ".", "..") or "/" in label or "\\" in label:
+        raise typer.BadParameter(f"must be a plain folder name (no '/', not '.' or '..'), got {label!r}",
+                                 param_hint="'--label'")
+    problem = _unwritable_dir(Path(output_dir) / label)
+    if problem:
+        raise typer.BadParameter(problem, param_hint="'--output-dir'")
     engines = list(engine_url)
     if deployment is not None:
         from dlmix.launch.config import ConfigError, Deployment
@@ -235,7 +260,12 @@ def bench(
                                  gsp_output_len] if workload == "shared-prefix" else None,
                          "trace": str(trace) if trace else None},
             "levels": out["levels"]}
-    run_dir = report.write_results(output_dir, label, data, out["results"])
+    try:
+        run_dir = report.write_results(output_dir, label, data, out["results"])
+    except OSError as e:
+        report.render_table(data, console)
+        console.print(f"[red]error:[/] cannot write the results under {Path(output_dir) / label}: {e}")
+        raise typer.Exit(2)
     report.render_table(data, console)
     pngs = report.plot_dir(output_dir)
     console.print(f"results: {run_dir / 'results.json'}; plots: {', '.join(str(p) for p in pngs)}")

@@ -74,7 +74,7 @@ def parse_goodput(specs: Iterable[str] | None) -> dict[str, float]:
     Several ``KEY:MS`` may also be given in one string separated by spaces or commas.
 
     Raises:
-        ValueError: unknown metric name, missing colon, or a value that is not a positive number.
+        ValueError: unknown metric name, missing colon, or a value that is not a positive number (NaN included).
     """
     out: dict[str, float] = {}
     for spec in specs or ():
@@ -89,7 +89,7 @@ def parse_goodput(specs: Iterable[str] | None) -> dict[str, float]:
                 ms = float(val)
             except ValueError:
                 raise ValueError(f"--goodput {key}: {val!r} is not a number of milliseconds") from None
-            if ms <= 0:
+            if not ms > 0:  # NaN too: no latency meets a NaN target, so goodput would read 0 % silently
                 raise ValueError(f"--goodput {key}: target must be > 0 ms, got {ms}")
             out[key] = ms
     return out

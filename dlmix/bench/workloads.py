@@ -34,8 +34,19 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from dlmix.workloads import (MOONCAKE_BLOCK_TOKENS, WorkloadError, check_shared_prefix, ideal_reuse_of_keys,
-                             read_mooncake_trace, resolve_trace)
+from dlmix.workloads import (MOONCAKE_BLOCK_TOKENS, SHARED_PREFIX_MAX_REQUESTS, SHARED_PREFIX_MAX_TOKENS, WorkloadError,
+                             check_shared_prefix, ideal_reuse_of_keys, read_mooncake_trace, resolve_trace)
+
+#: most prompt tokens one load level generates up front (all prompts together; 64 Mi token ids are about 0.5 GiB of
+#: Python lists): a larger synthetic workload is taken for a typo instead of running out of memory
+MAX_LEVEL_PROMPT_TOKENS = 1 << 26
+
+
+def _check_total(workload: str, prompts: int, tokens_each: int) -> None:
+    """Raises WorkloadError when ``prompts × tokens_each`` exceeds :data:`MAX_LEVEL_PROMPT_TOKENS`."""
+    if prompts * tokens_each > MAX_LEVEL_PROMPT_TOKENS:
+        raise WorkloadError(f"{workload} workload: {prompts} prompts × {tokens_each} tokens is more than "
+                            f"{MAX_LEVEL_PROMPT_TOKENS} prompt tokens in all")
 
 __all__ = ["BenchRequest", "shared_prefix", "random_prompts", "hash_block", "load_mooncake_trace",
            "arrival_times", "WorkloadError", "MOONCAKE_BLOCK_TOKENS", "ideal_prefix_reuse", "resolve_trace"]
@@ -73,10 +84,12 @@ def shared_prefix(num_groups: int, prompts_per_group: int, prefix_len: int, suff
     tokens; prompts of one group share their first ``prefix_len`` tokens exactly.
 
     Raises:
-        WorkloadError: non-positive counts/lengths or a bad token range.
+        WorkloadError: non-positive counts/lengths, the bounds of :func:`dlmix.workloads.check_shared_prefix`, more
+            than :data:`MAX_LEVEL_PROMPT_TOKENS` prompt tokens in all, or a bad token range.
     """
     _check_range(token_lo, token_hi)
     check_shared_prefix(num_groups, prompts_per_group, prefix_len, suffix_len, output_len)
+    _check_total("shared-prefix", num_groups * prompts_per_group, prefix_len + suffix_len)
     rng = np.random.default_rng(seed)
     reqs = []
     for g in range(num_groups):
@@ -92,10 +105,24 @@ def shared_prefix(num_groups: int, prompts_per_group: int, prefix_len: int, suff
 
 def random_prompts(num_prompts: int, input_len: int, output_len: int, seed: int = 0,
                    token_lo: int = DEFAULT_TOKEN_LO, token_hi: int = DEFAULT_TOKEN_HI) -> list[BenchRequest]:
-    """``num_prompts`` independent random prompts of ``input_len`` tokens, each generating ``output_len`` tokens."""
+    """``num_prompts`` independent random prompts of ``input_len`` tokens, each generating ``output_len`` tokens.
+
+    Raises:
+        WorkloadError: a count or length < 1, more than :data:`~dlmix.workloads.SHARED_PREFIX_MAX_REQUESTS` prompts
+            or more than :data:`~dlmix.workloads.SHARED_PREFIX_MAX_TOKENS` input or output tokens (the bounds of
+            the shared-prefix workload: larger is taken for a typo, since every prompt is generated up front), or a
+            bad token range.
+    """
     _check_range(token_lo, token_hi)
     if num_prompts < 1 or input_len < 1 or output_len < 1:
         raise WorkloadError("random workload needs num_prompts, input_len and output_len >= 1")
+    if num_prompts > SHARED_PREFIX_MAX_REQUESTS:
+        raise WorkloadError(f"random workload: num_prompts must be at most {SHARED_PREFIX_MAX_REQUESTS}, got "
+                            f"{num_prompts}")
+    for name, n in (("input_len", input_len), ("output_len", output_len)):
+        if n > SHARED_PREFIX_MAX_TOKENS:
+            raise WorkloadError(f"random workload: {name} must be at most {SHARED_PREFIX_MAX_TOKENS} tokens, got {n}")
+    _check_total("random", num_prompts, input_len)
     rng = np.random.default_rng(seed)
     return [BenchRequest(prompt=rng.integers(token_lo, token_hi, size=input_len).tolist(), output_len=output_len)
             for _ in range(num_prompts)]
