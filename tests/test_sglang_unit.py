@@ -148,3 +148,18 @@ def test_plugin_entry_point_and_package_data():
     cfg = tomllib.loads((ROOT / "pyproject.toml").read_text())
     assert cfg["project"]["entry-points"]["sglang.srt.plugins"] == {"dlmix": "dlmix_sglang:register"}
     assert "standins/*.py" in cfg["tool"]["setuptools"]["package-data"]["dlmix_sglang"]
+
+
+@pytest.mark.parametrize("field, value", [("port", True), ("port", "8000"), ("port", 8000.0), ("staging_bytes", True),
+                                          ("staging_bytes", "1048576"), ("num_chips", True)])
+def test_settings_refuse_an_integer_field_of_another_json_type(field, value):
+    """``{"port": true}`` was read as port 1 (and ``"8000"`` as 8000): a JSON value of another type is refused with
+    the field's name, as ``verify_weights`` already refuses ``"no"`` or ``0``; the LMDeploy settings share the rule."""
+    from dlmix_lmdeploy.config import DLMixLMDeployConfigError
+    from dlmix_lmdeploy.config import load_settings as lmdeploy_settings
+
+    with pytest.raises(DLMixSGLangConfigError, match=f"{field}: Input should be a valid integer"):
+        load_settings({field: value})
+    with pytest.raises(DLMixLMDeployConfigError, match=f"{field}: Input should be a valid integer"):
+        lmdeploy_settings({field: value})
+    assert load_settings({"port": 8000, "staging_bytes": 1 << 20, "num_chips": 2}).port == 8000

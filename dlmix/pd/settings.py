@@ -10,7 +10,8 @@ import json
 import os
 from typing import Any, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError, field_validator, model_validator
+from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StrictInt, ValidationError, field_validator,
+                      model_validator)
 
 from dlmix.net import is_loopback
 
@@ -40,13 +41,13 @@ class EndpointSettings(BaseModel):
 
     transport: str = "tcp"
     host: str = "127.0.0.1"
-    port: int | None = Field(default=None, ge=1, le=65535)
+    port: StrictInt | None = Field(default=None, ge=1, le=65535)  # JSON true is not port 1
     shared_secret: str | None = None
     connect_timeout_s: float = Field(default=5.0, gt=0)
     io_timeout_s: float = Field(default=60.0, gt=0)
     hold_timeout_s: float = Field(default=120.0, gt=0)
     registration_wait_s: float = Field(default=10.0, ge=0)
-    staging_bytes: int = Field(default=64 * 1024 * 1024, ge=64 * 1024)
+    staging_bytes: StrictInt = Field(default=64 * 1024 * 1024, ge=64 * 1024)
     verify_weights: StrictBool = True
 
     @field_validator("transport")
@@ -87,7 +88,7 @@ class RoutedEndpointSettings(EndpointSettings):
     public_url: str | None = None
     heartbeat_s: float = Field(default=2.0, gt=0)
     chip_profile: str | None = None
-    num_chips: int | None = Field(default=None, ge=1)
+    num_chips: StrictInt | None = Field(default=None, ge=1)
     instance_id: str | None = Field(default=None, min_length=1, max_length=128)
 
     @field_validator("router_url", "public_url")
