@@ -620,3 +620,22 @@ def test_n_beyond_the_fan_out_limit_is_400_before_any_leg():
     finally:
         c.close()
         lt.close()
+
+
+def test_a_decode_that_refuses_the_room_just_after_its_prefill_failed_answers_the_client_with_its_reason(lt):
+    """A real SGLang decode that refuses the pair (a prefill of another model: "incompatible prefill/decode pair:
+    decode has 30 layers, prefill 2 ...") aborts the room, the prefill answers 500 first, and the decode's 500 with the
+    reasons follows within milliseconds. Before, the router cancelled the decode leg on the prefill's 5xx and the
+    client got only "no prefill instance could serve the request (last: prefill instance ... answered 500)"; now the
+    decode's own answer reaches the client, as it does when it comes first."""
+    p, d = _prefill(), _decode()
+    p.fail_status = 500
+    d.fail_status, d.fail_delay_s = 500, 0.2
+    c = Cluster(lt, [p], [d], **PD)
+    try:
+        with httpx.Client(timeout=60) as h:
+            r = h.post(c.base + "/v1/completions", json=BODY)
+        assert r.status_code == 500 and r.json()["error"]["message"] == "mock failure", r.text
+        assert d.cancelled == 0
+    finally:
+        c.close()

@@ -30,6 +30,10 @@ __all__ = ["PDOrchestrator", "Handoff", "SENT"]
 
 log = logging.getLogger("dlmix.router.pd")
 
+#: seconds a concurrent-flow prefill leg's 5xx waits for its decode leg's own answer before the prefill is placed
+#: again (:meth:`PDOrchestrator.prefill`): the decode's refusal of the pair carries the reasons
+DECODE_ANSWER_GRACE_S = 1.0
+
 #: returned by :meth:`PDOrchestrator.prefill` when the prefill instance's 4xx answer was sent to the client
 SENT = object()
 
@@ -250,6 +254,14 @@ class PDOrchestrator:
                             self.registry.fail(pb, perr)
                         c = await dtask  # raises the decode leg's BackendError
                         return db, c
+                    if pstatus is not None and pstatus >= 500:
+                        # a decode that refused the room (an incompatible pair: other model or weights) aborts the
+                        # prefill's room, whose 5xx then often comes first; the decode's own answer, with the
+                        # reasons, follows within milliseconds and goes to the client as it would had it come first
+                        await asyncio.wait((dtask,), timeout=DECODE_ANSWER_GRACE_S)
+                        if dtask.done() and not dtask.cancelled() and dtask.exception() is None \
+                                and dtask.result().status != 200:
+                            return db, dtask.result()
                     dtask.cancel()
                     if pstatus is not None and 400 <= pstatus < 500:
                         return self._client_error(conn, ptask.result())

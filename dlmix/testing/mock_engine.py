@@ -22,9 +22,10 @@ Used by the router tests (in process, with :class:`~dlmix.testing.LoopThread`), 
   into ``block_size``-token blocks chained by hash; a request hits the leading full blocks seen before (unbounded).
 * KV events over ZMQ PUB in vLLM's wire format (``BlockStored`` for the prompt's full blocks, hashed like vLLM,
   ``BlockRemoved`` on LRU eviction past ``capacity_blocks``).
-* Control: ``fail_status`` (answer every generation request with that status), ``healthy`` (``/health`` 200 or 503),
-  ``die()`` (close the listener and drop every connection, like a killed process), ``received`` raw bodies
-  (``bodies`` parsed), ``max_inflight``, ``aborted`` (streams cut short), ``cancelled`` (any request cut short).
+* Control: ``fail_status`` (answer every generation request with that status, after ``fail_delay_s``), ``healthy``
+  (``/health`` 200 or 503), ``die()`` (close the listener and drop every connection, like a killed process),
+  ``received`` raw bodies (``bodies`` parsed), ``max_inflight``, ``aborted`` (streams cut short), ``cancelled`` (any
+  request cut short).
 * ``canned=True``: every generation request gets a fixed 8-token answer (JSON or SSE) written from a callback without
   parsing, so a router benchmark measures the router, not the mock; ``GET /mock/stats`` answers ``{"requests": n}``.
 
@@ -110,6 +111,7 @@ class MockEngine:
         self.hits = 0  # prefix-cache hit tokens (vLLM's counter)
         self.queries = 0  # prefix-cache query tokens
         self.fail_status: Optional[int] = None
+        self.fail_delay_s = 0.0  # seconds before the ``fail_status`` answer (a decode refusing after its prefill)
         self.aborted = 0  # streams cut short because the client (router) closed the connection
         self.cancelled = 0  # requests of any kind cut short that way (waiting, prefilling or streaming)
         self.healthy = True
@@ -268,6 +270,8 @@ class MockEngine:
             self.received.append(req.body)
             self.received_headers.append(req.headers)
         if self.fail_status is not None:
+            if self.fail_delay_s:
+                await asyncio.sleep(self.fail_delay_s)
             return conn.send(self.fail_status, _enc.encode({"error": {"message": "mock failure", "type": "MockError",
                                                                       "code": self.fail_status}}))
         try:
