@@ -99,3 +99,51 @@ def test_a_prefill_aborted_while_its_decode_reads_leaves_no_failure_record():
     rows = _inproc_rows("sglang_prefill_abort_inproc.py")
     assert rows[0]["prefill_final"] == "Success" and rows[0]["failure_record_left"] is None \
         and rows[0]["status_left"] is False, rows[0]
+
+
+_OUT_OF_VOCAB_CODE = """
+from types import SimpleNamespace
+from sglang.srt.plugins import load_plugins
+from sglang.srt.managers.tokenizer_manager import TokenizerManager
+load_plugins()
+stub = SimpleNamespace(model_config=SimpleNamespace(vocab_size=100))
+for ids in ([1, 2, 100], [-1], [5, 10 ** 12]):
+    try:
+        TokenizerManager._validate_one_request(stub, None, ids)
+        print("accepted", ids)
+    except ValueError as e:
+        print("refused:", e)
+import dlmix_sglang
+assert dlmix_sglang._refuse_out_of_vocab(stub, None, [0, 99]) is None
+"""
+
+
+@pytest.mark.skipif(PY is None, reason="no SGLang venv (run scripts/setup_sglang.sh, or set DLMIX_SGLANG_VENV)")
+def test_a_token_id_prompt_outside_the_vocabulary_is_refused_before_the_scheduler():
+    """Loaded through SGLang's own ``load_plugins``, whatever the transfer backend: a prompt of token ids with an id
+    outside ``[0, vocab_size)`` fails SGLang's per-request check with a ValueError naming the id (SGLang answers 400).
+    Before, SGLang 0.5.23 passed it to the embedding lookup, whose IndexError ended the scheduler: one request
+    ``{"prompt": [999999999]}`` through the dlmix router killed the prefill server."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env["SGLANG_USE_CPU_ENGINE"] = "1"
+    out = subprocess.run([PY, "-c", _OUT_OF_VOCAB_CODE], capture_output=True, text=True, timeout=300, env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = [ln for ln in out.stdout.splitlines() if ln.startswith(("accepted", "refused"))]
+    assert lines == [
+        "refused: prompt token id 100 at position 2 is out of the model's vocabulary; valid range is [0, 100)",
+        "refused: prompt token id -1 at position 0 is out of the model's vocabulary; valid range is [0, 100)",
+        "refused: prompt token id 1000000000000 at position 1 is out of the model's vocabulary; valid range is "
+        "[0, 100)"], out.stdout
+
+
+@pytest.mark.skipif(PY is None, reason="no SGLang venv (run scripts/setup_sglang.sh, or set DLMIX_SGLANG_VENV)")
+def test_a_decode_forgets_a_prefill_that_went_away_and_checks_the_next_one_at_that_address():
+    """``tests/sglang_restart_inproc.py``: a decode manager runs SGLang's heartbeat checker (as SGLang's Mooncake,
+    NIXL and Mori backends do), and when it declares the prefill's address lost, dlmix's pair-check verdict goes
+    with SGLang's cached topology, so a prefill started again there is checked anew. Before, no checker ran: after a
+    prefill was killed and started again at the same address, every request over that pair timed out (the decode
+    kept sending the rooms to the dead prefill's rank ports) until the decode was restarted, and a prefill once
+    refused stayed refused."""
+    rows = _inproc_rows("sglang_restart_inproc.py")
+    assert rows[0] == {"case": "prefill-restarted", "heartbeat_checker": True, "refused_first": True,
+                       "refused_after_restart": None}, rows[0]

@@ -67,6 +67,30 @@ def _get_kv_class(original, transfer_backend, class_type):
     }[class_type]
 
 
+#: SGLang's per-request check in its tokenizer manager (length against the context); it does not look at the ids
+VALIDATE_TARGET = "sglang.srt.managers.tokenizer_manager.TokenizerManager._validate_one_request"
+
+
+def _refuse_out_of_vocab(manager, obj, input_ids, *args, **kwargs):
+    """BEFORE hook of ``TokenizerManager._validate_one_request`` (installed whatever the transfer backend): a prompt
+    given as token ids with an id outside ``[0, vocab_size)`` is refused with a ``ValueError`` naming the id, which
+    SGLang answers as a 400. SGLang 0.5.23 checks only ``token_ids_logprob`` against the vocabulary, so such a
+    prompt reached the embedding lookup, whose ``IndexError`` ended the scheduler and the whole server (every
+    request in flight failed). Returns None (the arguments are unchanged).
+
+    Raises:
+      ValueError: the first out-of-range id, its position and the valid range.
+    """
+    vocab = getattr(getattr(manager, "model_config", None), "vocab_size", None)
+    if not input_ids or not isinstance(vocab, int) or vocab <= 0:
+        return None
+    for i, t in enumerate(input_ids):
+        if not 0 <= t < vocab:
+            raise ValueError(f"prompt token id {t} at position {i} is out of the model's vocabulary; valid range "
+                             f"is [0, {vocab})")
+    return None
+
+
 _registered = False
 
 
@@ -98,6 +122,7 @@ def register() -> bool:
         add_disagg_transfer_backend_choices([BACKEND_NAME])
     _add_enum_member()
     HookRegistry.register("sglang.srt.disaggregation.utils.get_kv_class", _get_kv_class, HookType.AROUND)
+    HookRegistry.register(VALIDATE_TARGET, _refuse_out_of_vocab, HookType.BEFORE)
     if _router_url_set():
         from . import router_hook
 

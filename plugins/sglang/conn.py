@@ -175,6 +175,11 @@ class DLMixKVManager(CommonKVManager):
             self._pulls = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dlmix-sglang-pull")
             threading.Thread(target=self._guard(self._decode_listener), name="dlmix-sglang-dlisten",
                              daemon=True).start()
+            # SGLang's own backends (Mooncake, NIXL, Mori) start it: it polls each known prefill's bootstrap
+            # ``/health`` and, after SGLANG_DISAGGREGATION_HEARTBEAT_MAX_FAILURE misses, forgets what this decode
+            # cached about it (:meth:`_handle_node_failure`), so a prefill restarted at the same address (new rank
+            # ports) is bootstrapped again instead of being sent every later room at its dead ports
+            self._start_heartbeat_checker_thread()
         else:
             threading.Thread(target=self._guard(self._prefill_listener), name="dlmix-sglang-plisten",
                              daemon=True).start()
@@ -383,6 +388,20 @@ class DLMixKVManager(CommonKVManager):
             log.warning("dlmix transfer backend: refusing prefill %s: %s", bootstrap_addr, reason)
             self.incompatible[bootstrap_addr] = reason
         return super().try_ensure_parallel_info(bootstrap_addr)
+
+    def _handle_node_failure(self, failed_bootstrap_addr: str) -> None:
+        """SGLang's heartbeat checker lost the prefill at ``failed_bootstrap_addr``: SGLang drops its cached
+        topology and rank addresses and fails the rooms in flight; dlmix also forgets its pair-check verdict and
+        rank transports, so a prefill started again there (another model, other weights or the same) is checked
+        anew when a request next names it. A dlmix router that hands off rooms is left alone: its ``/health`` answers
+        503 while it has no healthy instance, and each of its rooms fails with the router's own answer anyway."""
+        with self.connection_lock:
+            if failed_bootstrap_addr in self.handoff_sources:
+                self.heartbeat_failures.pop(failed_bootstrap_addr, None)
+                return
+            self.incompatible.pop(failed_bootstrap_addr, None)
+            self.prefill_transports.pop(failed_bootstrap_addr, None)
+        super()._handle_node_failure(failed_bootstrap_addr)
 
     def _router_source(self, bootstrap_addr: str) -> bool:
         """A dlmix router at ``bootstrap_addr`` hands off rooms of another engine's prefill (module doc): it stands
