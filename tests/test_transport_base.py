@@ -642,6 +642,53 @@ def test_notify_to_a_peer_that_stopped_reading_times_out():
         a.close()
 
 
+def test_notify_to_a_peer_reading_a_little_at_a_time_is_bounded_by_its_timeout():
+    """A peer that reads a few KiB at a time lets every send call make progress, so the socket's send timeout never
+    fired and a ``notify(timeout_s=1)`` of 3 MiB that did not fit the socket's send buffer blocked as long as the peer
+    took to read it (57 s measured). The deadline now bounds the whole notification: TransferTimeout."""
+    import threading
+
+    from dlmix_kv_connectors import TransferTimeout
+    from dlmix_kv_connectors.testing import raw_auth
+
+    a = make_transport("tcp", name="nd", secret="s")
+    s = raw_auth(a.host, a.port, "dripping", "s")
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    stop = threading.Event()
+
+    def drip():
+        while not stop.is_set():
+            try:
+                if not s.recv(4096):
+                    return
+            except OSError:
+                return
+            time.sleep(0.05)
+
+    out: dict = {"err": None, "done": False}
+
+    def send():
+        try:
+            for _ in range(8):  # the first ones may fit the socket's send buffer
+                a.notify("dripping", {"pad": "x" * (3 << 20)}, timeout_s=1.0)
+            out["done"] = True
+        except Exception as e:
+            out["err"] = e
+
+    reader = threading.Thread(target=drip, daemon=True)
+    sender = threading.Thread(target=send, daemon=True)
+    try:
+        reader.start()
+        sender.start()
+        sender.join(20)
+        assert not sender.is_alive(), "notify(timeout_s=1) still sending after 20 s"
+        assert isinstance(out["err"], TransferTimeout) and not out["done"], out
+    finally:
+        stop.set()
+        s.close()
+        a.close()
+
+
 def test_a_peer_that_stops_reading_a_read_response_is_cut_off_at_the_owner_timeout():
     """An authenticated peer asks for a large granted read and never reads its socket. The owner stops sending within
     about its ``timeout_s`` and drops that connection only: other peers are served meanwhile and after, no byte the
