@@ -627,3 +627,19 @@ def test_kv_both_request_with_remote_prefill_and_decode_leaves_no_record(sched_f
         d.request_finished(r, blocks.get_block_ids()[0])
     d.build_connector_meta(None)
     assert d.connector_scheduler._info == {}, d.connector_scheduler._info
+
+
+@pytest.mark.parametrize("key, value", [("port", True), ("port", "8000"), ("staging_bytes", 1e20),
+                                        ("staging_bytes", True), ("io_timeout_s", float("inf")),
+                                        ("connect_timeout_s", float("inf")), ("hold_timeout_s", float("nan"))])
+def test_settings_refuse_other_json_types_and_infinite_timeouts(key, value):
+    """``{"port": true}`` was port 1, ``staging_bytes: 1e20`` and ``io_timeout_s: inf`` were accepted (an infinite
+    timeout never fails a stalled transfer); each is refused with the key's name, and the same settings in core
+    (:class:`dlmix.pd.settings.EndpointSettings`, SGLang and LMDeploy) refuse infinite timeouts too."""
+    from dlmix.pd.settings import EndpointSettings
+
+    with pytest.raises(DLMixConfigError, match=key):
+        parse_settings({key: value})
+    if key.endswith("_timeout_s"):
+        with pytest.raises(ValueError, match=key):
+            EndpointSettings(**{key: value})

@@ -43,10 +43,10 @@ class EndpointSettings(BaseModel):
     host: str = "127.0.0.1"
     port: StrictInt | None = Field(default=None, ge=1, le=65535)  # JSON true is not port 1
     shared_secret: str | None = None
-    connect_timeout_s: float = Field(default=5.0, gt=0)
-    io_timeout_s: float = Field(default=60.0, gt=0)
-    hold_timeout_s: float = Field(default=120.0, gt=0)
-    registration_wait_s: float = Field(default=10.0, ge=0)
+    connect_timeout_s: float = Field(default=5.0, gt=0, allow_inf_nan=False)
+    io_timeout_s: float = Field(default=60.0, gt=0, allow_inf_nan=False)
+    hold_timeout_s: float = Field(default=120.0, gt=0, allow_inf_nan=False)
+    registration_wait_s: float = Field(default=10.0, ge=0, allow_inf_nan=False)
     staging_bytes: StrictInt = Field(default=64 * 1024 * 1024, ge=64 * 1024)
     verify_weights: StrictBool = True
 
@@ -86,7 +86,7 @@ class RoutedEndpointSettings(EndpointSettings):
     router_url: str | None = None
     router_admin_key: str | None = None
     public_url: str | None = None
-    heartbeat_s: float = Field(default=2.0, gt=0)
+    heartbeat_s: float = Field(default=2.0, gt=0, allow_inf_nan=False)
     chip_profile: str | None = None
     num_chips: StrictInt | None = Field(default=None, ge=1)
     instance_id: str | None = Field(default=None, min_length=1, max_length=128)

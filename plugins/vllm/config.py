@@ -12,7 +12,8 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictBool, ValidationError, model_validator
+from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, StrictBool, StrictInt, ValidationError,
+                      model_validator)
 from dlmix.net import is_loopback as _is_loopback
 
 __all__ = ["DLMixConfigError", "DLMixSettings", "parse_settings"]
@@ -73,20 +74,20 @@ class DLMixSettings(BaseModel):
 
     transport: Annotated[str, AfterValidator(_known_transport)] = "tcp"
     host: str = "127.0.0.1"
-    port: int | None = Field(default=None, ge=1, le=65535)
+    port: StrictInt | None = Field(default=None, ge=1, le=65535)  # JSON true is not port 1
     shared_secret: str | None = None
-    connect_timeout_s: float = Field(default=5.0, gt=0)
-    io_timeout_s: float = Field(default=60.0, gt=0)
-    hold_timeout_s: float = Field(default=120.0, gt=0)
-    registration_wait_s: float = Field(default=10.0, ge=0)
-    staging_bytes: int = Field(default=64 * 1024 * 1024, ge=64 * 1024)
+    connect_timeout_s: float = Field(default=5.0, gt=0, allow_inf_nan=False)
+    io_timeout_s: float = Field(default=60.0, gt=0, allow_inf_nan=False)
+    hold_timeout_s: float = Field(default=120.0, gt=0, allow_inf_nan=False)
+    registration_wait_s: float = Field(default=10.0, ge=0, allow_inf_nan=False)
+    staging_bytes: StrictInt = Field(default=64 * 1024 * 1024, ge=64 * 1024)
     verify_weights: StrictBool = True
     load_failure_policy: Literal["recompute", "fail"] = "recompute"
     chip_profile: str | None = None
     router_url: str | None = None
     router_admin_key: str | None = None
     public_url: str | None = None
-    heartbeat_s: float = Field(default=2.0, gt=0)
+    heartbeat_s: float = Field(default=2.0, gt=0, allow_inf_nan=False)
     model_name: str | None = None
     debug_dump_dir: str | None = None
     stats_dir: str | None = None
