@@ -674,10 +674,13 @@ class Endpoint(Transport):
                                       descriptor["port"])
         except KeyError as e:
             raise ValueError(f"descriptor lacks {e}") from None
+        if not isinstance(kind, str):
+            raise ValueError(f"descriptor kind must be a str, not {type(kind).__name__}")
         if kind not in self.COMPATIBLE_KINDS and kind != self.kind:
             raise ValueError(f"cannot connect a {self.kind!r} transport to a {kind!r} peer")
-        if not isinstance(peer, str) or not isinstance(host, str) or not isinstance(port, int):
-            raise ValueError("descriptor name/host must be str and port int")
+        if not isinstance(peer, str) or not isinstance(host, str) or not isinstance(port, int) \
+                or isinstance(port, bool) or not 0 < port < 65536:
+            raise ValueError(f"descriptor name/host must be str and port an int in 1..65535 (got port {port!r})")
         timeout = self.timeout_s if timeout_s is None else timeout_s
         desc = dict(descriptor)
         with self._lock:

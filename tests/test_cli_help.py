@@ -27,3 +27,14 @@ def test_help_at_80_columns_prints_every_option_name_whole(path):
     words = set(res.output.replace(",", " ").replace("/", " ").split())
     missing = [n for n in names if n not in words]
     assert not missing, (missing, res.output)
+
+
+def test_python_dash_m_dlmix_runs_the_cli():
+    """``python -m dlmix`` is the ``dlmix`` command (it failed with "No module named dlmix.__main__")."""
+    import subprocess
+    import sys
+
+    p = subprocess.run([sys.executable, "-m", "dlmix", "models", "--help"], capture_output=True, text=True,
+                       timeout=120)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert "prepare" in p.stdout

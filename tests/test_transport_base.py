@@ -989,3 +989,15 @@ def test_json_nested_too_deeply_is_a_protocol_error():
     body = b'{"msg":{"a":' + b"[" * 100000 + b"]" * 100000 + b"}}"
     with pytest.raises(ProtocolError, match="nested too deeply"):
         W.decode_body(W.NOTIFY, body)
+
+
+@pytest.mark.parametrize("bad", [{"port": True}, {"port": -1}, {"port": 70000}, {"kind": ["tcp"]}])
+def test_a_descriptor_with_a_bad_port_or_kind_is_a_value_error(bad):
+    """As documented for a malformed descriptor: ValueError naming the field (a port of True, -1 or 70000 gave a
+    PeerError from the dial, a list as kind a TypeError)."""
+    t = make_transport("tcp", name="bd", secret="s")
+    try:
+        with pytest.raises(ValueError, match="port|kind"):
+            t.connect({"kind": "tcp", "name": "x", "host": "127.0.0.1", "port": 9, **bad}, timeout_s=1)
+    finally:
+        t.close()

@@ -13,12 +13,13 @@ Roles: ``kv_producer`` (prefill, P), ``kv_consumer`` (decode, D), ``kv_both``. F
    (descriptor compatibility incl. the weights fingerprint; a refused pair is recomputed locally and the reason is
    returned in D's response under ``kv_transfer_params.dlmix.refused``) and claims only the tokens beyond D's own
    prefix-cache hit (``num_computed_tokens``), asynchronously. D's worker pulls exactly those tokens from P in
-   chunks bounded by ``staging_bytes`` and converts them into its own blocks (block size, dtype), then tells P
+   rounds bounded by ``staging_bytes`` and converts them into its own blocks (block size, dtype), then tells P
    ``release(consumed)``; P reports ``finished_sending`` and frees. Blocks that could not be loaded are reported by
    :meth:`get_block_ids_with_load_errors` so vLLM recomputes them (``kv_load_failure_policy=recompute`` is set on
    consumers unless the settings say ``load_failure_policy: fail``).
 3. D's response carries ``kv_transfer_params.dlmix``: ``local_hit_tokens``, ``loaded_tokens``, ``bytes_received``,
-   ``transfer_s``, ``chunks``, ``peak_staging_bytes``, ``error``/``refused`` (the per-request transfer record).
+   ``prompt_tokens``, ``transfer_s``, ``rounds`` (staging rounds), ``peak_staging_bytes``, ``error``/``refused``
+   (the per-request transfer record).
 
 Block lifetime. P frees a hold when D releases it, or after ``hold_timeout_s`` unless a read is in progress (a read
 extends the deadline). A P request aborted before it finishes holds nothing. On D, vLLM itself delays freeing a
