@@ -122,19 +122,31 @@ class PeerProcess:
 
 def raw_auth(host: str, port: int, name: str, secret: str):
     """A raw socket to a TCP-family transport listener at ``host:port``, authenticated as ``name`` with ``secret``
-    (the wire handshake of :mod:`dlmix_kv_connectors._wire` done by hand), for sending hostile frames. Raises
-    OSError when the listener hangs up, AssertionError when it refuses the secret."""
+    (the wire handshake of :mod:`dlmix_kv_connectors._wire` done by hand), for sending hostile frames. A listener
+    that answers ``busy`` (its handshake slots for this host are taken, e.g. by a test's other raw sockets still
+    being closed) is tried again for up to 10 s, as an endpoint's own dial does. Raises OSError when the listener
+    hangs up, AssertionError when it refuses the secret or stays busy."""
     import os
     import socket
 
     from . import _wire as W
 
-    s = socket.create_connection((host, port), timeout=5)
-    nc = os.urandom(32)
-    s.sendall(W.pack(W.HELLO, W.Hello(W.VERSION, name, nc.hex())))
     hdr = memoryview(bytearray(16))
-    ftype, blen, _ = W.read_frame_header(s, hdr, 1 << 16, 0)
-    ch = W.read_body(s, ftype, blen)
+    deadline = time.monotonic() + 10
+    nap = 0.01
+    while True:
+        s = socket.create_connection((host, port), timeout=5)
+        nc = os.urandom(32)
+        s.sendall(W.pack(W.HELLO, W.Hello(W.VERSION, name, nc.hex())))
+        ftype, blen, _ = W.read_frame_header(s, hdr, 1 << 16, 0)
+        ch = W.read_body(s, ftype, blen)
+        if ftype != W.ERROR or not str(getattr(ch, "reason", "")).startswith("busy"):
+            break
+        s.close()
+        if time.monotonic() > deadline:
+            raise AssertionError(f"listener at {host}:{port} stayed busy for 10 s")
+        time.sleep(nap)
+        nap = min(0.5, nap * 2)
     ns = bytes.fromhex(ch.nonce)
     s.sendall(W.pack(W.AUTH, W.Auth(W.mac(secret.encode(), b"client", nc, ns, name, ch.name), {})))
     ftype, blen, _ = W.read_frame_header(s, hdr, 1 << 16, 0)
