@@ -1308,9 +1308,19 @@ class Endpoint(Transport):
     def read(self, peer_id, segments, transfer_id, timeout_s=None) -> TransferHandle:
         return self._start("r", peer_id, segments, transfer_id, timeout_s)
 
+    def _timeout(self, timeout_s) -> float:
+        """``timeout_s`` of one call in seconds (None: the endpoint's ``timeout_s``). Raises ValueError unless it is a
+        positive finite number (a NaN deadline was never reached)."""
+        if timeout_s is None:
+            return self.timeout_s
+        if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not 0 < timeout_s < float("inf"):
+            raise ValueError(f"timeout_s must be a positive finite number of seconds or None, got {timeout_s!r}")
+        return float(timeout_s)
+
     def _start(self, op: str, peer: str, segments, tid: str, timeout_s) -> TransferHandle:
         if not isinstance(tid, str):
             raise ValueError("transfer_id must be a str")
+        self._timeout(timeout_s)
         segs = _norm_segments(segments)
         total = 0
         regions = self._regions  # a dict read is atomic; unregister() racing a transfer is the caller's bug either way
@@ -1328,7 +1338,7 @@ class Endpoint(Transport):
             conns = self._conns_for(peer)
         h = TransferHandle(tid, total, canceller=self._cancel)
         h._drive = self._drive
-        x = _Xfer(h, peer, op, time.monotonic() + (self.timeout_s if timeout_s is None else float(timeout_s)))
+        x = _Xfer(h, peer, op, time.monotonic() + self._timeout(timeout_s))
         h._xfer = x
         self._lock.acquire()
         self._xfers[x.key] = x
@@ -1480,7 +1490,7 @@ class Endpoint(Transport):
             raise ValueError(f"notification is not JSON-able: {e}") from None
         if len(frame) - W.HEADER_SIZE > self.max_body:
             raise ValueError(f"notification of {len(frame)} B exceeds the {self.max_body} B control-frame limit")
-        deadline = time.monotonic() + (self.timeout_s if timeout_s is None else float(timeout_s))
+        deadline = time.monotonic() + self._timeout(timeout_s)
         with self._lock:
             conns = [c for c in self._out.get(peer_id, []) if c.alive] + \
                     [c for c in self._in.get(peer_id, []) if c.alive]

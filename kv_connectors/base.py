@@ -216,6 +216,8 @@ def region_memory(mem: Any) -> tuple[int, int, str, bool, memoryview | None, Any
         UnsupportedMemoryError: non-contiguous memory or an unknown type.
     """
     if isinstance(mem, tuple) and len(mem) == 2 and all(isinstance(x, int) for x in mem):
+        if any(isinstance(x, bool) for x in mem):
+            raise UnsupportedMemoryError(f"bad (ptr, length) region: {mem!r} (booleans are not addresses)")
         ptr, length = mem
         if ptr <= 0 or length < 0:
             raise UnsupportedMemoryError(f"bad (ptr, length) region: ({ptr:#x}, {length})")
@@ -550,8 +552,11 @@ class Transport(abc.ABC):
         """Push: copy each segment's local bytes into the peer's memory, inside the peer's grant ``transfer_id``
         (mode ``"w"``). Returns immediately; the handle's result is the number of bytes written.
 
+        ``timeout_s``: the transfer's deadline in seconds from now (None: the transport's own ``timeout_s``).
+
         Raises at once (not via the handle): ``KeyError`` unknown local region, ``ValueError`` segment outside the
-        local region or negative, ``PeerError`` not connected to ``peer_id``. Everything else fails the handle.
+        local region or negative, or ``timeout_s`` not a positive finite number, ``PeerError`` not connected to
+        ``peer_id``. Everything else fails the handle.
         """
 
     @abc.abstractmethod
@@ -570,8 +575,8 @@ class Transport(abc.ABC):
     def notify(self, peer_id: str, msg: Mapping[str, Any], timeout_s: float | None = None) -> None:
         """Send a small JSON-able dict to a connected peer (over the authenticated control channel). Blocks until the
         message is handed to the kernel, at most ``timeout_s`` seconds (None: the transport's own timeout). Raises
-        ``PeerError`` if not connected, ``ValueError`` if not JSON-able or larger than the control-frame limit,
-        ``TransferTimeout`` if the peer stopped reading and the message could not be handed over in time (that
+        ``PeerError`` if not connected, ``ValueError`` if not JSON-able, larger than the control-frame limit or
+        ``timeout_s`` not a positive finite number, ``TransferTimeout`` if the peer stopped reading and the message could not be handed over in time (that
         connection is dropped: a frame may have been cut)."""
 
     @abc.abstractmethod

@@ -292,3 +292,14 @@ def test_cli_refuses_an_output_dir_or_label_that_cannot_hold_the_results_before_
     assert _error_line(res.output) == message.format(tmp=tmp_path)
     assert eng.requests == 0
     assert not (tmp_path / "escape").exists() and not (tmp_path / "out").exists()
+
+
+def test_cli_refuses_an_engine_url_that_is_not_an_http_url():
+    """``--engine-url notaurl`` was accepted and silently scraped nothing after the run."""
+    from dlmix.cli import app
+
+    res = CliRunner().invoke(app, ["bench", "--url", "http://127.0.0.1:9", "--engine-url", "notaurl"],
+                             env={"COLUMNS": "400"})
+    assert res.exit_code == 2, res.output
+    assert _error_line(res.output) == ("Invalid value for '--engine-url': must be an http(s) URL of an engine's "
+                                       "root, got 'notaurl'")

@@ -1001,3 +1001,38 @@ def test_a_descriptor_with_a_bad_port_or_kind_is_a_value_error(bad):
             t.connect({"kind": "tcp", "name": "x", "host": "127.0.0.1", "port": 9, **bad}, timeout_s=1)
     finally:
         t.close()
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), 0, -1, "5", True])
+def test_a_call_timeout_that_is_not_a_positive_finite_number_is_refused(bad):
+    """``read(..., timeout_s=nan)`` set a deadline no clock reaches (a stalled peer then held the transfer forever);
+    read, write and notify refuse such a timeout before anything is sent."""
+    a = make_transport("tcp", name="ta", secret="s")
+    b = make_transport("tcp", name="tb", secret="s")
+    try:
+        a.register("kv", bytearray(64))
+        b.register("kv", bytearray(64))
+        a.grant("tb", "t", [("kv", 0, 64)], "rw")
+        b.connect(a.descriptor())
+        for call in (lambda: b.read("ta", [Segment("kv", 0, "kv", 0, 16)], "t", timeout_s=bad),
+                     lambda: b.write("ta", [Segment("kv", 0, "kv", 0, 16)], "t", timeout_s=bad),
+                     lambda: b.notify("ta", {"x": 1}, timeout_s=bad)):
+            with pytest.raises(ValueError, match="timeout_s"):
+                call()
+        assert b.read("ta", [Segment("kv", 0, "kv", 0, 16)], "t", timeout_s=5).result(10) == 16
+    finally:
+        a.close()
+        b.close()
+
+
+def test_a_pointer_region_of_booleans_is_refused():
+    """``register("r", (True, 10))`` was taken as host address 1."""
+    from dlmix_kv_connectors import UnsupportedMemoryError
+
+    t = make_transport("tcp", name="pb", secret="s")
+    try:
+        for bad in ((True, 10), (4096, False)):
+            with pytest.raises(UnsupportedMemoryError, match="booleans"):
+                t.register("r", bad)
+    finally:
+        t.close()

@@ -7,6 +7,7 @@ import math
 import time
 from pathlib import Path
 from typing import List, Optional
+from urllib.parse import urlsplit
 
 import typer
 
@@ -183,6 +184,11 @@ def bench(
     if problem:
         raise typer.BadParameter(problem, param_hint="'--output-dir'")
     engines = list(engine_url)
+    for u in engines:  # scraped only after the run: a typo would silently give no prefix-cache counters
+        parts = urlsplit(u)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise typer.BadParameter(f"must be an http(s) URL of an engine's root, got {u!r}",
+                                     param_hint="'--engine-url'")
     if deployment is not None:
         from dlmix.launch.config import ConfigError, Deployment
 
