@@ -82,6 +82,15 @@ def _host_id() -> str:
 HOST_ID = _host_id()
 
 
+def _seconds(what: str, v: Any, zero_ok: bool = False) -> float:
+    """``v`` as seconds: a finite int or float, > 0 (``zero_ok``: >= 0); else ValueError naming ``what`` (a NaN or
+    infinite deadline is never reached; True is not a duration)."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not (
+            (0 <= v if zero_ok else 0 < v) and v < float("inf")):
+        raise ValueError(f"{what} must be a finite number of seconds {'>= 0' if zero_ok else '> 0'}, got {v!r}")
+    return float(v)
+
+
 class _Grant:
     __slots__ = ("peer", "expires", "table")
 
@@ -412,8 +421,7 @@ class Endpoint(Transport):
                             ("segs_per_frame", segs_per_frame, 1), ("stripes", stripes, 1)):
             if isinstance(v, bool) or not isinstance(v, int) or v < lo:
                 raise ValueError(f"{what} must be an int >= {lo}, got {v!r}")
-        if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not 0 < timeout_s < float("inf"):
-            raise ValueError(f"timeout_s must be a positive finite number of seconds, got {timeout_s!r}")
+        _seconds("timeout_s", timeout_s)
         self._name = name or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         if len(self._name) > W.MAX_NAME:
             raise ValueError(f"name longer than {W.MAX_NAME} characters")
@@ -580,9 +588,7 @@ class Endpoint(Transport):
         if not isinstance(transfer_id, str) or not isinstance(peer_id, str):
             raise ValueError("peer_id and transfer_id must be str")
         if expires_s is not None:
-            if isinstance(expires_s, bool) or not isinstance(expires_s, (int, float)) or not (
-                    0 <= expires_s < float("inf")):
-                raise ValueError(f"expires_s must be a finite number of seconds >= 0 or None, not {expires_s!r}")
+            _seconds("expires_s", expires_s, zero_ok=True)
         if isinstance(ranges, (str, bytes)) or not hasattr(ranges, "__iter__"):
             raise ValueError("ranges must be a list of (region, offset, length)")
         with self._lock:
@@ -1309,18 +1315,14 @@ class Endpoint(Transport):
         return self._start("r", peer_id, segments, transfer_id, timeout_s)
 
     def _timeout(self, timeout_s) -> float:
-        """``timeout_s`` of one call in seconds (None: the endpoint's ``timeout_s``). Raises ValueError unless it is a
-        positive finite number (a NaN deadline was never reached)."""
-        if timeout_s is None:
-            return self.timeout_s
-        if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not 0 < timeout_s < float("inf"):
-            raise ValueError(f"timeout_s must be a positive finite number of seconds or None, got {timeout_s!r}")
-        return float(timeout_s)
+        """``timeout_s`` of one call in seconds (None: the endpoint's ``timeout_s``); ValueError from
+        :func:`_seconds`."""
+        return self.timeout_s if timeout_s is None else _seconds("timeout_s", timeout_s)
 
     def _start(self, op: str, peer: str, segments, tid: str, timeout_s) -> TransferHandle:
         if not isinstance(tid, str):
             raise ValueError("transfer_id must be a str")
-        self._timeout(timeout_s)
+        timeout = self._timeout(timeout_s)
         segs = _norm_segments(segments)
         total = 0
         regions = self._regions  # a dict read is atomic; unregister() racing a transfer is the caller's bug either way
@@ -1338,7 +1340,7 @@ class Endpoint(Transport):
             conns = self._conns_for(peer)
         h = TransferHandle(tid, total, canceller=self._cancel)
         h._drive = self._drive
-        x = _Xfer(h, peer, op, time.monotonic() + self._timeout(timeout_s))
+        x = _Xfer(h, peer, op, time.monotonic() + timeout)
         h._xfer = x
         self._lock.acquire()
         self._xfers[x.key] = x
@@ -1518,18 +1520,7 @@ class Endpoint(Transport):
             raise TimeoutError("send lock busy")
         try:
             try:
-                # SO_SNDTIMEO bounds each send call, and a peer reading a little at a time lets every call make some
-                # progress: the deadline is checked, and the socket's timeout set to what is left, before each call
-                # (one sendall of a notification took 57 s against timeout_s=1 to a peer reading 8 KiB per 0.1 s)
-                left_views = [v if isinstance(v, memoryview) else memoryview(v) for v in views if len(v)]
-                while left_views:
-                    left = deadline - time.monotonic()
-                    if left <= 0:
-                        raise BlockingIOError("send deadline passed")
-                    conn.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO,
-                                         struct.pack("ll", int(left), max(1, int((left % 1) * 1e6))))
-                    sent = conn.sock.sendmsg(left_views[:W.IOV_BATCH])
-                    left_views = W._skip(left_views, sent)
+                W.send_views_until(conn.sock, views, deadline)
             finally:
                 try:
                     conn.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, struct.pack("ll", 0, 0))

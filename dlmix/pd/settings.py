@@ -31,8 +31,9 @@ class EndpointSettings(BaseModel):
         transfer parameters or the connection handshake).
       shared_secret: HMAC secret of the transport (required when ``host`` is not loopback; equal on both sides).
       connect_timeout_s: connecting to a prefill rank (TCP and handshake; an unreachable one fails that request's
-        pull after it); io_timeout_s: per-transfer timeout; hold_timeout_s: how long a prefill keeps a finished request's blocks for a
-        decode that has not read them; registration_wait_s: how long a read request waits for its hold to appear.
+        pull after it); io_timeout_s: per-transfer timeout; hold_timeout_s: how long a prefill keeps a finished
+        request's blocks for a decode that has not read them; registration_wait_s: how long a read request waits for
+        its hold to appear.
       staging_bytes: decode staging region (bytes); larger transfers run in several rounds.
       verify_weights: refuse a peer whose weights fingerprint differs (only a negative-control test turns it off).
     """
