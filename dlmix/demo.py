@@ -41,6 +41,7 @@ from typing import Dict, List, Optional
 import httpx
 
 from dlmix.net import iter_sse_lines
+from dlmix.paths import file_problem
 from dlmix.testing import output_logprobs
 
 __all__ = ["run_demo", "DEFAULT_DEPLOYMENT", "DEFAULT_DEPLOYMENTS", "DemoRow", "scrape", "first_divergence",
@@ -311,7 +312,8 @@ def run_demo(deployment: str | Path | List[str | Path] | None = None, max_tokens
 
     Returns:
         0 when, in every deployment, every request succeeded, the decode side received KV bytes (measured) and every
-        answer equals a single instance's up to near-ties, else 1; 2 for a bad file.
+        answer equals a single instance's up to near-ties, else 1; 2 for a bad file or a ``json_out`` that cannot be
+        written (refused before anything starts).
     """
     from rich.console import Console
 
@@ -326,6 +328,10 @@ def run_demo(deployment: str | Path | List[str | Path] | None = None, max_tokens
                 paths.append(p)
     else:
         paths = [Path(d) for d in (deployment if isinstance(deployment, (list, tuple)) else [deployment])]
+    problem = file_problem(json_out) if json_out else None
+    if problem:  # written after every deployment ran: refused before the first starts
+        console.print(f"[red]demo: --json {json_out}: {problem}[/]", highlight=False, soft_wrap=True)
+        return 2
     rc, rows = 0, []
     from dlmix.launch.cli import stopping_on_signals
 

@@ -355,12 +355,19 @@ def prepare(name: str, cache_dir: str | os.PathLike | None = None) -> Path:
     building it once.
 
     Raises:
-        ModelError: unknown name, or the model cannot be built (see the per-model functions).
+        ModelError: unknown name, a cache root that cannot hold the model (a part of it is a file, or it is not
+            writable), or the model cannot be built (see the per-model functions).
     """
     try:
         fn = MODELS[name]
     except KeyError:
         raise ModelError(f"unknown model {name!r}; known: {', '.join(sorted(MODELS))}") from None
+    if prepared(name, cache_dir) is None:
+        from dlmix.paths import folder_problem
+
+        problem = folder_problem(cache_root(cache_dir))
+        if problem:  # before a conversion that would fail at its end
+            raise ModelError(f"cannot build {name} in the cache {cache_root(cache_dir)}: {problem}")
     return fn(cache_dir)
 
 

@@ -265,9 +265,9 @@ def test_cli_takes_urls_from_a_deployment_file(tmp_path):
 
 @pytest.mark.parametrize("args, message", [
     (["--output-dir", "{tmp}/afile"], "Invalid value for '--output-dir': cannot write results under {tmp}/afile/run: "
-                                      "{tmp}/afile is not a folder"),
+                                      "{tmp}/afile exists and is not a folder"),
     (["--output-dir", "{tmp}/afile/x", "--label", "a"],
-     "Invalid value for '--output-dir': cannot write results under {tmp}/afile/x/a: {tmp}/afile is not a folder"),
+     "Invalid value for '--output-dir': cannot write results under {tmp}/afile/x/a: {tmp}/afile exists and is not a folder"),
     (["--output-dir", "{tmp}/out", "--label", "../escape"],
      "Invalid value for '--label': must be a plain folder name (no '/', not '.' or '..'), got '../escape'"),
     (["--output-dir", "{tmp}/out", "--label", ""],

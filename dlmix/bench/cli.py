@@ -12,28 +12,12 @@ from urllib.parse import urlsplit
 import typer
 
 from dlmix.bench.workloads import WorkloadError
+from dlmix.paths import folder_problem
 
 __all__ = ["bench", "DEFAULT_RANDOM_PROMPTS"]
 
 #: prompts of ``--workload random`` without ``--num-prompts``
 DEFAULT_RANDOM_PROMPTS = 32
-
-
-def _unwritable_dir(path: Path) -> Optional[str]:
-    """Why ``path`` cannot become a folder of results (a part of it is a file, or the nearest existing folder is not
-    writable), else None. Creates nothing: the folder is made when the results are written."""
-    import os
-
-    p = path.absolute()
-    while not p.exists():
-        if p.parent == p:
-            break
-        p = p.parent
-    if p.exists() and not p.is_dir():
-        return f"cannot write results under {path}: {p} is not a folder"
-    if not os.access(p, os.W_OK | os.X_OK):
-        return f"cannot write results under {path}: {p} is not writable"
-    return None
 
 
 def _numbers(text: str) -> list[tuple[str, float]]:
@@ -180,9 +164,10 @@ def bench(
     if label in ("", ".", "..") or "/" in label or "\\" in label:
         raise typer.BadParameter(f"must be a plain folder name (no '/', not '.' or '..'), got {label!r}",
                                  param_hint="'--label'")
-    problem = _unwritable_dir(Path(output_dir) / label)
+    problem = folder_problem(Path(output_dir) / label)
     if problem:
-        raise typer.BadParameter(problem, param_hint="'--output-dir'")
+        raise typer.BadParameter(f"cannot write results under {Path(output_dir) / label}: {problem}",
+                                 param_hint="'--output-dir'")
     engines = list(engine_url)
     for u in engines:  # scraped only after the run: a typo would silently give no prefix-cache counters
         parts = urlsplit(u)

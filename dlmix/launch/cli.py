@@ -9,6 +9,8 @@ from typing import Optional, Tuple
 
 import typer
 
+from dlmix.paths import folder_problem
+
 __all__ = ["StopSignal", "launch_cmd", "stopping_on_signals"]
 
 
@@ -86,9 +88,11 @@ def launch_cmd(
     if sum(map(bool, (check, dry_run, emit))) > 1:
         console.print("[red]--check, --dry-run and --emit are alternatives: give one[/]", highlight=False)
         raise typer.Exit(2)
-    if log_dir is not None and log_dir.exists() and not log_dir.is_dir():
-        console.print(f"[red]--log-dir {log_dir} exists and is not a folder[/]", highlight=False, soft_wrap=True)
-        raise typer.Exit(2)
+    for flag, folder in (("--log-dir", log_dir), ("--emit", emit[1] if emit else None)):
+        problem = folder_problem(folder) if folder is not None else None
+        if problem:  # before anything starts or is written
+            console.print(f"[red]{flag} {folder}: {problem}[/]", highlight=False, soft_wrap=True)
+            raise typer.Exit(2)
     try:
         dep = Deployment.from_file(deployment)
     except ConfigError as e:

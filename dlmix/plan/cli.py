@@ -57,6 +57,7 @@ def plan_command(
     from dlmix.plan.baselines import baselines
     from dlmix.plan.inventory import InventoryError, load_inventory
     from dlmix.plan.report import result_dict, tables, write_outputs
+    from dlmix.paths import folder_problem
     from dlmix.plan.search import Planner
     from dlmix.plan.workload import load_plan_workload
     from dlmix.sim.config import ConfigError, load_model
@@ -79,8 +80,9 @@ def plan_command(
             if not ok:  # named as the flag, in its unit (the planner's own checks speak seconds and parameters)
                 want = {"--slo-pct": "in (0, 100]", "--top-k": "at least 1"}.get(flag, "a positive finite number")
                 raise ValueError(f"{flag} must be {want}, got {v:g}")
-        if out and Path(out).exists() and not Path(out).is_dir():  # refused before the search, not after it
-            raise ValueError(f"--out {out}: exists and is not a folder")
+        problem = folder_problem(out) if out else None
+        if problem:  # refused before the search, not after it
+            raise ValueError(f"--out {out}: {problem}")
         cat = load_catalog(chips)
         inv = load_inventory(inventory, cat)
         cpu = [g.chip for g in inv.groups if inv.catalog.chip(g.chip).vendor == "generic"]

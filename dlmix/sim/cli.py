@@ -108,6 +108,7 @@ def sim_command(
     from dlmix.sim.metrics import format_instances, format_table
     from dlmix.routing.policies import POLICIES, split_params
     from dlmix.sim.simulator import Simulator
+    from dlmix.paths import folder_problem
     from dlmix.sim.workload import WorkloadError
 
     if limit is not None and limit < 1:
@@ -143,8 +144,9 @@ def sim_command(
                               rate, seed, block_size=dep.hash_block())
         if not reqs:
             raise WorkloadError(f"workload {workload!r} has no requests")
-        if out and Path(out).exists() and not Path(out).is_dir():  # refused before the runs, not after them
-            raise ValueError(f"--out {out}: exists and is not a folder")
+        problem = folder_problem(out) if out else None
+        if problem:  # refused before the runs, not after them
+            raise ValueError(f"--out {out}: {problem}")
     except (ConfigError, RouterConfigError, WorkloadError, ValueError) as ex:
         typer.echo(f"error: {ex}", err=True)
         raise typer.Exit(2)
