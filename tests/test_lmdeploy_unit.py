@@ -635,3 +635,63 @@ print("ok")
     out = subprocess.run([py, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:] + out.stdout[-2000:]
     assert out.stdout.split("\n")[-2] == "ok", out.stdout
+
+
+def test_a_migration_batch_pulls_at_once_so_a_silent_prefill_holds_up_only_its_own_session():
+    """The decode's migration of a ready batch (``dlmix_lmdeploy.patches._dlmix_migrate``, run in the LMDeploy venv
+    with a stand-in rank and scheduler) runs its pulls ``pull_threads`` at once: session 2's pull completes while
+    session 1's prefill has not answered, and a pull that raises fails its own session only. Before, the batch's
+    pulls ran one after another, so every session behind a silent prefill waited for its timeouts."""
+    from dlmix_lmdeploy import testing as T
+
+    py = T.lmdeploy_python()
+    if py is None:
+        pytest.skip("no LMDeploy venv (run scripts/setup_lmdeploy.sh, or set DLMIX_LMDEPLOY_VENV)")
+    code = """
+import asyncio, threading, time
+from types import SimpleNamespace as NS
+import lmdeploy.pytorch.disagg.backend.backend  # the backend registry first, as in an engine process
+from dlmix.pd.consumer import PullResult
+from dlmix.pd.settings import EndpointSettings
+import dlmix_lmdeploy.backend as backend
+from dlmix_lmdeploy.patches import _dlmix_migrate
+
+release, done = threading.Event(), {}
+
+class FakeRank:
+    endpoint_settings = EndpointSettings(pull_threads=4)
+
+    def pull(self, engine, session, rblocks, local, ids):
+        if engine == "silent":
+            release.wait(20)
+            done[session] = time.monotonic()
+            return PullResult(loaded_upto=0, error="TransferTimeout: silent", failed_block_ids=local)
+        if engine == "broken":
+            raise RuntimeError("boom")
+        done[session] = time.monotonic()
+        return PullResult(loaded_upto=len(ids), bytes_received=4096)
+
+backend._rank = FakeRank()
+msgs = [NS(session_id=s, num_all_ids=3, all_ids=[1, 2, 3],
+           migration_request=NS(is_dummy_prefill=False, remote_engine_id=e, remote_session_id=s + 100,
+                                remote_block_ids=[s]))
+        for s, e in ((1, "silent"), (2, "live"), (3, "broken"))]
+loop = NS(scheduler=NS(get_block_tables=lambda ms: [[10 + ms[0].session_id]]))
+
+async def main():
+    task = asyncio.ensure_future(_dlmix_migrate(loop, msgs))
+    t0 = time.monotonic()
+    while 102 not in done and time.monotonic() - t0 < 10:
+        await asyncio.sleep(0.01)
+    assert 102 in done and 101 not in done, done  # session 2 done while session 1's prefill is silent
+    release.set()
+    return await task
+
+failed = asyncio.run(main())
+assert set(failed) == {1, 3}, failed
+assert failed[1] == "TransferTimeout: silent" and failed[3] == "RuntimeError: boom", failed
+print("ok")
+"""
+    out = subprocess.run([py, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split() == ["ok"], out.stdout

@@ -490,3 +490,64 @@ def test_a_silent_prefill_fails_the_pull_and_the_release_after_the_connect_timeo
     finally:
         d.close()
         silent.close()
+
+
+def test_pulls_from_several_threads_overlap_asking_and_take_turns_in_staging():
+    """One consumer, three threads: a pull from a prefill that accepts and never answers (connect timeout 3 s) and two
+    pulls of 4 blocks each from a live producer through a staging region of 1 block (4 rounds each). The two live
+    pulls finish while the silent one is still connecting, each with exactly its own bytes (they took turns in the
+    one staging region), and the silent one fails alone after its connect timeout."""
+    import socket
+    import threading
+
+    lay = _layout(bs=32, dtype="fp32")
+    n = 128
+    pc, dc = allocate(lay, 16), allocate(lay, 16)
+    src = {"r1": [0, 1, 2, 3], "r2": [8, 9, 10, 11]}
+    dst = {"r1": [4, 5, 6, 7], "r2": [12, 13, 14, 15]}
+    refs = {rid: fill_tokens(lay, pc, blocks, n, seed=i) for i, (rid, blocks) in enumerate(src.items())}
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(8)
+    p = KVEndpoint("tcp", "p-turns", SECRET, "127.0.0.1", 0, lay, pc, 0, io_timeout_s=10.0)
+    d = KVEndpoint("tcp", "d-turns", SECRET, "127.0.0.1", 0, lay, dc, lay.block_bytes(), io_timeout_s=10.0,
+                   connect_timeout_s=3.0)
+    out: dict[str, object] = {}
+    try:
+        for rid in src:
+            p.add_hold(rid, src[rid], n, prompt_digest(range(n)))
+        silent_desc = dict(d.descriptor(), name="p-silent", port=silent.getsockname()[1], pid=1)
+
+        def pull(rid, desc):
+            out[rid] = d.pull(desc, rid, src.get(rid, [0, 1, 2, 3]), 0, n, dst.get(rid, [0, 1, 2, 3]),
+                              src_layout=lay, digest=prompt_digest(range(n)))
+            out[rid + "_at"] = time.monotonic()
+
+        t0 = time.monotonic()
+        threads = [threading.Thread(target=pull, args=("silent", silent_desc))]
+        threads[0].start()
+        time.sleep(0.2)  # the silent pull is connecting first
+        threads += [threading.Thread(target=pull, args=(rid, p.descriptor())) for rid in src]
+        for t in threads[1:]:
+            t.start()
+        for t in threads:
+            t.join(60)
+        for rid in src:
+            res = out[rid]
+            assert res.error is None and res.loaded_upto == n and res.rounds == 4, res
+            assert res.peak_staging_bytes <= lay.block_bytes()
+            assert out[rid + "_at"] < out["silent_at"], "a live pull waited for the silent prefill"
+            for t in range(n):
+                for layer in range(lay.model.num_layers):
+                    k, v = read_kv(lay, dc, dst[rid], t, layer)
+                    assert torch.equal(k, refs[rid][(t, layer)][0]) and torch.equal(v, refs[rid][(t, layer)][1])
+        assert out["silent"].loaded_upto == 0 and "within 3.0 s" in out["silent"].error, out["silent"]
+        assert out["silent_at"] - t0 >= 3.0
+        assert max(out["r1"].staging_wait_s, out["r2"].staging_wait_s) > 0  # one waited for the other's turn
+        for rid in src:
+            d.release(p.descriptor(), rid, consumed=True)
+        wait_until(lambda: (p.take_finished(), p.held_count() == 0)[1], timeout_s=60, what="holds freed")
+    finally:
+        p.close()
+        d.close()
+        silent.close()

@@ -45,6 +45,10 @@ def test_settings_defaults_and_refusals():
     for v in ("no", "off", 0):
         with pytest.raises(DLMixSGLangConfigError, match="verify_weights"):
             load_settings({"verify_weights": v})
+    assert s.pull_threads == 4 and load_settings({"pull_threads": 1}).pull_threads == 1
+    for v in (0, 65, True, 2.5, "4"):  # pulls a decode rank runs at once: a JSON integer 1..64
+        with pytest.raises(DLMixSGLangConfigError, match="pull_threads"):
+            load_settings({"pull_threads": v})
 
 
 def test_settings_from_environment(monkeypatch):

@@ -631,7 +631,8 @@ def test_kv_both_request_with_remote_prefill_and_decode_leaves_no_record(sched_f
 
 @pytest.mark.parametrize("key, value", [("port", True), ("port", "8000"), ("staging_bytes", 1e20),
                                         ("staging_bytes", True), ("io_timeout_s", float("inf")),
-                                        ("connect_timeout_s", float("inf")), ("hold_timeout_s", float("nan"))])
+                                        ("connect_timeout_s", float("inf")), ("hold_timeout_s", float("nan")),
+                                        ("pull_threads", 0), ("pull_threads", True), ("pull_threads", 65)])
 def test_settings_refuse_other_json_types_and_infinite_timeouts(key, value):
     """``{"port": true}`` was port 1, ``staging_bytes: 1e20`` and ``io_timeout_s: inf`` were accepted (an infinite
     timeout never fails a stalled transfer); each is refused with the key's name, and the same settings in core
@@ -643,3 +644,58 @@ def test_settings_refuse_other_json_types_and_infinite_timeouts(key, value):
     if key.endswith("_timeout_s"):
         with pytest.raises(ValueError, match=key):
             EndpointSettings(**{key: value})
+
+
+@pytest.mark.parametrize("pull_threads", [4, 1])
+def test_a_decode_worker_pulls_for_other_requests_while_one_prefill_does_not_answer(pull_threads):
+    """A decode worker runs ``pull_threads`` pulls at once (their staging rounds take turns in the core): request
+    ``b``'s pull completes while request ``a``'s prefill has not answered. Before, the worker had one pull thread, so
+    ``b`` waited until ``a``'s connect and release timed out (2 x ``connect_timeout_s``); with ``pull_threads`` 1
+    it still does (the control)."""
+    from types import SimpleNamespace
+
+    from dlmix.pd.consumer import PullResult
+    from dlmix_vllm.metadata import DLMixConnectorMetadata, RecvJob
+    from dlmix_vllm.worker import DLMixConnectorWorker
+
+    unblock, silent_started = threading.Event(), threading.Event()
+
+    class Endpoint:  # the core's pull: "silent" stands for a prefill that accepts and never answers
+        def pull(self, remote, rid, rblocks, start, end, lblocks, cancelled, **kw):
+            if rid == "silent":
+                silent_started.set()
+                unblock.wait(30)
+                return PullResult(loaded_upto=start, error="TransferTimeout: silent", failed_block_ids=list(lblocks))
+            return PullResult(loaded_upto=end, bytes_received=4096, rounds=1)
+
+        def release(self, remote, rid, consumed):
+            pass
+
+        def close(self):
+            pass
+
+    settings = parse_settings({"pull_threads": pull_threads})
+    w = DLMixConnectorWorker(SimpleNamespace(kv_transfer_config=None), None, settings, "e0")
+    w.endpoint, w.layout = Endpoint(), SimpleNamespace(block_size=16)
+    meta = DLMixConnectorMetadata()
+    meta.recvs = [RecvJob("a", [1, 2], 0, 32, [{}], "silent", [5, 6]), RecvJob("b", [3], 0, 16, [{}], "ok", [7])]
+    try:
+        w.bind_connector_metadata(meta)
+        assert silent_started.wait(10)
+        done_b = lambda: "b" in w._records  # noqa: E731
+        deadline = time.monotonic() + 5
+        while not done_b() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        if pull_threads == 1:
+            assert not done_b() and "a" not in w._records  # b queued behind a's silent prefill
+            unblock.set()
+            deadline = time.monotonic() + 10
+            while not done_b() and time.monotonic() < deadline:
+                time.sleep(0.01)
+        else:
+            assert done_b() and "a" not in w._records, w._records  # b done while a still waits
+        assert w._records["b"]["bytes_received"] == 4096 and w._records["b"]["loaded_tokens"] == 16
+        assert w._records["b"]["error"] is None and w._records["b"]["failed_blocks"] == 0
+    finally:
+        unblock.set()
+        w.shutdown()

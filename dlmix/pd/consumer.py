@@ -51,7 +51,8 @@ class Claim:
 class PullResult:
     """Outcome of one pull: tokens ``[start, loaded_upto)`` are in place; ``bytes_received`` read over the
     transport in ``rounds`` rounds, ``seconds`` wall time, of which ``grant_s`` waiting for the producers' answers to
-    the wants (a producer waits for its engine to register the hold); ``error`` None on success;
+    the wants (a producer waits for its engine to register the hold) and ``staging_wait_s`` waiting for its turn in
+    the staging region (another pull of this rank was using it); ``error`` None on success;
     ``failed_block_ids``: local blocks covering ``[loaded_upto, end)`` (the engine recomputes them)."""
 
     loaded_upto: int
@@ -60,6 +61,7 @@ class PullResult:
     peak_staging_bytes: int = 0
     rounds: int = 0
     grant_s: float = 0.0
+    staging_wait_s: float = 0.0
     error: str | None = None
     failed_block_ids: list[int] = field(default_factory=list)
 
@@ -226,7 +228,8 @@ class Consumer:
         refuses a mismatch). ``dst_layers``: other caches of this rank's layout to load into instead of its own (a
         receive buffer an engine re-encodes afterwards, e.g. into an int8 cache). ``consumers``: pulls of this
         hold this rank's instance makes (``n`` choices; :class:`dlmix.pd.contract.Want`). Never raises (see
-        :class:`PullResult`)."""
+        :class:`PullResult`). Thread-safe: pulls from several threads overlap their connect and grant exchange (so a
+        prefill that does not answer holds up only its own request) and take turns in the staging region."""
         t0 = time.perf_counter()
         res = PullResult(loaded_upto=start)
         try:
@@ -349,12 +352,17 @@ class Consumer:
             raise ValueError(f"remote has {len(spec[0][6])} blocks, tokens up to {end} need {b1}")
         ddev = _device_of(dst_layers)
         on_device = ddev != self.staging.device
+        queued = time.monotonic()
         with self._pull_lock:
+            waited = res.staging_wait_s = time.monotonic() - queued
             c0 = b0
             while c0 < b1:
                 if cancelled():
                     raise RuntimeError("cancelled: the decode request finished before its KV arrived")
-                if c0 > b0:  # a long transfer: keep the prefill holds (and grants) alive for the next round
+                # a long transfer, or a turn at the staging region that came late (pulls of one rank overlap their
+                # asking but take turns in staging): keep the prefill holds (and grants) alive for the next round
+                if c0 > b0 or waited > 1.0:
+                    waited = 0.0
                     for peer, *_rest in spec:
                         self.t.notify(peer, encode(Extend(req=rid)))
                 c1 = min(b1, c0 + cap)

@@ -35,6 +35,9 @@ class EndpointSettings(BaseModel):
         request's blocks for a decode that has not read them; registration_wait_s: how long a read request waits for
         its hold to appear.
       staging_bytes: decode staging region (bytes); larger transfers run in several rounds.
+      pull_threads: pulls a decode rank runs at once (the engine adapter's threads, default 4): their connects and
+        grant exchanges overlap, so a prefill that does not answer holds up only its own requests, and their staging
+        rounds take turns (:class:`dlmix.pd.consumer.Consumer`).
       verify_weights: refuse a peer whose weights fingerprint differs (only a negative-control test turns it off).
     """
 
@@ -49,6 +52,7 @@ class EndpointSettings(BaseModel):
     hold_timeout_s: float = Field(default=120.0, gt=0, allow_inf_nan=False)
     registration_wait_s: float = Field(default=10.0, ge=0, allow_inf_nan=False)
     staging_bytes: StrictInt = Field(default=64 * 1024 * 1024, ge=64 * 1024)
+    pull_threads: StrictInt = Field(default=4, ge=1, le=64)
     verify_weights: StrictBool = True
 
     @field_validator("transport")

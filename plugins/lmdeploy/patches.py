@@ -188,18 +188,27 @@ def _engine_loop(m: Any) -> None:
 
 
 async def _dlmix_migrate(loop: Any, migration_ready: Any) -> dict[int, str]:
-    """Pull every ready request's KV through the core (which also releases the prefill's hold). Returns
-    ``{session_id: reason}`` for the requests whose KV did not arrive."""
+    """Pull every ready request's KV through the core (which also releases the prefill's hold), up to
+    ``pull_threads`` at once (their connects and grant exchanges overlap, so a prefill that does not answer holds up
+    only its own requests; the core has their staging rounds take turns). Returns ``{session_id: reason}`` for the
+    requests whose KV did not arrive."""
     rank = current()
     failed: dict[int, str] = {}
-    for msg in migration_ready:
+    settings = rank.endpoint_settings
+    at_once = asyncio.Semaphore(settings.pull_threads if settings is not None else 1)
+
+    async def one(msg: Any) -> None:
         mr = msg.migration_request
-        if mr.is_dummy_prefill:
-            continue
-        local = [int(b) for b in loop.scheduler.get_block_tables([msg])[0]]
-        ids = _prompt_ids(msg, int(msg.num_all_ids))
-        res = await asyncio.to_thread(rank.pull, mr.remote_engine_id, mr.remote_session_id,
-                                      list(mr.remote_block_ids), local, ids)
+        try:  # one request's failure fails that request only: the batch's other pulls go on
+            local = [int(b) for b in loop.scheduler.get_block_tables([msg])[0]]
+            ids = _prompt_ids(msg, int(msg.num_all_ids))
+            async with at_once:
+                res = await asyncio.to_thread(rank.pull, mr.remote_engine_id, mr.remote_session_id,
+                                              list(mr.remote_block_ids), local, ids)
+        except Exception as e:
+            failed[msg.session_id] = f"{type(e).__name__}: {e}"
+            log.exception("DLMix: session %s not migrated", msg.session_id)
+            return
         if res.error is not None:
             failed[msg.session_id] = res.error
             log.error("DLMix: session %s (prefill %s session %s) not migrated: %s", msg.session_id,
@@ -207,6 +216,8 @@ async def _dlmix_migrate(loop: Any, migration_ready: Any) -> dict[int, str]:
         else:
             log.info("DLMix: session %s migrated %d tokens, %d B in %.3f s", msg.session_id, len(ids),
                      res.bytes_received, res.seconds)
+
+    await asyncio.gather(*(one(msg) for msg in migration_ready if not msg.migration_request.is_dummy_prefill))
     return failed
 
 

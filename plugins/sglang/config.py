@@ -23,11 +23,12 @@ class DLMixSGLangConfigError(ValueError):
 
 class SGLangSettings(RoutedEndpointSettings):
     """Validated settings: the endpoint's (:class:`dlmix.pd.settings.EndpointSettings`: transport, host, port,
-    shared_secret, io_timeout_s, hold_timeout_s, registration_wait_s, staging_bytes, verify_weights) and the router
-    registration's (:class:`dlmix.pd.settings.RoutedEndpointSettings`: router_url, router_admin_key, public_url,
-    heartbeat_s, chip_profile, num_chips). With ``router_url`` each instance's scheduler (TP rank 0) registers with
-    the router and heartbeats its load and KV usage (:mod:`dlmix_sglang.router_hook`), whatever the transfer
-    backend; ``public_url`` defaults to ``http://{--host}:{--port}``, ``num_chips`` to the TP size.
+    shared_secret, connect_timeout_s, io_timeout_s, hold_timeout_s, registration_wait_s, staging_bytes, pull_threads,
+    verify_weights) and the router registration's (:class:`dlmix.pd.settings.RoutedEndpointSettings`: router_url,
+    router_admin_key, public_url, heartbeat_s, chip_profile, num_chips). With ``router_url`` each instance's
+    scheduler (TP rank 0) registers with the router and heartbeats its load and KV usage
+    (:mod:`dlmix_sglang.router_hook`), whatever the transfer backend; ``public_url`` defaults to
+    ``http://{--host}:{--port}``, ``num_chips`` to the TP size.
     """
 
 

@@ -150,6 +150,8 @@ class DLMixKVManager(CommonKVManager):
         #: decode: rooms whose pull may still write into their pages or aux row (their receivers report
         #: Transferring, not Failed, until it stopped: SGLang frees a Failed room's pages at once)
         self._pulling: dict[int, int] = {}
+        #: guards ``_pulled`` and ``_pulling``: pulls run on ``pull_threads`` threads
+        self._rooms_lock = threading.Lock()
         self.incompatible: dict[str, str] = {}
         #: bootstrap address -> the last error reaching it, while it has never answered (the reason a room aborted
         #: while still bootstrapping gives its client, instead of SGLang's bare "Aborted by AbortReq.")
@@ -172,7 +174,10 @@ class DLMixKVManager(CommonKVManager):
                  self.layout.block_size, self.layout.dtype, self.layout.model.num_layers, d.get("kind"),
                  d.get("host"), d.get("port"))
         if self.is_decode:
-            self._pulls = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dlmix-sglang-pull")
+            # pulls overlap their connect and grant exchange (a silent prefill holds up only its own rooms); the
+            # core's consumer has them take turns in the staging region
+            self._pulls = ThreadPoolExecutor(max_workers=self.settings.pull_threads,
+                                             thread_name_prefix="dlmix-sglang-pull")
             threading.Thread(target=self._guard(self._decode_listener), name="dlmix-sglang-dlisten",
                              daemon=True).start()
             # SGLang's own backends (Mooncake, NIXL, Mori) start it: it polls each known prefill's bootstrap
@@ -507,9 +512,12 @@ class DLMixKVManager(CommonKVManager):
         if ranks is not None and isinstance(params_d, dict):
             # the READY names its own rank's transport only: pull with every prefill rank's, in rank order
             params_d = {**params_d, "remote_transports": ranks}
-            self._pulled[room] = None
-            while len(self._pulled) > 10000:
-                self._pulled.pop(next(iter(self._pulled)))
+            with self._rooms_lock:  # two prefill ranks' READYs of one room, on two pull threads: one pulls
+                if room in self._pulled:
+                    return
+                self._pulled[room] = None
+                while len(self._pulled) > 10000:
+                    self._pulled.pop(next(iter(self._pulled)))
         c = claim(params_d, self.layout, 1 << 62, 0, verify_weights=self.settings.verify_weights,
                   tp_rank=self.dlmix_tp_rank)
         if dst is None or room not in self.request_status:
@@ -533,13 +541,15 @@ class DLMixKVManager(CommonKVManager):
                              f"{self.layout.block_size} (the two engines tokenized the prompt differently?)")
             self._release(c.params, room, consumed=False)
             return
-        self._pulling[room] = self._pulling.get(room, 0) + 1
+        with self._rooms_lock:
+            self._pulling[room] = self._pulling.get(room, 0) + 1
         try:
             self._pull_into(room, c, pages, aux_index, aux, t0)
         finally:
-            n = self._pulling.pop(room, 1) - 1
-            if n > 0:
-                self._pulling[room] = n
+            with self._rooms_lock:
+                n = self._pulling.pop(room, 1) - 1
+                if n > 0:
+                    self._pulling[room] = n
 
     def _pull_into(self, room: int, c: Any, pages: list[int], aux_index: Optional[int], aux: list[bytes],
                    t0: float) -> None:

@@ -53,6 +53,9 @@ class DLMixSettings(BaseModel):
         decode instance already asks for (the HTTP reply can overtake the engine's next step).
       staging_bytes: bound on the bytes staged per transfer (wire chunk + its converted copy); large requests are
         streamed in token chunks that fit. Default 64 MiB.
+      pull_threads: pulls (and release notices) a decode worker runs at once (default 4). Their connects and grant
+        exchanges overlap, so a prefill that does not answer holds up only its own requests; their staging rounds
+        take turns (one staging region of ``staging_bytes`` per worker).
       verify_weights: refuse a peer whose model weights fingerprint differs (default True). Only a test should
         turn it off (negative control).
       load_failure_policy: what vLLM does with blocks that failed to load; ``recompute`` (default) sets vLLM's
@@ -81,6 +84,7 @@ class DLMixSettings(BaseModel):
     hold_timeout_s: float = Field(default=120.0, gt=0, allow_inf_nan=False)
     registration_wait_s: float = Field(default=10.0, ge=0, allow_inf_nan=False)
     staging_bytes: StrictInt = Field(default=64 * 1024 * 1024, ge=64 * 1024)
+    pull_threads: StrictInt = Field(default=4, ge=1, le=64)
     verify_weights: StrictBool = True
     load_failure_policy: Literal["recompute", "fail"] = "recompute"
     chip_profile: str | None = None

@@ -51,7 +51,9 @@ class DLMixConnectorWorker:
         self.layers: list[torch.Tensor] = []
         self.layout = None
         self.endpoint: KVEndpoint | None = None
-        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dlmix-kv-pull")
+        # pulls overlap their connect and grant exchange (a silent prefill holds up only its own requests); the
+        # core's consumer has them take turns in the staging region
+        self.pool = ThreadPoolExecutor(max_workers=settings.pull_threads, thread_name_prefix="dlmix-kv-pull")
         self._wlock = threading.Lock()
         self._active: dict[str, threading.Event] = {}  # req_id -> cancel flag of a queued/running pull
         self._done_recv: set[str] = set()
@@ -132,7 +134,8 @@ class DLMixConnectorWorker:
             if self.settings.debug_dump_dir and res.error is None:
                 self._dump(f"loaded-{job.req_id}", list(job.local_block_ids), job.end)
             rec = {"bytes_received": res.bytes_received, "transfer_s": round(res.seconds, 6),
-                   "grant_s": round(res.grant_s, 6), "rounds": res.rounds,
+                   "grant_s": round(res.grant_s, 6), "staging_wait_s": round(res.staging_wait_s, 6),
+                   "rounds": res.rounds,
                    "peak_staging_bytes": res.peak_staging_bytes, "error": res.error}
             try:
                 self.endpoint.release(remote, job.remote_req_id, consumed=res.error is None)
