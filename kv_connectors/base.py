@@ -54,6 +54,7 @@ import ctypes
 import importlib
 import threading
 import time
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, ClassVar, Iterable, Mapping, NamedTuple, Sequence
 
@@ -637,8 +638,13 @@ def register_transport(kind: str) -> Callable[[type[Transport]], type[Transport]
     def deco(cls: type[Transport]) -> type[Transport]:
         if not (isinstance(cls, type) and issubclass(cls, Transport)):
             raise ValueError(f"{cls!r} is not a Transport subclass")
+        if kind in BUILTIN_KINDS and cls.__module__ != BUILTIN_KINDS[kind]:
+            # refused even before the built-in module is imported: otherwise whichever imports first takes the kind
+            raise ValueError(f"transport kind {kind!r} is built in ({BUILTIN_KINDS[kind]}); register "
+                             f"{cls.__module__}.{cls.__qualname__} under another kind")
         if kind in _REGISTRY and _REGISTRY[kind] is not cls:
-            raise ValueError(f"transport kind {kind!r} already registered by {_REGISTRY[kind].__qualname__}")
+            raise ValueError(f"transport kind {kind!r} already registered by {_REGISTRY[kind].__module__}."
+                             f"{_REGISTRY[kind].__qualname__}")
         cls.kind = kind
         _REGISTRY[kind] = cls
         return cls
@@ -685,6 +691,10 @@ def _resolve(kind: str) -> type[Transport]:
     if kind in _REGISTRY:
         return _REGISTRY[kind]
     if kind in BUILTIN_KINDS:
+        ep = _entry_points().get(kind)
+        if ep is not None:  # a third-party entry point under a built-in kind is never used: say so
+            warnings.warn(f"transport entry point {kind!r} = {ep.value!r} is ignored: {kind!r} is a built-in kind "
+                          f"({BUILTIN_KINDS[kind]}); publish it under another kind", RuntimeWarning, stacklevel=3)
         importlib.import_module(BUILTIN_KINDS[kind])  # ImportError (missing optional package) propagates
         if kind in _REGISTRY:
             return _REGISTRY[kind]

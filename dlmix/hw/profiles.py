@@ -151,7 +151,8 @@ class Catalog:
         """Profile by name or alias. Raises KeyError naming the known chips."""
         key = self._alias.get(str(name).lower())
         if key is None:
-            raise KeyError(f"unknown chip {name!r}; known: {', '.join(sorted(self.chips))} (add it to a chips YAML)")
+            raise KeyError(f"unknown chip {name!r}; known: {', '.join(sorted(self.chips))} (add it with a chips YAML "
+                           "file: --chips FILE, the DLMIX_CHIPS path list or a dlmix.chips entry point)")
         return self.chips[key]
 
     def link(self, desc: Union[None, str, dict]) -> LinkProfile:
@@ -181,6 +182,23 @@ _CHIP_KEYS = {"vendor", "aliases", "bf16_tflops", "fp16_tflops", "mem_bw_gbps", 
               "source"}
 
 
+_CONFIDENCE = ("high", "medium", "low")
+
+
+def _figure(origin: str, chip: object, key: str, v: object) -> float:
+    """``v`` as a finite float; CatalogError naming the file, the chip and the key otherwise (a bool, a string,
+    ``.nan`` or ``.inf`` is not a figure)."""
+    try:
+        if isinstance(v, bool) or not isinstance(v, (int, float, str)):
+            raise TypeError
+        f = float(v)  # a quoted number ("312") is still read as one
+    except (TypeError, ValueError):
+        raise CatalogError(f"{origin}: chip {chip!r}: {key} must be a number, got {type(v).__name__} {v!r}") from None
+    if not math.isfinite(f):
+        raise CatalogError(f"{origin}: chip {chip!r}: {key} must be a finite number, got {v!r}")
+    return f
+
+
 def _load_into(cat: Catalog, data: dict, origin: str) -> None:
     if not isinstance(data, dict):
         raise CatalogError(f"{origin}: top level must be a mapping with 'chips' and/or 'links'")
@@ -205,20 +223,34 @@ def _load_into(cat: Catalog, data: dict, origin: str) -> None:
         missing = [k for k in _REQUIRED if merged.get(k) in (None, "")]
         if missing:
             raise CatalogError(f"{origin}: chip {name!r} lacks {', '.join(missing)}")
-        try:
-            vals = {k: float(merged[k]) for k in ("bf16_tflops", "mem_bw_gbps", "mem_gb")}
-            fp16 = float(merged.get("fp16_tflops") or vals["bf16_tflops"])
-            mfu = float(merged.get("mfu", 0.5))
-            eff = float(merged.get("bw_eff", 0.8))
-        except (TypeError, ValueError) as ex:
-            raise CatalogError(f"{origin}: chip {name!r} has a non-numeric figure: {ex}") from None
+        vals = {k: _figure(origin, name, k, merged[k]) for k in ("bf16_tflops", "mem_bw_gbps", "mem_gb")}
+        fp16 = _figure(origin, name, "fp16_tflops", merged.get("fp16_tflops") or vals["bf16_tflops"])
+        mfu = _figure(origin, name, "mfu", merged.get("mfu", 0.5))
+        eff = _figure(origin, name, "bw_eff", merged.get("bw_eff", 0.8))
         if min(vals.values()) <= 0 or not (0 < mfu <= 1) or not (0 < eff <= 1):
             raise CatalogError(f"{origin}: chip {name!r}: figures must be > 0, mfu and bw_eff in (0, 1]")
-        cat.add_chip(ChipProfile(name=str(base.name if base else name), vendor=str(merged.get("vendor", "")),
-                                 fp16_tflops=fp16, mfu=mfu, bw_eff=eff,
-                                 confidence=str(merged.get("confidence", "low")),
+        for key in ("vendor", "source"):
+            if key in e and not isinstance(e[key], str):
+                raise CatalogError(f"{origin}: chip {name!r}: {key} must be a string, got {type(e[key]).__name__} "
+                                   f"{e[key]!r}")
+        conf = merged.get("confidence", "low")
+        if conf not in _CONFIDENCE:
+            raise CatalogError(f"{origin}: chip {name!r}: confidence must be one of {', '.join(_CONFIDENCE)}, "
+                               f"got {conf!r}")
+        aliases = merged.get("aliases") or ()
+        if not isinstance(aliases, (list, tuple)) or not all(isinstance(a, (str, int)) and not isinstance(a, bool)
+                                                             for a in aliases):
+            raise CatalogError(f"{origin}: chip {name!r}: aliases must be a list of names, got {aliases!r}")
+        own = base.name if base else str(name)
+        for a in aliases:  # an alias must not silently take over another chip's name or alias
+            other = cat._alias.get(str(a).lower())
+            if other is not None and other != own:
+                raise CatalogError(f"{origin}: chip {name!r}: alias {a!r} already names chip {other!r}; to change "
+                                   f"{other!r}, give an entry named {other!r}")
+        cat.add_chip(ChipProfile(name=str(own), vendor=str(merged.get("vendor", "")),
+                                 fp16_tflops=fp16, mfu=mfu, bw_eff=eff, confidence=str(conf),
                                  source=str(merged.get("source", "")),
-                                 aliases=tuple(merged.get("aliases") or ()), **vals))
+                                 aliases=tuple(aliases), **vals))
     for name, e in (data.get("vendors") or {}).items():
         if not isinstance(e, dict):
             raise CatalogError(f"{origin}: vendor {name!r} must be a mapping")

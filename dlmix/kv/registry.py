@@ -125,9 +125,13 @@ def register(name: str, *, replace: bool = False) -> Callable[[_A], _A]:
     def deco(cls: _A) -> _A:
         if not (isinstance(cls, type) and issubclass(cls, Arrangement)):
             raise TypeError(f"@register({name!r}) needs an Arrangement subclass, got {cls!r}")
+        if not cls.__module__.startswith(_BUILTIN_PKG + "."):
+            _load_builtins()  # so that a third-party name clashing with a built-in one is refused here, whatever
+            #                   was imported first (else it would take the name, and the built-ins fail to load)
         with _LOCK:
             old = _REGISTRY.get(name)
-            if old is not None and not replace and type(old).__qualname__ != cls.__qualname__:
+            if old is not None and not replace and (type(old).__module__, type(old).__qualname__) != (
+                    cls.__module__, cls.__qualname__):  # the same class imported again is not a clash
                 raise ValueError(f"KV arrangement {name!r} is already registered by {type(old).__module__}."
                                  f"{type(old).__qualname__}")
             inst = cls()
@@ -142,6 +146,9 @@ def unregister(name: str) -> None:
     """Remove arrangement ``name`` (tests; a no-op when it is not registered)."""
     with _LOCK:
         _REGISTRY.pop(name, None)
+
+
+_BUILTIN_PKG = __name__.rpartition(".")[0] + ".arrangements"
 
 
 def _load_builtins() -> None:

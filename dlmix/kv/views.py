@@ -54,6 +54,11 @@ def allocate(layout: KVLayout, num_blocks: int, device: str | torch.device = "cp
         return t.view(torch.uint8) if (storage_uint8 and layout.is_fp8) else t
 
     shape = layout.layer_shape(num_blocks)
+    for part in (shape if layout.separate_kv else (shape,)):
+        if not all(isinstance(d, int) and not isinstance(d, bool) and (d > 0 or (d == 0 and num_blocks == 0))
+                   for d in part):
+            raise ValueError(f"arrangement {layout.arrangement!r}: layer_shape must be positive integers, got "
+                             f"{list(part)} for {num_blocks} blocks")
     if one_buffer:
         if layout.separate_kv:
             big = one((L, 2, *shape[0]))  # type: ignore[misc]
@@ -95,8 +100,18 @@ def plane_views(layout: KVLayout, layer_cache: Any) -> tuple[torch.Tensor, ...]:
     into them writes the cache. Raises ValueError when the tensor(s) do not match the layout's shape or dtype.
     """
     arr = layout.arrangement_spec
-    return tuple(arr.plane_views(_checked(layout, layer_cache), layout.block_size, layout.num_local_heads,
-                                 layout.model.head_size))
+    N, H, D = layout.block_size, layout.num_local_heads, layout.model.head_size
+    views = tuple(arr.plane_views(_checked(layout, layer_cache), N, H, D))
+    want = 1 if layout.model.attention == "mla" else 2
+    # an arrangement (possibly a third party's) that returns too few planes or views of the wrong shape would
+    # otherwise convert silently wrong (a missing V plane is never written) or fail deep in torch
+    if len(views) != want or any(getattr(v, "ndim", 0) != 4 or tuple(v.shape[1:3]) != (N, H)
+                                 or (want == 2 and v.shape[3] != D) or v.shape[0] != views[0].shape[0]
+                                 for v in views):
+        raise ValueError(f"arrangement {arr.name!r}: plane_views must return {want} view(s) [blocks, {N}, {H}, "
+                         f"{D if want == 2 else 'D'}] ({'K, V' if want == 2 else 'the latent'}), got "
+                         f"{[list(getattr(v, 'shape', [])) for v in views]}")
+    return views
 
 
 def _raw_blocks(layout: KVLayout, layer_cache: Any) -> list[torch.Tensor]:

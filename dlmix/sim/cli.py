@@ -96,6 +96,9 @@ def sim_command(
     output_len: int = typer.Option(128, "--output-len", help="synthetic: output tokens (<= 1048576)"),
     rate: float = typer.Option(4.0, "--rate", help="synthetic: request rate, req/s (before --speedup)"),
     out: Optional[str] = typer.Option(None, "--out", "-o", help="folder for sim.json and PNG plots"),
+    chips: Optional[List[str]] = typer.Option(
+        None, "--chips", help="extra chip catalog YAML (repeatable; as dlmix plan/router --chips, after DLMIX_CHIPS "
+        "and dlmix.chips entry points)"),
     policy_param: Optional[List[str]] = typer.Option(
         None, "--policy-param", help="policy argument KEY=VALUE[,KEY=VALUE] (repeatable; the router's flag), given to "
         "every listed policy that declares it (a name no listed policy declares is an error naming the valid ones); "
@@ -131,7 +134,12 @@ def sim_command(
         for item in policy_param or []:
             params.update(parse_kv_list(item))
         per_policy = split_params(names, params)
-        dep = load_deployment(deployment)
+        if chips:
+            from dlmix.hw.profiles import load_catalog
+
+            dep = load_deployment(deployment, catalog=load_catalog(chips))
+        else:
+            dep = load_deployment(deployment)
         slo_ttft, slo_itl, slo_src = resolve_slo(dep, slo_ttft_ms, slo_itl_ms)
         if "cost" in per_policy:  # the SLO the goodput is measured against is the operator's target for the policy
             per_policy["cost"].setdefault("ttft_target", slo_ttft)

@@ -54,7 +54,8 @@ class PolicyParams(pydantic.BaseModel):
     ``--policy-param key=value`` or a YAML ``policy_params`` mapping validate the same way. Non-finite floats (inf,
     nan, ``1e400``) are refused."""
 
-    model_config = pydantic.ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)  # 1e400 is inf: refused
+    model_config = pydantic.ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False,  # 1e400 is inf: refused
+                                      validate_default=True)  # a plugin's ill-typed default is an error too
 
     @classmethod
     def names(cls) -> List[str]:
@@ -198,7 +199,11 @@ class Policy:
             raise NoInstanceError.for_request(req)
         if len(cands) == 1:
             return cands[0]
-        return self.pick(req, cands, self.score(req, cands, view))
+        scores = self.score(req, cands, view)
+        if len(scores) != len(cands) or any(x != x for x in scores):  # x != x: NaN, which compares as no order
+            raise ValueError(f"policy {self.name!r}: score() must return one number (not NaN) per candidate; got "
+                             f"{list(scores)[:8]!r} for {len(cands)} candidates")
+        return self.pick(req, cands, scores)
 
     def choose(self, req: RouteRequest, view: ClusterView) -> Decision:
         """Place ``req``: decode instance from decode-capable instances, plus an independent prefill instance when

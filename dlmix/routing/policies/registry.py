@@ -18,6 +18,7 @@ Lookups are by exact name. Names are unique: registering a different class under
 from __future__ import annotations
 
 import inspect
+import warnings
 from importlib.metadata import entry_points
 from types import ModuleType
 from typing import Callable, Dict, Iterator, Mapping, Type, TypeVar, Union
@@ -41,6 +42,8 @@ class PolicyRegistry(Mapping[str, Type[Policy]]):
         self.group = group
         self._classes: Dict[str, Type[Policy]] = {}
         self._failed: Dict[str, str] = {}
+        self._shadowed: set = set()
+        self._checked = False  # warn_shadowed ran on a lookup for use
 
     def register(self, name: str, cls: Type[Policy]) -> Type[Policy]:
         """Add ``cls`` under ``name`` (and set ``cls.name``). Raises TypeError for a class that is not a Policy
@@ -60,6 +63,7 @@ class PolicyRegistry(Mapping[str, Type[Policy]]):
 
     def scan(self) -> None:
         """Load the entry points of :attr:`group` whose names are not registered yet."""
+        self.warn_shadowed()
         for ep in entry_points(group=self.group):
             if ep.name in self._classes or ep.name in self._failed:
                 continue
@@ -76,6 +80,19 @@ class PolicyRegistry(Mapping[str, Type[Policy]]):
                 self.register(ep.name, obj)
             except (TypeError, ValueError) as ex:
                 self._failed[ep.name] = f"entry point {ep.value!r}: {ex}"
+
+    def warn_shadowed(self) -> None:
+        """Warn (RuntimeWarning, once per name) about entry points of :attr:`group` whose name a policy of another
+        module already holds (e.g. a plugin named ``cost``): they are never used, which must not pass silently.
+        Reads the entry-point metadata only; imports nothing."""
+        for ep in entry_points(group=self.group):
+            old = self._classes.get(ep.name)
+            if old is None or ep.name in self._shadowed or ep.value.partition(":")[0] == old.__module__:
+                continue
+            self._shadowed.add(ep.name)
+            warnings.warn(f"policy entry point {ep.name!r} = {ep.value!r} is ignored: the name {ep.name!r} is taken "
+                          f"by {old.__module__}.{old.__qualname__}; publish it under another name", RuntimeWarning,
+                          stacklevel=3)
 
     def __getitem__(self, name: str) -> Type[Policy]:
         cls = self._classes.get(name)
@@ -104,6 +121,9 @@ class PolicyRegistry(Mapping[str, Type[Policy]]):
     def get_class(self, name: str) -> Type[Policy]:
         """The class registered as ``name``. Raises ValueError naming the known policies (and why a plugin of that
         name failed to load, if one did)."""
+        if not self._checked:
+            self._checked = True
+            self.warn_shadowed()
         try:
             return self[name]
         except KeyError:
@@ -123,6 +143,9 @@ class PolicyRegistry(Mapping[str, Type[Policy]]):
                 return self.get_class(name)  # raises, with why its plugin failed to load
             serving = [n for n in self if not hasattr(self._classes[n], "bind_simulator")]
             raise ValueError(f"unknown policy {name!r}; choose one of {', '.join(serving)}") from None
+        if not self._checked:
+            self._checked = True
+            self.warn_shadowed()
         if hasattr(cls, "bind_simulator"):
             raise ValueError(f"policy {name!r} runs only in the simulator (dlmix sim): it reads the simulated "
                              "cluster's true state, which a live router does not have")
