@@ -12,6 +12,7 @@ from __future__ import annotations
 import gzip
 import io
 import json
+import math
 import random
 from dataclasses import dataclass
 from importlib import resources
@@ -95,9 +96,11 @@ def read_mooncake_trace(name_or_path: str | Path, min_output_length: int = 1) ->
                     ilen = int(rec["input_length"])
                     olen = int(rec["output_length"])
                     ids = [int(h) for h in rec.get("hash_ids", [])]
-                except (KeyError, TypeError, ValueError) as e:
+                except (KeyError, TypeError, ValueError, OverflowError) as e:  # Infinity: int() overflows
                     raise WorkloadError(f"{p}:{lineno}: invalid Mooncake record ({type(e).__name__}: {e}); expected "
                                         "timestamp, input_length, output_length, hash_ids") from None
+                if not math.isfinite(ts):  # NaN/Infinity (Python's json accepts them) would poison every arrival
+                    raise WorkloadError(f"{p}:{lineno}: timestamp must be a finite number of milliseconds, got {ts}")
                 if ilen < 1 or olen < min_output_length:
                     raise WorkloadError(f"{p}:{lineno}: input_length must be >= 1 and output_length >= "
                                         f"{min_output_length}")

@@ -48,3 +48,21 @@ def test_command_line_runs_several_canned_engines():
     finally:
         p.terminate()
         assert p.wait(10) == 0
+
+
+def test_max_tokens_beyond_the_context_is_400_not_a_frozen_engine():
+    """Review 4: ``max_tokens: 99999999999999999999999`` made the mock build that many words: the process (every
+    engine of a ``--ports`` process) stopped answering, health checks included, and grew by GBs; vLLM answers 400."""
+    lt = LoopThread()
+    e = MockEngine(model="m")
+    try:
+        url = lt.run(e.start())
+        r = httpx.post(url + "/v1/completions", json={"model": "m", "prompt": "hi", "max_tokens": 10 ** 23},
+                       timeout=10)
+        assert r.status_code == 400 and "max_tokens must be at most" in r.text, r.text
+        assert httpx.get(url + "/health", timeout=10).status_code == 200
+        assert httpx.post(url + "/v1/completions", json={"model": "m", "prompt": "hi", "max_tokens": 30_000},
+                          timeout=30).status_code == 200
+    finally:
+        lt.run(e.stop())
+        lt.close()

@@ -182,3 +182,59 @@ def test_sim_reasons_show_numbers_that_differ():
                   summary={"ttft_ms": {"p90": 2000.3}, "tpot_ms": {"p90": 50.04}, "good_fraction": 0.5})
     msg = " ".join(pl.sim_reasons(c))
     assert "TPOT 50.04 ms > 50.00 ms" in msg and "2000.3 ms > 2000.0 ms" in msg, msg
+
+
+# ---- review 4: non-finite numbers in a Mooncake trace. `"input_length": Infinity` (or in hash_ids) crashed `dlmix
+# plan` / `dlmix sim` with an OverflowError traceback (exit 1); a NaN/Infinity timestamp was accepted and the plan
+# answered "NO FEASIBLE DEPLOYMENT" (exit 3) for what is an input error (exit 2)
+_REC = '{"timestamp": %s, "input_length": %s, "output_length": 10, "hash_ids": [%s]}\n'
+
+
+@pytest.mark.parametrize("bad", [("0", "Infinity", "1"), ("0", "100", "Infinity"), ("NaN", "100", "1"),
+                                 ("Infinity", "100", "1"), ("-Infinity", "100", "1")])
+def test_trace_non_finite_numbers_are_input_errors(tmp_path, bad):
+    from dlmix.sim.workload import WorkloadError
+
+    p = tmp_path / "t.jsonl"
+    p.write_text(_REC % ("1000", "100", "1") + _REC % bad + _REC % ("2000", "100", "2"))
+    with pytest.raises(WorkloadError, match=r"t\.jsonl:2"):
+        load_plan_workload(str(p), 6)
+
+
+def test_trace_infinity_on_the_cli_is_exit_2(tmp_path):
+    p = tmp_path / "t.jsonl"
+    p.write_text(_REC % ("0", "Infinity", "1") + _REC % ("1000", "100", "1"))
+    r = subprocess.run([*DLMIX, "plan", "-i", "s4000x2", "-m", "smollm2", "-w", str(p), "--no-baselines",
+                        "--no-refine"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, (r.returncode, r.stderr[-800:])
+
+
+# ---- review 4: `-i FOLDER` (or an unreadable/binary file) crashed with IsADirectoryError / UnicodeDecodeError
+def test_inventory_that_is_a_folder_or_binary_is_an_input_error(tmp_path):
+    with pytest.raises(InventoryError, match="cannot read inventory"):
+        load_inventory(str(tmp_path))
+    b = tmp_path / "inv.yaml"
+    b.write_bytes(b"\xff\xfe\x00binary")
+    with pytest.raises(InventoryError, match="cannot read inventory"):
+        load_inventory(str(b))
+    r = subprocess.run([*DLMIX, "plan", "-i", str(tmp_path), "-w", "synthetic", "--no-baselines", "--no-refine"],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, (r.returncode, r.stderr[-800:])
+
+
+# ---- review 4: an --out folder that passes the early check but cannot be written (as root `-o /proc/x`; a full
+# disk) crashed after the whole search with a FileNotFoundError/OSError traceback (exit 1) instead of exit 2
+def test_out_write_failure_is_an_input_error_not_a_traceback(tmp_path, monkeypatch):
+    from typer.testing import CliRunner
+
+    import dlmix.plan.report as report
+    from dlmix.cli import app
+
+    def boom(*a, **k):
+        raise FileNotFoundError(2, "No such file or directory", str(tmp_path / "o"))
+
+    monkeypatch.setattr(report, "write_outputs", boom)
+    r = CliRunner().invoke(app, ["plan", "-i", "s4000x2", "-m", "smollm2", "-w",
+                                 "synthetic:groups=2,per_group=3,prefix=256,suffix=64,output=16", "--no-baselines",
+                                 "--no-refine", "--rate", "0.5", "-o", str(tmp_path / "o")])
+    assert r.exit_code == 2 and not isinstance(r.exception, FileNotFoundError), (r.exit_code, repr(r.exception))

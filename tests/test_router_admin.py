@@ -537,3 +537,56 @@ def test_admin_key_is_compared_in_constant_time():
     assert api.key_ok(_auth_req(_EqCounter(b"Bearer s3cret"))) is True
     assert api.allowed(conn, _auth_req(None)) is False and api.key_ok(_auth_req(None)) is False
     assert _EqCounter.used_eq == 0, f"admin key compared with == ({_EqCounter.used_eq} times), not hmac.compare_digest"
+
+
+# ---- review 4: other spellings of a loopback address passed the self-registration check (the README: "any loopback
+# form (127.x, ::1, localhost) when it listens on loopback or on all addresses"): 127.0.0.2, 127.1, 2130706433,
+# 0x7f000001, ::ffff:127.0.0.1, localhost. were registered (201) and the router forwarded to itself
+@pytest.mark.parametrize("host", ["127.0.0.1", "0.0.0.0"])
+def test_every_loopback_spelling_of_the_router_itself_is_refused(host):
+    r = _router(host=host, port=18999, allow_open=True)
+    for url in ["http://127.0.0.2:18999", "http://127.1:18999", "http://2130706433:18999",
+                "http://0x7f000001:18999", "http://[::ffff:127.0.0.1]:18999", "http://localhost.:18999",
+                "http://0:18999", "http://[::]:18999"]:
+        status, out = call(r, "POST", "/admin/instances", {"url": url})
+        assert status == 400 and "own listening address" in out["error"]["message"], (url, out)
+    assert r.instances == []
+    for url in ["http://127.1:18998", "http://10.1.2.3:18999", "http://deadbeef:18999"]:  # other port / host
+        assert call(r, "POST", "/admin/instances", {"url": url})[0] == 201, url
+
+
+def test_loopback_spellings_are_not_self_for_a_router_on_another_address():
+    r = _router(host="10.9.8.7", port=18999, allow_open=True)
+    assert call(r, "POST", "/admin/instances", {"url": "http://127.1:18999"})[0] == 201
+    status, out = call(r, "POST", "/admin/instances", {"url": "http://[::ffff:10.9.8.7]:18999"})
+    assert status == 400 and "own listening address" in out["error"]["message"], out
+
+
+# ---- review 4: heartbeat_ttl_s had no upper bound. With router replicas, 1e308 was written to etcd, then etcd
+# refused the lease grant: the client got 503 "etcd is unavailable" while the instance stayed registered on every
+# replica (for good: no lease). The schema now bounds it by etcd's longest lease (9e9 s): a 400 naming the field.
+@pytest.mark.parametrize("ttl", [1e308, 9.5e9])
+def test_heartbeat_ttl_beyond_etcds_longest_lease_is_400(ttl):
+    r = _router()
+    status, out = call(r, "POST", "/admin/instances", dict(GOOD, heartbeat_ttl_s=ttl))
+    assert status == 400 and "heartbeat_ttl_s" in out["error"]["message"], out
+    assert r.instances == []
+    assert call(r, "POST", "/admin/instances", dict(GOOD, heartbeat_ttl_s=9e9))[0] == 201
+
+
+# ---- review 4: an unknown transport link ({"link": "nope"}, a typo such as "rdma-100G") was accepted and priced as
+# the default link without a word anywhere (the warning the registry recorded was never shown), and {"link": 5} gave
+# "bad transport: argument of type 'int' is not iterable"
+def test_unknown_transport_link_is_shown_and_a_non_string_link_is_400_naming_it():
+    r = _router()
+    assert call(r, "POST", "/admin/instances", dict(GOOD, transport={"link": "rdma-100G"}))[0] == 201
+    status, out = call(r, "GET", "/admin/instances")
+    (inst,) = out["instances"]
+    assert "unknown link 'rdma-100G'" in inst.get("transport_warning", ""), inst
+    status, out = call(r, "POST", "/admin/instances", dict(GOOD, url="http://127.0.0.1:9102", id="p1",
+                                                           transport={"link": 5}))
+    assert status == 400 and "transport link must be a link name" in out["error"]["message"], out
+    assert call(r, "POST", "/admin/instances", dict(GOOD, url="http://127.0.0.1:9103", id="p2",
+                                                    transport={"link": "rdma-100g"}))[0] == 201
+    status, out = call(r, "GET", "/admin/instances")
+    assert "transport_warning" not in [i for i in out["instances"] if i["id"] == "p2"][0]

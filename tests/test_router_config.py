@@ -106,3 +106,40 @@ def test_unknown_flag_exits_2_listing_every_flag_and_alias():
     assert res.stderr.startswith("error: unknown flag --policy-parm (did you mean --policy-param?); known: --host, ")
     res = CliRunner().invoke(app, ["router", "--port"])
     assert res.exit_code == 2 and res.stderr == "error: flag --port needs a value\n"
+
+
+# ---- review 4: numeric keys were not range-checked. `--port 99999` listened on 34463 (the OS takes it modulo 65536)
+# while announcing :99999; `--max-body-mb inf` / `--port -5` crashed with OverflowError / gaierror tracebacks;
+# `--health-interval-s 0` health-checked every engine back to back (a CPU spin on the router and the engines);
+# `--health-interval-s nan`, `--retries -1`, `--connect-timeout-s inf` were accepted
+@pytest.mark.parametrize("flag,value", [("--port", "99999"), ("--port", "-5"), ("--port", ".inf"),
+                                        ("--max-body-mb", "inf"), ("--max-body-mb", "nan"),
+                                        ("--health-interval-s", "0"), ("--health-interval-s", "nan"),
+                                        ("--health-timeout-s", "-1"), ("--health-failures", "0"),
+                                        ("--retries", "-1"), ("--connect-timeout-s", "inf"),
+                                        ("--prefill-timeout-s", "0"), ("--heartbeat-ttl-s", "nan"),
+                                        ("--default-block-size", "0"), ("--etcd-timeout-s", "0")])
+def test_out_of_range_numbers_are_config_errors_naming_the_key(flag, value):
+    from dlmix.router.server import Router
+
+    key = flag[2:].replace("-", "_")
+    with pytest.raises(ConfigError, match=f"router config key {key}"):
+        Router(RouterConfig().apply_flags([flag, value]))  # constructing listens on nothing
+
+
+def test_an_infinite_body_limit_exits_2_on_the_cli():
+    from dlmix.cli import app
+
+    res = CliRunner().invoke(app, ["router", "--max-body-mb", "inf"])
+    assert res.exit_code == 2 and "router config key max_body_mb" in res.stderr, (res.exit_code, res.stderr,
+                                                                                  repr(res.exception))
+
+
+def test_validate_accepts_the_defaults_and_the_documented_edges():
+    RouterConfig().validate()
+    RouterConfig(port=0, heartbeat_ttl_s=0, retries=0, breaker_cooldown_s=0, metrics_instance_series=0).validate()
+    RouterConfig(port=65535).validate()
+    with pytest.raises(ConfigError, match="port"):
+        RouterConfig(port=65536).validate()
+    with pytest.raises(ConfigError, match="retries must be an integer >= 0"):
+        RouterConfig(retries=1.5).validate()

@@ -676,3 +676,45 @@ def test_a_leg_cancelled_as_its_connection_opens_sends_nothing(lt):
     leg = lt.run(go())
     assert leg.cancelled()
     assert seen == [b""]  # connected, then closed without a request
+
+
+# ---- review 4: the answers the HTTP layer makes itself (413, 414, 431, 408, 503 over max_connections, 400 for
+# malformed HTTP) were missing from dlmix_router_client_responses_total, which the README says counts "every answer
+# a client got, by exact status (the backends' and the router's own 400/401/404/413/502/503/508)"
+def _answers(h, base) -> dict:
+    out = {}
+    for line in h.get(base + "/metrics").text.splitlines():
+        if line.startswith("dlmix_router_client_responses_total{"):
+            out[int(line.split('"')[1])] = float(line.rsplit(" ", 1)[1])
+    return out
+
+
+def test_http_layer_refusals_are_counted_as_client_answers(lt):
+    st = Setup(lt, [MockEngine(name="a")], max_body_mb=1, header_timeout_s=0.3, max_connections=4)
+    try:
+        with httpx.Client(timeout=LIVE) as h:
+            assert h.post(st.base + "/v1/completions?" + "a" * 9000, json=BODY).status_code == 414
+            assert h.post(st.base + "/v1/completions", json=BODY,
+                          headers={f"x-h{k}": "1" for k in range(150)}).status_code == 431
+            assert h.post(st.base + "/v1/completions", json=dict(BODY, prompt="x" * (2 << 20))).status_code == 413
+        s = st.sock()
+        s.sendall(b"GET / HTTP/1.1\r\n")  # a head that never ends: 408
+        assert _read_response(s)[0] == 408
+        s.close()
+        s = st.sock()
+        s.sendall(b"\x00\x01 not http\r\n\r\n")  # malformed: 400
+        assert _read_response(s)[0] == 400
+        s.close()
+        held = [st.sock() for _ in range(4)]  # max_connections open: the next one is answered 503
+        time.sleep(0.1)
+        extra = st.sock()
+        assert _read_response(extra)[0] == 503
+        extra.close()
+        for s in held:
+            s.close()
+        with httpx.Client(timeout=LIVE) as h:
+            seen = poll(lambda: (lambda a: a if all(a.get(k, 0) >= 1 for k in (400, 408, 413, 414, 431, 503))
+                                 else None)(_answers(h, st.base)), timeout_s=LIVE)
+            assert seen, _answers(h, st.base)
+    finally:
+        st.close()

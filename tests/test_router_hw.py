@@ -113,3 +113,16 @@ def test_one_roofline_shared_by_router_and_simulator():
     for spec in dep.instances:
         cap = kv_capacity_bytes(cat.chip(spec.chip), m, spec.num_chips, dep.gpu_memory_utilization)
         assert dep.kv_blocks(spec, m) == int(cap // (spec.block_size * m.kv_bytes_per_token)) > 0
+
+
+# ---- review 4: a chip file with a NaN figure loaded (`bf16_tflops: .nan`: `dlmix plan` then answered "NO FEASIBLE
+# DEPLOYMENT", exit 3; the router's cost policy scored with NaN), an infinite one crashed `dlmix plan` with a
+# ZeroDivisionError traceback, and fp16_tflops was not checked at all
+@pytest.mark.parametrize("line", ["bf16_tflops: .nan", "mem_bw_gbps: .inf", "mem_gb: .nan",
+                                  "fp16_tflops: -5", "fp16_tflops: .nan"])
+def test_catalog_refuses_non_finite_and_non_positive_figures(tmp_path, line):
+    f = tmp_path / "c.yaml"
+    f.write_text("chips:\n  X1:\n    vendor: NVIDIA\n    bf16_tflops: 100\n    mem_bw_gbps: 1000\n    mem_gb: 80\n"
+                 f"    {line}\n")
+    with pytest.raises(CatalogError, match=r"must be a finite number|figures must be > 0"):
+        load_catalog([f])

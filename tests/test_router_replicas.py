@@ -541,3 +541,24 @@ def test_a_registration_refused_after_its_write_leaves_nothing_in_the_store(repl
     late = replicas()
     assert _ids(late) == [], "a replica started later applied the refused registration left in the store"
     wait_until(lambda: _ids(a) == _ids(b) == [], 30, "the prefill removed everywhere")
+
+
+def test_a_registration_whose_lease_grant_fails_leaves_nothing_registered(replicas, monkeypatch):
+    """Review 4: a registration is written to etcd, then its heartbeat lease is granted. When the grant failed (etcd
+    refused the TTL, 1e308, or went away in between) the client got 503 "registration refused" while the
+    instance key stayed in etcd without a lease: registered on every replica, and on every replica started later,
+    for good. The replica now takes its write back out."""
+    from dlmix.router.shared import EtcdError
+
+    a, b = replicas(), replicas()
+
+    async def refuse(ttl_s):
+        raise EtcdError("etcd at x answered 400 to /v3/lease/grant: etcdserver: too large lease TTL")
+
+    monkeypatch.setattr(a.router.shared.client, "grant", refuse)
+    body = {"url": f"http://127.0.0.1:{free_port()}", "id": "x", "role": "both", "heartbeat_ttl_s": 30}
+    r = httpx.post(a.url + "/admin/instances", json=body, timeout=10)
+    assert r.status_code == 503, r.text
+    time.sleep(1.0)  # b's watch would have applied the write by now (the README measures ~0.15 s)
+    assert _ids(a) == [] and _ids(b) == [], (_ids(a), _ids(b))
+    assert _ids(replicas()) == [], "a replica started later applied the refused registration left in the store"

@@ -164,10 +164,15 @@ class Catalog:
             if desc not in self.links:
                 raise KeyError(f"unknown link {desc!r}; known: {', '.join(sorted(self.links))}")
             return self.links[desc]
+        if not isinstance(desc, dict):
+            raise TypeError(f"a transport is a link name or a mapping with 'link' or 'bandwidth_gbps', got {desc!r}")
         if "bandwidth_gbps" in desc:
             return LinkProfile(str(desc.get("name", "custom")), float(desc["bandwidth_gbps"]),
                                float(desc.get("setup_ms", 2.0)), float(desc.get("eff", 0.8)))
-        return self.link(desc.get("link"))
+        name = desc.get("link")
+        if name is not None and not isinstance(name, str):  # {"link": 5} said "argument of type 'int' is not iterable"
+            raise TypeError(f"transport link must be a link name (a string), got {name!r}")
+        return self.link(name)
 
     def add_chip(self, p: ChipProfile) -> None:
         """Add or replace a chip (and its aliases)."""
@@ -227,7 +232,7 @@ def _load_into(cat: Catalog, data: dict, origin: str) -> None:
         fp16 = _figure(origin, name, "fp16_tflops", merged.get("fp16_tflops") or vals["bf16_tflops"])
         mfu = _figure(origin, name, "mfu", merged.get("mfu", 0.5))
         eff = _figure(origin, name, "bw_eff", merged.get("bw_eff", 0.8))
-        if min(vals.values()) <= 0 or not (0 < mfu <= 1) or not (0 < eff <= 1):
+        if min(*vals.values(), fp16) <= 0 or not (0 < mfu <= 1) or not (0 < eff <= 1):  # fp16_tflops too
             raise CatalogError(f"{origin}: chip {name!r}: figures must be > 0, mfu and bw_eff in (0, 1]")
         for key in ("vendor", "source"):
             if key in e and not isinstance(e[key], str):

@@ -31,6 +31,9 @@ __all__ = ["Registration", "registration_body", "decode_registration", "advertis
 ROLES = ("prefill", "decode", "both")
 
 
+#: the longest heartbeat TTL a registration may ask for (seconds; etcd's ``MaxLeaseTTL``)
+MAX_HEARTBEAT_TTL_S = 9_000_000_000.0
+
 class Registration(msgspec.Struct, kw_only=True, omit_defaults=True, forbid_unknown_fields=False):
     """Typed registration body (see module doc). Unknown keys are tolerated on decode (the router keeps them as
     ``extra``); known keys are type-checked."""
@@ -47,7 +50,9 @@ class Registration(msgspec.Struct, kw_only=True, omit_defaults=True, forbid_unkn
     kv_layout: dict[str, Any] | None = None
     transport: dict[str, Any] | None = None
     kv_events: str | None = None
-    heartbeat_ttl_s: Annotated[float, msgspec.Meta(ge=0)] | None = None
+    #: at most etcd's longest lease (``MaxLeaseTTL``, 9e9 s): a router replica grants a lease of this TTL, and a
+    #: larger one (1e308) was refused by etcd *after* the registration was written (503, yet registered everywhere)
+    heartbeat_ttl_s: Annotated[float, msgspec.Meta(ge=0, le=MAX_HEARTBEAT_TTL_S)] | None = None
     contract_version: int | None = None
     api_key: str | None = None
     lora_adapters: dict[str, str] | None = None

@@ -116,7 +116,12 @@ def plan_command(
     if out:
         # a config.json path: the launch file names its folder (what vLLM loads)
         ref = None if not Path(model).exists() else str(Path(model).parent) if Path(model).is_file() else model
-        for p in write_outputs(pl, res, Path(out), base, model_ref=ref):
+        try:
+            written = write_outputs(pl, res, Path(out), base, model_ref=ref)
+        except OSError as ex:  # the folder check passed but writing failed (e.g. /proc, a full disk)
+            typer.echo(f"error: --out {out}: {ex}", err=True)
+            raise typer.Exit(2)
+        for p in written:
             con.print(f"wrote {p}")
     typer.echo(json.dumps({k: v for k, v in result_dict(res, base).items() if k != "simulated"}))
     if not res.feasible:

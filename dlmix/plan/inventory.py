@@ -292,6 +292,8 @@ def load_inventory(name_or_path: Union[str, dict, Path], catalog: Optional[Catal
         data = yaml.safe_load(p.read_text())
     except yaml.YAMLError as ex:
         raise InventoryError(f"{p}: invalid YAML: {ex}") from None
+    except (OSError, UnicodeDecodeError) as ex:  # a folder, an unreadable or a binary file
+        raise InventoryError(f"cannot read inventory {p}: {ex}") from None
     if not isinstance(data, dict):
         raise InventoryError(f"{p}: top level must be a mapping with 'hosts'")
     return inventory_from_dict(data, str(p), catalog)

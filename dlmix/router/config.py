@@ -108,6 +108,40 @@ class RouterConfig:
     etcd_timeout_s: float = 2.0
     etcd_allow_open: bool = False
 
+    #: numeric keys and the range each must lie in: ``(low, low_inclusive)``; every one must be finite
+    _RANGES = {"port": (0, True), "health_interval_s": (0, False), "health_timeout_s": (0, False),
+               "health_failures": (1, True), "heartbeat_ttl_s": (0, True), "breaker_failures": (1, True),
+               "breaker_cooldown_s": (0, True), "prefill_timeout_s": (0, False), "connect_timeout_s": (0, False),
+               "retries": (0, True), "approx_index_capacity": (1, True), "default_block_size": (1, True),
+               "metrics_instance_series": (0, True), "max_body_mb": (0, False), "max_url_bytes": (1, True),
+               "max_header_bytes": (1, True), "max_headers": (1, True), "header_timeout_s": (0, False),
+               "body_timeout_s": (0, False), "keepalive_timeout_s": (0, False), "linger_timeout_s": (0, False),
+               "max_connections": (1, True), "backend_read_timeout_s": (0, False), "etcd_timeout_s": (0, False)}
+
+    def validate(self) -> "RouterConfig":
+        """Check every numeric key's type and range (``port`` 0..65535, counts integers, times positive and finite).
+        A NaN interval, an infinite body limit or ``--port 99999`` (which the OS takes modulo 65536) would otherwise
+        be accepted, crash later with a traceback, or spin. Raises ConfigError naming the key."""
+        import math
+
+        names = {f.name: f for f in dataclasses.fields(self)}
+        for k, (low, inclusive) in self._RANGES.items():
+            v = getattr(self, k)
+            want_int = names[k].type in ("int", int)
+            ok = isinstance(v, (int, float)) and not isinstance(v, bool) and (not want_int or isinstance(v, int))
+            ok = ok and math.isfinite(v) and (v >= low if inclusive else v > low)
+            if ok and k == "port":
+                ok = v <= 65535
+            if not ok:
+                if k == "port":
+                    want = "an integer in 0..65535"
+                elif low > 0 or not inclusive:
+                    want = "a positive number" + (" (an integer)" if want_int else " (finite)")
+                else:
+                    want = "an integer >= 0" if want_int else "a finite number >= 0"
+                raise ConfigError(f"router config key {k} must be {want}, got {v!r}")
+        return self
+
     @classmethod
     def flag_names(cls) -> List[str]:
         """Every flag ``apply_flags`` accepts: each key as ``--key-name``, each followed by its aliases."""
@@ -297,7 +331,7 @@ def _coerce(f, v):
             return v if isinstance(v, bool) else str(v).lower() in ("1", "true", "yes", "on")
         if t == "str":
             return str(v)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):  # OverflowError: int(.inf)
         raise ConfigError(f"router config key {f.name}: expected {t}, got {v!r}") from None
     if t.startswith("List") and not isinstance(v, list):
         raise ConfigError(f"router config key {f.name}: expected a list, got {v!r}")

@@ -164,15 +164,18 @@ class Hub:
 
     ``start()`` in the running loop arms the timer; ``close()`` stops it. ``refused`` counts connections answered 503
     because ``max_connections`` were open; ``timeouts`` counts connections closed by a client-side timeout.
+    ``on_answer(status)``, when set, is called for every answer the HTTP layer makes itself (400 malformed HTTP, 408,
+    413, 414, 431, 503 over ``max_connections``), so the router's answer counter sees them too.
     """
 
-    __slots__ = ("limits", "conns", "refused", "timeouts", "_handle", "_loop")
+    __slots__ = ("limits", "conns", "refused", "timeouts", "on_answer", "_handle", "_loop")
 
-    def __init__(self, limits: Optional[Limits] = None):
+    def __init__(self, limits: Optional[Limits] = None, on_answer: Optional[Callable[[int], None]] = None):
         self.limits = limits or Limits()
         self.conns: set = set()
         self.refused = 0
         self.timeouts = 0
+        self.on_answer = on_answer
         self._handle = None
         self._loop = None
 
@@ -212,16 +215,26 @@ class Hub:
                     self.timeouts += 1
                     c.send(408, error_body(408, "request head not received in time (header_timeout_s)"),
                            keep_alive=False)
+                    self._answered(408)
                 elif r == 2 and now - c._t > lim.body_timeout:
                     self.timeouts += 1
                     c.send(408, error_body(408, "request body not received in time (body_timeout_s)"),
                            keep_alive=False)
+                    self._answered(408)
                 elif r == 0 and now - c._t > lim.keepalive_timeout:
                     c.closed = True
                     c.transport.close()
         finally:
             if self._handle is not None:
                 self._handle = self._loop.call_later(lim.tick(), self._sweep)
+
+    def _answered(self, status: int) -> None:
+        cb = self.on_answer
+        if cb is not None:
+            try:
+                cb(status)
+            except Exception:  # noqa: BLE001 - a metrics hook never breaks the HTTP layer
+                pass
 
 
 _MAX_PIPELINED = 32  # queued pipelined requests per connection before it stops reading
@@ -315,6 +328,8 @@ class ServerProtocol(asyncio.Protocol):
             self.parser.feed_data(data)
         except httptools.HttpParserUpgrade:
             self.send(400, error_body(400, "upgrade not supported"), keep_alive=False)
+            if self.hub is not None:
+                self.hub._answered(400)
             return
         except httptools.HttpParserError as ex:
             if not self._discard:
@@ -335,6 +350,7 @@ class ServerProtocol(asyncio.Protocol):
         self.closed = True
         if self.hub is not None:
             self.hub.conns.discard(self)
+            self.hub._answered(status)
         try:
             if t.can_write_eof():
                 t.write_eof()

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import asyncio
 import heapq
+import ipaddress
+import logging
 import re
 import time
 from typing import Annotated, Callable, Dict, List, Optional, Tuple
@@ -36,6 +38,7 @@ from dlmix.net import is_loopback as _loopback
 
 __all__ = ["Backend", "Registry", "RegistrationError", "Heartbeat", "layout_reasons"]
 
+log = logging.getLogger(__name__)
 _HOST = re.compile(r"^([A-Za-z0-9_][A-Za-z0-9_.-]{0,252}|[0-9A-Fa-f:.]+(%[A-Za-z0-9_.-]+)?)$")
 _TOKEN = re.compile(r"^[\x21-\x7e]{1,4096}$")
 #: health checks in flight at once
@@ -54,6 +57,27 @@ def _router_id(body: bytes) -> str:
         return str(msgspec.json.decode(body).get("dlmix_router"))
     except (msgspec.DecodeError, AttributeError):
         return "?"
+
+
+def _ip_literal(host: str) -> Optional[ipaddress.IPv4Address | ipaddress.IPv6Address]:
+    """The address ``host`` denotes when it is an IP literal in any form the system resolver accepts (dotted quad,
+    the legacy ``127.1`` / ``2130706433`` / ``0x7f000001`` / octal forms, IPv6 with an IPv4-mapped address unwrapped),
+    else None (a name: not resolved here)."""
+    import socket
+
+    h = host.split("%")[0]
+    try:
+        ip = ipaddress.ip_address(h)
+    except ValueError:
+        if not h or not all(c in "0123456789abcdefx." for c in h):
+            return None
+        try:
+            ip = ipaddress.IPv4Address(socket.inet_aton(h))
+        except OSError:
+            return None
+    if ip.version == 6 and ip.ipv4_mapped is not None:
+        ip = ip.ipv4_mapped
+    return ip
 
 
 class Heartbeat(msgspec.Struct, forbid_unknown_fields=True):
@@ -327,6 +351,7 @@ class Registry:
                 lk = self.catalog.link(transport)
             except KeyError as ex:  # unknown link name: keep the descriptor, price it as the default link
                 extra["transport_warning"] = str(ex.args[0])
+                log.warning("instance %s: transport %s; priced as the default link", reg.id or url, ex.args[0])
                 transport = dict(transport, link=None)
             except (TypeError, ValueError, AttributeError, RecursionError) as ex:
                 raise RegistrationError(400, f"bad transport: {ex}") from None
@@ -361,8 +386,17 @@ class Registry:
         if not port or port != self.cfg.port or not self.cfg.port:
             return None
         h = host.lower().strip("[]")
-        if h in self._self_names():
+        names = self._self_names()
+        if h in names or h.rstrip(".") in names:  # "localhost." is the same name as "localhost"
             return f"{host}:{port} is this router's own listening address"
+        ip = _ip_literal(h)
+        if ip is not None:
+            bind = (self.cfg.host or "").lower().strip("[]")
+            local = bind in ("", "0.0.0.0", "::") or _loopback(bind)
+            # every spelling the resolver takes for a loopback or wildcard address (127.0.0.2, 127.1, 2130706433,
+            # 0x7f000001, ::ffff:127.0.0.1, 0) reaches a router listening on loopback or on all addresses
+            if (local and (ip.is_loopback or ip.is_unspecified)) or str(ip) in names:
+                return f"{host}:{port} is this router's own listening address"
         return None
 
     def _self_names(self) -> set:
@@ -678,10 +712,14 @@ class Registry:
     def describe(i: InstanceState) -> dict:
         """JSON-able view of an instance (admin list): identity, health, load and calibration."""
         ld = i.load
-        return {"id": i.id, "url": i.url, "engine": i.engine, "role": i.role, "model": list(i.model),
-                "cluster": i.cluster, "chip": i.chip, "num_chips": i.num_chips, "block_size": i.block_size,
-                "healthy": i.healthy, "draining": i.draining, "loop": i.extra.get("_loop"), "slot": i.slot, "kv_events": i.kv_events,
-                "transport": i.transport, "ttft_ratio": i.ttft_ratio, "itl_ratio": i.itl_ratio,
-                "load": {"inflight": ld.inflight, "inflight_prefill_tokens": ld.inflight_prefill_tokens,
-                         "inflight_decode": ld.inflight_decode, "waiting": ld.waiting, "running": ld.running,
-                         "kv_usage": ld.kv_usage, "processed": ld.processed}}
+        d = {"id": i.id, "url": i.url, "engine": i.engine, "role": i.role, "model": list(i.model),
+             "cluster": i.cluster, "chip": i.chip, "num_chips": i.num_chips, "block_size": i.block_size,
+             "healthy": i.healthy, "draining": i.draining, "loop": i.extra.get("_loop"), "slot": i.slot, "kv_events": i.kv_events,
+             "transport": i.transport, "ttft_ratio": i.ttft_ratio, "itl_ratio": i.itl_ratio,
+             "load": {"inflight": ld.inflight, "inflight_prefill_tokens": ld.inflight_prefill_tokens,
+                      "inflight_decode": ld.inflight_decode, "waiting": ld.waiting, "running": ld.running,
+                      "kv_usage": ld.kv_usage, "processed": ld.processed}}
+        warning = i.extra.get("transport_warning")
+        if warning:  # an unknown link name, priced as the default link: say so where the operator looks
+            d["transport_warning"] = f"{warning}; priced as the default link"
+        return d

@@ -99,6 +99,7 @@ class Router:
     """
 
     def __init__(self, cfg: RouterConfig):
+        cfg.validate()
         self.cfg = cfg
         if not cfg.api_keys and not cfg.allow_open and not _is_loopback(cfg.host):
             raise ConfigError(f"refusing to serve {cfg.host} without client api_keys; set api_keys, bind a "
@@ -230,7 +231,8 @@ class Router:
 
     async def start(self) -> None:
         """Listen on ``cfg.host:cfg.port`` and start health checks and KV-event subscribers."""
-        self.hub = proxy.Hub(self.limits)
+        # the HTTP layer's own answers (408, 413, 414, 431, 503 over max_connections...) count as answers too
+        self.hub = proxy.Hub(self.limits, on_answer=self.metrics.answer if self.metrics is not None else None)
         self._server = await proxy.serve(self.handle, self.cfg.host, self.cfg.port,
                                          fast=self.fast if self.cfg.fast_path else None, hub=self.hub)
         if self.cfg.port == 0:

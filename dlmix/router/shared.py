@@ -579,10 +579,12 @@ class SharedState:
         gone = old.state.id if old is not None and old.state.id != st.id and old.state.id in self._applied else None
         stale = [self._key(kind, gone) for kind in ("instances", "alive", "drain", "calib")] if gone else []
         key = self._key("instances", st.id)
+        written = None
         try:
             # ``before``: what the store held under the key just before this write (not what this replica had applied:
             # another replica may have written the key since), the value a refused write is undone to
             rev, before = await self.client.txn_prev(key, value, stale)
+            written = (rev, before)
             await self._until_applied(rev)  # older changes first (no-op below when the watch applied it)
             self._apply(Event("put", key, value, 0, rev))
             for k in stale:
@@ -594,10 +596,24 @@ class SharedState:
                 rev = await self.client.put(self._key("alive", st.id), b"{}", lease)
                 self._apply(Event("put", self._key("alive", st.id), b"{}", lease, rev))
         except EtcdError as ex:
+            if written is not None:  # the registration is in the store but its lease is not: the client is told
+                await self._undo_write(st.id, key, *written)  # "refused", so take the write back out
             return self._refuse("registration", ex)
         if st.id not in reg.backends:  # another change won meanwhile (e.g. a removal by another replica)
             return 409, {"error": f"{st.id} was changed by another router replica meanwhile; retry", "reasons": []}
         return 201, {"id": st.id, "slot": reg.backends[st.id].state.slot}
+
+    async def _undo_write(self, iid: str, key: str, rev: int, before: Optional[bytes]) -> None:
+        """Take the registration written at ``rev`` back out of etcd (unless someone changed ``key`` since) after a
+        later step of the same registration failed (its lease grant), and apply that here: before, the instance
+        stayed registered on every replica, for good (no lease), while its client got 503 "registration refused"."""
+        try:
+            undone = await self.client.undo_if_unchanged(key, rev, before)
+        except EtcdError as ex:
+            log.warning("router replica: could not undo the failed registration of %s: %s", iid, ex)
+            return
+        if undone:
+            self._apply(Event("delete", key, b"", 0, undone) if before is None else Event("put", key, before, 0, undone))
 
     async def _refused_after_write(self, body: dict, iid: str, key: str, rev: int,
                                    before: Optional[bytes]) -> Tuple[int, dict]:

@@ -72,6 +72,10 @@ def _canned_responses() -> tuple:
     return plain, sse
 
 
+#: the most tokens one mock answer may ask for (more: 400, as vLLM refuses more than its context); tests stream up to
+#: tens of thousands, a hostile 1e23 made the mock build that many words (the process froze and grew by GBs)
+MAX_TOKENS = 1 << 20
+
 class MockEngine:
     """One mock engine. ``await start(port, host)`` -> ``self.url``; ``await stop()``.
 
@@ -284,6 +288,11 @@ class MockEngine:
         n = d.get("max_tokens", 16) if n is None else n
         if not isinstance(n, int) or n < 1:
             return conn.send(400, _enc.encode({"error": {"message": f"max_tokens must be at least 1, got {n}.",
+                                                         "type": "BadRequestError", "param": "max_tokens",
+                                                         "code": 400}}))
+        if n > MAX_TOKENS:  # as vLLM: not more than it can hold (1e23 froze the process and ate its memory)
+            return conn.send(400, _enc.encode({"error": {"message": f"max_tokens must be at most {MAX_TOKENS} "
+                                                                    f"(the mock's limit), got {n}.",
                                                          "type": "BadRequestError", "param": "max_tokens",
                                                          "code": 400}}))
         if d.get("model") not in (None, self.model):
