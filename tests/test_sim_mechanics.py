@@ -520,3 +520,15 @@ def test_sim_cli_refuses_huge_synthetic_workloads():
     base = ["-d", "homog_h100x4", "-w", "synthetic"]
     assert "groups × per_group must be at most 100000" in _sim_cli_error(base + ["--groups", "100000000"])
     assert "prefix_len + suffix_len must be at most 1048576" in _sim_cli_error(base + ["--prefix-len", "1000000000"])
+
+
+def test_sim_names_its_own_synthetic_flags_for_the_planners_spelling():
+    """``dlmix plan -w synthetic:groups=4,...`` then ``dlmix sim ... -w synthetic:groups=4,...`` (the same spelling):
+    sim said "trace 'synthetic:groups=4' not found"; it names its own flags instead (exit 2)."""
+    from typer.testing import CliRunner
+
+    from dlmix.cli import app
+
+    res = CliRunner().invoke(app, ["sim", "-d", "homog_h100x4", "-w", "synthetic:groups=4,per_group=4"])
+    assert res.exit_code == 2, res.output
+    assert "dlmix sim takes -w synthetic with its own flags (--groups, --per-group" in " ".join(res.output.split())
