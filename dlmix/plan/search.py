@@ -42,6 +42,8 @@ __all__ = ["GroupChoice", "Candidate", "Planner", "PlanResult", "RATE_GRID", "RO
 
 ROLES = ("prefill", "decode", "both")
 RATE_GRID = 1.07
+#: how a candidate's ``note`` starts when its goodput is only a lower bound (the sample met the SLO at every rate tried)
+UNBOUNDED_NOTE = "goodput is a lower bound"
 DEFAULTS = {"max_num_batched_tokens": 8192, "max_num_seqs": 256, "t_step": 0.002, "gpu_memory_utilization": 0.9}
 REFINE_POLICIES = ("least_load", "prefix")
 REFINE_BLOCKS = (32, 128)
@@ -428,6 +430,10 @@ class Planner:
                 hi = mid
         c.goodput = RATE_GRID ** lo
         c.summary = cache[lo]
+        if hi is None:  # the sample never missed the SLO: the rate is where the search stopped, not a limit
+            c.note = (f"{UNBOUNDED_NOTE}: the {len(self.wl.requests)}-request sample met the SLO at every rate tried, "
+                      f"up to {c.goodput:.4g} req/s, so goodputs and their ranking say little; plan with more requests "
+                      "(-n, or a longer trace)")
         if c.analytic > 0:
             self.kappa.append(c.goodput / c.analytic)
         return c
@@ -541,9 +547,12 @@ class Planner:
         if not feasible:
             reasons = self.sim_reasons(best)
         alts = [c for c in sim[1:] if (c.goodput or 0) > 0][:3]
+        notes = list(self.notes)
+        if feasible and best.note.startswith(UNBOUNDED_NOTE):
+            notes.append(f"predicted {best.note}")
         return PlanResult(feasible, best if feasible else None, alts, pareto_front(sim), sim, reasons, n_an,
                           self.sims, time.perf_counter() - t0, self.rate, self.slo, self.inv, self.model, self.wl,
-                          time.process_time() - c0, list(self.notes), self.excluded_requests)
+                          time.process_time() - c0, notes, self.excluded_requests)
 
     def _sim_order(self, c: Candidate):
         g = c.goodput or 0.0
