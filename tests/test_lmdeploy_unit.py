@@ -695,3 +695,58 @@ print("ok")
     out = subprocess.run([py, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.split() == ["ok"], out.stdout
+
+
+def test_pulls_do_not_occupy_the_event_loops_default_executor():
+    """The migration batch's pulls run on their own threads, not on the event loop's default executor, which
+    LMDeploy's engine itself needs (its multiprocess executor's barrier waits, guided decoding): before, pulls
+    waiting on silent prefills occupied it (``min(32, cpus + 4)`` threads) and the engine's own work waited."""
+    from dlmix_lmdeploy import testing as T
+
+    py = T.lmdeploy_python()
+    if py is None:
+        pytest.skip("no LMDeploy venv (run scripts/setup_lmdeploy.sh, or set DLMIX_LMDEPLOY_VENV)")
+    code = """
+import asyncio, threading
+from concurrent.futures import ThreadPoolExecutor
+from types import SimpleNamespace as NS
+import lmdeploy.pytorch.disagg.backend.backend
+from dlmix.pd.consumer import PullResult
+from dlmix.pd.settings import EndpointSettings
+import dlmix_lmdeploy.backend as backend
+from dlmix_lmdeploy.patches import _dlmix_migrate
+
+release = threading.Event()
+
+class FakeRank:
+    endpoint_settings = EndpointSettings(pull_threads=6)
+
+    def pull(self, engine, session, rblocks, local, ids):
+        release.wait(20)  # prefills that do not answer
+        return PullResult(loaded_upto=0, error="TransferTimeout: silent", failed_block_ids=local)
+
+backend._rank = FakeRank()
+msgs = [NS(session_id=s, num_all_ids=3, all_ids=[1, 2, 3],
+           migration_request=NS(is_dummy_prefill=False, remote_engine_id="silent", remote_session_id=s + 100,
+                                remote_block_ids=[s]))
+        for s in range(6)]
+loop = NS(scheduler=NS(get_block_tables=lambda ms: [[10 + ms[0].session_id]]))
+
+async def main():
+    aloop = asyncio.get_running_loop()
+    aloop.set_default_executor(ThreadPoolExecutor(6))  # min(32, cpus + 4) on a 2-core host
+    task = asyncio.ensure_future(_dlmix_migrate(loop, msgs))
+    await asyncio.sleep(0.5)
+    try:  # the engine's own executor work (a barrier wait of its multiprocess executor)
+        ok = await asyncio.wait_for(aloop.run_in_executor(None, lambda: "engine"), 3) == "engine"
+    except asyncio.TimeoutError:
+        ok = False
+    release.set()
+    await task
+    return ok
+
+print("ok" if asyncio.run(main()) else "starved")
+"""
+    out = subprocess.run([py, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split() == ["ok"], out.stdout

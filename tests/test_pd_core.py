@@ -551,3 +551,40 @@ def test_pulls_from_several_threads_overlap_asking_and_take_turns_in_staging():
         p.close()
         d.close()
         silent.close()
+
+
+def test_a_pull_waiting_its_staging_turn_keeps_its_grant():
+    """A pull that has its grant and waits for the staging region longer than the producer's ``io_timeout_s``
+    (another pull of the rank holds it for 3 s) keeps its hold and grant alive with extends while it waits, then
+    reads exact bytes. Before, its extend came only after the wait: the grant had expired (GrantError) and the
+    engine recomputed the prompt."""
+    import threading
+
+    lay = _layout(bs=32, dtype="fp32")
+    n = 64
+    pc, dc = allocate(lay, 8), allocate(lay, 8)
+    ref = fill_tokens(lay, pc, [0, 1], n, seed=3)
+    p = KVEndpoint("tcp", "p-wait", SECRET, "127.0.0.1", 0, lay, pc, 0, io_timeout_s=1.0, hold_timeout_s=1.0)
+    d = KVEndpoint("tcp", "d-wait", SECRET, "127.0.0.1", 0, lay, dc, 4 * lay.block_bytes(), io_timeout_s=1.0)
+    try:
+        p.add_hold("r", [0, 1], n, prompt_digest(range(n)))
+        out = {}
+        lock = d.consumer._pull_lock
+        lock.acquire()  # another pull of this rank has a long staging turn (3 s, > io_timeout_s)
+        t = threading.Thread(target=lambda: out.update(r=d.pull(p.descriptor(), "r", [0, 1], 0, n, [4, 5],
+                                                                  src_layout=lay, digest=prompt_digest(range(n)))))
+        t.start()
+        stop = time.monotonic() + 3.0
+        while time.monotonic() < stop:  # the prefill engine's poll loop
+            p.take_finished()
+            time.sleep(0.1)
+        lock.release()
+        t.join(30)
+        res = out["r"]
+        assert res.error is None and res.loaded_upto == n, res
+        for tok in range(n):
+            k, v = read_kv(lay, dc, [4, 5], tok, 0)
+            assert torch.equal(k, ref[(tok, 0)][0]) and torch.equal(v, ref[(tok, 0)][1])
+    finally:
+        p.close()
+        d.close()

@@ -143,3 +143,13 @@ def test_validate_accepts_the_defaults_and_the_documented_edges():
         RouterConfig(port=65536).validate()
     with pytest.raises(ConfigError, match="retries must be an integer >= 0"):
         RouterConfig(retries=1.5).validate()
+
+
+def test_router_default_heartbeat_ttl_above_etcds_longest_lease_is_refused():
+    """The router's default ``heartbeat_ttl_s`` is bounded like a registration's own (etcd's longest lease): a larger
+    one made every registration that names no TTL a 503 with etcd."""
+    from dlmix.pd.registration import MAX_HEARTBEAT_TTL_S
+
+    RouterConfig(heartbeat_ttl_s=MAX_HEARTBEAT_TTL_S).validate()
+    with pytest.raises(ConfigError, match="heartbeat_ttl_s"):
+        RouterConfig(heartbeat_ttl_s=1e12).validate()

@@ -126,3 +126,17 @@ def test_catalog_refuses_non_finite_and_non_positive_figures(tmp_path, line):
                  f"    {line}\n")
     with pytest.raises(CatalogError, match=r"must be a finite number|figures must be > 0"):
         load_catalog([f])
+
+
+def test_fp16_tflops_zero_is_refused(tmp_path):
+    f = tmp_path / "c.yaml"
+    f.write_text("chips:\n  X1:\n    vendor: NVIDIA\n    bf16_tflops: 100\n    mem_bw_gbps: 1000\n    mem_gb: 80\n"
+                 "    fp16_tflops: 0\n")
+    with pytest.raises(CatalogError, match="figures must be > 0"):
+        load_catalog([f])
+
+
+def test_fp16_tflops_absent_is_the_bf16_figure(tmp_path):
+    f = tmp_path / "c.yaml"
+    f.write_text("chips:\n  X1:\n    vendor: NVIDIA\n    bf16_tflops: 100\n    mem_bw_gbps: 1000\n    mem_gb: 80\n")
+    assert load_catalog([f]).chip("X1").fp16_tflops == 100.0

@@ -229,7 +229,8 @@ def _load_into(cat: Catalog, data: dict, origin: str) -> None:
         if missing:
             raise CatalogError(f"{origin}: chip {name!r} lacks {', '.join(missing)}")
         vals = {k: _figure(origin, name, k, merged[k]) for k in ("bf16_tflops", "mem_bw_gbps", "mem_gb")}
-        fp16 = _figure(origin, name, "fp16_tflops", merged.get("fp16_tflops") or vals["bf16_tflops"])
+        fp16 = merged.get("fp16_tflops")  # absent: the bf16 figure; 0 is a bad figure, refused below
+        fp16 = _figure(origin, name, "fp16_tflops", vals["bf16_tflops"] if fp16 in (None, "") else fp16)
         mfu = _figure(origin, name, "mfu", merged.get("mfu", 0.5))
         eff = _figure(origin, name, "bw_eff", merged.get("bw_eff", 0.8))
         if min(*vals.values(), fp16) <= 0 or not (0 < mfu <= 1) or not (0 < eff <= 1):  # fp16_tflops too

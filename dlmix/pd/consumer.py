@@ -14,11 +14,12 @@ A cancelled pull stops at the next round boundary, so freed destination blocks a
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from dlmix.kv.layout import KVLayout
 
@@ -353,7 +354,7 @@ class Consumer:
         ddev = _device_of(dst_layers)
         on_device = ddev != self.staging.device
         queued = time.monotonic()
-        with self._pull_lock:
+        with self._staging_turn(rid, spec, cancelled):
             waited = res.staging_wait_s = time.monotonic() - queued
             c0 = b0
             while c0 < b1:
@@ -403,6 +404,23 @@ class Consumer:
                     _synchronize(ddev)
                 res.loaded_upto = t1
                 c0 = c1
+
+    @contextlib.contextmanager
+    def _staging_turn(self, rid: str, spec: list, cancelled: Callable[[], bool]) -> Iterator[None]:
+        """Hold the staging region for one pull. While another pull of this rank has it, keep this pull's prefill
+        holds and grants alive (an ``Extend`` about every second: a producer drops a granted hold ``io_timeout_s``
+        after the last want or extend, and a queued turn can last longer than that) and give up when the request
+        is cancelled."""
+        beat = max(0.05, min(1.0, self.io_timeout_s / 4))
+        while not self._pull_lock.acquire(timeout=beat):
+            if cancelled():
+                raise RuntimeError("cancelled: the decode request finished before its KV arrived")
+            for peer, *_rest in spec:
+                self.t.notify(peer, encode(Extend(req=rid)))
+        try:
+            yield
+        finally:
+            self._pull_lock.release()
 
     def _device_buffer(self, device: Any) -> Any:
         """A device buffer the size of the staging region (allocated once per device)."""

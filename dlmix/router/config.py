@@ -132,6 +132,12 @@ class RouterConfig:
             ok = ok and math.isfinite(v) and (v >= low if inclusive else v > low)
             if ok and k == "port":
                 ok = v <= 65535
+            if ok and k == "heartbeat_ttl_s":  # a registration's own TTL is bounded the same way (etcd's MaxLeaseTTL)
+                from dlmix.pd.registration import MAX_HEARTBEAT_TTL_S
+
+                if v > MAX_HEARTBEAT_TTL_S:
+                    raise ConfigError(f"router config key {k} must be at most {MAX_HEARTBEAT_TTL_S:g} s (etcd's "
+                                      f"longest lease), got {v!r}")
             if not ok:
                 if k == "port":
                     want = "an integer in 0..65535"

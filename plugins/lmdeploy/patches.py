@@ -34,8 +34,11 @@ Where each patch goes, and why (LMDeploy 0.18 sources):
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
 
 log = logging.getLogger("dlmix_lmdeploy")
@@ -187,6 +190,21 @@ def _engine_loop(m: Any) -> None:
     _wrap(m.EngineLoop, "_migration_loop_process_ready", make_process_ready)
 
 
+_pull_pool: ThreadPoolExecutor | None = None
+_pull_pool_lock = threading.Lock()
+
+
+def _pull_executor(n: int) -> ThreadPoolExecutor:
+    """The decode's own pull threads (``pull_threads`` of them, made once). Not the event loop's default executor:
+    that one has only ``min(32, cpus + 4)`` threads and LMDeploy's engine needs it too (its multiprocess executor's
+    barrier waits, guided decoding), so pulls waiting on a silent prefill must not occupy it."""
+    global _pull_pool
+    with _pull_pool_lock:
+        if _pull_pool is None:
+            _pull_pool = ThreadPoolExecutor(max_workers=n, thread_name_prefix="dlmix-lmdeploy-pull")
+        return _pull_pool
+
+
 async def _dlmix_migrate(loop: Any, migration_ready: Any) -> dict[int, str]:
     """Pull every ready request's KV through the core (which also releases the prefill's hold), up to
     ``pull_threads`` at once (their connects and grant exchanges overlap, so a prefill that does not answer holds up
@@ -195,7 +213,9 @@ async def _dlmix_migrate(loop: Any, migration_ready: Any) -> dict[int, str]:
     rank = current()
     failed: dict[int, str] = {}
     settings = rank.endpoint_settings
-    at_once = asyncio.Semaphore(settings.pull_threads if settings is not None else 1)
+    n = settings.pull_threads if settings is not None else 1
+    at_once = asyncio.Semaphore(n)
+    pool = _pull_executor(n)
 
     async def one(msg: Any) -> None:
         mr = msg.migration_request
@@ -203,8 +223,8 @@ async def _dlmix_migrate(loop: Any, migration_ready: Any) -> dict[int, str]:
             local = [int(b) for b in loop.scheduler.get_block_tables([msg])[0]]
             ids = _prompt_ids(msg, int(msg.num_all_ids))
             async with at_once:
-                res = await asyncio.to_thread(rank.pull, mr.remote_engine_id, mr.remote_session_id,
-                                              list(mr.remote_block_ids), local, ids)
+                res = await asyncio.get_running_loop().run_in_executor(pool, functools.partial(
+                    rank.pull, mr.remote_engine_id, mr.remote_session_id, list(mr.remote_block_ids), local, ids))
         except Exception as e:
             failed[msg.session_id] = f"{type(e).__name__}: {e}"
             log.exception("DLMix: session %s not migrated", msg.session_id)
