@@ -455,6 +455,7 @@ class Endpoint(Transport):
         self._out: dict[str, list[_Conn]] = {}
         self._in: dict[str, list[_Conn]] = {}
         self._desc: dict[str, dict] = {}
+        self._dialing: dict[str, list] = {}  # peer -> [lock, waiters]: one link set-up per peer at a time
         self._xfers: dict[int, _Xfer] = {}
         self._ids = itertools.count(1)
         self._rr = itertools.count()
@@ -697,7 +698,7 @@ class Endpoint(Transport):
             live = [c for c in self._out.get(peer, []) if c.alive]
         if not live:
             try:
-                self._open_link(peer, timeout)
+                self._link_once(peer, timeout)
             except BaseException:
                 # a peer that could not be reached is not remembered (descriptors come from requests: a failed
                 # connect per made-up name would otherwise keep its descriptor for good)
@@ -709,6 +710,32 @@ class Endpoint(Transport):
                             self._desc[peer] = prev
                 raise
         return peer
+
+    def _link_once(self, peer: str, timeout: float) -> None:
+        """Open the link to ``peer`` unless a concurrent connect to it opened one meanwhile. Connects to one peer from
+        several threads (a decode's pull threads) set the link up one after another, so the later ones reuse the
+        first's connections instead of each opening its own stripes (and, for an adapter, re-adding the peer under a
+        transfer in flight). The whole wait, queue included, is bounded by ``timeout`` (TransferTimeout)."""
+        deadline = time.monotonic() + timeout
+        with self._lock:
+            ent = self._dialing.setdefault(peer, [threading.Lock(), 0])
+            ent[1] += 1
+        try:
+            if not ent[0].acquire(timeout=timeout):
+                raise TransferTimeout(f"connect to {peer} timed out after {timeout:.1f} s (another connect to it "
+                                      "was still setting the link up)")
+            try:
+                with self._lock:
+                    live = [c for c in self._out.get(peer, []) if c.alive]
+                if not live:
+                    self._open_link(peer, max(1e-3, deadline - time.monotonic()))
+            finally:
+                ent[0].release()
+        finally:
+            with self._lock:
+                ent[1] -= 1
+                if ent[1] == 0 and self._dialing.get(peer) is ent:
+                    del self._dialing[peer]
 
     def _open_link(self, peer: str, timeout: float) -> list[_Conn]:
         desc = self._desc[peer]

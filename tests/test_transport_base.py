@@ -1036,3 +1036,49 @@ def test_a_pointer_region_of_booleans_is_refused():
                 t.register("r", bad)
     finally:
         t.close()
+
+
+def test_concurrent_first_connects_to_one_peer_set_up_one_link():
+    """Four threads connect to a new peer at once (a decode's pull threads, each for its own request): the link is set
+    up once, ``stripes`` connections, and every thread gets it. Before, each thread that found no live connection
+    dialed its own stripes (8 connections instead of 2, never trimmed; an adapter re-added the peer under a transfer
+    in flight). A connect waiting behind a silent peer's set-up gives up at its own timeout."""
+    import threading
+
+    from dlmix_kv_connectors import TransferTimeout
+
+    a = make_transport("tcp", name="a4", secret="s", stripes=2)
+    b = make_transport("tcp", name="b4", secret="s")
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(8)
+    try:
+        start, errors = threading.Barrier(4), []
+
+        def go():
+            start.wait()
+            try:
+                assert a.connect(b.descriptor(), timeout_s=10) == "b4"
+            except Exception as e:  # noqa: BLE001 - reported below
+                errors.append(e)
+
+        threads = [threading.Thread(target=go) for _ in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+        assert errors == [] and len([c for c in a._out["b4"] if c.alive]) == 2, (errors, a._out["b4"])
+        desc = {"kind": "tcp", "name": "quiet", "host": "127.0.0.1", "port": silent.getsockname()[1]}
+        first = threading.Thread(target=lambda: pytest.raises(Exception, a.connect, desc, timeout_s=3))
+        first.start()
+        time.sleep(0.3)
+        t0 = time.monotonic()
+        with pytest.raises(TransferTimeout):
+            a.connect(desc, timeout_s=1)  # queued behind the first set-up: bounded by its own timeout
+        assert time.monotonic() - t0 < 2.5
+        first.join(10)
+        assert a._dialing == {}
+    finally:
+        a.close()
+        b.close()
+        silent.close()
