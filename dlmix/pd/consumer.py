@@ -29,6 +29,9 @@ from .pair import check_pair, layout_of
 
 log = logging.getLogger("dlmix.pd.consumer")
 
+#: the error of a pull whose request finished (cancelled) before its KV arrived
+_CANCELLED = "cancelled: the decode request finished before its KV arrived"
+
 __all__ = ["Claim", "PullResult", "Consumer", "claim", "failed_blocks"]
 
 
@@ -354,16 +357,13 @@ class Consumer:
         ddev = _device_of(dst_layers)
         on_device = ddev != self.staging.device
         queued = time.monotonic()
-        with self._staging_turn(rid, spec, cancelled):
-            waited = res.staging_wait_s = time.monotonic() - queued
+        with self._staging_turn(rid, spec, cancelled):  # extends the holds while it waits
+            res.staging_wait_s = time.monotonic() - queued
             c0 = b0
             while c0 < b1:
                 if cancelled():
-                    raise RuntimeError("cancelled: the decode request finished before its KV arrived")
-                # a long transfer, or a turn at the staging region that came late (pulls of one rank overlap their
-                # asking but take turns in staging): keep the prefill holds (and grants) alive for the next round
-                if c0 > b0 or waited > 1.0:
-                    waited = 0.0
+                    raise RuntimeError(_CANCELLED)
+                if c0 > b0:  # a long transfer: keep the prefill holds (and grants) alive for the next round
                     for peer, *_rest in spec:
                         self.t.notify(peer, encode(Extend(req=rid)))
                 c1 = min(b1, c0 + cap)
@@ -414,7 +414,7 @@ class Consumer:
         beat = max(0.05, min(1.0, self.io_timeout_s / 4))
         while not self._pull_lock.acquire(timeout=beat):
             if cancelled():
-                raise RuntimeError("cancelled: the decode request finished before its KV arrived")
+                raise RuntimeError(_CANCELLED)
             for peer, *_rest in spec:
                 self.t.notify(peer, encode(Extend(req=rid)))
         try:

@@ -49,6 +49,7 @@ from typing import Any, Dict, List, Optional
 import yaml
 
 from dlmix.errors import ConfigError as _BaseConfigError
+from dlmix.pd.registration import MAX_HEARTBEAT_TTL_S
 
 
 class ConfigError(_BaseConfigError):
@@ -108,15 +109,19 @@ class RouterConfig:
     etcd_timeout_s: float = 2.0
     etcd_allow_open: bool = False
 
-    #: numeric keys and the range each must lie in: ``(low, low_inclusive)``; every one must be finite
-    _RANGES = {"port": (0, True), "health_interval_s": (0, False), "health_timeout_s": (0, False),
-               "health_failures": (1, True), "heartbeat_ttl_s": (0, True), "breaker_failures": (1, True),
-               "breaker_cooldown_s": (0, True), "prefill_timeout_s": (0, False), "connect_timeout_s": (0, False),
-               "retries": (0, True), "approx_index_capacity": (1, True), "default_block_size": (1, True),
-               "metrics_instance_series": (0, True), "max_body_mb": (0, False), "max_url_bytes": (1, True),
-               "max_header_bytes": (1, True), "max_headers": (1, True), "header_timeout_s": (0, False),
-               "body_timeout_s": (0, False), "keepalive_timeout_s": (0, False), "linger_timeout_s": (0, False),
-               "max_connections": (1, True), "backend_read_timeout_s": (0, False), "etcd_timeout_s": (0, False)}
+    #: numeric keys and the range each must lie in: ``(low, low_inclusive, high)`` (``high`` inclusive, None: no
+    #: bound); every one must be finite. ``heartbeat_ttl_s``: etcd's longest lease, as a registration's own TTL.
+    _RANGES = {"port": (0, True, 65535), "health_interval_s": (0, False, None), "health_timeout_s": (0, False, None),
+               "health_failures": (1, True, None), "heartbeat_ttl_s": (0, True, MAX_HEARTBEAT_TTL_S),
+               "breaker_failures": (1, True, None), "breaker_cooldown_s": (0, True, None),
+               "prefill_timeout_s": (0, False, None), "connect_timeout_s": (0, False, None),
+               "retries": (0, True, None), "approx_index_capacity": (1, True, None),
+               "default_block_size": (1, True, None), "metrics_instance_series": (0, True, None),
+               "max_body_mb": (0, False, None), "max_url_bytes": (1, True, None), "max_header_bytes": (1, True, None),
+               "max_headers": (1, True, None), "header_timeout_s": (0, False, None),
+               "body_timeout_s": (0, False, None), "keepalive_timeout_s": (0, False, None),
+               "linger_timeout_s": (0, False, None), "max_connections": (1, True, None),
+               "backend_read_timeout_s": (0, False, None), "etcd_timeout_s": (0, False, None)}
 
     def validate(self) -> "RouterConfig":
         """Check every numeric key's type and range (``port`` 0..65535, counts integers, times positive and finite).
@@ -125,27 +130,22 @@ class RouterConfig:
         import math
 
         names = {f.name: f for f in dataclasses.fields(self)}
-        for k, (low, inclusive) in self._RANGES.items():
+        for k, (low, inclusive, high) in self._RANGES.items():
             v = getattr(self, k)
             want_int = names[k].type in ("int", int)
             ok = isinstance(v, (int, float)) and not isinstance(v, bool) and (not want_int or isinstance(v, int))
             ok = ok and math.isfinite(v) and (v >= low if inclusive else v > low)
-            if ok and k == "port":
-                ok = v <= 65535
-            if ok and k == "heartbeat_ttl_s":  # a registration's own TTL is bounded the same way (etcd's MaxLeaseTTL)
-                from dlmix.pd.registration import MAX_HEARTBEAT_TTL_S
-
-                if v > MAX_HEARTBEAT_TTL_S:
-                    raise ConfigError(f"router config key {k} must be at most {MAX_HEARTBEAT_TTL_S:g} s (etcd's "
-                                      f"longest lease), got {v!r}")
-            if not ok:
-                if k == "port":
-                    want = "an integer in 0..65535"
-                elif low > 0 or not inclusive:
-                    want = "a positive number" + (" (an integer)" if want_int else " (finite)")
-                else:
-                    want = "an integer >= 0" if want_int else "a finite number >= 0"
-                raise ConfigError(f"router config key {k} must be {want}, got {v!r}")
+            if ok and (high is None or v <= high):
+                continue
+            if k == "port":
+                want = "an integer in 0..65535"
+            elif ok:  # above its bound
+                want = f"at most {high:g}" + (" s (etcd's longest lease)" if k == "heartbeat_ttl_s" else "")
+            elif low > 0 or not inclusive:
+                want = "a positive number" + (" (an integer)" if want_int else " (finite)")
+            else:
+                want = "an integer >= 0" if want_int else "a finite number >= 0"
+            raise ConfigError(f"router config key {k} must be {want}, got {v!r}")
         return self
 
     @classmethod

@@ -213,18 +213,15 @@ async def _dlmix_migrate(loop: Any, migration_ready: Any) -> dict[int, str]:
     rank = current()
     failed: dict[int, str] = {}
     settings = rank.endpoint_settings
-    n = settings.pull_threads if settings is not None else 1
-    at_once = asyncio.Semaphore(n)
-    pool = _pull_executor(n)
+    pool = _pull_executor(settings.pull_threads if settings is not None else 1)  # runs pull_threads at a time
 
     async def one(msg: Any) -> None:
         mr = msg.migration_request
         try:  # one request's failure fails that request only: the batch's other pulls go on
             local = [int(b) for b in loop.scheduler.get_block_tables([msg])[0]]
             ids = _prompt_ids(msg, int(msg.num_all_ids))
-            async with at_once:
-                res = await asyncio.get_running_loop().run_in_executor(pool, functools.partial(
-                    rank.pull, mr.remote_engine_id, mr.remote_session_id, list(mr.remote_block_ids), local, ids))
+            res = await asyncio.get_running_loop().run_in_executor(pool, functools.partial(
+                rank.pull, mr.remote_engine_id, mr.remote_session_id, list(mr.remote_block_ids), local, ids))
         except Exception as e:
             failed[msg.session_id] = f"{type(e).__name__}: {e}"
             log.exception("DLMix: session %s not migrated", msg.session_id)

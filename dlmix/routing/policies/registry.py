@@ -81,6 +81,13 @@ class PolicyRegistry(Mapping[str, Type[Policy]]):
             except (TypeError, ValueError) as ex:
                 self._failed[ep.name] = f"entry point {ep.value!r}: {ex}"
 
+    def _warn_shadowed_once(self) -> None:
+        """:meth:`warn_shadowed` on the first lookup of a policy for use (not on every lookup: it reads the
+        distributions' metadata)."""
+        if not self._checked:
+            self._checked = True
+            self.warn_shadowed()
+
     def warn_shadowed(self) -> None:
         """Warn (RuntimeWarning, once per name) about entry points of :attr:`group` whose name a policy of another
         module already holds (e.g. a plugin named ``cost``): they are never used, which must not pass silently.
@@ -121,9 +128,7 @@ class PolicyRegistry(Mapping[str, Type[Policy]]):
     def get_class(self, name: str) -> Type[Policy]:
         """The class registered as ``name``. Raises ValueError naming the known policies (and why a plugin of that
         name failed to load, if one did)."""
-        if not self._checked:
-            self._checked = True
-            self.warn_shadowed()
+        self._warn_shadowed_once()
         try:
             return self[name]
         except KeyError:
@@ -143,9 +148,7 @@ class PolicyRegistry(Mapping[str, Type[Policy]]):
                 return self.get_class(name)  # raises, with why its plugin failed to load
             serving = [n for n in self if not hasattr(self._classes[n], "bind_simulator")]
             raise ValueError(f"unknown policy {name!r}; choose one of {', '.join(serving)}") from None
-        if not self._checked:
-            self._checked = True
-            self.warn_shadowed()
+        self._warn_shadowed_once()
         if hasattr(cls, "bind_simulator"):
             raise ValueError(f"policy {name!r} runs only in the simulator (dlmix sim): it reads the simulated "
                              "cluster's true state, which a live router does not have")
