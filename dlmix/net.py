@@ -2,22 +2,46 @@
 from __future__ import annotations
 
 import ipaddress
+from typing import Optional, Union
 
-__all__ = ["is_loopback", "url_host"]
+__all__ = ["ip_literal", "is_loopback", "url_host"]
 
 _LOOPBACK_NAMES = frozenset(("localhost", "ip6-localhost", "ip6-loopback"))
 
 
-def is_loopback(host: str) -> bool:
-    """True when ``host`` (an IP literal or a name) is a loopback address: ``127.0.0.0/8``, ``::1`` or one of the
-    standard loopback host names (``localhost``, ``ip6-localhost``, ``ip6-loopback``). Other names are not resolved
-    (False): a name that needs DNS is not treated as loopback. Never raises."""
-    if host in _LOOPBACK_NAMES:
-        return True
+def ip_literal(host: str) -> Optional[Union[ipaddress.IPv4Address, ipaddress.IPv6Address]]:
+    """The address ``host`` denotes when it is an IP literal in any form the system resolver accepts, else None (a
+    name, not resolved here).
+
+    Accepted: dotted quads, IPv6 with or without brackets and zone (``[fe80::1%eth0]``), the legacy IPv4 forms that
+    ``inet_aton`` takes (``127.1``, ``2130706433``, ``0x7f000001``, octal), and an IPv4-mapped IPv6 address, which is
+    unwrapped to its IPv4 address (``::ffff:127.0.0.1`` -> ``127.0.0.1``). Never raises."""
+    import socket
+
+    h = host.strip("[]").split("%")[0].lower()
     try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
+        ip = ipaddress.ip_address(h)
     except ValueError:
-        return False
+        if not h or not all(c in "0123456789abcdefx." for c in h):
+            return None
+        try:
+            ip = ipaddress.IPv4Address(socket.inet_aton(h))
+        except OSError:
+            return None
+    if ip.version == 6 and ip.ipv4_mapped is not None:
+        ip = ip.ipv4_mapped
+    return ip
+
+
+def is_loopback(host: str) -> bool:
+    """True when ``host`` (an IP literal or a name) is a loopback address: ``127.0.0.0/8`` or ``::1`` in any spelling
+    :func:`ip_literal` accepts (``127.1``, ``::ffff:127.0.0.1``, ...), or one of the standard loopback host names
+    (``localhost``, ``ip6-localhost``, ``ip6-loopback``, with or without the root's trailing dot). Other names are not
+    resolved (False): a name that needs DNS is not treated as loopback. Never raises."""
+    if host.lower().rstrip(".") in _LOOPBACK_NAMES:
+        return True
+    ip = ip_literal(host)
+    return ip is not None and ip.is_loopback
 
 
 def url_host(host: str) -> str:

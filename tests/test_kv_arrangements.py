@@ -119,3 +119,35 @@ def test_arrangement_from_an_entry_point(tmp_path: Path) -> None:
                          env={**__import__("os").environ, "PYTHONPATH": ":".join(p for p in env_path if p)})
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.split() == ["ok", "True"]
+
+
+def test_an_entry_point_under_a_taken_name_is_ignored_with_a_warning(tmp_path: Path) -> None:
+    """A class published under a built-in arrangement's name is never used (the built-in keeps the name); the first
+    lookup says so with a RuntimeWarning naming the entry point and the holder (before: silently ignored)."""
+    (tmp_path / "toy_taken.py").write_text(textwrap.dedent('''
+        from dlmix.kv.registry import Arrangement
+
+        class Taken(Arrangement):
+            pass
+    '''))
+    info = tmp_path / "toy_taken-0.1.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: toy-taken\nVersion: 0.1\n")
+    (info / "entry_points.txt").write_text("[dlmix.kv_arrangements]\nvllm_cpu = toy_taken:Taken\n")
+    code = textwrap.dedent("""
+        import sys, warnings
+        sys.path.insert(0, sys.argv[1])
+        from dlmix.kv.registry import arrangement_names, get_arrangement
+        with warnings.catch_warnings(record=True) as w:
+            warnings.simplefilter("always")
+            names = arrangement_names()
+        print(type(get_arrangement("vllm_cpu")).__module__)
+        print("|".join(str(x.message) for x in w if issubclass(x.category, RuntimeWarning)))
+    """)
+    out = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, timeout=300,
+                         env={**__import__("os").environ,
+                              "PYTHONPATH": ":".join(p for p in [str(tmp_path), *sys.path] if p)})
+    assert out.returncode == 0, out.stderr[-3000:]
+    holder, warned = out.stdout.splitlines()
+    assert holder.startswith("dlmix.kv.arrangements")
+    assert "'vllm_cpu' = 'toy_taken:Taken' is ignored" in warned and "dlmix.kv.arrangements" in warned, warned

@@ -13,3 +13,22 @@ def test_loopback_hosts(host):
                                   "", "127.0.0.1:80"])
 def test_other_hosts_are_not_loopback(host):
     assert not is_loopback(host)
+
+
+@pytest.mark.parametrize("host", ["127.1", "2130706433", "0x7f000001", "0177.0.0.1", "::ffff:127.0.0.1",
+                                  "[::ffff:127.0.0.1]", "LOCALHOST", "localhost."])
+def test_every_spelling_the_resolver_takes_for_loopback_is_loopback(host):
+    """A server bound to ``127.1`` listens on 127.0.0.1, and a dual-stack listener sees a local IPv4 peer as
+    ``::ffff:127.0.0.1``: each is loopback, one predicate for the router and the adapters (before: False, so a
+    local peer of a dual-stack SGLang hand-off server was refused as remote)."""
+    assert is_loopback(host)
+
+
+@pytest.mark.parametrize("host,want", [("127.1", "127.0.0.1"), ("2130706433", "127.0.0.1"), ("[fe80::1%eth0]", "fe80::1"),
+                                       ("::ffff:10.0.0.1", "10.0.0.1"), ("0", "0.0.0.0"), ("example.com", None),
+                                       ("deadbeef.com", None), ("", None), ("1.2.3.4:80", None), ("999.1.1.1", None)])
+def test_ip_literal(host, want):
+    from dlmix.net import ip_literal
+
+    got = ip_literal(host)
+    assert (None if got is None else str(got)) == want

@@ -162,6 +162,7 @@ def _load_entry_points() -> None:
     if _entry_points_loaded:
         return
     _entry_points_loaded = True
+    _load_builtins()  # a built-in name is taken whatever was looked up first
     from importlib.metadata import entry_points
 
     for ep in entry_points(group=ENTRY_POINT_GROUP):
@@ -170,8 +171,14 @@ def _load_entry_points() -> None:
         except Exception as e:  # a broken plugin must not break every layout lookup
             warnings.warn(f"KV arrangement entry point {ep.name!r} ({ep.value}) failed to load: {e}", stacklevel=2)
             continue
-        if isinstance(obj, type) and issubclass(obj, Arrangement) and ep.name not in _REGISTRY:
-            register(ep.name)(obj)
+        if isinstance(obj, type) and issubclass(obj, Arrangement):
+            taken = _REGISTRY.get(ep.name)
+            if taken is None:
+                register(ep.name)(obj)
+            elif type(taken) is not obj:  # never used: say so, as the transports and policies do
+                warnings.warn(f"KV arrangement entry point {ep.name!r} = {ep.value!r} is ignored: {ep.name!r} is "
+                              f"taken by {type(taken).__module__}.{type(taken).__qualname__}; publish it under another "
+                              "name", RuntimeWarning, stacklevel=2)
 
 
 def get_arrangement(name: str) -> Arrangement:

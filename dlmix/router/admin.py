@@ -12,12 +12,12 @@ the replica that received them and are shared in the background.
 from __future__ import annotations
 
 import hmac
-import ipaddress
 import inspect
 from typing import Any, Optional
 
 import msgspec
 
+from dlmix.net import is_loopback
 from dlmix.router.proxy import error_body, method_not_allowed, not_found
 from dlmix.router.registry import RegistrationError, Registry
 from dlmix.router.routes import Route, RouteTable
@@ -132,10 +132,7 @@ class AdminAPI:
         if self._auth is not None:
             return self._key_matches(req)
         peer = conn.peer[0] if conn.peer else ""
-        try:
-            return ipaddress.ip_address(peer).is_loopback
-        except ValueError:
-            return False
+        return is_loopback(peer)
 
     def refusal(self) -> bytes:
         """The 401 body for a caller :meth:`allowed` refuses."""

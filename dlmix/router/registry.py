@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import heapq
-import ipaddress
 import logging
 import re
 import time
@@ -34,7 +33,7 @@ from dlmix.router.engines import ENGINES, bridges, can_pair, get_engine, pd_key
 from dlmix.router.proxy import BackendError, Pool, build_request, request
 from dlmix.routing.hashing import BlockHasher
 from dlmix.routing.state import ROLES, InstanceState
-from dlmix.net import is_loopback as _loopback
+from dlmix.net import ip_literal, is_loopback as _loopback
 
 __all__ = ["Backend", "Registry", "RegistrationError", "Heartbeat", "layout_reasons"]
 
@@ -57,27 +56,6 @@ def _router_id(body: bytes) -> str:
         return str(msgspec.json.decode(body).get("dlmix_router"))
     except (msgspec.DecodeError, AttributeError):
         return "?"
-
-
-def _ip_literal(host: str) -> Optional[ipaddress.IPv4Address | ipaddress.IPv6Address]:
-    """The address ``host`` denotes when it is an IP literal in any form the system resolver accepts (dotted quad,
-    the legacy ``127.1`` / ``2130706433`` / ``0x7f000001`` / octal forms, IPv6 with an IPv4-mapped address unwrapped),
-    else None (a name: not resolved here)."""
-    import socket
-
-    h = host.split("%")[0]
-    try:
-        ip = ipaddress.ip_address(h)
-    except ValueError:
-        if not h or not all(c in "0123456789abcdefx." for c in h):
-            return None
-        try:
-            ip = ipaddress.IPv4Address(socket.inet_aton(h))
-        except OSError:
-            return None
-    if ip.version == 6 and ip.ipv4_mapped is not None:
-        ip = ip.ipv4_mapped
-    return ip
 
 
 class Heartbeat(msgspec.Struct, forbid_unknown_fields=True):
@@ -389,7 +367,7 @@ class Registry:
         names = self._self_names()
         if h in names or h.rstrip(".") in names:  # "localhost." is the same name as "localhost"
             return f"{host}:{port} is this router's own listening address"
-        ip = _ip_literal(h)
+        ip = ip_literal(h)
         if ip is not None:
             bind = (self.cfg.host or "").lower().strip("[]")
             local = bind in ("", "0.0.0.0", "::") or _loopback(bind)
