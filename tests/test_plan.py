@@ -221,6 +221,10 @@ def test_cli_infeasible_and_plan(tmp_path):
     res = CliRunner().invoke(app, ["plan", "-i", str(inv), "-m", "smollm2", "-n", "20", "--block-size", "16"])
     assert res.exit_code == 2 and "--block-size 16: the CPU chip type(s) cpu-x86 run vLLM CPU" in res.output, \
         res.output
+    # a block no chip can hold blames the block size, not the weights (before: "weights do not fit on 1x H100")
+    res = CliRunner().invoke(app, ["plan", "-i", "h100x4_h20x4", "-n", "20", "--block-size", "99999999"])
+    assert res.exit_code == 2 and "one KV block of 99999999 tokens" in res.output and "weights do not" not in \
+        res.output, res.output
 
 
 def test_plan_for_a_fixed_rate_prefers_fewer_chips(wl):

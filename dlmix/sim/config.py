@@ -114,13 +114,19 @@ class Deployment:
 
     def kv_blocks(self, inst: InstanceSpec, model: ModelSpec) -> int:
         """KV capacity of ``inst`` in blocks (explicit ``num_gpu_blocks`` or from chip memory). Raises ConfigError
-        when the weights do not fit."""
+        when the weights do not fit, or one block of ``block_size`` tokens does not fit beside them (each says
+        which)."""
         if inst.num_gpu_blocks:
             return int(inst.num_gpu_blocks)
         chip = self.catalog.chip(inst.chip)
         free = kv_capacity_bytes(chip, model, inst.num_chips, self.gpu_memory_utilization)
         n = int(free // (inst.block_size * model.kv_bytes_per_token_tp(kv_tp(chip, inst.num_chips))))
         if n < 1:
+            if free > 0:  # the weights fit; one block of KV does not
+                raise ConfigError(f"instance {inst.id}: one KV block of {inst.block_size} tokens "
+                                  f"({inst.block_size * model.kv_bytes_per_token_tp(kv_tp(chip, inst.num_chips)):.3g} "
+                                  f"bytes) does not fit in the {free:.3g} bytes left for KV on {inst.num_chips}× "
+                                  f"{inst.chip} after the {model.name or 'model'} weights: use a smaller block size")
             raise ConfigError(f"instance {inst.id}: {model.name or 'model'} weights do not fit on "
                               f"{inst.num_chips}× {inst.chip}")
         return n
