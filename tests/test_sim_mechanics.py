@@ -532,3 +532,15 @@ def test_sim_names_its_own_synthetic_flags_for_the_planners_spelling():
     res = CliRunner().invoke(app, ["sim", "-d", "homog_h100x4", "-w", "synthetic:groups=4,per_group=4"])
     assert res.exit_code == 2, res.output
     assert "dlmix sim takes -w synthetic with its own flags (--groups, --per-group" in " ".join(res.output.split())
+
+
+def test_instances_are_named_by_the_catalogs_chip_name_whatever_the_spelling():
+    """``chip: h100`` and ``chip: H100`` are one chip: instance ids, ``chip`` and ``router_chip`` carry the
+    catalog's name (before: ``h100-prefill-0`` beside ``H100-prefill-1`` in one report)."""
+    from dlmix.sim.config import deployment_from_dict
+
+    dep = deployment_from_dict({"instances": [{"chip": "h100", "role": "prefill", "router_chip": "h20"},
+                                              {"chip": "H100", "role": "prefill"}, {"chip": "h20", "role": "decode"}]})
+    assert [(i.id, i.chip) for i in dep.instances] == [("H100-prefill-0", "H100"), ("H100-prefill-1", "H100"),
+                                                       ("H20-decode-2", "H20")]
+    assert dep.instances[0].router_chip == "H20"

@@ -176,10 +176,10 @@ def deployment_from_dict(d: dict, origin: str = "<dict>", catalog: Optional[Cata
         bad = set(g) - _GROUP_KEYS
         if bad:
             raise ConfigError(f"{origin}: instances[{gi}] has unknown keys {sorted(bad)}")
-        try:
-            cat.chip(g["chip"])
+        try:  # the catalog's own name, whatever the spelling or alias (instance ids and reports use it)
+            g = {**g, "chip": cat.chip(g["chip"]).name}
             if g.get("router_chip"):
-                cat.chip(g["router_chip"])
+                g["router_chip"] = cat.chip(g["router_chip"]).name
         except KeyError as ex:
             raise ConfigError(f"{origin}: instances[{gi}]: {ex.args[0]}") from None
         role = g.get("role", "both")
