@@ -98,14 +98,20 @@ def test_arrangement_from_a_file_outside_the_package(tmp_path: Path, monkeypatch
     assert "toy_hdn" not in ARRANGEMENTS
 
 
+def _distribution(where: Path, module: str, source: str, entry_point: str) -> None:
+    """A bare installed distribution in ``where``: ``module``.py holding ``source`` and a ``.dist-info`` declaring
+    ``entry_point`` (``name = value``) in the ``dlmix.kv_arrangements`` group."""
+    (where / f"{module}.py").write_text(source)
+    info = where / f"{module}-0.1.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {module.replace('_', '-')}\nVersion: 0.1\n")
+    (info / "entry_points.txt").write_text(f"[dlmix.kv_arrangements]\n{entry_point}\n")
+
+
 def test_arrangement_from_an_entry_point(tmp_path: Path) -> None:
     """An installed distribution (here a bare ``.dist-info`` on the path) declares the module in the
     ``dlmix.kv_arrangements`` group; a fresh process finds it by name without importing it first."""
-    (tmp_path / "toy_kv_plugin.py").write_text(PLUGIN)
-    info = tmp_path / "toy_kv_plugin-0.1.dist-info"
-    info.mkdir()
-    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: toy-kv-plugin\nVersion: 0.1\n")
-    (info / "entry_points.txt").write_text("[dlmix.kv_arrangements]\ntoy_hdn = toy_kv_plugin\n")
+    _distribution(tmp_path, "toy_kv_plugin", PLUGIN, "toy_hdn = toy_kv_plugin")
     code = textwrap.dedent("""
         import sys
         sys.path.insert(0, sys.argv[1])
@@ -124,16 +130,8 @@ def test_arrangement_from_an_entry_point(tmp_path: Path) -> None:
 def test_an_entry_point_under_a_taken_name_is_ignored_with_a_warning(tmp_path: Path) -> None:
     """A class published under a built-in arrangement's name is never used (the built-in keeps the name); the first
     lookup says so with a RuntimeWarning naming the entry point and the holder (before: silently ignored)."""
-    (tmp_path / "toy_taken.py").write_text(textwrap.dedent('''
-        from dlmix.kv.registry import Arrangement
-
-        class Taken(Arrangement):
-            pass
-    '''))
-    info = tmp_path / "toy_taken-0.1.dist-info"
-    info.mkdir()
-    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: toy-taken\nVersion: 0.1\n")
-    (info / "entry_points.txt").write_text("[dlmix.kv_arrangements]\nvllm_cpu = toy_taken:Taken\n")
+    _distribution(tmp_path, "toy_taken", "from dlmix.kv.registry import Arrangement\n\n\n"
+                  "class Taken(Arrangement):\n    pass\n", "vllm_cpu = toy_taken:Taken")
     code = textwrap.dedent("""
         import sys, warnings
         sys.path.insert(0, sys.argv[1])
