@@ -66,3 +66,25 @@ def test_parse_goodput_refuses_a_nan_target():
     0.00 (0 %) without an error."""
     with pytest.raises(ValueError, match=r"^--goodput ttft: target must be > 0 ms, got nan$"):
         parse_goodput(["ttft:nan"])
+
+
+def test_the_table_shows_no_latency_for_a_level_where_every_request_failed():
+    """Found by a new user: a level whose requests all failed (LMDeploy refusing token-id prompts) printed
+    ``0.0 / 0.0`` ms for TTFT, TPOT, ITL and E2EL, read as the fastest level; it now prints ``-`` there."""
+    import io
+
+    from rich.console import Console
+
+    from dlmix.bench.report import render_table
+
+    failed = summarize([_r(0.0, [], 0.01, 0, ok=False)] * 4, duration_s=0.6)
+    ok = summarize([_r(0.1, [0.01], 0.11, 2)], duration_s=1.0)
+    data = {"label": "x", "base_url": "http://h", "levels": [
+        {"level": {"label": "conc=2"}, "metrics": failed, "prefix": {}},
+        {"level": {"label": "conc=4"}, "metrics": ok, "prefix": {}}]}
+    out = io.StringIO()
+    render_table(data, Console(file=out, width=200), title="t")
+    rows = {line.split("│")[1].strip(): [c.strip() for c in line.split("│")[2:-1]]
+            for line in out.getvalue().splitlines() if line.startswith("│")}
+    assert rows["conc=2"][:2] == ["0/4", "0.00"] and rows["conc=2"][3:7] == ["-"] * 4, rows
+    assert rows["conc=4"][3] == "100.0 / 100.0", rows

@@ -207,6 +207,35 @@ def test_sglang_config_errors(monkeypatch):
                                              "  - {engine: sglang, role: both, port: 18300}\n")
 
 
+ENGINE_ENV = ("model: m\nrouter: {port: 18000}\ninstances:\n"
+              "  - {name: p, engine: %s, role: prefill, port: 18100}\n"
+              "  - {name: d, engine: %s, role: decode, port: 18200, env: {%s: '%s'}}\n")
+
+
+def test_an_sglang_instances_own_backend_settings_merge_with_the_launch_secret(tmp_path):
+    """Found by a new user setting ``pull_threads`` on an SGLang decode: the instance's own ``DLMIX_SGLANG_CONFIG``
+    replaced the whole variable launch writes, so the decode lost the launch's secret and the router's admin key.
+    Its keys are now merged over them, as for LMDeploy's ``DLMIX_LMDEPLOY_CONFIG``."""
+    dep = Deployment.from_yaml(ENGINE_ENV % ("sglang", "sglang", "DLMIX_SGLANG_CONFIG", '{"pull_threads": 2}'),
+                               "dep.yaml")
+    plans = {p.name: p for p in plan(dep, "s3cret", tmp_path, models={0: "/m", 1: "/m"})}
+    assert json.loads(plans["d"].env["DLMIX_SGLANG_CONFIG"]) == {
+        "shared_secret": "s3cret", "host": "127.0.0.1", "router_admin_key": "s3cret", "pull_threads": 2}
+    assert "pull_threads" not in json.loads(plans["p"].env["DLMIX_SGLANG_CONFIG"])
+
+
+@pytest.mark.parametrize("engine, var", [("sglang", "DLMIX_SGLANG_CONFIG"), ("lmdeploy", "DLMIX_LMDEPLOY_CONFIG")])
+@pytest.mark.parametrize("value", ["0", "65", '"4"', "true", "-1"])
+def test_a_bad_pull_threads_in_an_engines_backend_settings_is_refused_by_the_check(engine, var, value):
+    """Found by a new user: ``pull_threads`` (or any key) in an SGLang or LMDeploy instance's ``env`` passed
+    ``--check`` and the launch, and only the engine refused it at start-up, a minute later (for SGLang, with the
+    launch's secret lost, see above). The file check now runs the backend's own validation and names the field."""
+    msg = _err(ENGINE_ENV % (engine, engine, var, '{"pull_threads": %s}' % value))
+    assert f"instances[1].env.{var}: invalid {var}:" in msg and "pull_threads:" in msg, msg
+    assert "not valid JSON" in _err(ENGINE_ENV % (engine, engine, var, "{pull_threads: 4"))
+    Deployment.from_yaml(ENGINE_ENV % (engine, engine, var, '{"pull_threads": 64}'), "dep.yaml")
+
+
 def test_lmdeploy_pd_plan_builds_lmdeploys_own_command_and_the_engines_register_themselves(tmp_path):
     import yaml
 

@@ -26,7 +26,9 @@ def _f(v: Optional[float], nd: int = 1) -> str:
 
 
 def render_table(data: dict, console: Optional[Console] = None, title: str = "") -> Table:
-    """Print one run (``results.json`` content) as a table: a row per load level."""
+    """Print one run (``results.json`` content) as a table: a row per load level. A level where no request
+    succeeded shows ``-`` for the latencies (its ``results.json`` zeros, as ``vllm bench serve`` writes them, are no
+    measurement: a 0.0 ms TTFT read as the fastest level)."""
     pct = [k for k in data["levels"][0]["metrics"]["ttft_ms"] if k.startswith("p")] if data["levels"] else []
     hi = pct[-1] if pct else "max"
     t = Table(title=title or f"dlmix bench: {data.get('label', '')} -> {data.get('base_url', '')}")
@@ -39,6 +41,8 @@ def render_table(data: dict, console: Optional[Console] = None, title: str = "")
         good = m.get("good_fraction")
 
         def pair(key: str) -> str:
+            if not m["completed"]:
+                return "-"
             return f"{_f(m[key]['median'])} / {_f(m[key].get(hi))}"
 
         t.add_row(lv["level"]["label"], f"{m['completed']}/{m['failed']}", _f(m["request_throughput"], 2),

@@ -31,6 +31,7 @@ Unknown keys are errors (a typo never falls back to a default). See ``examples/*
 """
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any, Dict, List, Literal, Optional, Tuple
 
@@ -593,6 +594,26 @@ def _cross_checks(dep: Deployment, marks: Dict[Path_, Tuple[int, int]], origin: 
             if inst.connector is not None:
                 bad(("instances", i, "connector"), "connector is vLLM's --kv-transfer-config; SGLang's PD uses "
                     "the dlmix transfer backend (settings: env DLMIX_SGLANG_CONFIG)")
+        if inst.engine in ("sglang", "lmdeploy"):
+            # what the engine's backend would refuse at start-up, a minute later (a bad pull_threads, a typo'd key),
+            # with what launch fills in itself (dlmix.launch.runner), the file's keys winning
+            var = "DLMIX_SGLANG_CONFIG" if inst.engine == "sglang" else "DLMIX_LMDEPLOY_CONFIG"
+            own = inst.env.get(var, dep.env.get(var))
+            if own:
+                if inst.engine == "sglang":
+                    from dlmix_sglang.config import load_settings
+                else:
+                    from dlmix_lmdeploy.config import load_settings
+                try:
+                    raw = json.loads(own)
+                except ValueError:
+                    raw = own  # the backend's loader names the variable and the JSON error
+                try:
+                    load_settings({"shared_secret": "-", "host": inst.host, "public_url": inst.url, **raw}
+                                  if isinstance(raw, dict) else own)
+                except ValueError as e:  # DLMixSGLangConfigError / DLMixLMDeployConfigError
+                    where = ("instances", i, "env", var) if var in inst.env else ("env", var)
+                    bad(where, " ".join(str(e).split()))
         if catalog is not None:
             try:
                 catalog.chip(inst.chip)

@@ -202,11 +202,31 @@ def _vllm_spec(dep: Deployment, i: int, model: str, kv_transfer: Optional[dict],
         env=env)
 
 
+def _with_own_settings(launch: dict, env: Dict[str, str], var: str) -> Optional[dict]:
+    """The backend settings launch writes into ``var`` (``launch``: its secret, bind host, router keys) with the
+    keys of the instance's own ``var`` in ``env`` merged over them (the file's keys win; set as a whole variable
+    instead, the instance's value would replace the secret both sides share). The instance's value is taken out of
+    ``env``; when it is not a JSON object it is put back and None returned, so the engine's loader refuses it with
+    the reason (the file check, :meth:`dlmix.launch.config.Deployment.from_yaml`, refuses it first)."""
+    own = env.pop(var, None)
+    if not own:
+        return launch
+    try:
+        mine = json.loads(own)
+    except ValueError:
+        mine = None
+    if not isinstance(mine, dict):
+        env[var] = own
+        return None
+    return {**launch, **mine}
+
+
 def _sglang_spec(dep: Deployment, i: int, model: str, secret: str, kv_events: Optional[str], taken: set
                  ) -> SGLangServerSpec:
     """The :class:`SGLangServerSpec` of instance ``i``: prefill/decode roles use the ``dlmix`` transfer backend
-    (authenticated with the launch's secret, which is also the launched router's admin key, ``router_admin_key``; a
-    prefill gets a free bootstrap port unless ``extra_args`` name one), KV pool ``--max-total-tokens 8192
+    (authenticated with the launch's secret, which is also the launched router's admin key, ``router_admin_key``,
+    plus the keys of the instance's own ``DLMIX_SGLANG_CONFIG`` in ``env``, e.g. ``pull_threads``; a prefill gets a
+    free bootstrap port unless ``extra_args`` name one), KV pool ``--max-total-tokens 8192
     --mem-fraction-static 0.8`` on CPU unless ``extra_args`` set them (the pool is the 8,192 tokens; SGLang refuses to
     start when the free memory dropped by more than the fraction while it loaded its weights, which servers starting
     beside it can cause under a low fraction)."""
@@ -224,6 +244,12 @@ def _sglang_spec(dep: Deployment, i: int, model: str, secret: str, kv_events: Op
         else:
             bp = _free_block(1, taken)
     env = _engine_env(dep, inst)
+    backend = None
+    if mode:
+        # the launch's secret, bind host and router admin key, then the instance's own DLMIX_SGLANG_CONFIG
+        backend = _with_own_settings({"shared_secret": secret, "host": inst.host,
+                                      **({"router_admin_key": secret} if dep.router_enabled() else {})},
+                                     env, "DLMIX_SGLANG_CONFIG")
     return SGLangServerSpec(
         model=model, port=inst.port, host=inst.host, python=inst.python, served_model_name=dep.served_name_of(i),
         dtype=kv.dtype, page_size=kv.block_size, kv_cache_dtype=kv.cache_dtype,
@@ -234,8 +260,7 @@ def _sglang_spec(dep: Deployment, i: int, model: str, secret: str, kv_events: Op
         device=inst.device, disaggregation_mode=mode, bootstrap_port=bp,
         # the launched router's admin key too: its POST /dlmix/handoff (rooms of another engine's prefill for a
         # decode) needs it, and a prefill's own hand-off route then answers only the router
-        backend_config=({"shared_secret": secret, "host": inst.host,
-                         **({"router_admin_key": secret} if dep.router_enabled() else {})} if mode else None),
+        backend_config=backend,
         kv_events=kv_events, taskset_cpus=inst.cpus, extra_args=args, env=env,
         hub_offline=bool(model) and Path(model).is_dir())
 
@@ -267,13 +292,7 @@ def _lmdeploy_spec(dep: Deployment, i: int, model: str, secret: str, router_url:
         # the launch's secret and bind host (PD roles), the router keys, then the instance's own DLMIX_LMDEPLOY_CONFIG
         backend = {"shared_secret": secret, "host": inst.host} if inst.role != "both" else {}
         backend.update(routed)
-        own = env.pop("DLMIX_LMDEPLOY_CONFIG", None)
-        if own:
-            try:
-                backend.update(json.loads(own))
-            except (ValueError, TypeError):
-                env["DLMIX_LMDEPLOY_CONFIG"] = own  # not JSON: the engine refuses it with the reason at start
-                backend = None
+        backend = _with_own_settings(backend, env, "DLMIX_LMDEPLOY_CONFIG")
     return LMDeployServerSpec(
         model=model, port=inst.port, host=inst.host, python=inst.python, served_model_name=dep.served_name_of(i),
         dtype=kv.dtype, block_size=kv.block_size,
