@@ -15,6 +15,7 @@ from __future__ import annotations
 import collections
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -35,6 +36,27 @@ __all__ = ["EngineProcess", "die_with_parent", "ServerChild", "VLLMServerSpec", 
 
 class EngineStartError(RuntimeError):
     """An engine process exited or did not become healthy in time; the message holds the tail of its log."""
+
+
+#: a Python exception's summary line (``ValueError: bad``, ``pkg.mod.SomeError: ...``), also behind the process tag
+#: vLLM puts before a child's lines (``(EngineCore pid=12) ValueError: ...``)
+_EXCEPTION_LINE = re.compile(r"^(?:\([^)]*\)\s*)?[A-Za-z_][\w.]*(?:Error|Exception): \S")
+
+
+def log_tail(path, n: int = 40) -> str:
+    """The last ``n`` lines of the log file ``path`` ("" when it cannot be read). When the log's first exception
+    line (:data:`_EXCEPTION_LINE`) lies above them, it comes first, with its line number: an engine that dies in a
+    child process (LMDeploy's engine, vLLM's EngineCore) ends its log with the parent's traceback about the dead
+    child, and the cause is further up."""
+    try:
+        lines = Path(path).read_text(errors="replace").splitlines()
+    except OSError:
+        return ""
+    tail = lines[-n:] if n > 0 else []
+    for k, line in enumerate(lines[:len(lines) - len(tail)]):
+        if _EXCEPTION_LINE.match(line):
+            return "\n".join([f"first exception in the log (line {k + 1}): {line.strip()}", "...", *tail])
+    return "\n".join(tail)
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -527,11 +549,9 @@ class ServerChild:
     NAME: ClassVar[str] = "engine"
 
     def log_tail(self, n: int = 40) -> str:
-        """The last ``n`` lines of the server's log ("" when unreadable)."""
-        try:
-            return "\n".join(Path(self.log_path).read_text(errors="replace").splitlines()[-n:])
-        except OSError:
-            return ""
+        """The last ``n`` lines of the server's log, after the log's first exception line when that is further up
+        (:func:`log_tail`; "" when unreadable)."""
+        return log_tail(self.log_path, n)
 
     def wait_ready(self, timeout_s: float = 600.0, path: str | None = None, interval_s: float = 0.5) -> None:
         """Wait until ``GET path`` (default :attr:`READY_PATH`) answers 200. Raises RuntimeError (with the log tail)
@@ -632,11 +652,9 @@ class EngineProcess:
         return self
 
     def log_tail(self, n: int = 40) -> str:
-        """The last ``n`` lines of the child's log."""
-        try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
-        except OSError:
-            return ""
+        """The last ``n`` lines of the child's log, after the log's first exception line when that is further up
+        (:func:`log_tail`)."""
+        return log_tail(self.log_path, n)
 
     def alive(self) -> bool:
         """True while the child process runs."""

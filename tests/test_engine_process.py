@@ -185,3 +185,27 @@ def test_sglang_cpu_tp_ranks_get_one_group_of_cores_each():
     assert "SGLANG_CPU_OMP_THREADS_BIND" not in SGLangServerSpec(model="/m", port=1).env_additions()
     assert "SGLANG_CPU_OMP_THREADS_BIND" not in SGLangServerSpec(model="/m", port=1, tensor_parallel_size=2,
                                                                   device="cuda").env_additions()
+
+
+def test_the_log_tail_names_the_first_exception_further_up(tmp_path):
+    """An LMDeploy engine that dies in its engine process ends its log with the api server's own traceback about the
+    dead child (``RPCServerDeadError``): the cause, further up, comes first with its line number (before: the last
+    lines only, a new user saw no reason)."""
+    from dlmix.engine_process import log_tail
+
+    log = tmp_path / "x.log"
+    lines = ["starting", "Traceback (most recent call last):", '  File "a.py", line 1, in <module>',
+             "dlmix_lmdeploy.config.DLMixLMDeployConfigError: invalid DLMIX_LMDEPLOY_CONFIG: pull_threads: >= 1",
+             *[f"noise {i}" for i in range(50)], "(EngineCore pid=7) ValueError: later one",
+             "lmdeploy.serve.exceptions.RPCServerDeadError: engine process is not alive"]
+    log.write_text("\n".join(lines) + "\n")
+    got = log_tail(log, 5).splitlines()
+    assert got[0] == ("first exception in the log (line 4): dlmix_lmdeploy.config.DLMixLMDeployConfigError: invalid "
+                      "DLMIX_LMDEPLOY_CONFIG: pull_threads: >= 1")
+    assert got[1:] == ["...", *lines[-5:]]
+    # the first exception within the tail itself, or none at all: the tail alone
+    assert log_tail(log, 60).splitlines() == lines[-60:]
+    log.write_text("a\nb\nc\n")
+    assert log_tail(log, 2) == "b\nc" and log_tail(tmp_path / "missing.log") == ""
+    log.write_text("(EngineCore pid=12) torch.OutOfMemoryError: no\n" + "x\n" * 9)
+    assert log_tail(log, 3).startswith("first exception in the log (line 1): (EngineCore pid=12) torch.OutOfMemory")
