@@ -455,6 +455,8 @@ class Endpoint(Transport):
         self._out: dict[str, list[_Conn]] = {}
         self._in: dict[str, list[_Conn]] = {}
         self._desc: dict[str, dict] = {}
+        self._linked: dict[str, dict] = {}  # peer -> the descriptor of its last successful connect
+        self._connecting: dict[str, int] = {}  # peer -> connect() calls to it in progress
         self._dialing: dict[str, list] = {}  # peer -> [lock, waiters]: one link set-up per peer at a time
         self._xfers: dict[int, _Xfer] = {}
         self._ids = itertools.count(1)
@@ -693,22 +695,31 @@ class Endpoint(Transport):
         with self._lock:
             if self._closed:
                 raise PeerError("transport closed")
-            prev = self._desc.get(peer)
             self._desc[peer] = desc
+            self._connecting[peer] = self._connecting.get(peer, 0) + 1
             live = [c for c in self._out.get(peer, []) if c.alive]
-        if not live:
-            try:
+        ok = False
+        try:
+            if not live:
                 self._link_once(peer, timeout)
-            except BaseException:
-                # a peer that could not be reached is not remembered (descriptors come from requests: a failed
-                # connect per made-up name would otherwise keep its descriptor for good)
-                with self._lock:
-                    if self._desc.get(peer) is desc:
-                        if prev is None:
-                            self._desc.pop(peer, None)
-                        else:
-                            self._desc[peer] = prev
-                raise
+            ok = True
+        finally:
+            with self._lock:
+                left = self._connecting.pop(peer) - 1
+                if left:
+                    self._connecting[peer] = left
+                if ok:
+                    self._linked[peer] = desc
+                elif not left:
+                    # a peer that could not be reached is not remembered (descriptors come from requests: a failed
+                    # connect per made-up name would otherwise keep its descriptor for good), also when several
+                    # connects to it (a decode's pull threads) failed together: the last one to end puts back the
+                    # descriptor of the last connect that succeeded, or forgets the peer
+                    prev = self._linked.get(peer)
+                    if prev is not None:
+                        self._desc[peer] = prev
+                    elif not any(c.alive for c in self._out.get(peer, [])):
+                        self._desc.pop(peer, None)
         return peer
 
     def _link_once(self, peer: str, timeout: float) -> None:
@@ -785,6 +796,11 @@ class Endpoint(Transport):
             raise TransferTimeout(f"connect to {peer} at {host}:{port} timed out after {timeout:.1f} s") from None
         except OSError as e:
             raise PeerError(f"cannot connect to {peer} at {host}:{port}: {e}") from None
+        with self._lock:  # close() shuts the handshaking sockets down: a connect to a silent peer ends with it
+            if self._closed:
+                sock.close()
+                raise PeerError("transport closed")
+            self._hs_socks.add(sock)
         try:
             # the caller's connect timeout bounds the wait: on an oversubscribed host a peer's acceptor thread
             # answered a HELLO after more than handshake_timeout_s (10 s), and the transfer failed for no fault
@@ -797,12 +813,17 @@ class Endpoint(Transport):
                 from None
         except (OSError, ProtocolError) as e:
             sock.close()
+            if self._closed:
+                raise PeerError("transport closed") from None
             if isinstance(e, (AuthError, _PeerBusy)):
                 raise
             raise PeerError(f"handshake with {peer} at {host}:{port} failed: {e}") from None
         except BaseException:
             sock.close()
             raise
+        finally:
+            with self._lock:
+                self._hs_socks.discard(sock)
         self._tune(sock)
         conn = _Conn(sock, peer, True, info)
         conn.sendq = queue.SimpleQueue()
@@ -1006,7 +1027,14 @@ class Endpoint(Transport):
             return live
         if not known:
             raise PeerError(f"not connected to peer {peer!r}; call connect(descriptor) first")
-        return self._open_link(peer, self.timeout_s)
+        # the link went down: set it up again once, also when several threads (a decode's pull threads reading or
+        # extending) find it down at the same time (each dialed its own stripes before)
+        self._link_once(peer, self.timeout_s)
+        with self._lock:
+            live = [c for c in self._out.get(peer, []) if c.alive]
+        if not live:
+            raise PeerError(f"the link to {peer!r} went down again while it was set up")
+        return live
 
     # ------------------------------------------------------------------ connection I/O
     def _read_frame(self, conn: _Conn, driving: bool = False) -> str | None:

@@ -588,3 +588,55 @@ def test_a_pull_waiting_its_staging_turn_keeps_its_grant():
     finally:
         p.close()
         d.close()
+
+
+def test_a_want_waiting_for_its_hold_does_not_hold_up_other_requests():
+    """A decode's pull threads ask one prefill for two requests: the first want overtook its hold (the prefill's
+    engine has not added it yet) and waits ``registration_wait_s`` (6 s here) for it; the second request is held.
+    The second pull is granted and done at once, and the first want is still answered when its hold comes. Before,
+    the producer's one control thread waited on the first want, so the second request's grant (and every extend
+    and release behind it) came 6 s late; with ``io_timeout_s`` below ``registration_wait_s`` another pull's grant
+    expired under it."""
+    lay = _layout()
+    n = 40
+    p, d = _endpoints(lay, "-hol", 6.0)
+    try:
+        p.add_hold("r", [0, 1], n, prompt_digest(range(n)))
+        peer = d.t.connect(p.descriptor())
+        ev, box = d._slots.open(peer, "early")  # the first pull's answer slot, as Consumer.pull opens it
+        d.t.notify(peer, encode(Want(req="early", block_ids=[2, 3], layout=lay.to_dict())))
+        res = d.pull(p.descriptor(), "r", [0, 1], 0, n, [4, 5], src_layout=lay, digest=prompt_digest(range(n)))
+        assert res.error is None and res.loaded_upto == n, res
+        assert res.grant_s < 3.0, f"the grant of r waited {res.grant_s:.1f} s behind the want of another request"
+        assert not ev.is_set()  # the early want still waits for its hold
+        p.add_hold("early", [2, 3], n)
+        assert ev.wait(10) and box[0].__class__.__name__ == "Ready", box
+        for rid in ("r", "early"):
+            d.release(p.descriptor(), rid, consumed=True)
+        wait_until(lambda: (p.take_finished(), p.held_count() == 0)[1], timeout_s=30, what="holds freed")
+    finally:
+        p.close()
+        d.close()
+
+
+def test_an_abort_sent_while_its_want_waits_for_the_hold_releases_the_hold_once_granted():
+    """A consumer gives up while its want waits on a thread of its own for the hold, and sends ``abort``. The abort
+    is handled after the want, as when every message waited on the control thread: the want is granted when the hold
+    comes, then the abort frees the hold at once, not ``hold_timeout_s`` (120 s) later. An abort handled before the
+    want would find no hold and be dropped."""
+    lay = _layout()
+    p, d = _endpoints(lay, "-ab", 6.0)
+    try:
+        peer = d.t.connect(p.descriptor())
+        ev, box = d._slots.open(peer, "late")
+        d.t.notify(peer, encode(Want(req="late", block_ids=[2, 3], layout=lay.to_dict())))
+        d.t.notify(peer, encode(Abort(req="late")))
+        time.sleep(0.5)  # both arrive while the hold is not there yet
+        assert not ev.is_set()
+        p.add_hold("late", [2, 3], 40)
+        assert ev.wait(10) and type(box[0]).__name__ == "Ready", box
+        wait_until(lambda: (p.take_finished(), p.held_count() == 0)[1], timeout_s=10, what="hold freed by the abort")
+        assert p.producer.stats["aborted"] == 1
+    finally:
+        p.close()
+        d.close()

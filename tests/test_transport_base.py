@@ -1082,3 +1082,124 @@ def test_concurrent_first_connects_to_one_peer_set_up_one_link():
         a.close()
         b.close()
         silent.close()
+
+
+def test_concurrent_failed_connects_to_one_peer_leave_no_descriptor_behind():
+    """Two pull threads connect to the same unreachable made-up peer (a listener that never answers the handshake):
+    the first gives up at its timeout while the second is still queued behind its set-up, then the second gives up
+    too. No descriptor of that name stays. Before, the first found the second's descriptor in place and left it, and
+    the second put back the first's as the 'earlier' one: the name was remembered for good, as a real peer's is."""
+    import threading
+
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(8)
+    a = make_transport("tcp", name="a5", secret="s")
+    try:
+        desc = {"kind": "tcp", "name": "ghost", "host": "127.0.0.1", "port": silent.getsockname()[1]}
+        errors = []
+
+        def go(timeout):
+            try:
+                a.connect(dict(desc), timeout_s=timeout)
+            except Exception as e:  # noqa: BLE001 - checked below
+                errors.append(e)
+
+        first = threading.Thread(target=go, args=(1.0,))
+        first.start()
+        assert poll(lambda: a._dialing.get("ghost", [None, 0])[1] == 1, 10)  # the first is setting the link up
+        second = threading.Thread(target=go, args=(2.5,))
+        second.start()
+        assert poll(lambda: a._dialing.get("ghost", [None, 0])[1] == 2, 10)  # the second waits behind it
+        first.join(10)
+        second.join(10)
+        assert len(errors) == 2, errors
+        assert "ghost" not in a._desc and a._dialing == {}
+        with pytest.raises(PeerError, match="not connected"):
+            a.notify("ghost", {"x": 1})  # forgotten: not dialed again from the stale descriptor
+    finally:
+        a.close()
+        silent.close()
+
+
+def test_close_ends_a_connect_to_a_silent_peer_at_once():
+    """A pull thread connecting to a prefill that accepts and never answers the handshake (connect timeout 8 s here)
+    when its endpoint closes (the engine shuts down): the connect fails at once with 'transport closed', and a
+    connect queued behind it too; no thread is left waiting out the timeout. Before, both ran to their timeout
+    after close()."""
+    import threading
+
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(8)
+    a = make_transport("tcp", name="a6", secret="s")
+    desc = {"kind": "tcp", "name": "quiet6", "host": "127.0.0.1", "port": silent.getsockname()[1]}
+    errors = []
+
+    def go():
+        try:
+            a.connect(dict(desc), timeout_s=8)
+        except Exception as e:  # noqa: BLE001 - checked below
+            errors.append(e)
+
+    threads = [threading.Thread(target=go) for _ in range(2)]
+    try:
+        for t in threads:
+            t.start()
+        assert poll(lambda: a._dialing.get("quiet6", [None, 0])[1] == 2, 10)  # one dials, one waits behind it
+        t0 = time.monotonic()
+        a.close()
+        for t in threads:
+            t.join(4)
+        assert not any(t.is_alive() for t in threads) and time.monotonic() - t0 < 3, errors
+        assert len(errors) == 2 and all(isinstance(e, PeerError) and "closed" in str(e) for e in errors), errors
+    finally:
+        a.close()
+        silent.close()
+        for t in threads:
+            t.join(10)
+
+
+def test_threads_that_find_a_link_down_set_it_up_again_once():
+    """A peer's link went down (its connections dropped, e.g. by a timed-out transfer); four pull threads then notify
+    it at once (their extends): the link is set up again once, ``stripes`` connections. Before, each thread that
+    found no live connection dialed its own stripes (8 connections instead of 2, never trimmed), as concurrent first
+    connects did before they went through one set-up per peer."""
+    import threading
+
+    a = make_transport("tcp", name="a7", secret="s", stripes=2)
+    b = make_transport("tcp", name="b7", secret="s")
+    try:
+        a.connect(b.descriptor())
+        for c in list(a._out["b7"]):
+            a._drop_conn(c, "test: link lost")
+        other = threading.Event()
+        dial, first = a._dial, []
+
+        def dial_and_wait_for_company(*args):  # the first dial waits (up to 1 s) for another thread to dial too
+            if not first:
+                first.append(1)
+                other.wait(1.0)
+            else:
+                other.set()
+            return dial(*args)
+
+        a._dial = dial_and_wait_for_company
+        start, errors = threading.Barrier(4), []
+
+        def go():
+            start.wait()
+            try:
+                a.notify("b7", {"x": 1})
+            except Exception as e:  # noqa: BLE001 - reported below
+                errors.append(e)
+
+        threads = [threading.Thread(target=go) for _ in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+        assert errors == [] and len([c for c in a._out["b7"] if c.alive]) == 2, (errors, a._out["b7"])
+    finally:
+        a.close()
+        b.close()

@@ -29,6 +29,10 @@ __all__ = ["KVEndpoint", "Hold", "PullResult", "DEFAULT_LOOPBACK_SECRET"]
 #: is equivalent to an unauthenticated loopback socket; set a shared secret for anything else.
 DEFAULT_LOOPBACK_SECRET = "dlmix-loopback-only"
 
+#: wants waiting for their hold (each up to ``registration_wait_s``) on threads of their own at one time; a further
+#: one waits on the control thread, as every want did before
+MAX_WAITING_WANTS = 64
+
 
 class _Slots:
     """Answers (``blocks_ready``/``refused``) awaited by pulls, by producer peer and request id. Several pulls of one
@@ -124,6 +128,10 @@ class KVEndpoint:
                                      io_timeout_s=io_timeout_s, registration_wait_s=registration_wait_s,
                                      verify_weights=verify_weights, connect_timeout_s=connect_timeout_s)
             self._work: queue.Queue = queue.Queue()
+            self._waiters = threading.BoundedSemaphore(MAX_WAITING_WANTS)  # wants waiting for their hold, each on a thread
+            #: request -> the messages for it that arrived while its want waits on its own thread (handled after it)
+            self._behind: dict[str, list] = {}
+            self._behind_lock = threading.Lock()
             self._stop = threading.Event()
             self._worker = threading.Thread(target=self._serve, name="dlmix-kv-ctl", daemon=True)
             self._worker.start()
@@ -156,6 +164,7 @@ class KVEndpoint:
     def close(self) -> None:
         self._stop.set()
         self._work.put(None)
+        self.producer.close()  # wants waiting for their hold end now, not registration_wait_s later
         self.t.close()
 
     def _on_notify(self, n) -> None:  # transport I/O thread: must not block
@@ -176,13 +185,50 @@ class KVEndpoint:
             if item is None:
                 return
             peer, msg, err = item
-            try:
-                if err is not None:
-                    self.producer.refuse_bad(peer, msg, err)
-                else:
-                    self.producer.handle(peer, msg)
-            except Exception as e:  # a bad message must not stop the endpoint
-                log.warning("dlmix.pd: control message from %s failed: %s", peer, e)
+            req = getattr(msg, "req", None) if err is None else None
+            if req is not None:
+                with self._behind_lock:
+                    later = self._behind.get(req)
+                    if later is not None:  # a want of this request waits on its thread: keep the order
+                        later.append((peer, msg))
+                        continue
+            if err is None and self.producer.would_wait(msg) and self._waiters.acquire(blocking=False):
+                # a want that overtook its hold waits for it (up to registration_wait_s) on a thread of its own: the
+                # wants, extends and releases of other requests queued behind it must not wait with it (a decode's
+                # pull threads ask one prefill for several requests at once)
+                with self._behind_lock:
+                    self._behind[req] = []
+                threading.Thread(target=self._wait_one, args=(peer, msg), name="dlmix-kv-want", daemon=True).start()
+                continue
+            self._handle_one(peer, msg, err)
+
+    def _wait_one(self, peer: str, want: Any) -> None:
+        """On a thread of its own holding one of :data:`MAX_WAITING_WANTS` slots: handle ``want`` (it waits for its
+        hold), then the messages of the same request that arrived meanwhile, in their order (an ``abort`` sent while
+        the want waited releases the hold it is then granted, as on the control thread)."""
+        try:
+            self._handle_one(peer, want, None)
+            while True:
+                with self._behind_lock:
+                    later = self._behind[want.req]
+                    if not later:
+                        del self._behind[want.req]
+                        return
+                    self._behind[want.req] = []
+                for p, m in later:
+                    self._handle_one(p, m, None)
+        finally:
+            self._waiters.release()
+
+    def _handle_one(self, peer: str, msg: Any, err: ContractError | None) -> None:
+        """Handle one control message from the queue (``err``: its decoding error); never raises."""
+        try:
+            if err is not None:
+                self.producer.refuse_bad(peer, msg, err)
+            else:
+                self.producer.handle(peer, msg)
+        except Exception as e:  # a bad message must not stop the endpoint
+            log.warning("dlmix.pd: control message from %s failed: %s", peer, e)
 
     def _handle(self, peer: str, msg: Any) -> None:
         """Handle one raw control message synchronously (decoding it first)."""

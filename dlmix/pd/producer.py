@@ -142,6 +142,7 @@ class Producer:
         #: ``registration_wait_s`` for a hold that will not come (stale or replayed parameters)
         self.ended: OrderedDict[str, None] = OrderedDict()
         self.cv = threading.Condition()
+        self.closed = False  # set by close(): a want waiting for its hold stops waiting
         self.stats = {"bytes_granted": 0, "grants": 0, "refused": 0, "expired": 0, "consumed": 0, "aborted": 0,
                       "engine_aborted": 0, "bad_messages": 0}
 
@@ -179,9 +180,23 @@ class Producer:
             h = self.holds.get(rid) if rid is not None else None
         return h
 
+    def close(self) -> None:
+        """The endpoint is closing: wants waiting for their hold stop waiting (and are refused)."""
+        with self.cv:
+            self.closed = True
+            self.cv.notify_all()
+
     def is_held(self, req_id: str) -> bool:
         with self.cv:
             return req_id in self.holds
+
+    def would_wait(self, msg: Any) -> bool:
+        """Whether handling ``msg`` would block: a ``want`` for a name not held (yet) and not known to have ended
+        waits up to ``registration_wait_s`` for the engine's hold."""
+        if not isinstance(msg, Want) or self.registration_wait_s <= 0:
+            return False
+        with self.cv:
+            return self._hold(msg.req) is None and msg.req not in self.ended
 
     def held_count(self) -> int:
         with self.cv:
@@ -304,7 +319,8 @@ class Producer:
         asked = time.monotonic()
         deadline = asked + self.registration_wait_s
         with self.cv:
-            while self._hold(rid) is None and rid not in self.ended and time.monotonic() < deadline:
+            while self._hold(rid) is None and rid not in self.ended and not self.closed \
+                    and time.monotonic() < deadline:
                 self.cv.wait(timeout=max(0.0, deadline - time.monotonic()))
             h = self._hold(rid)
             waited = time.monotonic() - asked
