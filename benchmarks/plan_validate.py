@@ -133,6 +133,7 @@ class LaunchedDeployment:
     """
 
     def __init__(self, dep_file: Path, log_dir: Path, grace_s: float = 10.0):
+        from dlmix.engine_process import die_with_parent
         from dlmix.launch.config import Deployment
 
         self.dep_file = Path(dep_file)
@@ -147,8 +148,10 @@ class LaunchedDeployment:
         self._out_path = self.log_dir / "launch.out"
         self._out = open(self._out_path, "wb")
         env = {**os.environ, "COLUMNS": "200"}
-        self.proc = subprocess.Popen([sys.executable, "-m", "dlmix.cli", "launch", str(self.dep_file),
-                                      "--log-dir", str(self.log_dir), "--grace", str(grace_s)],
+        # die_with_parent: killed by a signal (``timeout``, Ctrl-C of a shell, SIGKILL), this script leaves no
+        # deployment behind (``dlmix launch`` stops its engines on the SIGTERM it then gets)
+        self.proc = subprocess.Popen(die_with_parent([sys.executable, "-m", "dlmix.cli", "launch", str(self.dep_file),
+                                                      "--log-dir", str(self.log_dir), "--grace", str(grace_s)]),
                                      stdout=self._out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                      start_new_session=True, cwd=str(ROOT), env=env)
         self.t_start = time.monotonic()
