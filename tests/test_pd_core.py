@@ -640,3 +640,22 @@ def test_an_abort_sent_while_its_want_waits_for_the_hold_releases_the_hold_once_
     finally:
         p.close()
         d.close()
+
+
+def test_a_pull_cancelled_while_its_want_waits_for_the_hold_ends_at_once():
+    """The decode request finishes while its pull's want waits at the prefill for a hold that has not come: the pull
+    ends with the cancel error and its blocks reported failed, and the pull thread is free again. Before, the
+    cancel was looked at only from the staging turn on, so the thread waited for the prefill's answer (its refusal
+    after ``registration_wait_s``, 6 s here) and the pull failed as "prefill refused"."""
+    lay = _layout()
+    p, d = _endpoints(lay, "-cw", 6.0)
+    try:
+        res = d.pull(p.descriptor(), "never", [0, 1], 0, 40, [4, 5], lambda: "never" in p._behind, src_layout=lay,
+                     digest=prompt_digest(range(40)))
+        assert res.error == "RuntimeError: cancelled: the decode request finished before its KV arrived", res
+        assert res.loaded_upto == 0 and res.failed_block_ids == [4, 5]
+        d.release(p.descriptor(), "never", consumed=False)
+        assert p.held_count() == 0
+    finally:
+        p.close()
+        d.close()

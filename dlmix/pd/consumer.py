@@ -268,6 +268,8 @@ class Consumer:
                             raise ConnectionError(f"prefill {peer} disconnected before answering for {remote_req_id}")
                         if time.monotonic() > deadline:
                             raise TimeoutError(f"no answer from prefill {peer} for {remote_req_id}")
+                        if cancelled():  # the request finished: free this pull thread now, not at the deadline
+                            raise RuntimeError(_CANCELLED)
             finally:
                 res.grant_s = time.perf_counter() - asked
                 for peer, slot in slots.values():
