@@ -739,7 +739,7 @@ class Endpoint(Transport):
                 with self._lock:
                     live = [c for c in self._out.get(peer, []) if c.alive]
                 if not live:
-                    self._open_link(peer, max(1e-3, deadline - time.monotonic()))
+                    self._open_link(peer, timeout, deadline)
             finally:
                 ent[0].release()
         finally:
@@ -748,10 +748,14 @@ class Endpoint(Transport):
                 if ent[1] == 0 and self._dialing.get(peer) is ent:
                     del self._dialing[peer]
 
-    def _open_link(self, peer: str, timeout: float) -> list[_Conn]:
+    def _open_link(self, peer: str, timeout: float, deadline: float | None = None) -> list[_Conn]:
+        """Dial ``stripes`` connections to ``peer`` and add them to its link, all up by ``deadline``
+        (``time.monotonic()``; default ``timeout`` s from now: one bound for the whole link, not one per stripe).
+        ``timeout`` (s) is the connect's own bound, named in the errors (TransferTimeout, PeerError)."""
         desc = self._desc[peer]
         conns = []
-        deadline = time.monotonic() + timeout  # one bound for the whole link, not one per stripe
+        if deadline is None:
+            deadline = time.monotonic() + timeout
         try:
             for _ in range(self.stripes):
                 if time.monotonic() >= deadline:

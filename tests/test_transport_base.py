@@ -1114,6 +1114,10 @@ def test_concurrent_failed_connects_to_one_peer_leave_no_descriptor_behind():
         first.join(10)
         second.join(10)
         assert len(errors) == 2, errors
+        # each names its own connect timeout (the second's said 1.5 s: the time it had left after waiting its turn)
+        msgs = sorted(str(e) for e in errors)
+        assert any("within 1.0 s" in m or "after 1.0 s" in m for m in msgs), msgs
+        assert any("within 2.5 s" in m or "after 2.5 s" in m for m in msgs), msgs
         assert "ghost" not in a._desc and a._dialing == {}
         with pytest.raises(PeerError, match="not connected"):
             a.notify("ghost", {"x": 1})  # forgotten: not dialed again from the stale descriptor
