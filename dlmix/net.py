@@ -36,9 +36,10 @@ def ip_literal(host: str) -> Optional[Union[ipaddress.IPv4Address, ipaddress.IPv
 def is_loopback(host: str) -> bool:
     """True when ``host`` (an IP literal or a name) is a loopback address: ``127.0.0.0/8`` or ``::1`` in any spelling
     :func:`ip_literal` accepts (``127.1``, ``::ffff:127.0.0.1``, ...), or one of the standard loopback host names
-    (``localhost``, ``ip6-localhost``, ``ip6-loopback``, with or without the root's trailing dot). Other names are not
-    resolved (False): a name that needs DNS is not treated as loopback. Never raises."""
-    if host.lower().rstrip(".") in _LOOPBACK_NAMES:
+    (``localhost``, ``ip6-localhost``, ``ip6-loopback``, in any case). Other names are not resolved (False): a name
+    that needs DNS is not treated as loopback, ``localhost.`` included (``/etc/hosts`` does not match the root's
+    trailing dot, so the resolver asks DNS for it). Never raises."""
+    if host.lower() in _LOOPBACK_NAMES:
         return True
     ip = ip_literal(host)
     return ip is not None and ip.is_loopback

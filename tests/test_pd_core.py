@@ -659,3 +659,40 @@ def test_a_pull_cancelled_while_its_want_waits_for_the_hold_ends_at_once():
     finally:
         p.close()
         d.close()
+
+
+def test_a_want_whose_thread_cannot_start_is_handled_on_the_control_thread(monkeypatch):
+    """The want thread of a want that overtook its hold cannot be started (``RuntimeError: can't start new thread``
+    on a host out of threads): the want waits on the control thread as before, its slot and its place in the queue
+    of its request are given back, and the control thread keeps serving. Before, the error ended the control
+    thread: the want was never answered and no later message (of any request) was handled."""
+    import threading
+
+    import dlmix.pd.endpoint as endpoint_mod
+
+    class _NoThread(threading.Thread):  # only the want threads fail to start
+        def start(self):
+            if self.name == "dlmix-kv-want":
+                raise RuntimeError("can't start new thread")
+            super().start()
+
+    lay = _layout()
+    n = 40
+    p, d = _endpoints(lay, "-nt", 3.0)
+    try:
+        monkeypatch.setattr(endpoint_mod.threading, "Thread", _NoThread)
+        peer = d.t.connect(p.descriptor())
+        ev, box = d._slots.open(peer, "early")
+        d.t.notify(peer, encode(Want(req="early", block_ids=[2, 3], layout=lay.to_dict())))
+        time.sleep(0.5)
+        p.add_hold("early", [2, 3], n)
+        assert ev.wait(10) and type(box[0]).__name__ == "Ready", box
+        monkeypatch.undo()
+        assert not p._behind and p._worker.is_alive()
+        p.add_hold("r", [0, 1], n, prompt_digest(range(n)))
+        res = d.pull(p.descriptor(), "r", [0, 1], 0, n, [4, 5], src_layout=lay, digest=prompt_digest(range(n)))
+        assert res.error is None and res.loaded_upto == n, res
+    finally:
+        monkeypatch.undo()
+        p.close()
+        d.close()

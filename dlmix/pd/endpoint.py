@@ -198,8 +198,16 @@ class KVEndpoint:
                 # pull threads ask one prefill for several requests at once)
                 with self._behind_lock:
                     self._behind[req] = []
-                threading.Thread(target=self._wait_one, args=(peer, msg), name="dlmix-kv-want", daemon=True).start()
-                continue
+                try:
+                    threading.Thread(target=self._wait_one, args=(peer, msg), name="dlmix-kv-want",
+                                     daemon=True).start()
+                    continue
+                except Exception as e:  # no thread to be had (RuntimeError): wait here, as every want did before
+                    log.warning("dlmix.pd: cannot start a thread for the want of %s (%s); it waits on the control "
+                                "thread", req, e)
+                    with self._behind_lock:  # nothing was queued behind it: only this thread queues
+                        del self._behind[req]
+                    self._waiters.release()
             self._handle_one(peer, msg, err)
 
     def _wait_one(self, peer: str, want: Any) -> None:
