@@ -592,14 +592,14 @@ def test_a_pull_waiting_its_staging_turn_keeps_its_grant():
 
 def test_a_want_waiting_for_its_hold_does_not_hold_up_other_requests():
     """A decode's pull threads ask one prefill for two requests: the first want overtook its hold (the prefill's
-    engine has not added it yet) and waits ``registration_wait_s`` (6 s here) for it; the second request is held.
-    The second pull is granted and done at once, and the first want is still answered when its hold comes. Before,
-    the producer's one control thread waited on the first want, so the second request's grant (and every extend
-    and release behind it) came 6 s late; with ``io_timeout_s`` below ``registration_wait_s`` another pull's grant
-    expired under it."""
+    engine has not added it yet) and waits ``registration_wait_s`` (20 s here) for it; the second request is held.
+    The second pull is done while the first want still waits, and the first want is still answered when its hold
+    comes. Before, the producer's one control thread waited on the first want, so the second request's grant (and
+    every extend and release behind it) came 20 s late: past the pull's own wait for it (6 s), it failed; with
+    ``io_timeout_s`` below ``registration_wait_s`` another pull's grant expired under it."""
     lay = _layout()
     n = 40
-    p, d = _endpoints(lay, "-hol", 6.0)
+    p, d = _endpoints(lay, "-hol", 20.0)
     try:
         p.add_hold("r", [0, 1], n, prompt_digest(range(n)))
         peer = d.t.connect(p.descriptor())
@@ -607,7 +607,6 @@ def test_a_want_waiting_for_its_hold_does_not_hold_up_other_requests():
         d.t.notify(peer, encode(Want(req="early", block_ids=[2, 3], layout=lay.to_dict())))
         res = d.pull(p.descriptor(), "r", [0, 1], 0, n, [4, 5], src_layout=lay, digest=prompt_digest(range(n)))
         assert res.error is None and res.loaded_upto == n, res
-        assert res.grant_s < 3.0, f"the grant of r waited {res.grant_s:.1f} s behind the want of another request"
         assert not ev.is_set()  # the early want still waits for its hold
         p.add_hold("early", [2, 3], n)
         assert ev.wait(10) and box[0].__class__.__name__ == "Ready", box
