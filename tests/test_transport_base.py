@@ -1127,7 +1127,7 @@ def test_concurrent_failed_connects_to_one_peer_leave_no_descriptor_behind():
 
 
 def test_close_ends_a_connect_to_a_silent_peer_at_once():
-    """A pull thread connecting to a prefill that accepts and never answers the handshake (connect timeout 8 s here)
+    """A pull thread connecting to a prefill that accepts and never answers the handshake (connect timeout 60 s here)
     when its endpoint closes (the engine shuts down): the connect fails at once with 'transport closed', and a
     connect queued behind it too; no thread is left waiting out the timeout. Before, both ran to their timeout
     after close()."""
@@ -1151,17 +1151,16 @@ def test_close_ends_a_connect_to_a_silent_peer_at_once():
         for t in threads:
             t.start()
         assert poll(lambda: a._dialing.get("quiet6", [None, 0])[1] == 2, 10)  # one dials, one waits behind it
-        t0 = time.monotonic()
         a.close()
         for t in threads:
-            t.join(4)
-        assert not any(t.is_alive() for t in threads) and time.monotonic() - t0 < 3, errors
+            t.join(20)  # well before their 60 s connect timeout
+        assert not any(t.is_alive() for t in threads), errors
         assert len(errors) == 2 and all(isinstance(e, PeerError) and "closed" in str(e) for e in errors), errors
     finally:
         a.close()
         silent.close()
         for t in threads:
-            t.join(10)
+            t.join(70)
 
 
 def test_threads_that_find_a_link_down_set_it_up_again_once():
