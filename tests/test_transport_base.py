@@ -1053,20 +1053,10 @@ def test_concurrent_first_connects_to_one_peer_set_up_one_link():
     silent.bind(("127.0.0.1", 0))
     silent.listen(8)
     try:
-        start, errors = threading.Barrier(4), []
+        def connect():
+            assert a.connect(b.descriptor(), timeout_s=10) == "b4"
 
-        def go():
-            start.wait()
-            try:
-                assert a.connect(b.descriptor(), timeout_s=10) == "b4"
-            except Exception as e:  # noqa: BLE001 - reported below
-                errors.append(e)
-
-        threads = [threading.Thread(target=go) for _ in range(4)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(30)
+        errors = _at_once(4, connect)
         assert errors == [] and len([c for c in a._out["b4"] if c.alive]) == 2, (errors, a._out["b4"])
         desc = {"kind": "tcp", "name": "quiet", "host": "127.0.0.1", "port": silent.getsockname()[1]}
         first = threading.Thread(target=lambda: pytest.raises(Exception, a.connect, desc, timeout_s=3))
@@ -1188,21 +1178,30 @@ def test_threads_that_find_a_link_down_set_it_up_again_once():
             return dial(*args)
 
         a._dial = dial_and_wait_for_company
-        start, errors = threading.Barrier(4), []
-
-        def go():
-            start.wait()
-            try:
-                a.notify("b7", {"x": 1})
-            except Exception as e:  # noqa: BLE001 - reported below
-                errors.append(e)
-
-        threads = [threading.Thread(target=go) for _ in range(4)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(30)
+        errors = _at_once(4, lambda: a.notify("b7", {"x": 1}))
         assert errors == [] and len([c for c in a._out["b7"] if c.alive]) == 2, (errors, a._out["b7"])
     finally:
         a.close()
         b.close()
+
+
+def _at_once(n: int, fn) -> list:
+    """Run ``fn`` on ``n`` threads released together (a barrier); the exceptions they raised (joined within 30 s
+    each)."""
+    import threading
+
+    start, errors = threading.Barrier(n), []
+
+    def go():
+        start.wait()
+        try:
+            fn()
+        except Exception as e:  # noqa: BLE001 - returned to the test
+            errors.append(e)
+
+    threads = [threading.Thread(target=go) for _ in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    return errors
