@@ -535,6 +535,21 @@ def _model_fit(dep: Deployment, i: int, shapes: Dict[str, Any]) -> List[Tuple[st
     return out
 
 
+def merged_settings(launch: dict, own: Optional[str]) -> Optional[dict]:
+    """An engine backend's JSON settings as launch runs it: ``launch`` (what launch fills in: its secret, bind host,
+    router keys) with the keys of the instance's own value ``own`` (``DLMIX_SGLANG_CONFIG`` /
+    ``DLMIX_LMDEPLOY_CONFIG`` in its ``env``) merged over them, the file's keys winning (set as a whole variable
+    instead, the instance's value would replace the secret both sides share). ``launch`` when ``own`` is empty;
+    None when ``own`` is not a JSON object."""
+    if not own:
+        return launch
+    try:
+        mine = json.loads(own)
+    except ValueError:
+        return None
+    return {**launch, **mine} if isinstance(mine, dict) else None
+
+
 def _cross_checks(dep: Deployment, marks: Dict[Path_, Tuple[int, int]], origin: str) -> None:
     problems: List[str] = []
 
@@ -604,13 +619,9 @@ def _cross_checks(dep: Deployment, marks: Dict[Path_, Tuple[int, int]], origin: 
                     from dlmix_sglang.config import load_settings
                 else:
                     from dlmix_lmdeploy.config import load_settings
-                try:
-                    raw = json.loads(own)
-                except ValueError:
-                    raw = own  # the backend's loader names the variable and the JSON error
-                try:
-                    load_settings({"shared_secret": "-", "host": inst.host, "public_url": inst.url, **raw}
-                                  if isinstance(raw, dict) else own)
+                merged = merged_settings({"shared_secret": "-", "host": inst.host, "public_url": inst.url}, own)
+                try:  # not a JSON object (merged None): the backend's loader names the variable and the error
+                    load_settings(own if merged is None else merged)
                 except ValueError as e:  # DLMixSGLangConfigError / DLMixLMDeployConfigError
                     where = ("instances", i, "env", var) if var in inst.env else ("env", var)
                     bad(where, " ".join(str(e).split()))

@@ -41,7 +41,7 @@ import httpx
 
 from dlmix.engine_process import (EngineProcess, EngineStartError, LMDeployServerSpec, SGLangServerSpec,
                                   VLLMServerSpec, free_port_block, port_free as _port_free)
-from dlmix.launch.config import DEVICE_VISIBILITY_ENV, Deployment, Instance, sglang_bootstrap_port
+from dlmix.launch.config import DEVICE_VISIBILITY_ENV, Deployment, Instance, merged_settings, sglang_bootstrap_port
 from dlmix.launch.supervisor import Supervised, Supervisor, SupervisorEvent, console_printer, group_members
 from dlmix.net import url_host
 from dlmix.pd.registration import registration_body
@@ -203,22 +203,16 @@ def _vllm_spec(dep: Deployment, i: int, model: str, kv_transfer: Optional[dict],
 
 
 def _with_own_settings(launch: dict, env: Dict[str, str], var: str) -> Optional[dict]:
-    """The backend settings launch writes into ``var`` (``launch``: its secret, bind host, router keys) with the
-    keys of the instance's own ``var`` in ``env`` merged over them (the file's keys win; set as a whole variable
-    instead, the instance's value would replace the secret both sides share). The instance's value is taken out of
-    ``env``; when it is not a JSON object it is put back and None returned, so the engine's loader refuses it with
-    the reason (the file check, :meth:`dlmix.launch.config.Deployment.from_yaml`, refuses it first)."""
+    """The backend settings launch writes into ``var`` (``launch``: its secret, bind host, router keys) with the keys
+    of the instance's own ``var`` in ``env`` merged over them (:func:`dlmix.launch.config.merged_settings`). The
+    instance's value is taken out of ``env``; when it is not a JSON object it is put back and None returned, so the
+    engine's loader refuses it with the reason (the file check, :meth:`dlmix.launch.config.Deployment.from_yaml`,
+    refuses it first)."""
     own = env.pop(var, None)
-    if not own:
-        return launch
-    try:
-        mine = json.loads(own)
-    except ValueError:
-        mine = None
-    if not isinstance(mine, dict):
+    merged = merged_settings(launch, own)
+    if merged is None:
         env[var] = own
-        return None
-    return {**launch, **mine}
+    return merged
 
 
 def _sglang_spec(dep: Deployment, i: int, model: str, secret: str, kv_events: Optional[str], taken: set
