@@ -699,3 +699,50 @@ def test_a_decode_worker_pulls_for_other_requests_while_one_prefill_does_not_ans
     finally:
         unblock.set()
         w.shutdown()
+
+
+def test_worker_shutdown_tells_every_prefill_to_drop_the_holds_of_its_running_and_queued_pulls():
+    """vLLM shutting a decode worker down: its running pull is cancelled and releases its hold (consumed=False), its
+    queued pulls start no transfer but release theirs, and a queued release is still sent, all before the endpoint
+    closes. Before, shutdown cancelled the queued jobs silently and closed the endpoint under the running pull, so
+    the prefill kept those blocks until its hold_timeout_s."""
+    from types import SimpleNamespace
+
+    from dlmix.pd.consumer import PullResult
+    from dlmix_vllm.metadata import DLMixConnectorMetadata, ReleaseJob, RecvJob
+    from dlmix_vllm.worker import DLMixConnectorWorker
+
+    running = threading.Event()
+    calls: list[tuple] = []
+
+    class Endpoint:  # the core's pull: the prefill of "slow" answers only when the pull is cancelled
+        def pull(self, remote, rid, rblocks, start, end, lblocks, cancelled, **kw):
+            calls.append(("pull", rid))
+            running.set()
+            deadline = time.monotonic() + 20
+            while not cancelled() and time.monotonic() < deadline:
+                time.sleep(0.01)
+            return PullResult(loaded_upto=start, error="cancelled", failed_block_ids=list(lblocks))
+
+        def release(self, remote, rid, consumed):
+            calls.append(("release", rid, consumed))
+
+        def close(self):
+            calls.append(("close",))
+
+    w = DLMixConnectorWorker(SimpleNamespace(kv_transfer_config=None), None, parse_settings({"pull_threads": 1}),
+                             "e0")
+    w.endpoint, w.layout = Endpoint(), SimpleNamespace(block_size=16)
+    meta = DLMixConnectorMetadata()
+    meta.recvs = [RecvJob("a", [1], 0, 16, [{}], "slow", [5]), RecvJob("b", [2], 0, 16, [{}], "queued-1", [6]),
+                  RecvJob("c", [3], 0, 16, [{}], "queued-2", [7])]
+    meta.releases = [ReleaseJob([{}], "done-earlier", True)]
+    w.bind_connector_metadata(meta)
+    assert running.wait(10)
+    w.shutdown()
+    assert calls[-1] == ("close",)
+    assert [c for c in calls if c[0] == "pull"] == [("pull", "slow")]  # queued pulls started no transfer
+    assert sorted(c for c in calls if c[0] == "release") == [
+        ("release", "done-earlier", True), ("release", "queued-1", False), ("release", "queued-2", False),
+        ("release", "slow", False)]
+    w.shutdown()  # idempotent

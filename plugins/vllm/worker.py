@@ -22,6 +22,10 @@ from .metadata import DLMixConnectorMetadata, DLMixHandshake, DLMixWorkerMetadat
 
 log = logging.getLogger("dlmix_vllm.worker")
 
+#: seconds :meth:`DLMixConnectorWorker.shutdown` waits for cancelled and queued pulls to tell their prefills to drop
+#: their holds (and for queued releases) before it closes the endpoint
+SHUTDOWN_NOTICE_S = 5.0
+
 __all__ = ["DLMixConnectorWorker"]
 
 
@@ -64,6 +68,7 @@ class DLMixConnectorWorker:
         self._sent_pending: set[str] = set()
         self.tp_rank = 0
         self._stats = DLMixKVConnectorStats()
+        self._closing = False  # set by shutdown(): pulls still queued only tell their prefill to drop the hold
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         """Describe the registered cache, check it against the config and start this worker's endpoint (regions =
@@ -124,6 +129,9 @@ class DLMixConnectorWorker:
         loaded = job.start
         bad: list[int] = []
         rec: dict[str, Any] = {}
+        if self._closing:  # queued when the worker shut down: no transfer, the prefill drops its hold now
+            self._release(ReleaseJob(list(job.remote_transports), job.remote_req_id, consumed=False))
+            return
         try:
             remote = list(job.remote_transports)  # every prefill rank: the core picks the ranks this one reads
             res = self.endpoint.pull(remote, job.remote_req_id, job.remote_block_ids, job.start, job.end,
@@ -230,6 +238,20 @@ class DLMixConnectorWorker:
         return DLMixWorkerMetadata(recs)
 
     def shutdown(self) -> None:
+        """Stop the worker (vLLM calls this when its engine shuts down) without leaving holds at the prefills.
+
+        A running pull is cancelled: it stops at its next round and tells its prefill to drop the hold, as a failed
+        pull does. A queued pull is not started; it only tells its prefill the same. Queued releases are still sent.
+        Waits at most :data:`SHUTDOWN_NOTICE_S` seconds in all for those notices (a prefill that does not answer
+        frees the hold at its ``hold_timeout_s``), then closes the endpoint. Idempotent."""
+        self._closing = True
+        with self._wlock:
+            for ev in self._active.values():
+                ev.set()
         if self.endpoint is not None:
+            waiter = threading.Thread(target=self.pool.shutdown, kwargs={"wait": True}, daemon=True,
+                                      name="dlmix-kv-shutdown")
+            waiter.start()
+            waiter.join(SHUTDOWN_NOTICE_S)
             self.endpoint.close()
         self.pool.shutdown(wait=False, cancel_futures=True)
