@@ -180,6 +180,11 @@ class Producer:
             h = self.holds.get(rid) if rid is not None else None
         return h
 
+    def _awaited(self, name: str) -> bool:  # under self.cv
+        """Whether a want for ``name`` waits for the engine's hold: not held (yet), not known to have ended, and the
+        endpoint is open."""
+        return self._hold(name) is None and name not in self.ended and not self.closed
+
     def close(self) -> None:
         """The endpoint is closing: wants waiting for their hold stop waiting (and are refused)."""
         with self.cv:
@@ -196,7 +201,7 @@ class Producer:
         if not isinstance(msg, Want) or self.registration_wait_s <= 0:
             return False
         with self.cv:
-            return self._hold(msg.req) is None and msg.req not in self.ended
+            return self._awaited(msg.req)
 
     def held_count(self) -> int:
         with self.cv:
@@ -319,8 +324,7 @@ class Producer:
         asked = time.monotonic()
         deadline = asked + self.registration_wait_s
         with self.cv:
-            while self._hold(rid) is None and rid not in self.ended and not self.closed \
-                    and time.monotonic() < deadline:
+            while self._awaited(rid) and time.monotonic() < deadline:
                 self.cv.wait(timeout=max(0.0, deadline - time.monotonic()))
             h = self._hold(rid)
             waited = time.monotonic() - asked
