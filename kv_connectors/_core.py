@@ -701,7 +701,7 @@ class Endpoint(Transport):
         ok = False
         try:
             if not live:
-                self._link_once(peer, timeout)
+                self._link_once(peer, timeout, desc)
             ok = True
         finally:
             with self._lock:
@@ -709,7 +709,7 @@ class Endpoint(Transport):
                 if left:
                     self._connecting[peer] = left
                 if ok:
-                    self._linked[peer] = desc
+                    self._linked[peer] = self._desc[peer] = desc
                 elif not left:
                     # a peer that could not be reached is not remembered (descriptors come from requests: a failed
                     # connect per made-up name would otherwise keep its descriptor for good), also when several
@@ -722,11 +722,12 @@ class Endpoint(Transport):
                         self._desc.pop(peer, None)
         return peer
 
-    def _link_once(self, peer: str, timeout: float) -> None:
+    def _link_once(self, peer: str, timeout: float, desc: Mapping[str, Any] | None = None) -> None:
         """Open the link to ``peer`` unless a concurrent connect to it opened one meanwhile. Connects to one peer from
         several threads (a decode's pull threads) set the link up one after another, so the later ones reuse the
         first's connections instead of each opening its own stripes (and, for an adapter, re-adding the peer under a
-        transfer in flight). The whole wait, queue included, is bounded by ``timeout`` (TransferTimeout)."""
+        transfer in flight). The whole wait, queue included, is bounded by ``timeout`` (TransferTimeout).
+        ``desc``: the descriptor to dial (a connect's own; default: see :meth:`_open_link`)."""
         deadline = time.monotonic() + timeout
         with self._lock:
             ent = self._dialing.setdefault(peer, [threading.Lock(), 0])
@@ -739,7 +740,7 @@ class Endpoint(Transport):
                 with self._lock:
                     live = [c for c in self._out.get(peer, []) if c.alive]
                 if not live:
-                    self._open_link(peer, timeout, deadline)
+                    self._open_link(peer, timeout, deadline, desc)
             finally:
                 ent[0].release()
         finally:
@@ -748,11 +749,19 @@ class Endpoint(Transport):
                 if ent[1] == 0 and self._dialing.get(peer) is ent:
                     del self._dialing[peer]
 
-    def _open_link(self, peer: str, timeout: float, deadline: float | None = None) -> list[_Conn]:
+    def _open_link(self, peer: str, timeout: float, deadline: float | None = None,
+                   desc: Mapping[str, Any] | None = None) -> list[_Conn]:
         """Dial ``stripes`` connections to ``peer`` and add them to its link, all up by ``deadline``
         (``time.monotonic()``; default ``timeout`` s from now: one bound for the whole link, not one per stripe).
-        ``timeout`` (s) is the connect's own bound, named in the errors (TransferTimeout, PeerError)."""
-        desc = self._desc[peer]
+        ``timeout`` (s) is the connect's own bound, named in the errors (TransferTimeout, PeerError).
+
+        ``desc``: the descriptor to dial. A connect passes its own, so a concurrent connect to the same name with
+        another descriptor (a stale one from a request made before the peer restarted on a new port) cannot make it
+        dial that one. Default (a link found down is set up again): the descriptor of the last connect that
+        succeeded, else the last one given."""
+        if desc is None:
+            with self._lock:
+                desc = self._linked.get(peer) or self._desc[peer]
         conns = []
         if deadline is None:
             deadline = time.monotonic() + timeout

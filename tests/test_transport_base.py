@@ -1185,6 +1185,54 @@ def test_threads_that_find_a_link_down_set_it_up_again_once():
         b.close()
 
 
+def test_a_connect_dials_its_own_descriptor_while_another_connect_to_that_name_brings_a_stale_one():
+    """Two pull threads connect to one prefill name at once: one with the prefill's current descriptor, one with a
+    stale descriptor from a request made before the prefill restarted on a new port. The connect with the current
+    descriptor links up whatever the order; the name's descriptor afterwards is the one that worked. Before, each
+    connect dialed whichever descriptor was written last, so the good one could dial the stale port and fail."""
+    import threading
+
+    a = make_transport("tcp", name="a8", secret="s")
+    b = make_transport("tcp", name="b8", secret="s")
+    dead = socket.socket()
+    dead.bind(("127.0.0.1", 0))
+    stale = dict(b.descriptor(), port=dead.getsockname()[1])
+    dead.close()  # the prefill's old port: nothing listens there any more
+    link_once, waited, second_in = a._link_once, [], threading.Event()
+
+    def wait_for_the_other(peer, timeout, *rest):  # the first connect goes on once the second wrote its descriptor
+        if not waited:
+            waited.append(1)
+            assert second_in.wait(10)
+        else:
+            second_in.set()
+        return link_once(peer, timeout, *rest)
+
+    a._link_once = wait_for_the_other
+    errors = []
+
+    def go(desc):
+        try:
+            a.connect(dict(desc), timeout_s=5)
+        except Exception as e:  # noqa: BLE001 - checked below
+            errors.append((desc["port"], e))
+
+    try:
+        good = threading.Thread(target=go, args=(b.descriptor(),))
+        good.start()
+        assert poll(lambda: a._connecting.get("b8") == 1, 10)
+        old = threading.Thread(target=go, args=(stale,))
+        old.start()
+        good.join(20)
+        old.join(20)
+        assert all(port == stale["port"] for port, _ in errors), errors  # only the stale descriptor may fail
+        assert [c for c in a._out["b8"] if c.alive] and a._desc["b8"]["port"] == b.port
+        a.notify("b8", {"x": 1})
+    finally:
+        a.close()
+        b.close()
+
+
 def _at_once(n: int, fn) -> list:
     """Run ``fn`` on ``n`` threads released together (a barrier); the exceptions they raised (joined within 30 s
     each)."""
