@@ -251,3 +251,100 @@ def test_a_sample_that_never_misses_the_slo_gives_a_goodput_marked_as_a_lower_bo
     out = json.loads(r.stdout.strip().splitlines()[-1])
     assert out["best"]["note"].startswith("goodput is a lower bound: the 8-request sample met the SLO at every rate")
     assert any(n.startswith("predicted goodput is a lower bound") for n in out["notes"]), out["notes"]
+
+
+def test_requests_flag_does_not_apply_to_a_synthetic_workload():
+    """docs/plan.md: a synthetic workload is always all its groups × per_group requests, ``--requests`` does not
+    apply to it. Before, ``-n 1`` still refused the synthetic workload ("needs at least 2 requests, got 1"); a trace
+    still needs ``n >= 2``."""
+    wl = load_plan_workload("synthetic:groups=2,per_group=3,prefix=256,suffix=64,output=16", 1)
+    assert len(wl.requests) == 6
+    with pytest.raises(Exception, match="at least 2 requests, got 1"):
+        load_plan_workload("mooncake", 1)
+
+
+def test_lower_bound_note_of_a_synthetic_workload_names_its_own_size_not_n():
+    """The lower-bound note tells the user how to get a larger sample: for a synthetic workload that is more
+    groups × per_group, since -n is ignored there (before, it said "-n, or a longer trace" for every workload)."""
+    pl = Planner(load_inventory("s4000x2"), load_model("smollm2"), SLO(2.0, 0.05, 90.0),
+                 load_plan_workload("synthetic:groups=2,per_group=4,prefix=256,suffix=64,output=16", 300), None)
+    res = pl.plan(top_k=1, pareto_points=0, refine=False)
+    assert res.best.note.startswith("goodput is a lower bound: the 8-request sample"), res.best.note
+    assert res.best.note.endswith("(a synthetic workload of more groups × per_group requests: -n does not apply "
+                                  "to it)"), res.best.note
+
+
+def test_launch_file_of_a_plan_with_extra_chips_names_the_chip_files(tmp_path):
+    """docs/plan.md: add chips with ``--chips``; ``deploy_launch.yaml`` follows the ``dlmix launch`` schema. Before,
+    the launch file of such a plan named the chip only, so ``dlmix launch FILE --check`` (which has no ``--chips``
+    flag) refused it: "unknown chip 'X1' ... add it with --chips FILE". Now the plan writes ``router.chips``."""
+    chips = tmp_path / "my_chips.yaml"
+    chips.write_text("chips:\n  X1: {vendor: Acme, bf16_tflops: 400, mem_bw_gbps: 2000, mem_gb: 64, "
+                     "confidence: low, source: test}\n")
+    inv = tmp_path / "inv.yaml"
+    inv.write_text("name: x1\nhosts:\n  - {name: a, chips: {X1: 2}}\n")
+    out = tmp_path / "o"
+    env = {k: v for k, v in __import__("os").environ.items() if k != "DLMIX_CHIPS"}
+    r = subprocess.run([*DLMIX, "plan", "-i", str(inv), "--chips", str(chips), "-w",
+                        "synthetic:groups=4,per_group=4,prefix=512,suffix=128,output=16", "--no-baselines",
+                        "--no-refine", "-o", str(out)], capture_output=True, text=True, timeout=300, env=env)
+    assert r.returncode == 0, r.stderr[-800:]
+    import yaml
+    launch = yaml.safe_load((out / "deploy_launch.yaml").read_text())
+    assert launch["router"]["chips"] == [str(chips.resolve())]
+    assert {i["chip"] for i in launch["instances"]} == {"X1"}
+    c = subprocess.run([*DLMIX, "launch", str(out / "deploy_launch.yaml"), "--check"], capture_output=True,
+                       text=True, timeout=300, env=env)
+    assert c.returncode == 0, c.stdout[-800:] + c.stderr[-800:]
+    assert "ok (2 instance(s), router: yes)" in c.stdout + c.stderr
+
+
+@pytest.mark.parametrize("where, spec", [
+    ("host 'a': link", {"name": "x", "hosts": [{"name": "a", "chips": {"H100": 2}, "link": "nvlnk"}]}),
+    ("links[0]", {"name": "x", "hosts": [{"name": "a", "chips": {"H100": 2}}, {"name": "b", "chips": {"H20": 2}}],
+                  "links": [{"hosts": ["a", "b"], "link": "nvlnk"}]}),
+    ("default_link", {"name": "x", "hosts": [{"name": "a", "chips": {"H100": 2}}], "default_link": "nvlnk"}),
+])
+def test_unknown_link_name_error_reads_without_quotes(where, spec):
+    """An unknown link name in an inventory was reported as a quoted repr of the KeyError
+    (`links[0]: "unknown link 'nvlnk'; known: ..."`); now it reads as the other inventory errors do."""
+    with pytest.raises(InventoryError) as ei:
+        load_inventory(spec)
+    assert str(ei.value) == (f"<dict>: {where}: unknown link 'nvlnk'; known: local, nvlink, rdma-100g, rdma-400g, "
+                             "tcp-10g, tcp-25g")
+
+
+def test_infeasible_reason_names_the_slo_percentile_and_the_given_rate():
+    """With ``--slo-pct 80`` the infeasible-plan reason read "simulated p90 ..." (the simulator's summaries hold
+    p50/p90/p95/p99 only, and the reason fell back to p90: a p90 over the target does not show that the p80 is) and,
+    with ``--rate``, "even at the lowest rate tried" for the one rate simulated. Now the plan's simulations also
+    record the SLO's own percentile, and the reason names it and the given rate."""
+    wl = load_plan_workload("synthetic:groups=2,per_group=10,prefix=256,suffix=64,output=16", 20)
+    pl = Planner(load_inventory("s4000x2"), load_model("smollm2"), SLO(2.0, 0.05, 80.0), wl, 5.0)
+    c = Candidate((GroupChoice("MTT-S4000", "both", 1, 2),))
+    s = pl.simulate(c, 5.0)
+    ttft_sorted = sorted(s["ttft_ms"][k] for k in ("p50", "p80", "p90"))
+    assert ttft_sorted == [s["ttft_ms"]["p50"], s["ttft_ms"]["p80"], s["ttft_ms"]["p90"]]
+    assert s["tpot_ms"]["p50"] <= s["tpot_ms"]["p80"] <= s["tpot_ms"]["p90"]
+    c.summary = {"ttft_ms": {"p80": 2500.0, "p90": 9000.0}, "tpot_ms": {"p80": 40.0, "p90": 60.0},
+                 "good_fraction": 0.7}
+    msg = " ".join(pl.sim_reasons(c))
+    assert msg.startswith("TTFT: simulated p80 2500 ms > 2000 ms target at the given rate"), msg
+    assert "ITL" not in msg and "p90" not in msg and "lowest rate" not in msg, msg
+
+
+def test_a_timing_profile_measured_with_other_engine_settings_is_noted():
+    """docs/plan.md: the engine settings are to be set to what the calibration was measured with. The stored vLLM CPU
+    profile was measured with --max-num-batched-tokens 2048 --max-num-seqs 64; planned with the defaults (8192, 256)
+    nothing said that the simulated engine differs from the measured one. Now a note says so (and none when they
+    agree)."""
+    inv = load_inventory({"name": "cpu", "hosts": [{"name": "me", "chips": {"cpu-x86": 2}}],
+                          "timing": {"cpu-x86": {1: "smollm2_vllm_cpu"}}})
+    wl = load_plan_workload("synthetic:groups=2,per_group=3,prefix=256,suffix=64,output=16", 6)
+    pl = Planner(inv, load_model("smollm2"), SLO(3.0, 0.1, 90.0), wl, None)
+    assert pl.notes == ["timing of cpu-x86 size 1 (smollm2_vllm_cpu) was measured with max_num_batched_tokens 2048 "
+                        "(plan: 8192, --max-num-batched-tokens), max_num_seqs 64 (plan: 256, --max-num-seqs): its "
+                        "iteration times describe an engine run with the profile's settings; plan with them"]
+    pl = Planner(inv, load_model("smollm2"), SLO(3.0, 0.1, 90.0), wl, None,
+                 engine={"max_num_batched_tokens": 2048, "max_num_seqs": 64})
+    assert pl.notes == []

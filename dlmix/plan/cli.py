@@ -117,7 +117,7 @@ def plan_command(
         # a config.json path: the launch file names its folder (what vLLM loads)
         ref = None if not Path(model).exists() else str(Path(model).parent) if Path(model).is_file() else model
         try:
-            written = write_outputs(pl, res, Path(out), base, model_ref=ref)
+            written = write_outputs(pl, res, Path(out), base, model_ref=ref, chips=chips)
         except OSError as ex:  # the folder check passed but writing failed (e.g. /proc, a full disk)
             typer.echo(f"error: --out {out}: {ex}", err=True)
             raise typer.Exit(2)

@@ -169,6 +169,11 @@ class Inventory:
         return list(self.group(chip).per_host)
 
 
+def _why(ex: Exception) -> str:
+    """The message of ``ex``: a KeyError's own text, not its repr in quotes (``str(KeyError("x"))`` is ``"'x'"``)."""
+    return str(ex.args[0]) if isinstance(ex, KeyError) and ex.args else str(ex)
+
+
 def _link(cat: Catalog, desc) -> LinkProfile:
     """The link profile of ``desc``. Raises KeyError for an unknown name, ValueError for a bandwidth <= 0, an
     ``eff`` outside (0, 1] or a negative ``setup_ms``."""
@@ -215,7 +220,7 @@ def inventory_from_dict(d: dict, origin: str = "<dict>", catalog: Optional[Catal
         try:
             _link(cat, h.link)
         except (KeyError, ValueError, TypeError) as ex:
-            raise InventoryError(f"{origin}: host {h.name!r}: link: {ex}") from None
+            raise InventoryError(f"{origin}: host {h.name!r}: link: {_why(ex)}") from None
     total = sum(c for rows in by_chip.values() for _, c in rows)
     if total > MAX_CHIPS:
         raise InventoryError(f"{origin}: hosts: at most {MAX_CHIPS} chips in all, got {total}")
@@ -228,12 +233,12 @@ def inventory_from_dict(d: dict, origin: str = "<dict>", catalog: Optional[Catal
         try:
             _link(cat, ln.link)
         except (KeyError, ValueError, TypeError) as ex:
-            raise InventoryError(f"{origin}: links[{i}]: {ex}") from None
+            raise InventoryError(f"{origin}: links[{i}]: {_why(ex)}") from None
         pair[frozenset((a, b))] = ln.link
     try:
         _link(cat, spec.default_link)
     except (KeyError, ValueError, TypeError) as ex:
-        raise InventoryError(f"{origin}: default_link: {ex}") from None
+        raise InventoryError(f"{origin}: default_link: {_why(ex)}") from None
     host_link = {h.name: h.link for h in spec.hosts}
 
     def between(a: str, b: str):

@@ -31,7 +31,8 @@ def sim_deployment(pl: Planner, c: Candidate, name: str = "plan") -> str:
     return head + yaml.safe_dump(d, sort_keys=False)
 
 
-def launch_deployment(pl: Planner, c: Candidate, model_ref: Optional[str] = None, name: str = "plan") -> dict:
+def launch_deployment(pl: Planner, c: Candidate, model_ref: Optional[str] = None, name: str = "plan",
+                      chips: Optional[List[str]] = None) -> dict:
     """``c`` as a ``dlmix launch`` mapping (:func:`dlmix.launch.config.parse_deployment` schema): one instance per
     engine, named ``HOST-CHIP-ROLE-K``, ``devices`` numbered per host (a CPU instance of size ``t``: one engine
     pinned to ``t`` cores, ``cpus``), ports from 8100, the engine settings the plan simulated
@@ -40,7 +41,8 @@ def launch_deployment(pl: Planner, c: Candidate, model_ref: Optional[str] = None
     at most 131072 and never above the model's context limit (``ModelSpec.max_model_len``; the planner's sample holds
     no longer request) nor, on an accelerator, above the instance's KV capacity in tokens (vLLM does not start an
     engine whose KV cache cannot hold one ``max_model_len`` sequence). ``dlmix launch`` starts processes on one host: instances of other hosts need their ``host``
-    set there."""
+    set there. ``chips``: the extra chip catalog files the plan used (``--chips``), written as ``router.chips``
+    (absolute paths) so that ``dlmix launch`` and its router know the chips the instances name."""
     model = model_ref or HUB_IDS.get(pl.model.name, pl.model.name or "model")
     insts: List[dict] = []
     max_len = int(max(pl.wl.input_len + pl.wl.output_len))
@@ -82,6 +84,8 @@ def launch_deployment(pl: Planner, c: Candidate, model_ref: Optional[str] = None
     router = {"port": 8000, "policy": c.policy, "policy_params": pl.policy_params(c), "kv_events": True}
     if pl.model.name in HUB_IDS:
         router["model_spec"] = pl.model.name
+    if chips:
+        router["chips"] = [str(Path(f).resolve()) for f in chips]
     return {"name": name, "model": model, "served_model_name": pl.model.name or "model", "router": router,
             "instances": insts}
 
@@ -232,9 +236,9 @@ def plot_pareto(r: PlanResult, path: Path, base: Optional[Dict[str, Candidate]] 
 
 
 def write_outputs(pl: Planner, r: PlanResult, out: Path, base: Optional[Dict[str, Candidate]] = None,
-                  model_ref: Optional[str] = None) -> List[Path]:
+                  model_ref: Optional[str] = None, chips: Optional[List[str]] = None) -> List[Path]:
     """Write ``plan.json``, ``deploy_sim.yaml`` and ``deploy_launch.yaml`` (when feasible) and ``plan.png`` into
-    ``out``. Returns the paths written."""
+    ``out`` (``chips``: the ``--chips`` files, see :func:`launch_deployment`). Returns the paths written."""
     import json
 
     out.mkdir(parents=True, exist_ok=True)
@@ -248,7 +252,7 @@ def write_outputs(pl: Planner, r: PlanResult, out: Path, base: Optional[Dict[str
         paths.append(p)
         p = out / "deploy_launch.yaml"
         p.write_text("# dlmix plan -> dlmix launch (one host per run: set `host` of the instances on other hosts)\n"
-                     + yaml.safe_dump(launch_deployment(pl, r.best, model_ref, f"plan-{r.inventory.name}"),
+                     + yaml.safe_dump(launch_deployment(pl, r.best, model_ref, f"plan-{r.inventory.name}", chips),
                                       sort_keys=False))
         paths.append(p)
     q = plot_pareto(r, out / "plan.png", base)

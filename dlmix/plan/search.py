@@ -36,7 +36,7 @@ from dlmix.plan.inventory import Inventory
 from dlmix.plan.workload import PlanWorkload
 from dlmix.sim.config import deployment_from_dict
 from dlmix.sim.simulator import Simulator
-from dlmix.sim.timing import LinearTiming
+from dlmix.sim.timing import LinearTiming, profile_engine_settings
 
 __all__ = ["GroupChoice", "Candidate", "Planner", "PlanResult", "RATE_GRID", "ROLES"]
 
@@ -200,6 +200,7 @@ class Planner:
         if bad:
             raise ValueError(f"unknown engine setting(s) {sorted(bad)}; known: {', '.join(DEFAULTS)}")
         self.engine = {**DEFAULTS, **(engine or {})}
+        self.notes += self._timing_notes()
         self.cost = CostModel(model, inventory.catalog, t0=self.engine["t_step"], t1=self.engine["t_step"])
         self.sims = 0
         self.kappa: List[float] = []  # simulated / analytic goodput ratios seen so far
@@ -234,6 +235,25 @@ class Planner:
                        f"the context limit of {name} ({m.max_model_len} tokens, prompt + output; the longest needs "
                        f"{longest}): no deployment can serve them (vLLM rejects them), so they are left out of the "
                        f"estimates and simulations")
+        return out
+
+    def _timing_notes(self) -> List[str]:
+        """One line per calibration profile of the inventory's ``timing`` measured with other engine settings
+        (``max_num_batched_tokens``, ``max_num_seqs``) than the plan simulates: its iteration times then describe
+        another engine (docs/plan.md: set them to what the calibration was measured with)."""
+        out = []
+        for g in self.inv.groups:
+            for size, prof in g.timing:
+                try:
+                    measured = profile_engine_settings(prof)
+                except (OSError, ValueError):
+                    continue
+                diff = [f"{k} {measured[k]:g} (plan: {self.engine[k]:g}, --{k.replace('_', '-')})"
+                        for k in ("max_num_batched_tokens", "max_num_seqs")
+                        if isinstance(measured.get(k), (int, float)) and measured[k] != self.engine[k]]
+                if diff:
+                    out.append(f"timing of {g.chip} size {size} ({prof}) was measured with {', '.join(diff)}: its "
+                               "iteration times describe an engine run with the profile's settings; plan with them")
         return out
 
     # ------------------------------------------------------------------ analytic
@@ -358,11 +378,24 @@ class Planner:
         return {"ttft_target": self.slo.ttft, "itl_target": self.slo.itl} if c.policy == "cost" else {}
 
     def simulate(self, c: Candidate, rate: float) -> dict:
-        """One simulator run of ``c`` with the workload at ``rate`` req/s; returns the summary."""
+        """One simulator run of ``c`` with the workload at ``rate`` req/s; returns the summary, whose ``ttft_ms`` and
+        ``tpot_ms`` also hold the SLO's own percentile (``p{pct:g}``, ms, over the completed requests, as the others)
+        when it is not one of the simulator's fixed ones (e.g. ``p80`` for ``--slo-pct 80``)."""
         dep = deployment_from_dict(self.deployment_dict(c), "plan", self.inv.catalog)
         self.sims += 1
         sim = Simulator(dep, self.model, c.policy, seed=self.seed, policy_params=self.policy_params(c))
-        return sim.run(self.wl.at(rate), self.slo.ttft, self.slo.itl, label=c.label()).summary
+        res = sim.run(self.wl.at(rate), self.slo.ttft, self.slo.itl, label=c.label())
+        s = res.summary
+        key = f"p{self.slo.pct:g}"
+        if key not in s.get("ttft_ms", {}) or key not in s.get("tpot_ms", {}):
+            import numpy as np
+
+            ok = [r for r in res.records if not r.failed and r.finish is not None and r.first_token is not None]
+            ttft = [1000.0 * (r.first_token - r.req.arrival) for r in ok]
+            tpot = [1000.0 * (r.finish - r.first_token) / (r.req.output_len - 1) for r in ok if r.req.output_len > 1]
+            s.setdefault("ttft_ms", {})[key] = float(np.percentile(ttft, self.slo.pct)) if ttft else 0.0
+            s.setdefault("tpot_ms", {})[key] = float(np.percentile(tpot, self.slo.pct)) if tpot else 0.0
+        return s
 
     def _att(self, c: Candidate, k: int, cache: Dict[int, dict]) -> float:
         if k not in cache:
@@ -431,9 +464,11 @@ class Planner:
         c.goodput = RATE_GRID ** lo
         c.summary = cache[lo]
         if hi is None:  # the sample never missed the SLO: the rate is where the search stopped, not a limit
+            more = ("a synthetic workload of more groups × per_group requests: -n does not apply to it"
+                    if self.wl.name.startswith("synthetic") else "-n, or a longer trace")
             c.note = (f"{UNBOUNDED_NOTE}: the {len(self.wl.requests)}-request sample met the SLO at every rate tried, "
                       f"up to {c.goodput:.4g} req/s, so goodputs and their ranking say little; plan with more requests "
-                      "(-n, or a longer trace)")
+                      f"({more})")
         if c.analytic > 0:
             self.kappa.append(c.goodput / c.analytic)
         return c
@@ -561,24 +596,25 @@ class Planner:
         return (g <= 0, c.chips_used, -g)
 
     def sim_reasons(self, c: Candidate) -> List[str]:
-        """Why the simulated candidate misses the SLO at the lowest rate tried: which percentile exceeds its target."""
+        """Why the simulated candidate misses the SLO at the lowest rate tried (with ``--rate``: at that rate): which
+        percentile of the SLO's (``p{pct:g}``, see :meth:`simulate`) exceeds its target."""
         s = c.summary or {}
         q = self.slo.pct
-        key = f"p{int(q)}" if f"p{int(q)}" in s.get("ttft_ms", {}) else "p90"
+        key = f"p{q:g}"
+        at = "at the given rate" if self.rate is not None else "even at the lowest rate tried"
         out = []
         ttft = s.get("ttft_ms", {}).get(key, 0.0)
         tpot = s.get("tpot_ms", {}).get(key, 0.0)
         if ttft > self.slo.ttft * 1000:
             a, b = _distinct(ttft, self.slo.ttft * 1000, 0)
-            out.append(f"TTFT: simulated {key} {a} ms > {b} ms target even at the "
-                       f"lowest rate tried, on the best deployment found ({c.label()})")
+            out.append(f"TTFT: simulated {key} {a} ms > {b} ms target {at}, on the best deployment found "
+                       f"({c.label()})")
         if tpot > self.slo.itl * 1000:
             a, b = _distinct(tpot, self.slo.itl * 1000, 1)
-            out.append(f"ITL: simulated {key} TPOT {a} ms > {b} ms target even at the "
-                       f"lowest rate tried ({c.label()})")
+            out.append(f"ITL: simulated {key} TPOT {a} ms > {b} ms target {at} ({c.label()})")
         if not out:
             out.append(f"only {100 * s.get('good_fraction', 0):.1f} % of requests meet both targets "
-                       f"(< {q:g} %) at the lowest rate tried ({c.label()})")
+                       f"(< {q:g} %) {at.replace('even ', '')} ({c.label()})")
         return out
 
 

@@ -135,15 +135,17 @@ def load_plan_workload(source: str, n: int = 400, block_size: int = 64) -> PlanW
     """Build the sample: ``source`` is a trace name/path (first ``n`` requests) or ``synthetic[:k=v,...]``
     (hash ids per :func:`synthetic_trace_block` of ``block_size`` tokens).
 
-    Raises WorkloadError for a bad source or a sample of fewer than 2 requests / zero duration; ValueError for
-    ``block_size < 1``."""
-    if n < 2:
-        raise WorkloadError(f"the workload sample needs at least 2 requests, got {n}")
+    ``n`` does not apply to a synthetic source (its sample is all its ``groups × per_group`` requests).
+
+    Raises WorkloadError for a bad source or a sample of fewer than 2 requests (``n < 2`` for a trace) / zero
+    duration; ValueError for ``block_size < 1``."""
     if source == "synthetic" or source.startswith("synthetic:"):
         k = _parse_synthetic(source)
         reqs = shared_prefix(k["groups"], k["per_group"], k["prefix"], k["suffix"], k["output"], 1.0, k["seed"],
                              synthetic_trace_block(block_size))
     else:
+        if n < 2:
+            raise WorkloadError(f"the workload sample needs at least 2 requests, got {n}")
         reqs = load_trace(source, limit=n)
     if len(reqs) < 2 or reqs[-1].arrival <= reqs[0].arrival:
         raise WorkloadError(f"workload {source!r}: needs >= 2 requests spread over time")

@@ -99,11 +99,7 @@ class LinearTiming:
     def load(cls, path_or_name: Union[str, Path]) -> "LinearTiming":
         """From a calibration JSON file (``{"coefficients": {...}}``) or a built-in name such as
         ``smollm2_vllm_cpu`` (``dlmix/data/sim_calib_<name>.json``). Raises FileNotFoundError / ValueError."""
-        p = Path(str(path_or_name))
-        if not p.exists():
-            p = Path(str(resources.files("dlmix").joinpath(f"data/sim_calib_{path_or_name}.json")))
-        if not p.exists():
-            raise FileNotFoundError(f"calibration profile {path_or_name!r} not found")
+        p = _profile_path(path_or_name)
         d = json.loads(p.read_text())
         c = d.get("coefficients", d)
         try:
@@ -111,3 +107,22 @@ class LinearTiming:
                        float(c.get("r0", 0.0)), str(d.get("name", p.stem)), str(d.get("source", "")))
         except KeyError as ex:
             raise ValueError(f"{p}: calibration lacks coefficient {ex}") from None
+
+
+def _profile_path(path_or_name: Union[str, Path]) -> Path:
+    """The file of a calibration profile: a path, or a built-in name (``dlmix/data/sim_calib_<name>.json``).
+    Raises FileNotFoundError."""
+    p = Path(str(path_or_name))
+    if not p.exists():
+        p = Path(str(resources.files("dlmix").joinpath(f"data/sim_calib_{path_or_name}.json")))
+    if not p.exists():
+        raise FileNotFoundError(f"calibration profile {path_or_name!r} not found")
+    return p
+
+
+def profile_engine_settings(path_or_name: Union[str, Path]) -> dict:
+    """The engine settings a calibration profile was measured with (its ``engine`` entry, e.g. ``block_size``,
+    ``max_num_batched_tokens``, ``max_num_seqs``; ``{}`` when it records none). Raises FileNotFoundError."""
+    d = json.loads(_profile_path(path_or_name).read_text())
+    eng = d.get("engine") if isinstance(d, dict) else None
+    return dict(eng) if isinstance(eng, dict) else {}
