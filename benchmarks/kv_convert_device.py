@@ -174,7 +174,7 @@ def bandwidth(sa: str, da: str, device: torch.device, mib: int,
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].replace("\n", " "))
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--quick", action="store_true", help="64 MiB caches, 3 repeats (default 512 MiB, 5 repeats)")
     ap.add_argument("--mib", type=int, default=None)

@@ -208,6 +208,10 @@ def placements_available() -> bool:
     return hasattr(os, "sched_setaffinity") and {0, 1} <= os.sched_getaffinity(0) and os.path.isdir("/proc/self/task")
 
 
+#: every contender name ``--kinds`` accepts (the transports, and NIXL's two variants)
+CONTENDERS = ("tcp", "shm", "dlslime", "nixl", "nixl_spin", "nixl_sm", "mooncake")
+
+
 def available_adapters() -> dict[str, str | None]:
     from dlmix_kv_connectors.base import _resolve
 
@@ -229,6 +233,10 @@ def main() -> None:
     ap.add_argument("--kinds", default="", help="comma list to restrict contenders (default: all available)")
     ap.add_argument("--no-netns", action="store_true", help="do not re-execute inside a private network namespace")
     args = ap.parse_args()
+    want = [k.strip() for k in args.kinds.split(",") if k.strip()]
+    unknown = [k for k in want if k not in CONTENDERS]
+    if unknown:  # a typo would otherwise run no transport at all and print only nulls
+        ap.error(f"--kinds: unknown contender(s) {', '.join(unknown)}; known: {', '.join(CONTENDERS)}")
 
     if (not args.no_netns and os.environ.get("DLMIX_NETNS") != "1" and hasattr(os, "geteuid") and os.geteuid() == 0
             and shutil.which("unshare") and shutil.which("ip")):
@@ -248,8 +256,11 @@ def main() -> None:
     kinds = ["tcp", "shm"] + [k for k in ("dlslime", "nixl", "mooncake") if k not in skipped]
     if "nixl" in kinds:
         kinds += ["nixl_spin", "nixl_sm"]
-    if args.kinds:
-        want = args.kinds.split(",")
+    if want:
+        for k in want:
+            if k not in kinds:
+                why = skipped.get(k.split("_")[0], "not available here")
+                print(f"[transport] --kinds {k}: not run ({why})", file=sys.stderr)
         kinds = [k for k in kinds if k in want]
     baselines = [SocketBaseline(), Memcpy()]
     names = [c.name for c in baselines] + kinds
