@@ -219,6 +219,9 @@ def test_bad_requests_get_reasons_and_hold_nothing(producer):
     assert r.status_code == 400 and "not JSON" in r.json()["error"]["message"]
     r = httpx.post(http.url + "/v1/embeddings", json={}, timeout=30)
     assert r.status_code == 404
+    r = httpx.post(http.url + "/v1/completions", json={"model": "other", "prompt": PROMPT,
+                                                       "kv_transfer_params": {"do_remote_decode": True}}, timeout=30)
+    assert r.status_code == 404 and "The model `other` does not exist" in r.json()["error"]["message"]
     assert httpx.get(http.url + "/health").status_code == 200
     assert httpx.get(http.url + "/v1/models").json()["data"][0]["id"] == "tiny"
     assert app.stats()["used_blocks"] == before

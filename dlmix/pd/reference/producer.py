@@ -106,7 +106,11 @@ class ReferenceProducer:
     # ------------------------------------------------------------------------------------------ prefill leg
     def prefill(self, body: dict[str, Any], chat: bool) -> dict[str, Any]:
         """Answer one prefill leg (see :mod:`.server`). Raises :class:`~.server.HTTPError` (400 bad request or
-        prompt, 503 cache full)."""
+        prompt, 404 a ``model`` other than the served one, as vLLM answers; 503 cache full)."""
+        model = body.get("model")
+        if model is not None and model != self.served_model_name:
+            raise HTTPError(404, f"The model `{model}` does not exist (this reference producer serves "
+                                 f"`{self.served_model_name}`)", "NotFoundError")
         ktp = body.get("kv_transfer_params")
         if not isinstance(ktp, dict) or ktp.get("do_remote_decode") is not True:
             raise HTTPError(400, "the reference producer only serves prefill legs: send kv_transfer_params "
@@ -136,7 +140,7 @@ class ReferenceProducer:
         with self._lock:
             self.counters["prefills"] += 1
             self.counters["prompt_tokens"] += len(ids)
-        return openai_response(rid=rid, model=body.get("model") or self.served_model_name, chat=chat,
+        return openai_response(rid=rid, model=self.served_model_name, chat=chat,
                                text=self.model.decode([res.next_token]), token_id=res.next_token,
                                prompt_tokens=len(ids), kv_transfer_params=params)
 
