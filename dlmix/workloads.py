@@ -9,6 +9,7 @@ the end of that block. Built-in traces (:data:`BUILTIN_TRACES`) ship in ``dlmix/
 """
 from __future__ import annotations
 
+import difflib
 import gzip
 import io
 import json
@@ -51,18 +52,25 @@ class TraceRecord:
     hash_ids: List[int]
 
 
-def resolve_trace(name_or_path: str | Path) -> Path:
+def resolve_trace(name_or_path: str | Path, generators: Sequence[str] = ()) -> Path:
     """Path of a built-in trace name (:data:`BUILTIN_TRACES`: ``mooncake``, ``mooncake-conversation``) or of a file.
 
+    ``generators``: the other workload names the caller accepts (e.g. ``synthetic``), listed in the error and
+    suggested for a near miss.
+
     Raises:
-        WorkloadError: the file does not exist.
+        WorkloadError: the file does not exist (with a "did you mean" for a name close to a known one).
     """
     name = str(name_or_path)
     if name in BUILTIN_TRACES:
         return Path(str(resources.files("dlmix").joinpath("data", BUILTIN_TRACES[name])))
     p = Path(name_or_path)
     if not p.exists():
-        raise WorkloadError(f"trace {name!r} not found (built-in: {', '.join(BUILTIN_TRACES)})")
+        known = [*BUILTIN_TRACES, *generators]
+        close = difflib.get_close_matches(name, known, n=1)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        also = f"; or {', '.join(generators)}" if generators else ""
+        raise WorkloadError(f"trace {name!r} not found (built-in: {', '.join(BUILTIN_TRACES)}{also}){hint}")
     return p
 
 

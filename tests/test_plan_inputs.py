@@ -348,3 +348,18 @@ def test_a_timing_profile_measured_with_other_engine_settings_is_noted():
     pl = Planner(inv, load_model("smollm2"), SLO(3.0, 0.1, 90.0), wl, None,
                  engine={"max_num_batched_tokens": 2048, "max_num_seqs": 64})
     assert pl.notes == []
+
+
+def test_a_misspelt_workload_name_suggests_the_generator():
+    """``-w synthetc`` (dlmix plan and dlmix sim): the error lists ``synthetic`` next to the built-in traces and
+    suggests it; before, it named only the traces, so the generator a user meant did not appear."""
+    from dlmix.sim.cli import build_workload
+    from dlmix.sim.workload import WorkloadError
+
+    for load in (lambda: load_plan_workload("synthetc", 10, 64), lambda: build_workload("synthetc")):
+        with pytest.raises(WorkloadError) as e:
+            load()
+        assert "or synthetic); did you mean 'synthetic'?" in str(e.value)
+    with pytest.raises(WorkloadError) as e:
+        load_plan_workload("no-such-trace.jsonl", 10, 64)
+    assert "did you mean" not in str(e.value) and "not found" in str(e.value)

@@ -146,7 +146,7 @@ def load_plan_workload(source: str, n: int = 400, block_size: int = 64) -> PlanW
     else:
         if n < 2:
             raise WorkloadError(f"the workload sample needs at least 2 requests, got {n}")
-        reqs = load_trace(source, limit=n)
+        reqs = load_trace(source, limit=n, generators=("synthetic",))
     if len(reqs) < 2 or reqs[-1].arrival <= reqs[0].arrival:
         raise WorkloadError(f"workload {source!r}: needs >= 2 requests spread over time")
     return _sample(source, reqs)

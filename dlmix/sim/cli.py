@@ -41,7 +41,7 @@ def build_workload(workload: str, speedup: float = 1.0, limit: Optional[int] = N
         reqs = shared_prefix(groups, per_group, prefix_len, suffix_len, output_len, rate * speedup, seed,
                              trace_block=block_size)
         return reqs if limit is None else reqs[:max(limit, 0)]
-    return load_trace(workload, speedup=speedup, limit=limit)
+    return load_trace(workload, speedup=speedup, limit=limit, generators=("synthetic",))
 
 
 def resolve_slo(dep, slo_ttft_ms: Optional[float] = None, slo_itl_ms: Optional[float] = None):

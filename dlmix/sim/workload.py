@@ -123,7 +123,7 @@ class SimRequest:
 
 
 def load_trace(name_or_path: str, speedup: float = 1.0, limit: Optional[int] = None,
-               trace_block: int = MOONCAKE_BLOCK) -> List[SimRequest]:
+               trace_block: int = MOONCAKE_BLOCK, generators: Sequence[str] = ()) -> List[SimRequest]:
     """Read a Mooncake-format JSONL (optionally gzipped) trace (reader: :func:`dlmix.workloads.read_mooncake_trace`).
 
     Args:
@@ -131,12 +131,14 @@ def load_trace(name_or_path: str, speedup: float = 1.0, limit: Optional[int] = N
         speedup: arrival time scale; ``timestamp / 1000 / speedup`` seconds (2.0 = twice the request rate).
         limit: keep only the first ``limit`` requests (None = all).
         trace_block: tokens per hash id (512 for Mooncake).
+        generators: other workload names the caller accepts, for the error of an unknown one
+          (:func:`dlmix.workloads.resolve_trace`).
 
     Raises WorkloadError naming the line for malformed input; ``speedup`` must be > 0.
     """
     if speedup <= 0:
         raise WorkloadError(f"speedup must be > 0, got {speedup}")
-    resolve_trace(name_or_path)  # a missing file is an error even for limit=0
+    resolve_trace(name_or_path, generators)  # a missing file is an error even for limit=0
     reqs: List[SimRequest] = []
     if limit is None or limit > 0:
         for rec in read_mooncake_trace(name_or_path, min_output_length=0):
