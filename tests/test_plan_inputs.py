@@ -363,3 +363,14 @@ def test_a_misspelt_workload_name_suggests_the_generator():
     with pytest.raises(WorkloadError) as e:
         load_plan_workload("no-such-trace.jsonl", 10, 64)
     assert "did you mean" not in str(e.value) and "not found" in str(e.value)
+
+
+def test_a_sub_second_ttft_target_is_stated_in_milliseconds():
+    """``--slo-ttft-ms 1``: the infeasible reason read "takes 0.01 s to prefill ... > 0.00 s target"; a target under
+    a second is now stated in milliseconds, both numbers in the same unit."""
+    r = subprocess.run([*DLMIX, "plan", "-i", "h100x4_h20x4", "-w", "synthetic", "--slo-ttft-ms", "1"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 3, (r.returncode, r.stderr[-800:])
+    reasons = json.loads(r.stdout.strip().splitlines()[-1])["reasons"]
+    assert "ms to prefill on 4× H100 > 1 ms target" in reasons[0], reasons
+    assert "0.00 s" not in reasons[0]

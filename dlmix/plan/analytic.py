@@ -156,8 +156,11 @@ def estimate_role(cost: CostModel, wl: PlanWorkload, slo: SLO, chip: str, tp: in
         est.p = RHO_PREFILL / float(pre_t.mean())
         if est.ttft_share < slo.attain:
             est.ok = False
-            est.reason = (f"TTFT: the p{slo.pct:g} prompt ({st.n_pct:.0f} tokens) takes {t_q:.2f} s to prefill"
-                          f"{' and transfer' if role == 'prefill' else ''} on {tp}× {chip} > {slo.ttft:.2f} s target")
+            # seconds for targets of a second or more, else milliseconds (a 1 ms target read "0.00 s")
+            a, b = (f"{t_q:.2f} s", f"{slo.ttft:.2f} s") if slo.ttft >= 1 else \
+                (f"{t_q * 1e3:.4g} ms", f"{slo.ttft * 1e3:.4g} ms")
+            est.reason = (f"TTFT: the p{slo.pct:g} prompt ({st.n_pct:.0f} tokens) takes {a} to prefill"
+                          f"{' and transfer' if role == 'prefill' else ''} on {tp}× {chip} > {b} target")
     if role in ("decode", "both"):
         itl = slo.itl * (BOTH_ITL_FACTOR if role == "both" else 1.0)
         step1 = step_time(1, st.ctx)
