@@ -104,6 +104,25 @@ def test_hold_granted_exactly_and_released_on_consumed():
     assert p.take_finished() == {"r"} and p.held_count() == 0
 
 
+def test_a_release_naming_no_hold_is_logged_and_counted_a_late_one_is_not(caplog):
+    """A consumer that releases under its own request id instead of the producer's (TransferParams.request_id) ended
+    nothing, silently: the hold it meant stays until hold_timeout_s. Such a release is now a counted bad message with
+    a warning saying which id to use; a second release of a hold that already ended stays quiet."""
+    p, t = _producer()
+    p.add_hold("r", [3, 4], 40)
+    p.handle("d", _want())
+    with caplog.at_level("WARNING", logger="dlmix.pd.producer"):
+        p.handle("d", Consumed(req="decode-own-id"))
+    assert p.is_held("r") and p.stats["bad_messages"] == 1
+    assert "names no hold here" in caplog.text and "request_id" in caplog.text
+    p.handle("d", Consumed(req="r"))
+    assert p.take_finished() == {"r"} and not p.is_held("r")
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="dlmix.pd.producer"):
+        p.handle("d", Consumed(req="r"))  # late duplicate of a release that ended the hold
+    assert p.stats["bad_messages"] == 1 and caplog.text == ""
+
+
 def test_a_hold_is_also_named_by_its_block_ids():
     """A consumer that knows the blocks but not the request id (an LMDeploy decode fed by a vLLM prefill) names the
     hold by ``block_ids_transfer_id``: granted under that name, extended, released, and the alias goes with the

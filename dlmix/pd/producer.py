@@ -298,6 +298,12 @@ class Producer:
                     h.released += 1
                     if h.released >= h.consumers * h.ranks:
                         self._release(h, "consumed" if consumed else "aborted")
+                elif h is None and msg.req not in self.ended:
+                    # never held here: most likely the consumer names its own request id, not the producer's
+                    # (TransferParams.request_id), and the hold it meant stays until hold_timeout_s
+                    self.stats["bad_messages"] += 1
+                    log.warning("dlmix.pd: %s of %s from %s names no hold here (a release names the producer's "
+                                "request id, the transfer parameters' request_id)", type(msg).__name__, msg.req, peer)
         else:
             self.stats["bad_messages"] += 1
             log.warning("dlmix.pd: producer ignores %s from %s", type(msg).__name__, peer)
