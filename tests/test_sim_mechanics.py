@@ -544,3 +544,18 @@ def test_instances_are_named_by_the_catalogs_chip_name_whatever_the_spelling():
     assert [(i.id, i.chip) for i in dep.instances] == [("H100-prefill-0", "H100"), ("H100-prefill-1", "H100"),
                                                        ("H20-decode-2", "H20")]
     assert dep.instances[0].router_chip == "H20"
+
+
+def test_sim_refuses_synthetic_flags_with_a_trace_workload():
+    """``dlmix sim -w mooncake --groups 4 --rate 2``: the synthetic generator's flags do not apply to a trace; they
+    were ignored without a word (the run simulated the trace as it is). Now an input error naming them; with
+    ``-w synthetic`` they work as before, and a trace run without them is unchanged."""
+    out = _sim_cli_error(["-d", "homog_h100x4", "-w", "mooncake", "--groups", "4", "--rate", "2", "--limit", "3"])
+    assert "--groups, --rate shape the synthetic workload (-w synthetic), not the trace 'mooncake'" in out
+    from typer.testing import CliRunner
+
+    from dlmix.cli import app
+
+    for args in (["-w", "synthetic", "--groups", "2", "--per-group", "2"], ["-w", "mooncake", "--limit", "3"]):
+        res = CliRunner().invoke(app, ["sim", "-d", "homog_h100x4"] + args)
+        assert res.exit_code == 0, res.output[-800:]

@@ -74,7 +74,12 @@ def resolve_slo(dep, slo_ttft_ms: Optional[float] = None, slo_itl_ms: Optional[f
     return out[0], out[1], ", ".join(src)
 
 
+#: the flags of the synthetic generator: an error with a trace workload, which brings its own requests
+SYNTHETIC_FLAGS = ("groups", "per_group", "prefix_len", "suffix_len", "output_len", "rate")
+
+
 def sim_command(
+    ctx: typer.Context,
     deployment: str = typer.Option(..., "--deployment", "-d", help="deployment YAML path or built-in name "
                                    "(homog_h100x4, hetero_pd, h100x8, smollm2_cpu)"),
     model: str = typer.Option("llama-3.1-8b", "--model", "-m", help="preset (llama-3.1-8b, qwen2.5-7b, qwen3-8b, "
@@ -121,6 +126,15 @@ def sim_command(
     if limit is not None and limit < 1:
         typer.echo(f"error: --limit must be >= 1, got {limit}", err=True)
         raise typer.Exit(2)
+    if workload != "synthetic":
+        # by name: typer may carry its own copy of click's ParameterSource enum
+        given = [f"--{n.replace('_', '-')}" for n in SYNTHETIC_FLAGS
+                 if getattr(ctx.get_parameter_source(n), "name", None) == "COMMANDLINE"]
+        if given:  # before: ignored without a word, the run simulated the trace as it is
+            typer.echo(f"error: {', '.join(given)} shape{'' if len(given) > 1 else 's'} the synthetic workload "
+                       f"(-w synthetic), not the trace {workload!r}, which brings its own requests (--speedup scales "
+                       "its arrival times, --limit takes its first N)", err=True)
+            raise typer.Exit(2)
     if not 0 <= kv_event_delay_ms < float("inf"):
         typer.echo(f"error: --kv-event-delay-ms must be a finite number >= 0, got {kv_event_delay_ms:g}", err=True)
         raise typer.Exit(2)
