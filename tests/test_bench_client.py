@@ -303,3 +303,43 @@ def test_cli_refuses_an_engine_url_that_is_not_an_http_url():
     assert res.exit_code == 2, res.output
     assert _error_line(res.output) == ("Invalid value for '--engine-url': must be an http(s) URL of an engine's "
                                        "root, got 'notaurl'")
+
+
+def test_cli_stops_before_the_sweep_when_the_server_refuses_the_api_key(tmp_path):
+    """A server that answers 401 (a dlmix router with router.config.api_keys, no --api-key given) is reported before
+    any benchmark request is sent, with exit code 2 and the flag to use; not after a sweep of failed requests."""
+    import http.server
+
+    from dlmix.cli import app
+
+    seen = {"GET": 0, "POST": 0}
+
+    class Refuse(http.server.BaseHTTPRequestHandler):
+        def _refuse(self):
+            seen[self.command] += 1
+            body = b'{"error": {"message": "invalid or missing API key", "type": "authentication_error"}}'
+            self.send_response(401)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        do_GET = do_POST = _refuse
+
+        def log_message(self, *args):
+            pass
+
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Refuse)
+    t = threading.Thread(target=srv.serve_forever, daemon=True)
+    t.start()
+    try:
+        res = CliRunner().invoke(app, ["bench", "--url", f"http://127.0.0.1:{srv.server_address[1]}",
+                                       "--gsp-num-groups", "1", "--gsp-prompts-per-group", "2",
+                                       "--output-dir", str(tmp_path)])
+    finally:
+        srv.shutdown()
+        t.join(5)
+    assert res.exit_code == 2, res.output
+    assert "HTTP 401" in res.output and "--api-key" in res.output
+    assert seen == {"GET": 1, "POST": 0}
+    assert not (tmp_path / "run").exists()

@@ -43,6 +43,19 @@ def test_goodput_counts_requests_within_every_target():
     assert m["request_goodput"] == pytest.approx(3 / 4.0)
 
 
+def test_good_fraction_counts_failed_requests_as_not_good():
+    # 2 completed requests within the targets, 2 failed (e.g. HTTP 500 or a timeout): half of the requests sent were
+    # good, so the level does not meet a 90 % SLO (dlmix sim's good_fraction counts failures the same way)
+    rs = [_r(0.1, [0.01], 0.11, 2), _r(0.1, [0.01], 0.11, 2), _r(0.0, [], 0.05, 0, ok=False),
+          _r(0.0, [], 600.0, 0, ok=False)]
+    m = summarize(rs, 2.0, parse_goodput(["ttft:500", "tpot:50"]))
+    assert m["completed"] == 2 and m["failed"] == 2
+    assert m["good_fraction"] == pytest.approx(0.5)
+    assert m["request_goodput"] == pytest.approx(1.0)  # good completed requests per second, unchanged
+    m = summarize([_r(0.0, [], 0.05, 0, ok=False)], 1.0, parse_goodput(["ttft:500"]))
+    assert m["good_fraction"] == 0.0 and m["request_goodput"] == 0.0
+
+
 def test_parse_goodput_forms_and_errors():
     assert parse_goodput(["ttft:500 tpot:50", "e2el:1000"]) == {"ttft": 500.0, "tpot": 50.0, "e2el": 1000.0}
     assert parse_goodput(["TTFT:1,tpot:2"]) == {"ttft": 1.0, "tpot": 2.0}

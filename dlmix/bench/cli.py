@@ -233,10 +233,16 @@ def bench(
     try:  # fail fast and clearly when nothing listens there
         import httpx
 
-        httpx.get(base_url.rstrip("/") + "/v1/models", timeout=10.0,
-                  headers={"Authorization": f"Bearer {api_key}"} if api_key else None)
+        probe = httpx.get(base_url.rstrip("/") + "/v1/models", timeout=10.0,
+                          headers={"Authorization": f"Bearer {api_key}"} if api_key else None)
     except httpx.HTTPError as e:
         console.print(f"[red]error:[/] cannot reach {base_url}: {type(e).__name__}: {e}")
+        raise typer.Exit(2)
+    if probe.status_code in (401, 403):  # every request would fail the same way, after the whole sweep
+        console.print(f"[red]error:[/] {base_url} refuses {'the' if api_key else 'requests without an'} API key "
+                      f"(HTTP {probe.status_code} to GET /v1/models): give a client key of the server with "
+                      "--api-key KEY (or DLMIX_API_KEY); a dlmix router's are router.config.api_keys",
+                      highlight=False, soft_wrap=True)
         raise typer.Exit(2)
     settings = BenchSettings(base_url=base_url, model=model, endpoint=endpoint, burstiness=burstiness, seed=seed,
                              goodput_ms=slo, percentiles=pcts, engine_urls=engines, timeout_s=timeout,

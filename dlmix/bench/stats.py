@@ -10,9 +10,10 @@ Definitions (vLLM ``vllm/benchmarks/serve.py``, ``calculate_metrics``):
 * **E2EL** (end-to-end latency, seconds): send -> last byte of the response.
 * Throughputs: ``completed / duration`` (req/s), ``output_tokens / duration`` (tok/s), ``(input + output) / duration``;
   ``duration`` is the benchmark's wall time (first send -> last completion), seconds.
-* **Goodput** (``--goodput ttft:MS tpot:MS e2el:MS``): a completed request is *good* when each given metric is <= its
-  target (milliseconds); ``request_goodput = good / duration`` (req/s). We also report ``good_fraction``
-  (good / completed).
+* **Goodput** (``--goodput ttft:MS --goodput tpot:MS``, or ``--goodput "ttft:MS tpot:MS"``): a completed request is
+  *good* when each given metric is <= its target (milliseconds); ``request_goodput = good / duration`` (req/s). We
+  also report ``good_fraction`` = good / all requests sent (a failed request is not good, as in ``dlmix sim``'s
+  ``good_fraction``), so a level with failed requests cannot read as meeting its SLO.
 * Percentiles: ``numpy.percentile`` with linear interpolation (vLLM's choice); reported in milliseconds.
 """
 from __future__ import annotations
@@ -134,7 +135,7 @@ def summarize(results: Sequence[RequestResult], duration_s: float, goodput_ms: d
     Returns:
         dict with ``completed``, ``failed``, token totals, throughputs (``request_throughput`` req/s,
         ``output_throughput`` tok/s, ``total_token_throughput`` tok/s), ``request_goodput`` and ``good_fraction``
-        (None without targets), and ``ttft_ms``/``tpot_ms``/``itl_ms``/``e2el_ms`` dicts of mean/median/std/min/
+        (good / all requests in ``results``, failed ones included; both None without targets), and ``ttft_ms``/``tpot_ms``/``itl_ms``/``e2el_ms`` dicts of mean/median/std/min/
         max/pNN in milliseconds.
 
     Raises:
@@ -169,7 +170,7 @@ def summarize(results: Sequence[RequestResult], duration_s: float, goodput_ms: d
     if goodput_ms:
         good = sum(1 for r in ok if is_good(r, goodput_ms))
         out["request_goodput"] = good / duration_s
-        out["good_fraction"] = good / len(ok) if ok else 0.0
+        out["good_fraction"] = good / len(results) if results else 0.0  # a failed request is not good
     errors: dict[str, int] = {}
     for r in results:
         if not r.success:
