@@ -400,6 +400,28 @@ def test_check_names_a_likely_typo_of_a_dlmix_model_name(tmp_path):
     res = CliRunner().invoke(app, ["launch", str(f), "--check"])
     assert res.exit_code == 2 and "did you mean 'smollm2'?" in res.output, res.output
 
+def test_check_refuses_a_model_folder_without_config_json(tmp_path, tiny_model_dir):
+    """A model folder that exists but holds no config.json (e.g. the parent of the model folder) is reported by
+    --check with its instance (exit code 2) instead of passing and failing in the engine's traceback after start-up;
+    the real folder, a Mistral-style folder (params.json) and a mock engine are not reported."""
+    from dlmix.cli import app
+    from dlmix.launch.preflight import local_problems
+
+    empty = tmp_path / "models"
+    empty.mkdir()
+    mistral = tmp_path / "mistral"
+    mistral.mkdir()
+    (mistral / "params.json").write_text("{}")
+    f = tmp_path / "dep.yaml"
+    f.write_text(f"instances:\n  - {{port: 9001, model: {empty}}}\n  - {{port: 9002, model: {tiny_model_dir}}}\n"
+                 f"  - {{port: 9003, model: {mistral}}}\n  - {{port: 9004, engine: mock, model: {empty}}}\n")
+    problems = local_problems(Deployment.from_file(f))
+    assert [p.split(":")[0] for p in problems] == ["instances[0] (both-0)"]
+    assert f"model folder '{empty}' holds no config.json" in problems[0]
+    res = CliRunner().invoke(app, ["launch", str(f), "--check"])
+    assert res.exit_code == 2 and "holds no config.json" in res.output, res.output
+
+
 def test_check_refuses_a_tp_size_or_context_the_model_cannot_run(tmp_path, smollm2_dir, tiny_model_dir):
     """vLLM/SGLang instances whose tensor_parallel_size the model's head counts do not allow (SmolLM2: 9 heads, 3 KV
     heads -> 1, 3, 9; the tiny Llama: 4 heads, 2 KV heads -> 1, 2, 4) or whose max_model_len exceeds the model's

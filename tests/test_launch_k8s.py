@@ -200,6 +200,24 @@ def test_cli_emit_k8s(tmp_path):
     assert r.returncode == 2 and "unknown --emit format 'helm'" in r.stdout
 
 
+def test_emitting_again_names_the_files_it_did_not_write(tmp_path):
+    """Emitting a changed deployment (here: router.replicas 2 -> 1, which drops the etcd objects) into the folder of
+    an earlier emission leaves that emission's extra files, which `kubectl apply -f DIR` would apply too: a note
+    names them; a fresh folder gets no such note."""
+    dep = Deployment.from_file(ROOT / "examples/mixed-chips.yaml")
+    out = tmp_path / "k8s"
+    first = emit_k8s(dep, out, secret="s3cret")
+    assert not [n for n in first.notes if "did not write" in n]
+    assert any("etcd" in f for f in first.files)
+    dep.router.replicas = 1
+    second = emit_k8s(dep, out, secret="s3cret")
+    stale = sorted(set(first.files) - set(second.files))
+    assert stale and not any("etcd" in f for f in second.files)
+    (note,) = [n for n in second.notes if "did not write" in n]
+    assert f"{out} also holds {len(stale)} manifest file(s) this emission did not write ({stale[0]}" in note
+    assert f"kubectl apply -f {out}" in note
+
+
 def test_sglang_instances_are_refused_with_the_reason(tmp_path):
     from dlmix.launch.config import ConfigError
 

@@ -239,3 +239,28 @@ def test_an_instance_bound_to_ipv6_loopback_starts(tmp_path, orphans):
         assert f"[::1]:{p}" in running.processes[0].url
         assert httpx.get(f"http://[::1]:{p}/health", timeout=30).status_code == 200
     orphans.track(logs=logs).assert_gone()
+
+
+def test_cli_example_request_carries_the_key_a_keyed_router_needs(tmp_path, orphans, cli_launch):
+    """With router.config.api_keys the router answers 401 to a request without a key: the example curl launch prints
+    sends the Authorization header (a placeholder, named), and that request with a real key succeeds; without keys
+    the example stays as it was."""
+    import re
+    import shlex
+    import subprocess
+
+    f = _deployment(tmp_path)
+    f.write_text(f.read_text().replace("policy: round_robin,", "policy: round_robin, config: {api_keys: [k1]},"))
+    logs = tmp_path / "logs"
+    cli = cli_launch(f, logs, columns=400)
+    cli.wait_for(b"Ctrl-C stops everything", 180, "the deployment to be ready")
+    orphans.track(pids=orphans.logged_pids(logs) | orphans.cmdline_pids(str(logs)), logs=logs)
+    (line,) = [ln for ln in cli.out.decode().splitlines() if "try: curl" in ln]
+    assert "-H 'Authorization: Bearer KEY'" in line and "(KEY: one of router.config.api_keys)" in line, line
+    cmd = re.sub(r"\s+\(KEY: .*\)$", "", line.split("try: ", 1)[1]).replace("Bearer KEY", "Bearer k1")
+    r = subprocess.run(shlex.split(cmd) + ["-o", "/dev/null", "-w", "%{http_code}"], capture_output=True, text=True,
+                       timeout=60)
+    assert r.stdout == "200", (cmd, r.stdout, r.stderr)
+    text = cli.interrupt()
+    assert cli.proc.returncode == 130, text
+    orphans.assert_gone()

@@ -165,8 +165,12 @@ def launch_cmd(
                               f"{running.log_dir / 'router.yaml'}), metrics: {running.router_url}/metrics")
             for inst in running.instances:
                 console.print(f"  {inst.name}: {inst.role} {inst.engine} {inst.url}  log {inst.log_path}")
-            console.print(f"  try: curl -s {running.url}/v1/completions -H 'Content-Type: application/json' "
-                          f"-d '{{\"model\": \"{model}\", \"prompt\": \"Hello\", \"max_tokens\": 16}}'",
+            # a router with client keys answers 401 without one: the example request carries the header then
+            keyed = bool(running.router_url and dep.router is not None and dep.router.config.get("api_keys"))
+            auth = " -H 'Authorization: Bearer KEY'" if keyed else ""
+            console.print(f"  try: curl -s {running.url}/v1/completions -H 'Content-Type: application/json'{auth} "
+                          f"-d '{{\"model\": \"{model}\", \"prompt\": \"Hello\", \"max_tokens\": 16}}'"
+                          + ("  (KEY: one of router.config.api_keys)" if keyed else ""),
                           highlight=False, soft_wrap=True)
             console.print("Ctrl-C stops everything.")
             running.wait()

@@ -322,7 +322,9 @@ def _index(dep: Deployment, name: str) -> int:
 
 def emit_k8s(dep: Deployment, out_dir: str | os.PathLike, secret: Optional[str] = None) -> Manifests:
     """Write :func:`build_manifests` of ``dep`` to ``out_dir`` (created), one object per file; the Secret's file is
-    mode 0600. Files of an earlier emission of another deployment are not removed. Returns the manifests."""
+    mode 0600. Files of an earlier emission (of another deployment, or of this one before an instance was removed
+    or ``router.replicas`` lowered) are not removed: a note names them, since ``kubectl apply -f out_dir`` would
+    apply them too. Returns the manifests."""
     m = build_manifests(dep, secret)
     d = Path(out_dir)
     d.mkdir(parents=True, exist_ok=True)
@@ -332,4 +334,9 @@ def emit_k8s(dep: Deployment, out_dir: str | os.PathLike, secret: Optional[str] 
         fd = os.open(d / fname, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
         with os.fdopen(fd, "w") as f:
             f.write(text)
+    others = sorted(p.name for p in d.iterdir() if p.suffix in (".yaml", ".yml", ".json") and p.name not in m.files)
+    if others:
+        m.notes.append(f"{d} also holds {len(others)} manifest file(s) this emission did not write ("
+                       f"{', '.join(others[:3])}{', ...' if len(others) > 3 else ''}): `kubectl apply -f {d}` would "
+                       "apply them too; remove them or emit into an empty folder")
     return m

@@ -23,6 +23,7 @@ from dlmix.net import is_loopback, parse_cpus
 __all__ = ["local_problems", "available_cpus"]
 
 _PATH_PREFIXES = ("/", "~", "./", "../")
+_MODEL_FOLDER_FILES = ("config.json", "params.json")  # what vLLM looks for in a model folder (params.json: Mistral)
 
 
 def available_cpus() -> List[int]:
@@ -60,6 +61,12 @@ def local_problems(dep: Deployment) -> List[str]:
                 and not Path(ref).expanduser().exists():
             problems.append(f"{where}: model {ref!r} does not exist on this machine (a local folder, a dlmix model "
                             f"name ({', '.join(sorted(models.MODELS))}) or a hub id 'org/name' is expected)")
+        elif inst.engine != "mock" and ref and ref not in models.MODELS and Path(ref).expanduser().is_dir() \
+                and not any((Path(ref).expanduser() / f).is_file() for f in _MODEL_FOLDER_FILES):
+            # the engines take an existing folder as the model and refuse it only after start-up, in a traceback
+            problems.append(f"{where}: model folder {ref!r} holds no config.json (nor a Mistral params.json): not a "
+                            "Hugging Face model folder, which the engine refuses after start-up (the folder that "
+                            "holds config.json is expected)")
         elif inst.engine != "mock" and ref and ref not in models.MODELS and "/" not in ref \
                 and not Path(ref).expanduser().exists() \
                 and (near := difflib.get_close_matches(ref, list(models.MODELS), n=1)):
