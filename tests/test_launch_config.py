@@ -82,13 +82,23 @@ BASE = "model: tiny-llama\ninstances:\n  - port: 9001\n"
 
 def test_unknown_key_names_field_and_line():
     msg = _err(BASE + "    kv: {block_size: 32, dtpye: float32}\n")
-    assert msg == "dep.yaml:4:26: instances[0].kv.dtpye: unknown key"
+    assert msg == "dep.yaml:4:26: instances[0].kv.dtpye: unknown key; did you mean 'dtype'?"
+
+
+def test_an_unknown_key_suggests_the_field_it_is_close_to_at_its_own_level():
+    """A typo'd key is answered with the closest field of the mapping it sits in (instance, kv, router), as the model
+    name check already did; a key close to nothing gets no guess."""
+    msg = _err("model: tiny-llama\nrouter: {prot: 9000}\ninstances:\n  - port: 9001\n    tensor_paralel_size: 1\n"
+               "    zzz: 1\n")
+    assert "router.prot: unknown key; did you mean 'port'?" in msg
+    assert "instances[0].tensor_paralel_size: unknown key; did you mean 'tensor_parallel_size'?" in msg
+    assert "instances[0].zzz: unknown key\n" in msg + "\n"
 
 
 def test_wrong_type_and_missing_field_lines():
     msg = _err("model: x\ninstances:\n  - role: prefil\n    port: 9001\n  - role: both\n")
     lines = msg.splitlines()
-    assert lines[0].startswith("dep.yaml:3:11: instances[0].role: Input should be 'prefill', 'decode' or 'both'")
+    assert lines[0] == "dep.yaml:3:11: instances[0].role: Input should be 'prefill', 'decode' or 'both', got 'prefil'"
     assert lines[1] == "dep.yaml:5:5: instances[1].port: required field missing"
 
 

@@ -31,6 +31,7 @@ Unknown keys are errors (a typo never falls back to a default). See ``examples/*
 """
 from __future__ import annotations
 
+import difflib
 import json
 from pathlib import Path
 from typing import Any, Dict, List, Literal, Optional, Tuple
@@ -475,13 +476,41 @@ def parse_deployment(text: str, origin: str = "<deployment>") -> Deployment:
             line, col = _where(marks, loc, unknown_key=err["type"] == "extra_forbidden")
             msg = err["msg"]
             if err["type"] == "extra_forbidden":
-                msg = "unknown key"
+                near = difflib.get_close_matches(str(loc[-1]), _keys_at(Deployment, loc[:-1]), n=1)
+                msg = "unknown key" + (f"; did you mean {near[0]!r}?" if near else "")
             elif err["type"] == "missing":
                 msg = "required field missing"
+            elif err["type"] == "literal_error":
+                msg = f"{msg}, got {err.get('input')!r}"
             problems.append(f"{origin}:{line}:{col}: {_fmt(loc)}: {msg}")
         raise ConfigError(problems) from None
     _cross_checks(dep, marks, origin)
     return dep
+
+
+def _keys_at(model: Any, loc: Tuple[Any, ...]) -> List[str]:
+    """The field names (YAML keys) of the pydantic model found at ``loc`` inside ``model`` (list indexes and dict keys
+    step into the item type; ``Optional`` is looked through); ``[]`` where no model is found."""
+    import typing
+
+    t: Any = model
+    for part in loc:
+        while typing.get_origin(t) is typing.Union:  # Optional[X]
+            t = next((a for a in typing.get_args(t) if a is not type(None)), None)
+        if isinstance(t, type) and issubclass(t, BaseModel):
+            f = t.model_fields.get(part) if isinstance(part, str) else None
+            if f is None:
+                return []
+            t = f.annotation
+        elif typing.get_origin(t) in (list, List, dict, Dict):
+            t = typing.get_args(t)[-1] if typing.get_args(t) else None
+        else:
+            return []
+    while typing.get_origin(t) is typing.Union:
+        t = next((a for a in typing.get_args(t) if a is not type(None)), None)
+    if isinstance(t, type) and issubclass(t, BaseModel):
+        return [f.alias or n for n, f in t.model_fields.items()]
+    return []
 
 
 #: per engine, the environment variable that lets it run past the model's context limit (vLLM
