@@ -123,27 +123,40 @@ SHARED_PREFIX_MAX_REQUESTS = 100_000
 SHARED_PREFIX_MAX_TOKENS = 1 << 20
 
 
-def check_shared_prefix(num_groups: int, per_group: int, prefix_len: int, suffix_len: int, output_len: int) -> None:
+#: the names :func:`check_shared_prefix` gives its parameters in errors by default (a command passes its own flags)
+SHARED_PREFIX_NAMES = ("groups", "per_group", "prefix_len", "suffix_len", "output_len")
+
+
+def check_shared_prefix(num_groups: int, per_group: int, prefix_len: int, suffix_len: int, output_len: int,
+                        names: Sequence[str] = SHARED_PREFIX_NAMES) -> None:
     """Validate shared-prefix workload parameters (counts and lengths in prompts / tokens).
 
+    ``names``: what the errors call the five parameters, in order (a command's own flags, e.g. ``--gsp-num-groups``
+    for ``dlmix bench``; default :data:`SHARED_PREFIX_NAMES`).
+
     Raises:
-        WorkloadError: ``num_groups``, ``per_group`` or ``output_len`` < 1, a negative length, or
-            ``prefix_len + suffix_len < 1``; more than :data:`SHARED_PREFIX_MAX_REQUESTS` requests
+        WorkloadError naming the parameter: ``num_groups``, ``per_group`` or ``output_len`` < 1, a negative length,
+            or ``prefix_len + suffix_len < 1``; more than :data:`SHARED_PREFIX_MAX_REQUESTS` requests
             (``num_groups × per_group``) or more than :data:`SHARED_PREFIX_MAX_TOKENS` prompt tokens
             (``prefix_len + suffix_len``) or output tokens.
     """
-    if num_groups < 1 or per_group < 1 or output_len < 1 or prefix_len < 0 or suffix_len < 0 \
-            or prefix_len + suffix_len < 1:
-        raise WorkloadError("shared-prefix needs groups >= 1, prompts per group >= 1, output_len >= 1, "
-                            "lengths >= 0 and prefix_len + suffix_len >= 1")
+    g, pg, pre, suf, out = names
+    for v, n in ((num_groups, g), (per_group, pg), (output_len, out)):
+        if v < 1:
+            raise WorkloadError(f"shared-prefix: {n} must be >= 1, got {v}")
+    for v, n in ((prefix_len, pre), (suffix_len, suf)):
+        if v < 0:
+            raise WorkloadError(f"shared-prefix: {n} must be >= 0 tokens, got {v}")
+    if prefix_len + suffix_len < 1:
+        raise WorkloadError(f"shared-prefix: {pre} + {suf} must be >= 1 token (a prompt), got 0")
     if num_groups * per_group > SHARED_PREFIX_MAX_REQUESTS:
-        raise WorkloadError(f"shared-prefix: groups × per_group must be at most {SHARED_PREFIX_MAX_REQUESTS} "
+        raise WorkloadError(f"shared-prefix: {g} × {pg} must be at most {SHARED_PREFIX_MAX_REQUESTS} "
                             f"requests, got {num_groups} × {per_group}")
     if prefix_len + suffix_len > SHARED_PREFIX_MAX_TOKENS:
-        raise WorkloadError(f"shared-prefix: prefix_len + suffix_len must be at most {SHARED_PREFIX_MAX_TOKENS} "
+        raise WorkloadError(f"shared-prefix: {pre} + {suf} must be at most {SHARED_PREFIX_MAX_TOKENS} "
                             f"tokens, got {prefix_len} + {suffix_len}")
     if output_len > SHARED_PREFIX_MAX_TOKENS:
-        raise WorkloadError(f"shared-prefix: output_len must be at most {SHARED_PREFIX_MAX_TOKENS} tokens, got "
+        raise WorkloadError(f"shared-prefix: {out} must be at most {SHARED_PREFIX_MAX_TOKENS} tokens, got "
                             f"{output_len}")
 
 

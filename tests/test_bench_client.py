@@ -343,3 +343,27 @@ def test_cli_stops_before_the_sweep_when_the_server_refuses_the_api_key(tmp_path
     assert "HTTP 401" in res.output and "--api-key" in res.output
     assert seen == {"GET": 1, "POST": 0}
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--gsp-system-prompt-len", "0", "--gsp-question-len", "0"],
+     "shared-prefix: --gsp-system-prompt-len + --gsp-question-len must be >= 1 token (a prompt), got 0"),
+    (["--gsp-num-groups", "0"], "shared-prefix: --gsp-num-groups must be >= 1, got 0"),
+    (["--gsp-question-len", "-4"], "shared-prefix: --gsp-question-len must be >= 0 tokens, got -4"),
+])
+def test_a_bad_shared_prefix_flag_is_named_by_its_flag(args, message):
+    """The shared-prefix bounds name bench's own --gsp-* flags (before: 'groups >= 1, prompts per group >= 1,
+    output_len >= 1, lengths >= 0 and prefix_len + suffix_len >= 1' whichever was wrong), before any request."""
+    import re
+
+    from dlmix.cli import app
+
+    eng = MockEngine(model="m")
+    url, stop = _serve_in_thread(eng)
+    try:
+        res = CliRunner().invoke(app, ["bench", "--url", url, *args])
+    finally:
+        stop()
+    assert res.exit_code == 2, res.output
+    assert message in " ".join(re.sub(r"\x1b\[[0-9;]*m", "", res.output).split())
+    assert eng.requests == 0

@@ -518,8 +518,13 @@ def test_deployment_slo_must_be_finite():
 def test_sim_cli_refuses_huge_synthetic_workloads():
     """The same bounds as the planner's synthetic workload (``dlmix.workloads.SHARED_PREFIX_MAX_*``)."""
     base = ["-d", "homog_h100x4", "-w", "synthetic"]
-    assert "groups × per_group must be at most 100000" in _sim_cli_error(base + ["--groups", "100000000"])
-    assert "prefix_len + suffix_len must be at most 1048576" in _sim_cli_error(base + ["--prefix-len", "1000000000"])
+    assert "--groups × --per-group must be at most 100000" in _sim_cli_error(base + ["--groups", "100000000"])
+    assert "--prefix-len + --suffix-len must be at most 1048576" in _sim_cli_error(base + ["--prefix-len",
+                                                                                          "1000000000"])
+    # each bound names the flag (before: "groups >= 1, prompts per group >= 1, output_len >= 1, ..." for any of them)
+    assert "shared-prefix: --suffix-len must be >= 0 tokens, got -1" in _sim_cli_error(base + ["--suffix-len", "-1"])
+    assert "--prefix-len + --suffix-len must be >= 1 token" in _sim_cli_error(base + ["--prefix-len", "0",
+                                                                                     "--suffix-len", "0"])
 
 
 def test_sim_names_its_own_synthetic_flags_for_the_planners_spelling():

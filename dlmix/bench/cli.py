@@ -12,6 +12,7 @@ from urllib.parse import urlsplit
 import typer
 
 from dlmix.bench.workloads import WorkloadError
+from dlmix.workloads import check_shared_prefix
 from dlmix.paths import folder_problem
 
 __all__ = ["bench", "DEFAULT_RANDOM_PROMPTS"]
@@ -205,6 +206,11 @@ def bench(
         if workload == "shared-prefix":
             if num_prompts is not None:
                 raise typer.BadParameter("not used by shared-prefix; see --gsp-*", param_hint="'--num-prompts'")
+
+            check_shared_prefix(gsp_num_groups, gsp_prompts_per_group, gsp_system_prompt_len, gsp_question_len,
+                                gsp_output_len, names=("--gsp-num-groups", "--gsp-prompts-per-group",
+                                                       "--gsp-system-prompt-len", "--gsp-question-len",
+                                                       "--gsp-output-len"))
 
             def make(s: int):
                 return workloads.shared_prefix(gsp_num_groups, gsp_prompts_per_group, gsp_system_prompt_len,

@@ -32,12 +32,15 @@ def build_workload(workload: str, speedup: float = 1.0, limit: Optional[int] = N
     a built-in trace name (``mooncake``) or a Mooncake-format JSONL path (its own 512-token hash blocks;
     ``block_size`` is not used). Token arguments in tokens, ``rate`` in req/s. Raises WorkloadError."""
     from dlmix.sim.workload import WorkloadError, load_trace, shared_prefix
+    from dlmix.workloads import check_shared_prefix
 
     if workload.startswith("synthetic:"):  # the planner's spelling (dlmix plan -w synthetic:k=v,...)
         raise WorkloadError(f"workload {workload!r}: dlmix sim takes -w synthetic with its own flags (--groups, "
                             "--per-group, --prefix-len, --suffix-len, --output-len, --rate, --seed), not "
                             "synthetic:KEY=VALUE")
     if workload == "synthetic":
+        check_shared_prefix(groups, per_group, prefix_len, suffix_len, output_len,
+                            names=("--groups", "--per-group", "--prefix-len", "--suffix-len", "--output-len"))
         reqs = shared_prefix(groups, per_group, prefix_len, suffix_len, output_len, rate * speedup, seed,
                              trace_block=block_size)
         return reqs if limit is None else reqs[:max(limit, 0)]
