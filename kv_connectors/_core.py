@@ -455,7 +455,9 @@ class Endpoint(Transport):
         self._out: dict[str, list[_Conn]] = {}
         self._in: dict[str, list[_Conn]] = {}
         self._desc: dict[str, dict] = {}
-        self._linked: dict[str, dict] = {}  # peer -> the descriptor of its last successful connect
+        #: peer -> the descriptor its link was dialed with (the last connect that dialed it and succeeded; a connect
+        #: that only reused the live link does not replace it)
+        self._linked: dict[str, dict] = {}
         self._connecting: dict[str, int] = {}  # peer -> connect() calls to it in progress
         self._dialing: dict[str, list] = {}  # peer -> [lock, waiters]: one link set-up per peer at a time
         self._xfers: dict[int, _Xfer] = {}
@@ -698,18 +700,23 @@ class Endpoint(Transport):
             self._desc[peer] = desc
             self._connecting[peer] = self._connecting.get(peer, 0) + 1
             live = [c for c in self._out.get(peer, []) if c.alive]
-        ok = False
+        ok = dialed = False
         try:
             if not live:
-                self._link_once(peer, timeout, desc)
+                dialed = self._link_once(peer, timeout, desc)
             ok = True
         finally:
             with self._lock:
                 left = self._connecting.pop(peer) - 1
                 if left:
                     self._connecting[peer] = left
-                if ok:
+                if ok and (dialed or peer not in self._linked):
                     self._linked[peer] = self._desc[peer] = desc
+                elif ok:
+                    # the live link served this connect and it dialed nothing: its descriptor (maybe a stale one, from
+                    # a request made before the peer restarted on a new port) did not prove itself; the name keeps
+                    # the descriptor of the connect that set the link up
+                    self._desc[peer] = self._linked[peer]
                 elif not left:
                     # a peer that could not be reached is not remembered (descriptors come from requests: a failed
                     # connect per made-up name would otherwise keep its descriptor for good), also when several
@@ -722,12 +729,13 @@ class Endpoint(Transport):
                         self._desc.pop(peer, None)
         return peer
 
-    def _link_once(self, peer: str, timeout: float, desc: Mapping[str, Any] | None = None) -> None:
+    def _link_once(self, peer: str, timeout: float, desc: Mapping[str, Any] | None = None) -> bool:
         """Open the link to ``peer`` unless a concurrent connect to it opened one meanwhile. Connects to one peer from
         several threads (a decode's pull threads) set the link up one after another, so the later ones reuse the
         first's connections instead of each opening its own stripes (and, for an adapter, re-adding the peer under a
         transfer in flight). The whole wait, queue included, is bounded by ``timeout`` (TransferTimeout).
-        ``desc``: the descriptor to dial (a connect's own; default: see :meth:`_open_link`)."""
+        ``desc``: the descriptor to dial (a connect's own; default: see :meth:`_open_link`). Returns whether this call
+        dialed the link (False: a concurrent connect's live link was found)."""
         deadline = time.monotonic() + timeout
         with self._lock:
             ent = self._dialing.setdefault(peer, [threading.Lock(), 0])
@@ -741,6 +749,8 @@ class Endpoint(Transport):
                     live = [c for c in self._out.get(peer, []) if c.alive]
                 if not live:
                     self._open_link(peer, timeout, deadline, desc)
+                    return True
+                return False
             finally:
                 ent[0].release()
         finally:

@@ -1253,3 +1253,27 @@ def _at_once(n: int, fn) -> list:
     for t in threads:
         t.join(30)
     return errors
+
+
+def test_a_stale_descriptor_that_reuses_the_live_link_does_not_become_the_names_descriptor():
+    """A request made before the prefill restarted on a new port brings a stale descriptor after the link to the new
+    port is up: its connect reuses the live link (and succeeds), but it dialed nothing, so the name keeps the
+    descriptor that worked. Before, the stale one was recorded as the last successful connect's, and when the link
+    later went down it was set up again to the old port (PeerError/TransferTimeout)."""
+    a = make_transport("tcp", name="a9", secret="s")
+    b = make_transport("tcp", name="b9", secret="s")
+    dead = socket.socket()
+    dead.bind(("127.0.0.1", 0))
+    stale = dict(b.descriptor(), port=dead.getsockname()[1])
+    dead.close()
+    try:
+        assert a.connect(b.descriptor(), timeout_s=5) == "b9"
+        assert a.connect(stale, timeout_s=5) == "b9"  # the live link serves it
+        assert a._desc["b9"]["port"] == b.port and a._linked["b9"]["port"] == b.port
+        for c in list(a._out["b9"]):
+            a._drop_conn(c, "test: link lost")
+        a.notify("b9", {"x": 1})  # the link is set up again, to the port that worked
+        assert [c.alive for c in a._out["b9"]] and all(c.alive for c in a._out["b9"])
+    finally:
+        a.close()
+        b.close()
