@@ -123,6 +123,23 @@ def test_a_release_naming_no_hold_is_logged_and_counted_a_late_one_is_not(caplog
     assert p.stats["bad_messages"] == 1 and caplog.text == ""
 
 
+def test_the_abort_after_a_refused_want_for_a_name_never_held_is_no_bad_message(caplog):
+    """A decode's pull is refused because the prefill never held the request (its engine dropped it before the hold,
+    or the hold came after ``registration_wait_s``); the decode then sends its Abort under the right, producer's id,
+    as after every failed pull. That Abort is not a consumer naming its own id: no warning telling it to use the
+    transfer parameters' request_id, no bad message. Before, every such pull logged that warning."""
+    p, t = _producer(registration_wait_s=0.01)
+    p.handle("d", _want(req="never-held"))
+    assert p.stats["refused"] == 1
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="dlmix.pd.producer"):
+        p.handle("d", Abort(req="never-held"))
+    assert p.stats["bad_messages"] == 0 and "names no hold here" not in caplog.text
+    with caplog.at_level("WARNING", logger="dlmix.pd.producer"):
+        p.handle("d", Abort(req="decode-own-id"))  # no want named it: still the mistake the warning is for
+    assert p.stats["bad_messages"] == 1 and "names no hold here" in caplog.text
+
+
 def test_a_hold_is_also_named_by_its_block_ids():
     """A consumer that knows the blocks but not the request id (an LMDeploy decode fed by a vLLM prefill) names the
     hold by ``block_ids_transfer_id``: granted under that name, extended, released, and the alias goes with the

@@ -141,6 +141,9 @@ class Producer:
         #: the next hold on the same blocks): a want for one is refused at once instead of waiting
         #: ``registration_wait_s`` for a hold that will not come (stale or replayed parameters)
         self.ended: OrderedDict[str, None] = OrderedDict()
+        #: the last :data:`ENDED_KEPT` names a want was refused for because nothing was held under them: the
+        #: consumer's abort that follows names the right id, it is no bad message
+        self.refused_unheld: OrderedDict[str, None] = OrderedDict()
         self.cv = threading.Condition()
         self.closed = False  # set by close(): a want waiting for its hold stops waiting
         self.stats = {"bytes_granted": 0, "grants": 0, "refused": 0, "expired": 0, "consumed": 0, "aborted": 0,
@@ -298,7 +301,7 @@ class Producer:
                     h.released += 1
                     if h.released >= h.consumers * h.ranks:
                         self._release(h, "consumed" if consumed else "aborted")
-                elif h is None and msg.req not in self.ended:
+                elif h is None and msg.req not in self.ended and msg.req not in self.refused_unheld:
                     # never held here: most likely the consumer names its own request id, not the producer's
                     # (TransferParams.request_id), and the hold it meant stays until hold_timeout_s
                     self.stats["bad_messages"] += 1
@@ -338,6 +341,11 @@ class Producer:
                 log.info("dlmix.pd: the want for %s from %s waited %.1f s for the engine's hold", rid, peer, waited)
             if h is None or h.done or h.free_after:
                 reasons.append(f"request {rid} is not held here (unknown, expired or already released)")
+                if h is None:
+                    self.refused_unheld[rid] = None
+                    self.refused_unheld.move_to_end(rid)
+                    while len(self.refused_unheld) > ENDED_KEPT:
+                        self.refused_unheld.popitem(last=False)
             else:
                 if list(msg.block_ids) != h.block_ids:
                     reasons.append(f"block ids for {rid} do not match the held blocks")
