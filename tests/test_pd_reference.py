@@ -227,6 +227,17 @@ def test_bad_requests_get_reasons_and_hold_nothing(producer):
     assert app.stats()["used_blocks"] == before
 
 
+def test_an_empty_model_name_is_the_served_model_as_in_vllm(producer):
+    """vLLM serves a request whose ``model`` is empty (or left out) with its own model (``_is_model_supported``:
+    ``if not model_name: return True``); so does the reference producer, and it names its served model in the answer.
+    Before, ``"model": ""`` was answered 404 "The model `` does not exist"."""
+    app, http = producer
+    body = {"model": "", "prompt": PROMPT, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}}
+    r = httpx.post(http.url + "/v1/completions", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    assert r.json()["model"] == "tiny" and r.json()["kv_transfer_params"]["do_remote_prefill"] is True
+
+
 def test_cache_full_is_503_and_expired_holds_free_their_blocks(tiny_model_dir):
     app, http = _start(tiny_model_dir, hold_timeout_s=3.0, kv_cache_bytes=16 * 8192)
     try:

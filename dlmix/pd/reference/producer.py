@@ -106,9 +106,10 @@ class ReferenceProducer:
     # ------------------------------------------------------------------------------------------ prefill leg
     def prefill(self, body: dict[str, Any], chat: bool) -> dict[str, Any]:
         """Answer one prefill leg (see :mod:`.server`). Raises :class:`~.server.HTTPError` (400 bad request or
-        prompt, 404 a ``model`` other than the served one, as vLLM answers; 503 cache full)."""
+        prompt, 404 a ``model`` other than the served one, as vLLM answers; 503 cache full). A ``model`` left out or
+        empty is the served one, as in vLLM."""
         model = body.get("model")
-        if model is not None and model != self.served_model_name:
+        if model not in (None, "") and model != self.served_model_name:
             raise HTTPError(404, f"The model `{model}` does not exist (this reference producer serves "
                                  f"`{self.served_model_name}`)", "NotFoundError")
         ktp = body.get("kv_transfer_params")
