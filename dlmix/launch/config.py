@@ -476,8 +476,8 @@ def parse_deployment(text: str, origin: str = "<deployment>") -> Deployment:
             line, col = _where(marks, loc, unknown_key=err["type"] == "extra_forbidden")
             msg = err["msg"]
             if err["type"] == "extra_forbidden":
-                near = difflib.get_close_matches(str(loc[-1]), _keys_at(Deployment, loc[:-1]), n=1)
-                msg = "unknown key" + (f"; did you mean {near[0]!r}?" if near else "")
+                near = difflib.get_close_matches(str(loc[-1]), _keys_at(Deployment, loc[:-1]), n=2)
+                msg = "unknown key" + (f"; did you mean {' or '.join(repr(n) for n in near)}?" if near else "")
             elif err["type"] == "missing":
                 msg = "required field missing"
             elif err["type"] == "literal_error":
