@@ -17,10 +17,12 @@ router's whole way on its own (placement, prefill leg with its own room, decode 
   (``total_tokens`` = prompt + completions). Otherwise the first failed choice's answer as it came (status and
   body), and the other choices are cancelled.
 * ``stream: true``: one event stream; each choice's events are forwarded as they arrive with their ``index``
-  rewritten; the choices' usage events (``stream_options.include_usage``) are merged into one, sent after every
-  choice ended, then one ``data: [DONE]``. A choice that fails before anything was sent answers the client as in
-  the non-streamed case; after the stream started, an ``error`` event ends the stream and the other choices are
-  cancelled.
+  rewritten, and their ``id`` and ``created`` set to those of the stream's first event (an OpenAI stream's chunks
+  share one ``id``; each choice's engine names its own, and a client that groups chunks by ``id`` would otherwise
+  see ``n`` answers of one choice); the choices' usage events (``stream_options.include_usage``) are merged into
+  one, sent after every choice ended, then one ``data: [DONE]``. A choice that fails before anything was sent
+  answers the client as in the non-streamed case; after the stream started, an ``error`` event ends the stream and
+  the other choices are cancelled.
 
 A client that goes away cancels every choice (their backend connections close, as for one request).
 """
@@ -234,6 +236,8 @@ class _Stream:
         self.started = False
         self.usages: List[dict] = []
         self.usage_event: Optional[dict] = None
+        #: ``id`` and ``created`` of the first event forwarded; every later event carries them too
+        self.ident: Optional[dict] = None
 
     def _chunk(self, payload: bytes) -> None:
         ev = b"data: " + payload + b"\n\n"
@@ -264,13 +268,26 @@ class _Stream:
             return
         if isinstance(chs, list):
             ev["choices"] = [{**ch, "index": conn.index} if isinstance(ch, dict) else ch for ch in chs]
+        self._same_ident(ev)
         self.start()
         self._chunk(_enc.encode(ev))
+
+    def _same_ident(self, ev: dict) -> None:
+        """Give ``ev`` the ``id`` and ``created`` of the first event forwarded (recording them from ``ev`` when it
+        is the first)."""
+        if self.ident is None:
+            self.ident = {k: ev[k] for k in ("id", "created") if k in ev}
+        else:
+            for k, v in self.ident.items():
+                if k in ev:
+                    ev[k] = v
 
     def finish(self) -> None:
         self.start()
         if self.usage_event is not None:
-            self._chunk(_enc.encode({**self.usage_event, "usage": _merged_usage(self.usages)}))
+            ev = {**self.usage_event, "usage": _merged_usage(self.usages)}
+            self._same_ident(ev)
+            self._chunk(_enc.encode(ev))
         self._chunk(b"[DONE]")
         self.client.transport.write(b"0\r\n\r\n")
 
