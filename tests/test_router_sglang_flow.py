@@ -639,3 +639,28 @@ def test_a_decode_that_refuses_the_room_just_after_its_prefill_failed_answers_th
         assert d.cancelled == 0
     finally:
         c.close()
+
+
+def test_failed_prefill_leg_is_named_when_the_decode_cannot_prefill(lt):
+    """A vLLM prefill feeding an SGLang decode (the router's rooms) that fails its prefill leg, with no other prefill
+    instance: the 503 names the failed prefill and its answer, not only "no prefill instance available" (the
+    instance is registered and was placed; the client must learn what happened to it). The decode gets nothing."""
+    p = MockEngine(name="vp", role="prefill", engine="vllm")
+    d = _decode()
+    c = Cluster(lt, [], [d])
+    try:
+        lt.run(p.start())
+        p.fail_status = 500
+        with httpx.Client(timeout=30) as h:
+            r = h.post(c.base + "/admin/instances", json={"url": p.url, "role": "prefill", "engine": "vllm",
+                                                           "model": "mock", "id": "vp"})
+            assert r.status_code == 201, r.text
+            r = h.post(c.base + "/v1/completions", json=BODY)
+        assert r.status_code == 503, r.text
+        msg = r.json()["error"]["message"]
+        assert msg.startswith("no prefill instance available for decode-only instance d (sglang) (last: "
+                              "prefill instance vp answered 500"), msg
+        assert d.requests == 0
+    finally:
+        c.close()
+        lt.run(p.stop())

@@ -38,6 +38,11 @@ DECODE_ANSWER_GRACE_S = 1.0
 SENT = object()
 
 
+def _excerpt(body: bytes, limit: int = 200) -> str:
+    """``body`` (an engine's answer) as one line of at most ``limit`` characters, for an error message."""
+    text = " ".join(bytes(body or b"").decode("utf-8", "replace").split())
+    return text if len(text) <= limit else text[:limit] + "..."
+
 
 def _cancel(t: asyncio.Future) -> None:
     """Cancel leg task ``t`` if it still runs, and retrieve how it ends (a cancelled request can still end with its
@@ -115,17 +120,22 @@ class PDOrchestrator:
                     if 400 <= status < 500:
                         return self._client_error(conn, c)
                     self.registry.fail(b)
+                    why = f"prefill instance {p.id} answered {status}: {_excerpt(rbody)}"
                 except BackendError as ex:
                     if m:
                         m.prefill_leg(b)
                     if conn.closed:
                         raise
                     self.registry.fail(b, ex)
+                    why = f"prefill instance {p.id} failed: {ex}"
                 except ValueError:  # 200 without kv_transfer_params
                     if m:
                         m.prefill_leg(b)
                     self.registry.fail(b)
-            if not self._place_again(rr, dec, tried):
+                    why = f"prefill instance {p.id} answered 200 without transfer parameters"
+            else:
+                why = f"prefill instance {p.id} was removed"
+            if not self._place_again(rr, dec, tried, why):
                 return None
             p = dec.prefill
             tried.add(p.id)
@@ -355,16 +365,22 @@ class PDOrchestrator:
                 herr = None if htask.cancelled() else htask.exception()
                 if herr is not None:
                     log.warning("prefill %s -> decode %s: %s", p.id, dec.decode.id, herr)
-            if not self._place_again(rr, dec, tried):
+                why = (f"prefill instance {p.id} failed: {herr or perr}" if (herr or perr) is not None
+                       else f"prefill instance {p.id} answered {pstatus}")
+            else:
+                why = f"prefill instance {p.id} was removed"
+            if not self._place_again(rr, dec, tried, why):
                 return None
 
-    def _place_again(self, rr: RouteRequest, dec: Decision, tried: set) -> bool:
-        """After a failed prefill leg of ``dec``: the policy's next prefill instance (:meth:`replace`, at most
-        ``retries`` tried) takes it, or, with none, the decode instance prefills itself. Returns False in that last
+    def _place_again(self, rr: RouteRequest, dec: Decision, tried: set, why: str = "") -> bool:
+        """After a failed prefill leg of ``dec`` (``why``: what failed, one line): the policy's next prefill
+        instance (:meth:`replace`, at most ``retries`` tried) takes it, or, with none, the decode instance prefills
+        itself (``dec.prefill_failure`` = ``why`` then, for the answer when it cannot). Returns False in that last
         case. Counts the retry."""
         alt = self.replace(rr, dec, tried) if len(tried) <= self.cfg.retries else None
         if alt is None:
             self.move(dec, rr, None)
+            dec.prefill_failure = why
             if self.metrics:
                 self.metrics.retry("prefill_local")
             return False

@@ -633,8 +633,9 @@ class Router:
                 abort()
             raise BackendError(f"instance {dec.decode.id} was removed")
         if dec.prefill is None and dec.decode.role == "decode" and b.engine.DECODE_NEEDS_PREFILL:
+            why = f" (last: {dec.prefill_failure})" if dec.prefill_failure else ""
             self._send(conn, 503, error_body(503, f"no prefill instance available for decode-only "
-                                                  f"instance {dec.decode.id} ({dec.decode.engine})"))
+                                                  f"instance {dec.decode.id} ({dec.decode.engine}){why}"))
             return SENT
         raw = build_request(req.method, req.url, b.hostport, b.auth + fwd, data)
         if abort is None:

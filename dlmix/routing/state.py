@@ -183,6 +183,8 @@ class Decision:
         predicted_ttft: the policy's TTFT estimate in seconds, if it made one (else None).
         hit_tokens: prefix-hit tokens expected on the instance that prefills.
         reason: short machine-readable reason, e.g. ``"local:short"``, ``"pd"``, ``"rr"``; goes to metrics labels.
+        prefill_failure: why the last prefill leg failed when the router moved the prefill to the decode instance
+            (``""`` otherwise); the router names it when that decode instance cannot prefill itself.
 
     Load bookkeeping (the router and the simulator call these, in this order, for every dispatched request; they
     update the router-side counters of :class:`InstanceLoad`)::
@@ -197,6 +199,7 @@ class Decision:
     predicted_ttft: Optional[float] = None
     hit_tokens: int = 0
     reason: str = ""
+    prefill_failure: str = ""
 
     def prefill_work(self, req: "RouteRequest") -> Tuple[int, int]:
         """``(uncached tokens, N² − h²)`` of the request's prefill (N = ``req.prompt_len`` tokens, h = this
