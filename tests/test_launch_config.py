@@ -212,9 +212,11 @@ def test_sglang_config_errors(monkeypatch):
     monkeypatch.delitem(bridges.BRIDGES, ("vllm", "sglang"))  # a pair without a bridge is refused with the reason
     assert "PD flows differ" in _err(rev)
     assert "SGLang sizes its KV pool in tokens" in _err(two % ("sglang", ", kv: {cache_bytes: 1048576}"))
-    assert "needs an SGLang prefill" in _err("model: m\nrouter: {port: 18000}\ninstances:\n"
-                                             "  - {engine: sglang, role: decode, port: 18200}\n"
-                                             "  - {engine: sglang, role: both, port: 18300}\n")
+    # the vLLM -> SGLang bridge is taken away above: a vLLM prefill is not named
+    assert "an SGLang decode instance needs a prefill instance (role: prefill; engine lmdeploy or sglang)" \
+        in _err("model: m\nrouter: {port: 18000}\ninstances:\n"
+                "  - {engine: sglang, role: decode, port: 18200}\n"
+                "  - {engine: sglang, role: both, port: 18300}\n")
 
 
 ENGINE_ENV = ("model: m\nrouter: {port: 18000}\ninstances:\n"
@@ -326,9 +328,10 @@ def test_lmdeploy_config_errors(monkeypatch):
     assert "bridges: lmdeploy -> vllm, sglang -> lmdeploy" in err and "lmdeploy -> sglang" not in err
     assert "LMDeploy's KV dtype follows --dtype" in _err(two % ("lmdeploy", ", kv: {cache_dtype: fp8}"))
     assert "DLMix migration backend" in _err(two % ("lmdeploy", ", connector: {name: X}"))
-    assert "needs an LMDeploy prefill" in _err("model: m\nrouter: {port: 18000}\ninstances:\n"
-                                               "  - {engine: lmdeploy, role: decode, port: 18200}\n"
-                                               "  - {engine: lmdeploy, role: both, port: 18300}\n")
+    assert "an LMDeploy decode instance needs a prefill instance (role: prefill; engine lmdeploy or sglang or vllm)" \
+        in _err("model: m\nrouter: {port: 18000}\ninstances:\n"
+                "  - {engine: lmdeploy, role: decode, port: 18200}\n"
+                "  - {engine: lmdeploy, role: both, port: 18300}\n")
 
 
 def test_launched_lmdeploy_engines_register_themselves_and_publish_kv_events(tmp_path):
@@ -628,3 +631,36 @@ def test_dry_run_shows_the_model_folder_a_launch_passes(tmp_path, smollm2_dir, m
     res = CliRunner().invoke(app, ["launch", str(f), "--dry-run"])
     assert res.exit_code == 0 and "--model smollm2 " in res.output, res.output
     assert "note: model 'smollm2' is not built yet: a launch builds it" in " ".join(res.output.split()), res.output
+
+
+def test_decode_only_deployment_names_the_decode_engine_and_its_feeders():
+    """A deployment with an SGLang decode and no prefill instance (a user who dropped the prefill of
+    examples/cpu-vllm-prefill-sglang-decode.yaml): one message, naming the decode's own engine and every engine whose
+    prefill can feed it (a vLLM prefill feeds an SGLang decode through the router's rooms), not "needs an SGLang
+    prefill", and not named after another instance's engine (a vLLM ``both`` instance next to it)."""
+    err = _err("model: m\nrouter: {port: 18000}\ninstances:\n"
+               "  - {name: d, engine: sglang, role: decode, port: 18200}\n")
+    lines = [x for x in err.splitlines() if "prefill" in x]
+    assert len(lines) == 1, err
+    assert "an SGLang decode instance needs a prefill instance (role: prefill; engine lmdeploy or sglang or vllm)" \
+        in lines[0], err
+    err = _err("model: m\nrouter: {port: 18000}\ninstances:\n"
+               "  - {name: b, engine: lmdeploy, role: both, port: 18100}\n"
+               "  - {name: d, engine: sglang, role: decode, port: 18200}\n")
+    assert "an SGLang decode instance needs a prefill instance" in err and "LMDeploy decode" not in err, err
+
+
+def test_check_names_the_directory_a_relative_python_is_taken_from(tmp_path, monkeypatch):
+    """The examples name their engine's venv relatively (``python: .venv-lmdeploy/bin/python``); run from another
+    directory, ``--check`` says which directory the path was taken from and what to do, not only that it does not
+    exist."""
+    from dlmix.cli import app
+
+    f = tmp_path / "dep.yaml"
+    f.write_text("model: m\ninstances:\n  - {port: 9001, engine: mock, python: .venv-x/bin/python}\n")
+    monkeypatch.chdir(tmp_path)
+    res = CliRunner().invoke(app, ["launch", str(f), "--check"])
+    assert res.exit_code == 2, res.output
+    out = " ".join(res.output.split())
+    assert (f"python '.venv-x/bin/python' does not exist on this machine (a relative path is taken from the "
+            f"directory dlmix launch runs in, {tmp_path}: run it where .venv-x/bin/python exists") in out, res.output

@@ -691,7 +691,7 @@ def _cross_checks(dep: Deployment, marks: Dict[Path_, Tuple[int, int]], origin: 
         # a prefill instance pairs with decode and both instances (as the router does)
         pd_engines = sorted({i.engine for i in dep.instances
                              if i.role != "both" or "prefill" in roles})
-        from dlmix.router.engines import bridges, can_pair, get_engine  # the engine adapters own their PD flow
+        from dlmix.router.engines import ENGINES, bridges, can_pair, get_engine  # the engine adapters own their PD flow
 
         # the mock engine speaks vLLM's protocol
         adapters = {e: get_engine("vllm" if e == "mock" else e) for e in pd_engines}
@@ -704,14 +704,17 @@ def _cross_checks(dep: Deployment, marks: Dict[Path_, Tuple[int, int]], origin: 
                 + ": their PD flows differ (vLLM hands off kv_transfer_params after the prefill, SGLang a bootstrap "
                 "room before it, LMDeploy a migration_request after it) and no bridge joins them (bridges: "
                 + ", ".join(f"{a} -> {b}" for a, b in sorted(bridges.BRIDGES)) + ")")
-        needy = [e for e in pd_engines if adapters[e].DECODE_NEEDS_PREFILL]
-        if "decode" in roles and "prefill" not in roles and any(
-                i.role == "decode" and i.engine in needy for i in dep.instances):
-            name = {"sglang": "SGLang", "lmdeploy": "LMDeploy"}.get(needy[0], needy[0])
-            bad(("instances",), f"an {name} decode instance needs an {name} prefill instance")
+        needy = sorted({i.engine for i in dep.instances
+                        if i.role == "decode" and adapters[i.engine].DECODE_NEEDS_PREFILL})
+        if "decode" in roles and "prefill" not in roles:
+            for de in needy:  # named by the decode's own engine, with every engine whose prefill can feed it
+                name = {"sglang": "SGLang", "lmdeploy": "LMDeploy"}.get(de, de)
+                feeders = [e for e in sorted(ENGINES) if can_pair(get_engine(e), adapters[de])]
+                bad(("instances",), f"an {name} decode instance needs a prefill instance (role: prefill; engine "
+                                    f"{' or '.join(feeders)}): it cannot compute a prompt itself")
         if "prefill" in roles and "decode" not in roles:
             bad(("instances",), "a prefill instance needs at least one decode instance")
-        if "decode" in roles and "prefill" not in roles and "both" not in roles:
+        if "decode" in roles and "prefill" not in roles and "both" not in roles and not needy:
             bad(("instances",), "a decode instance needs a prefill (or both) instance")
         if not dep.router_enabled():
             bad(("router",), "prefill/decode instances need the router (add a 'router:' section)")

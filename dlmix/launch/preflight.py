@@ -79,7 +79,11 @@ def local_problems(dep: Deployment) -> List[str]:
                 problems.append(f"{where}: cpus {inst.cpus!r} names core(s) {_core_list(missing)} that this machine "
                                 f"does not offer to this process (available: {_core_list(cores)})")
         if inst.python and not (Path(inst.python).expanduser().exists() or shutil.which(inst.python)):
-            problems.append(f"{where}: python {inst.python!r} does not exist on this machine")
+            rel = Path(inst.python).expanduser()
+            hint = (f" (a relative path is taken from the directory dlmix launch runs in, {Path.cwd()}: run it "
+                    f"where {inst.python} exists, e.g. the repository root, or give an absolute path)"
+                    if not rel.is_absolute() and "/" in inst.python else "")
+            problems.append(f"{where}: python {inst.python!r} does not exist on this machine{hint}")
     r = dep.router
     rc = None
     if dep.router_enabled() and r is not None:
