@@ -10,6 +10,12 @@ one process):
 * ``backoff`` -> the delay passed: the same command line is started again on the same port, same log file (appended);
 * ``starting`` -> ``GET /health`` answers (200; the router also 503 = listening, no instance yet): ``running``
   again. Exit or no answer within the process's ``ready_timeout_s``: counted as a failed restart.
+* ``running`` engine that stays alive but says it cannot serve: its health path is asked every
+  :attr:`Supervisor.health_every_s` seconds; when it has answered with a 5xx status for
+  :attr:`Supervisor.unhealthy_after_s` seconds in a row (e.g. an LMDeploy ``api_server`` whose engine child process
+  died answers 503 "engine process is not alive" for good), it is handled as an exit: its group is killed and a
+  restart scheduled. Only an answer counts: no answer (a busy engine, a timeout) never triggers it, and a 200 in
+  between starts the count again.
 
 The other processes are untouched and keep serving. The router takes a dead engine out of rotation by itself (a
 refused connection does it at once, health checks every ``health_interval_s`` otherwise; the request is retried on
@@ -91,6 +97,10 @@ class Supervised:
     last_exit: Optional[int] = None
     #: how it last ended (``"b exited with code -9"``), for the message that stops the deployment
     last_end: str = ""
+    #: since when (``time.monotonic()``) a running engine has answered its health check with a 5xx status, in a row
+    unhealthy_since: Optional[float] = None
+    #: when (``time.monotonic()``) a running engine's health is asked next
+    next_health: float = 0.0
 
     @property
     def name(self) -> str:
@@ -116,10 +126,15 @@ class Supervisor:
         on_event: called with every :class:`SupervisorEvent` from the supervisor thread (e.g. print it).
         poll_s: seconds between polls.
         lock: held while a process is (re)started, so :meth:`stop` never races a spawn.
+        health_every_s: seconds between health checks of a running engine.
+        unhealthy_after_s: seconds of 5xx health answers in a row after which a running engine is restarted.
     """
 
     def __init__(self, items: List[Supervised], on_event: Optional[Callable[[SupervisorEvent], None]] = None,
-                 poll_s: float = 0.5, lock: Optional[threading.Lock] = None):
+                 poll_s: float = 0.5, lock: Optional[threading.Lock] = None, health_every_s: float = 5.0,
+                 unhealthy_after_s: float = 60.0):
+        self.health_every_s = health_every_s
+        self.unhealthy_after_s = unhealthy_after_s
         self.items = items
         self.on_event = on_event
         self.poll_s = poll_s
@@ -189,13 +204,36 @@ class Supervisor:
             return True
         return all(o.state == "failed" for o in self.items if o is not s and o.plan.kind == "engine")  # type: ignore
 
-    def _healthy(self, s: Supervised) -> bool:
+    def _health_code(self, s: Supervised) -> Optional[int]:
+        """The HTTP status of ``s``'s health path, or None without an answer (refused, timed out)."""
         try:
             path = getattr(s.plan, "health_path", "/health")
-            code = self._client.get(s.plan.url + path).status_code  # type: ignore[attr-defined]
+            return self._client.get(s.plan.url + path).status_code  # type: ignore[attr-defined]
         except httpx.HTTPError:
-            return False
+            return None
+
+    def _healthy(self, s: Supervised) -> bool:
+        code = self._health_code(s)
         return code == 200 or (s.plan.kind == "router" and code == 503)  # type: ignore[attr-defined]
+
+    def _watch_health(self, s: Supervised, now: float) -> None:
+        """A running engine's periodic health check (module docstring): restart it after ``unhealthy_after_s`` of
+        5xx answers in a row."""
+        if now < s.next_health:
+            return
+        s.next_health = now + self.health_every_s
+        code = self._health_code(s)
+        if code is None:  # no answer: busy or slow, never a reason to restart a live process
+            return
+        if code < 500:
+            s.unhealthy_since = None
+            return
+        if s.unhealthy_since is None:
+            s.unhealthy_since = now
+        elif now - s.unhealthy_since >= self.unhealthy_after_s:
+            path = getattr(s.plan, "health_path", "/health")
+            self._died(s, now, f"{s.name} is alive but answered {path} with {code} for "
+                               f"{now - s.unhealthy_since:.0f} s", None)
 
     def _step(self, s: Supervised, now: float) -> None:
         p = s.process
@@ -211,8 +249,11 @@ class Supervisor:
                 elif now - s.since > s.plan.ready_timeout_s:  # type: ignore[attr-defined]
                     self._died(s, now, f"{s.name} was not healthy {s.plan.ready_timeout_s:.0f} s after its "
                                        f"restart", None)  # type: ignore[attr-defined]
-            elif s.restarts and now - s.since >= s.policy.reset_after_s:
-                s.restarts = 0
+            else:
+                if s.restarts and now - s.since >= s.policy.reset_after_s:
+                    s.restarts = 0
+                if s.plan.kind == "engine":  # type: ignore[attr-defined]
+                    self._watch_health(s, now)
         elif s.state == "backoff" and now >= s.due:
             with self.lock:
                 if self._stop.is_set():
@@ -233,6 +274,7 @@ class Supervisor:
     def _died(self, s: Supervised, now: float, what: str, rc: Optional[int]) -> None:
         p = s.process
         s.last_exit = rc
+        s.unhealthy_since = None
         if p.proc is not None:  # type: ignore[attr-defined]
             kill_group(p.proc.pid)  # type: ignore[attr-defined]  # leftovers of the group go too
             with contextlib.suppress(Exception):
