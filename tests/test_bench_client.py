@@ -200,6 +200,13 @@ def _error_line(output: str) -> str:
      "Invalid value for '--token-range': expected LO:HI (two integers), got 'abc'"),
 ])
 def test_cli_refuses_out_of_range_load_flags_before_any_request(args, message):
+    out = _refused_before_any_request(args)
+    assert _error_line(out) == message
+
+
+def _refused_before_any_request(args: list) -> str:
+    """Run ``dlmix bench`` with ``args`` against a mock engine; assert it exits 2, without a traceback, having sent
+    no request. Returns its output."""
     from dlmix.cli import app
 
     eng = MockEngine(model="m")
@@ -210,8 +217,8 @@ def test_cli_refuses_out_of_range_load_flags_before_any_request(args, message):
         stop()
     assert res.exit_code == 2, res.output
     assert isinstance(res.exception, SystemExit) and "Traceback" not in res.output
-    assert _error_line(res.output) == message
     assert eng.requests == 0
+    return res.output
 
 
 def test_cli_random_default_is_32_prompts_and_concurrency_0_means_no_limit(tmp_path):
@@ -356,14 +363,5 @@ def test_a_bad_shared_prefix_flag_is_named_by_its_flag(args, message):
     output_len >= 1, lengths >= 0 and prefix_len + suffix_len >= 1' whichever was wrong), before any request."""
     import re
 
-    from dlmix.cli import app
-
-    eng = MockEngine(model="m")
-    url, stop = _serve_in_thread(eng)
-    try:
-        res = CliRunner().invoke(app, ["bench", "--url", url, *args])
-    finally:
-        stop()
-    assert res.exit_code == 2, res.output
-    assert message in " ".join(re.sub(r"\x1b\[[0-9;]*m", "", res.output).split())
-    assert eng.requests == 0
+    out = _refused_before_any_request(args)
+    assert message in " ".join(re.sub(r"\x1b\[[0-9;]*m", "", out).split())
