@@ -374,3 +374,4 @@ def test_a_sub_second_ttft_target_is_stated_in_milliseconds():
     reasons = json.loads(r.stdout.strip().splitlines()[-1])["reasons"]
     assert "ms to prefill on 4× H100 > 1 ms target" in reasons[0], reasons
     assert "0.00 s" not in reasons[0]
+    assert "SLO TTFT 1 ms, ITL 50 ms" in r.stdout and "TTFT 0.001 s" not in r.stdout  # the report's title too

@@ -20,10 +20,15 @@ HUB_IDS = {"llama-3.1-8b": "meta-llama/Llama-3.1-8B-Instruct", "qwen2.5-7b": "Qw
            "qwen3-8b": "Qwen/Qwen3-8B", "smollm2-135m": "smollm2"}
 
 
+def _secs(s: float) -> str:
+    """A target of ``s`` seconds as written in the report: seconds from 1 s up, milliseconds below."""
+    return f"{s:g} s" if s >= 1 else f"{s * 1e3:g} ms"
+
+
 def sim_deployment(pl: Planner, c: Candidate, name: str = "plan") -> str:
     """YAML text of ``c`` that ``dlmix sim --deployment`` loads as it is, with the plan's SLO as ``slo: {ttft_ms,
     itl_ms, pct}`` (``dlmix sim`` uses it unless ``--slo-*`` are given)."""
-    head = (f"# dlmix plan: {pl.inv.name} | {pl.model.name} | SLO TTFT {pl.slo.ttft:g} s, ITL {pl.slo.itl * 1e3:g} ms, "
+    head = (f"# dlmix plan: {pl.inv.name} | {pl.model.name} | SLO TTFT {_secs(pl.slo.ttft)}, ITL {pl.slo.itl * 1e3:g} ms, "
             f"p{pl.slo.pct:g}\n# router policy: {c.policy} {pl.policy_params(c)}; predicted goodput "
             f"{(c.goodput or 0):.3f} req/s\n")
     d = pl.deployment_dict(c, name)  # + the SLO it was planned for: `dlmix sim -d` judges goodput against it
@@ -141,7 +146,7 @@ def tables(r: PlanResult, base: Optional[Dict[str, Candidate]] = None):
     out = []
     title = (f"{r.inventory.name} ({r.inventory.total_chips} chips) | {r.model.name or 'model'} | "
              f"{r.workload.name.replace(',', ', ')} | SLO "
-             f"TTFT {r.slo.ttft:g} s, ITL {r.slo.itl * 1e3:g} ms, p{r.slo.pct:g} | "
+             f"TTFT {_secs(r.slo.ttft)}, ITL {r.slo.itl * 1e3:g} ms, p{r.slo.pct:g} | "
              f"{'maximise' if r.rate is None else f'{r.rate:g} req/s'}")
     notes = [Text(f"note: {n}") for n in r.notes]
     if not r.feasible:
@@ -225,7 +230,7 @@ def plot_pareto(r: PlanResult, path: Path, base: Optional[Dict[str, Candidate]] 
 
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_xlabel("chips used")
-    ax.set_ylabel(f"goodput, req/s (p{r.slo.pct:g} within TTFT {r.slo.ttft:g} s, ITL {r.slo.itl * 1e3:g} ms)")
+    ax.set_ylabel(f"goodput, req/s (p{r.slo.pct:g} within TTFT {_secs(r.slo.ttft)}, ITL {r.slo.itl * 1e3:g} ms)")
     ax.set_title(f"dlmix plan: {r.inventory.name}, {r.model.name}", fontsize=10)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
