@@ -253,10 +253,7 @@ class Producer:
                     if rid != h.alias:  # a name made of block ids (an alias, an LMDeploy hold) names the next
                         # hold on those blocks too (freed blocks are reused, a prefix-cache hit gives the same ones):
                         # a want for it may overtake that hold and must wait for it, as for any unknown name
-                        self.ended[rid] = None
-                        self.ended.move_to_end(rid)
-            while len(self.ended) > ENDED_KEPT:
-                self.ended.popitem(last=False)
+                        _remember(self.ended, rid)
         return out
 
     def _release(self, h: Hold, why: str) -> None:  # under self.cv
@@ -342,10 +339,7 @@ class Producer:
             if h is None or h.done or h.free_after:
                 reasons.append(f"request {rid} is not held here (unknown, expired or already released)")
                 if h is None:
-                    self.refused_unheld[rid] = None
-                    self.refused_unheld.move_to_end(rid)
-                    while len(self.refused_unheld) > ENDED_KEPT:
-                        self.refused_unheld.popitem(last=False)
+                    _remember(self.refused_unheld, rid)
             else:
                 if list(msg.block_ids) != h.block_ids:
                     reasons.append(f"block ids for {rid} do not match the held blocks")
@@ -383,6 +377,14 @@ class Producer:
         else:
             self._notify(peer, Ready(req=rid, layout=self.layout.to_dict() if msg.send_layout else None,
                                      tid=None if tid == rid else tid, pages=pages))
+
+
+def _remember(names: "OrderedDict[str, None]", name: str) -> None:
+    """Add ``name`` to ``names`` as its newest entry, keeping the newest :data:`ENDED_KEPT`."""
+    names[name] = None
+    names.move_to_end(name)
+    while len(names) > ENDED_KEPT:
+        names.popitem(last=False)
 
 
 def _named(tid: str, name: str) -> bool:
