@@ -101,6 +101,12 @@ class _WorkStats:
         self.n_pct = float(np.percentile(n, q))
 
 
+def time_unit(target_s: float) -> Tuple[float, str]:
+    """How a time next to the target ``target_s`` (seconds) is written: ``(factor, unit)``, seconds for a target of
+    a second or more, milliseconds below (a 1 ms target read "0.00 s")."""
+    return (1.0, "s") if target_s >= 1 else (1e3, "ms")
+
+
 def work_stats(wl: PlanWorkload, cost: CostModel, slo: SLO) -> _WorkStats:
     """:class:`_WorkStats` for this (workload, cost model, SLO), memoised on the workload object."""
     key = (id(cost), slo)
@@ -156,9 +162,9 @@ def estimate_role(cost: CostModel, wl: PlanWorkload, slo: SLO, chip: str, tp: in
         est.p = RHO_PREFILL / float(pre_t.mean())
         if est.ttft_share < slo.attain:
             est.ok = False
-            # seconds for targets of a second or more, else milliseconds (a 1 ms target read "0.00 s")
-            a, b = (f"{t_q:.2f} s", f"{slo.ttft:.2f} s") if slo.ttft >= 1 else \
-                (f"{t_q * 1e3:.4g} ms", f"{slo.ttft * 1e3:.4g} ms")
+            k, unit = time_unit(slo.ttft)
+            nd = ".2f" if unit == "s" else ".4g"
+            a, b = f"{t_q * k:{nd}} {unit}", f"{slo.ttft * k:{nd}} {unit}"
             est.reason = (f"TTFT: the p{slo.pct:g} prompt ({st.n_pct:.0f} tokens) takes {a} to prefill"
                           f"{' and transfer' if role == 'prefill' else ''} on {tp}× {chip} > {b} target")
     if role in ("decode", "both"):

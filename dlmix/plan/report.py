@@ -7,6 +7,7 @@ from typing import Dict, List, Optional
 
 import yaml
 
+from dlmix.plan.analytic import time_unit
 from dlmix.plan.search import Candidate, PlanResult, Planner, kv_link
 
 __all__ = ["sim_deployment", "launch_deployment", "result_dict", "tables", "plot_pareto", "write_outputs",
@@ -21,8 +22,9 @@ HUB_IDS = {"llama-3.1-8b": "meta-llama/Llama-3.1-8B-Instruct", "qwen2.5-7b": "Qw
 
 
 def _secs(s: float) -> str:
-    """A target of ``s`` seconds as written in the report: seconds from 1 s up, milliseconds below."""
-    return f"{s:g} s" if s >= 1 else f"{s * 1e3:g} ms"
+    """A target of ``s`` seconds as written in the report (unit: :func:`dlmix.plan.analytic.time_unit`)."""
+    k, unit = time_unit(s)
+    return f"{s * k:g} {unit}"
 
 
 def sim_deployment(pl: Planner, c: Candidate, name: str = "plan") -> str:
